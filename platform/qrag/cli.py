@@ -1,0 +1,145 @@
+"""The ``qrag`` command. Every subcommand is thin: parse, configure, call the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import ConfigError, TrainConfig, describe
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+
+
+def command(name: str, help: str):
+    """Register a subcommand: ``configure(parser)`` adds options, the decorated function runs it."""
+
+    def wrap(configure: Callable[[argparse.ArgumentParser], None]):
+        def register(run: Callable[[argparse.Namespace], int]):
+            COMMANDS[name] = (help, configure, run)
+            return run
+
+        return register
+
+    return wrap
+
+
+def config_keys_epilog() -> str:
+    rows = describe(TrainConfig)
+    width = max(len(k) for k, _, _ in rows)
+    lines = ["config keys (set in the YAML file or as key=value overrides):"]
+    lines += [f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in rows]
+    return "\n".join(lines)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="YAML", help="a preset from configs/ (defaults apply to keys it does not set)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. learner.alpha=0.1 updates=200")
+
+
+# -- train ---------------------------------------------------------------------------------------
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _config_args(p)
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint directory (same schedule, same result)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics are still printed)")
+
+
+@command("train", "train a Q-RAG retriever on one machine (no Ray)")(_train_args)
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .train import TrainingRun, print_reporter
+
+    cfg = load_config(args.config, args.overrides)
+    run = TrainingRun(cfg, resume=args.resume)
+    print(f"train: {len(run.train_tok)} train / {len(run.dev_tok)} dev questions, device {run.device}, "
+          f"{cfg.updates} updates x {cfg.learner.episodes_per_update} episodes", file=sys.stderr)
+    # With a progress bar the bar shows the metrics; without one they are printed as JSON lines.
+    out = run.run(report=print_reporter if args.no_progress else (lambda step, metrics: None), progress=not args.no_progress)
+    print(json.dumps({"checkpoint": out["checkpoint"], "fact_em": out["eval"]["fact_em"], "fact_f1": out["eval"]["fact_f1"],
+                      "num_samples": out["eval"]["num_samples"], "updates": out["updates"], "seconds": round(out["seconds"], 1)}))
+    return 0
+
+
+# -- eval ----------------------------------------------------------------------------------------
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="DIR|none",
+                   help="a checkpoint directory, or 'none' for the untrained encoder (multi-step RAG w/o FT)")
+    p.add_argument("--data", metavar="PATH", help="data file or glob (default: the dataset's shipped file)")
+    p.add_argument("--dataset", metavar="NAME", help="loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah")
+    p.add_argument("--split", default="dev", choices=["train", "dev", "all"], help="which split of the data (default dev)")
+    p.add_argument("--limit", type=int, metavar="N", help="evaluate the first N questions of the split")
+    p.add_argument("--steps", type=int, metavar="T", help="retrieval steps (default: the run's search.max_steps)")
+    p.add_argument("--beam", type=int, metavar="B", help="beam width; 1 = greedy (default 1)")
+    p.add_argument("--stop-threshold", type=float, metavar="Q", help="stop when the best Q falls below Q")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--out", metavar="FILE.json", help="write the summary here (records go to FILE.records.jsonl)")
+    _config_args(p)
+
+
+@command("eval", "evaluate a checkpoint (or the untrained encoder) on a dataset split")(_eval_args)
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .evaluate import evaluate_checkpoint
+
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append(f"data.path={json.dumps(args.data)}")
+    if args.dataset:
+        overrides.append(f"data.dataset={args.dataset}")
+    for key, value in (("search.max_steps", args.steps), ("search.beam_width", args.beam), ("search.stop_threshold", args.stop_threshold)):
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    cfg = load_config(args.config, overrides) if args.config or args.checkpoint == "none" else None
+    summary = evaluate_checkpoint(args.checkpoint, cfg, overrides, split=args.split, limit=args.limit, device=args.device, out=args.out)
+    print(json.dumps({k: v for k, v in summary.items() if k != "search"}, indent=2))
+    return 0
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_extra_commands()
+    parser = argparse.ArgumentParser(prog="qrag", description="Q-RAG multi-step retrievers: train, evaluate, serve.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, configure, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog=config_keys_epilog() if name in ("train", "eval") else None)
+        configure(p)
+    return parser
+
+
+def _load_extra_commands() -> None:
+    """Subcommands that live in their own modules ``qrag/cli_*.py`` (serve, report, ...) register
+    themselves with :func:`command` on import."""
+    import importlib
+    import pkgutil
+
+    package = importlib.import_module(__package__)
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("cli_"):
+            importlib.import_module(f"{__package__}.{info.name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError
+    from .data.sample import DataError
+    from .encoder import ModelPathError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command][2](args)
+    except (ConfigError, DataError, ModelPathError, CheckpointError, FileNotFoundError) as exc:
+        print(f"qrag {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

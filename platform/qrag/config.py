@@ -1,0 +1,290 @@
+"""Run configuration: nested dataclasses, YAML presets and ``key=value`` overrides.
+
+Every field carries its help text in ``metadata["help"]``; the CLI turns those into ``--help``.
+Unknown keys and values of the wrong type are errors that name the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be applied."""
+
+
+def opt(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with help text (shown by ``qrag ... --help``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class DataConfig:
+    """Where the questions and their contexts come from and how contexts are chunked."""
+
+    dataset: str = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah.")
+    path: str | None = opt(None, "File, .gz file or glob. Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).")
+    dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
+    chunk_tokens: int = opt(220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64).")
+    question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
+    limit: int | None = opt(None, "Use at most this many records per split (None = all).")
+    tasks: list[str] = opt([], "Long-context tasks to mix (e.g. qa1 qa2 or niah_single_1); empty = the dataset's default.")
+    context_tokens: int = opt(4096, "Target context length in tokens for generated long-context samples.")
+    samples_per_task: int = opt(1000, "Generated long-context samples per task and split.")
+    seed: int = opt(0, "Seed for generated data.")
+
+
+@dataclass
+class ModelConfig:
+    """The two encoders and how chunk positions enter Q(s, a)."""
+
+    encoder: str = opt("minilm", "Encoder: 'minilm' (bundled all-MiniLM-L6-v2), a local HF directory, or a hub name.")
+    positions: str = opt("none", "Chunk positions in Q: none | absolute | relative (paper §3.3).")
+    rope_base: float = opt(10000.0, "RoPE base: angle of pair k at position p is p * base^(-2k/d_half).")
+    relative_delta: float = opt(10.0, "δ: step between intervals in relative positions.")
+    relative_ell: float = opt(9.0, "ℓ: within-interval resolution in relative positions (0 < ℓ < δ).")
+    normalize: bool = opt(True, "L2-normalise each twin half of the pooled vectors, so Q starts as a cosine in [-1, 1] like the returns.")
+    max_state_tokens: int = opt(512, "State sequences (question + selected chunks) are capped at this many tokens.")
+    dropout: float = opt(0.0, "Dropout inside the encoders during training (0 keeps acting and learning consistent).")
+
+
+@dataclass
+class EnvConfig:
+    """The retrieval MDP."""
+
+    max_steps: int = opt(2, "T: chunks selected per episode.")
+    penalize_extra_steps: bool = opt(False, "Success reward 0.5 + 0.5 * |gold| / |selected| instead of 1.")
+    never_terminate: bool = opt(False, "Keep stepping to T after success (rewards 0 after it); for Q-threshold stopping.")
+
+
+@dataclass
+class LearnerConfig:
+    """Soft PQN (paper Alg. 1): optimiser, schedule and RL hyperparameters."""
+
+    lr: float = opt(1.5e-5, "Peak AdamW learning rate.")
+    betas: list[float] = opt([0.9, 0.98], "AdamW betas.")
+    eps: float = opt(1e-6, "AdamW epsilon.")
+    weight_decay: float = opt(5e-4, "AdamW weight decay.")
+    warmup_updates: int = opt(1000, "Linear learning-rate warm-up, in updates.")
+    final_lr_fraction: float = opt(0.1, "The learning rate decays linearly to this fraction of its peak.")
+    grad_clip: float = opt(2.0, "Max global gradient L2 norm.")
+    gamma: float = opt(0.99, "Discount γ.")
+    alpha: float = opt(0.05, "Initial entropy temperature α; annealed with the decaying learning rate.")
+    lam: float = opt(0.5, "λ of the λ-returns.")
+    tau: float = opt(0.02, "EMA rate of the target encoders.")
+    top_k: int = opt(32, "The Boltzmann policy and the soft value consider the top-k available chunks.")
+    episodes_per_update: int = opt(96, "Episodes per optimiser update (paper: 12 x 8 accumulation).")
+    micro_batch: int = opt(12, "Episodes per forward/backward; gradients are accumulated over the update.")
+    soft_q: bool = opt(True, "Soft value V = α·logsumexp(Q'/α); False uses max Q' (ablation 'w/o soft-Q').")
+    use_target: bool = opt(True, "EMA target encoders for V; False bootstraps from the online encoders (ablation).")
+    encode_tokens: int = opt(32768, "Padded tokens per encoder batch (length-bucketed).")
+
+
+@dataclass
+class SearchConfig:
+    """Inference: greedy, beam search over Q, Q-threshold stopping."""
+
+    max_steps: int = opt(2, "Maximum retrieval steps T at inference.")
+    beam_width: int = opt(1, "1 = greedy; >1 = beam search over Q (Plan Q-RAG).")
+    stop_threshold: float | None = opt(None, "Stop when the best available Q falls below this value.")
+    chunk_batch: int = opt(4096, "Chunks embedded per encoder call (caps peak memory on long contexts).")
+    alternatives: int = opt(3, "Top alternatives recorded per step (for inspection and the web page).")
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run: data, model, environment, learner, loop and evaluation."""
+
+    name: str = opt("qrag", "Run name (also the MLflow run name; re-using it resumes under Ray).")
+    out_dir: str = opt("runs", "Where checkpoints and eval files are written (a path).")
+    updates: int = opt(1000, "Optimiser updates to run.")
+    seed: int = opt(0, "Seed for parameters init, data order and action sampling.")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N.")
+    eval_every: int = opt(0, "Evaluate on the dev split every N updates (0 = only at the end).")
+    eval_limit: int | None = opt(200, "Dev questions used by periodic evaluation (None = all).")
+    checkpoint_every: int = opt(0, "Write a resumable checkpoint every N updates (0 = only at the end).")
+    log_every: int = opt(10, "Log training metrics every N updates.")
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Data."})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model."})
+    env: EnvConfig = field(default_factory=EnvConfig, metadata={"help": "Environment."})
+    learner: LearnerConfig = field(default_factory=LearnerConfig, metadata={"help": "Learner."})
+    search: SearchConfig = field(default_factory=SearchConfig, metadata={"help": "Evaluation search."})
+    distributed: dict[str, Any] = opt({}, "Ray settings (runners, resources, MLflow); read by qrag.distributed only.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overriding, dumping
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check ``value`` against ``annotation`` and convert where the conversion is lossless."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
+    if annotation is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0] if args else Any, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {annotation.__name__} fields, got {value!r}")
+        return from_dict(annotation, value, prefix=f"{key}.")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping; unknown keys are errors."""
+    hints = _field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!s} (known keys under "
+            f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))})"
+        )
+    kwargs = {name: _coerce(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (for MLflow params and tables)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``learner.alpha=0.1`` -> (["learner", "alpha"], 0.1). Values are parsed as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"bad override {text!r}: expected key=value, e.g. learner.alpha=0.1")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"bad override {text!r}: {key!r} is not a dotted config key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"bad override {text!r}: value is not valid YAML ({exc})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` overrides to a nested mapping (validated later by :func:`from_dict`)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"bad override {text!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = TrainConfig) -> Any:
+    """Defaults <- YAML preset <- overrides, validated into ``cls``."""
+    data = read_yaml(path) if path else {}
+    if path:
+        # Errors in the file itself should name the file.
+        try:
+            from_dict(cls, data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    return from_dict(cls, apply_overrides(data, overrides or []))
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) for every leaf field, for ``--help``."""
+    rows: list[tuple[str, str, str]] = []
+    defaults = cls()
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(describe(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            rows.append((f"{prefix}{f.name}", json.dumps(value), f.metadata.get("help", "")))
+    return rows

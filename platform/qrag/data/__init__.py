@@ -1,0 +1,58 @@
+"""Benchmark sources -> :class:`Sample` lists. One module per benchmark."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..config import DataConfig
+from .chunking import TokenCounter
+from .sample import DataError, Sample
+
+__all__ = ["DataError", "Sample", "load_samples", "register_loader", "LOADERS"]
+
+# name -> fn(cfg, split, count) -> list[Sample]
+Loader = Callable[[DataConfig, str, TokenCounter], list[Sample]]
+LOADERS: dict[str, Loader] = {}
+
+
+def register_loader(name: str) -> Callable[[Loader], Loader]:
+    def wrap(fn: Loader) -> Loader:
+        LOADERS[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_loader("hotpotqa")
+def _hotpotqa(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
+    from .hotpotqa import load_hotpotqa
+
+    return load_hotpotqa(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit)
+
+
+@register_loader("jsonl")
+def _jsonl(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
+    from .jsonl import load_jsonl
+
+    return load_jsonl(cfg.path, split=split, dev_fraction=cfg.dev_fraction, limit=cfg.limit)
+
+
+def load_samples(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
+    """Load ``split`` (train | dev | all) of the configured dataset."""
+    _register_optional_loaders()
+    if cfg.dataset not in LOADERS:
+        raise DataError(f"unknown dataset {cfg.dataset!r} (known: {', '.join(sorted(LOADERS))})")
+    samples = LOADERS[cfg.dataset](cfg, split, count)
+    if not samples:
+        raise DataError(f"dataset {cfg.dataset!r} ({cfg.path or 'default path'}) has no records in split {split!r}")
+    return samples
+
+
+def _register_optional_loaders() -> None:
+    """Benchmarks in their own modules of this package register with :func:`register_loader`
+    when imported; import them all (they are small and import nothing heavy at module level)."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")

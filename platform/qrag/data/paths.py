@@ -1,0 +1,77 @@
+"""Locating and reading data files: plain, gzip, or a glob of either."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .sample import DataError
+
+_HERE = Path(__file__).resolve()
+
+
+def data_root() -> Path:
+    """``$QRAG_DATA_DIR``, else the first ``shared/data`` found beside the checkout or the cwd."""
+    env = os.environ.get("QRAG_DATA_DIR")
+    if env:
+        return Path(env)
+    candidates = [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    candidates += [parent / "shared" / "data" for parent in _HERE.parents]
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    raise DataError(
+        "no data directory: set QRAG_DATA_DIR or data.path (looked for shared/data beside the "
+        f"working directory and the checkout: {', '.join(str(c) for c in candidates[:3])}, ...)"
+    )
+
+
+def resolve_files(path: str | os.PathLike[str]) -> list[Path]:
+    """A file, or every file a glob matches (sorted). A missing path is an error naming it."""
+    text = str(path)
+    if any(ch in text for ch in "*?["):
+        matches = sorted(Path(p) for p in glob.glob(text))
+        if not matches:
+            raise DataError(f"{text}: the glob matches no file")
+        return matches
+    p = Path(text)
+    if not p.is_file():
+        raise DataError(f"{p}: no such file")
+    return [p]
+
+
+def open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        with open_text(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise DataError(f"{path}: cannot read: {exc}") from None
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, record) for every non-blank line."""
+    try:
+        with open_text(path) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}: line {lineno}: malformed JSON: {exc.msg}") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise DataError(f"{path}: cannot read: {exc}") from None

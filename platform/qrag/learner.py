@@ -1,0 +1,279 @@
+"""Soft PQN (paper Alg. 1): on-policy value learning of the two encoders, no replay buffer.
+
+One update = a batch of episodes, rolled out in micro-batches. Per micro-batch:
+
+1. embed every chunk once with the online action encoder (to act) and the target action encoder
+   (for V), in length-bucketed no-grad batches; positions are a rotation of those cached vectors;
+2. act for T steps on the whole micro-batch: one online state-encoder call per step (its graph is
+   kept: that forward pass is reused by the loss), a Boltzmann policy with temperature α over the
+   top-k *available* chunks, and one target state-encoder call for V(s_{t+1}) of the episodes
+   that go on;
+3. λ-returns backwards over every transition, the last one included;
+4. re-encode only the chosen chunks with gradients and regress both twin halves of Q onto G^λ.
+
+Then clip, step AdamW, and move the targets towards the online encoders by τ.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import EnvConfig, LearnerConfig
+from .encoder import EncodeStats, encode, pad_rows
+from .env import RetrievalEnv
+from .qnet import QNetwork
+from .tokens import TokenizedSample, TokenLayout
+
+
+def lr_factor(update: int, warmup: int, total: int, final_fraction: float) -> float:
+    """Linear warm-up to 1, then linear decay to ``final_fraction`` at ``total`` updates."""
+    if warmup > 0 and update < warmup:
+        return (update + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (update - warmup) / span)
+    return 1.0 - (1.0 - final_fraction) * progress
+
+
+def alpha_at(update: int, cfg: LearnerConfig, total: int) -> float:
+    """α follows the *decaying* part of the learning-rate schedule; it is flat during warm-up
+    (annealing it with a rising learning rate would make it grow)."""
+    if update < cfg.warmup_updates:
+        return cfg.alpha
+    return cfg.alpha * lr_factor(update, cfg.warmup_updates, total, cfg.final_lr_fraction)
+
+
+def lambda_returns(
+    rewards: torch.Tensor, dones: torch.Tensor, next_values: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """G_t = r_t + γ(1 − d_t)[(1 − λ) V(s_{t+1}) + λ G_{t+1}], computed backwards.
+
+    All inputs are [E, T]; ``next_values[:, t]`` is V(s_{t+1}) (the state *after* action t).
+    Steps after an episode's end must have ``dones`` = 1 and are ignored by the caller.
+    """
+    e, horizon = rewards.shape
+    returns = torch.zeros_like(rewards)
+    g_next = torch.zeros(e, dtype=rewards.dtype, device=rewards.device)
+    for t in range(horizon - 1, -1, -1):
+        boot = (1.0 - lam) * next_values[:, t] + lam * g_next
+        returns[:, t] = rewards[:, t] + gamma * (1.0 - dones[:, t]) * boot
+        g_next = returns[:, t]
+    return returns
+
+
+def soft_value(q: torch.Tensor, available: torch.Tensor, alpha: float, top_k: int, soft: bool) -> torch.Tensor:
+    """V(s) over the top-k *available* chunks: α·logsumexp(Q/α), or max Q when not soft.
+
+    Unavailable chunks are masked *before* the top-k, so a selected chunk never enters V.
+    """
+    masked = q.masked_fill(~available, float("-inf"))
+    k = min(top_k, masked.shape[1])
+    vals = masked.topk(k, dim=1).values
+    if not soft or alpha <= 0:
+        return vals[:, 0]
+    return alpha * torch.logsumexp(vals / alpha, dim=1)
+
+
+@dataclass
+class UpdateMetrics:
+    loss: float
+    q_taken: float
+    target: float
+    episode_return: float
+    success: float
+    episode_length: float
+    alpha: float
+    lr: float
+    grad_norm: float
+    episodes: int
+    transitions: int
+    encoder_tokens: int
+    encoder_padded_tokens: int
+    encoder_seconds: float
+    seconds: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+class SoftPQNLearner:
+    def __init__(
+        self,
+        qnet: QNetwork,
+        layout: TokenLayout,
+        env_cfg: EnvConfig,
+        cfg: LearnerConfig,
+        total_updates: int,
+        device: torch.device,
+        seed: int = 0,
+    ):
+        self.qnet = qnet
+        self.layout = layout
+        self.env_cfg = env_cfg
+        self.cfg = cfg
+        self.total_updates = total_updates
+        self.device = device
+        self.optimizer = torch.optim.AdamW(
+            qnet.online_parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        self.update = 0
+        # Action sampling draws Gumbel noise on the CPU: reproducible on any device.
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stats = EncodeStats()
+
+    # -- schedule ------------------------------------------------------------------------------
+
+    @property
+    def alpha(self) -> float:
+        return alpha_at(self.update, self.cfg, self.total_updates)
+
+    @property
+    def lr(self) -> float:
+        c = self.cfg
+        return c.lr * lr_factor(self.update, c.warmup_updates, self.total_updates, c.final_lr_fraction)
+
+    # -- acting --------------------------------------------------------------------------------
+
+    def sample_actions(self, q: torch.Tensor, available: torch.Tensor, alpha: float) -> np.ndarray:
+        """Boltzmann policy over the top-k available chunks (greedy when α = 0)."""
+        masked = q.masked_fill(~available, float("-inf"))
+        k = min(self.cfg.top_k, masked.shape[1])
+        vals, idx = masked.topk(k, dim=1)
+        vals, idx = vals.float().cpu(), idx.cpu()
+        if alpha > 0:
+            logits = (vals - vals[:, :1]) / alpha
+            uniform = torch.rand(vals.shape, generator=self.generator).clamp_(1e-12, 1.0)
+            logits = logits - torch.log(-torch.log(uniform))  # Gumbel-max sampling
+            choice = logits.argmax(1)
+        else:
+            choice = torch.zeros(len(vals), dtype=torch.long)
+        return idx[torch.arange(len(idx)), choice].numpy()
+
+    def _embed(self, model, seqs, grad: bool = False, kind: str = "encode") -> torch.Tensor:
+        pooled = encode(
+            model, seqs, pad_id=self.layout.pad_id, device=self.device, max_tokens=self.cfg.encode_tokens,
+            grad=grad, stats=self.stats, kind=kind,
+        )
+        return self.qnet.finish(pooled)
+
+    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float, weight: float) -> dict[str, float]:
+        cfg, qnet, dev = self.cfg, self.qnet, self.device
+        env = RetrievalEnv(episodes, self.env_cfg, self.layout)
+        m, horizon = len(episodes), self.env_cfg.max_steps
+        target_state_enc, target_action_enc = qnet.target_encoders()
+
+        flat_chunks = [c for s in episodes for c in s.chunks]
+        chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat_chunks, kind="chunks"), env.n_chunks)
+        if qnet.use_target:
+            target_chunk_vecs = pad_rows(self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks)
+        else:
+            target_chunk_vecs = chunk_vecs
+        n_chunks = torch.from_numpy(env.n_chunks).to(dev)
+
+        rewards = np.zeros((m, horizon), dtype=np.float32)
+        dones = np.ones((m, horizon), dtype=np.float32)
+        next_values = torch.zeros(m, horizon, device=dev)
+        state_vecs, chosen_seqs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
+
+        for t in range(horizon):
+            rows = env.active
+            if len(rows) == 0:
+                break
+            rows_t = torch.from_numpy(rows).to(dev)
+            states = self._embed(qnet.state_encoder, env.states(rows), grad=True, kind="states")
+            selected = torch.from_numpy(env.selected[rows]).to(dev)
+            available = torch.from_numpy(env.available(rows)).to(dev)
+            with torch.no_grad():
+                pos = qnet.positions(selected, n_chunks[rows_t])
+                q = QNetwork.twin_scores(states.detach(), qnet.place(chunk_vecs[rows_t], pos)).mean(-1)
+            actions = self.sample_actions(q, available, alpha)
+            if pos is not None:
+                chosen_pos.append(pos[torch.arange(len(rows), device=dev), torch.from_numpy(actions).to(dev)])
+            r, d = env.step(rows, actions)
+            rewards[rows, t], dones[rows, t] = r, d.astype(np.float32)
+            state_vecs.append(states)
+            chosen_seqs.extend(episodes[i].chunks[a] for i, a in zip(rows, actions))
+            trans_rows.append(rows)
+            trans_steps.append(np.full(len(rows), t))
+
+            go_on = rows[~d]
+            if len(go_on):
+                go_on_t = torch.from_numpy(go_on).to(dev)
+                with torch.no_grad():
+                    next_states = self._embed(target_state_enc, env.states(go_on), kind="target_states")
+                    next_sel = torch.from_numpy(env.selected[go_on]).to(dev)
+                    next_pos = qnet.positions(next_sel, n_chunks[go_on_t])
+                    qt = QNetwork.twin_scores(next_states, qnet.place(target_chunk_vecs[go_on_t], next_pos))
+                    qt = qt.min(-1).values  # clipped double-Q over the twin halves
+                    avail_next = torch.from_numpy(env.available(go_on)).to(dev)
+                    next_values[go_on_t, t] = soft_value(qt, avail_next, alpha, cfg.top_k, cfg.soft_q)
+
+        returns = lambda_returns(
+            torch.from_numpy(rewards).to(dev), torch.from_numpy(dones).to(dev), next_values, cfg.gamma, cfg.lam
+        )
+        rows_all = torch.from_numpy(np.concatenate(trans_rows)).to(dev)
+        steps_all = torch.from_numpy(np.concatenate(trans_steps)).to(dev)
+        targets = returns[rows_all, steps_all]
+
+        actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
+        if chosen_pos:
+            actions_vecs = qnet.place(actions_vecs, torch.cat(chosen_pos))
+        q_taken = QNetwork.pair_scores(torch.cat(state_vecs), actions_vecs)  # [K, 2]
+        loss = ((q_taken - targets.unsqueeze(1)) ** 2).mean(0).sum()
+        (loss * weight).backward()
+        return {
+            "loss": float(loss.detach()),
+            "q_taken": float(q_taken.detach().mean()),
+            "target": float(targets.mean()),
+            "episode_return": float(env.episode_return.mean()),
+            "success": float(env.succeeded.mean()),
+            "episode_length": float(env.t.mean()),
+            "transitions": int(len(targets)),
+        }
+
+    # -- one update ----------------------------------------------------------------------------
+
+    def train_update(self, episodes: Sequence[TokenizedSample]) -> UpdateMetrics:
+        if not episodes:
+            raise ValueError("train_update() needs at least one episode")
+        t0 = time.perf_counter()
+        self.stats.reset()
+        alpha, lr = self.alpha, self.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.qnet.train()
+        micro = max(1, self.cfg.micro_batch)
+        parts = [episodes[i : i + micro] for i in range(0, len(episodes), micro)]
+        sums: dict[str, float] = {}
+        for part in parts:
+            weight = len(part) / len(episodes)
+            out = self._rollout_and_backward(part, alpha, weight)
+            for key, value in out.items():
+                sums[key] = sums.get(key, 0.0) + (value if key == "transitions" else value * weight)
+        params = self.qnet.online_parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.qnet.update_targets(self.cfg.tau)
+        self.update += 1
+        if self.device.type == "cuda" and self.stats.timed:
+            torch.cuda.synchronize(self.device)
+        return UpdateMetrics(
+            loss=sums["loss"], q_taken=sums["q_taken"], target=sums["target"],
+            episode_return=sums["episode_return"], success=sums["success"], episode_length=sums["episode_length"],
+            alpha=alpha, lr=lr, grad_norm=float(grad_norm), episodes=len(episodes), transitions=int(sums["transitions"]),
+            encoder_tokens=self.stats.tokens, encoder_padded_tokens=self.stats.padded_tokens,
+            encoder_seconds=self.stats.seconds, seconds=time.perf_counter() - t0,
+        )
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def scalar_state(self) -> dict:
+        return {"update": self.update, "total_updates": self.total_updates}
+
+    def load_scalar_state(self, state: dict) -> None:
+        self.update = int(state["update"])

@@ -1,0 +1,187 @@
+"""Inference: embed the chunks once, then step by step embed the state and score every available
+chunk (a dot product after the position rotation). Greedy, beam search over Q (Plan Q-RAG), and
+stopping when the best available Q falls below a threshold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .config import SearchConfig
+from .encoder import EncodeStats, encode, pad_rows
+from .qnet import QNetwork
+from .tokens import TokenizedSample, TokenLayout
+
+
+@dataclass
+class Step:
+    chunk: int
+    q: float
+    position: float | None
+    alternatives: list[tuple[int, float]]  # the best other candidates at this step
+
+
+@dataclass
+class Retrieval:
+    sample_id: str
+    steps: list[Step]
+    stopped_early: bool = False  # a Q threshold ended it before max_steps
+    seconds: float = 0.0
+
+    @property
+    def selected(self) -> list[int]:
+        return [s.chunk for s in self.steps]
+
+
+@dataclass
+class _Beam:
+    sample: int
+    steps: list[Step] = field(default_factory=list)
+    score: float = float("inf")
+    finished: bool = False
+
+    @property
+    def chosen(self) -> frozenset[int]:
+        return frozenset(s.chunk for s in self.steps)
+
+
+class Retriever:
+    """Runs the search for a trained (or untrained) Q-network on any device."""
+
+    def __init__(self, qnet: QNetwork, layout: TokenLayout, device: torch.device, encode_tokens: int = 32768):
+        self.qnet = qnet.eval()
+        self.layout = layout
+        self.device = device
+        self.encode_tokens = encode_tokens
+        self.stats = EncodeStats()
+
+    def _encode(self, model, seqs: Sequence[np.ndarray], kind: str) -> torch.Tensor:
+        pooled = encode(model, seqs, pad_id=self.layout.pad_id, device=self.device, max_tokens=self.encode_tokens, stats=self.stats, kind=kind)
+        return self.qnet.finish(pooled)
+
+    @torch.no_grad()
+    def embed_chunks(self, seqs: Sequence[np.ndarray], chunk_batch: int = 4096) -> torch.Tensor:
+        """Chunk vectors [N, d], ``chunk_batch`` chunks per call so peak memory does not grow with N."""
+        parts = [self._encode(self.qnet.action_encoder, seqs[i : i + chunk_batch], "chunks") for i in range(0, len(seqs), chunk_batch)]
+        return torch.cat(parts) if parts else torch.zeros(0, self.qnet.dim, device=self.device)
+
+    @torch.no_grad()
+    def embed_states(self, seqs: Sequence[np.ndarray]) -> torch.Tensor:
+        return self._encode(self.qnet.state_encoder, seqs, "states")
+
+    @torch.no_grad()
+    def score(self, states: torch.Tensor, chunk_vecs: torch.Tensor, selected: torch.Tensor, n_chunks: torch.Tensor, block: int = 65536) -> torch.Tensor:
+        """Q (mean of the twin halves) of every chunk for each state row: [L, N].
+
+        ``chunk_vecs`` is [L, N, d] or [N, d] shared by all rows; columns are scored in blocks so
+        that rotated copies never exceed ``block`` chunks per row.
+        """
+        pos = self.qnet.positions(selected, n_chunks)
+        n = selected.shape[1]
+        out = torch.empty(selected.shape, device=states.device, dtype=torch.float32)
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            vecs = chunk_vecs[..., lo:hi, :]
+            if vecs.dim() == 2:
+                vecs = vecs.unsqueeze(0).expand(len(states), -1, -1)
+            placed = self.qnet.place(vecs, None if pos is None else pos[:, lo:hi])
+            out[:, lo:hi] = QNetwork.twin_scores(states, placed).mean(-1)
+        return out
+
+    def retrieve(self, samples: Sequence[TokenizedSample], cfg: SearchConfig, max_batch_chunks: int = 65536) -> list[Retrieval]:
+        """Search every sample; short contexts are batched together, long ones run alone."""
+        results: list[Retrieval] = []
+        batch: list[TokenizedSample] = []
+        size = 0
+        for sample in samples:
+            if batch and size + sample.n_chunks > max_batch_chunks:
+                results.extend(self._retrieve_batch(batch, cfg))
+                batch, size = [], 0
+            batch.append(sample)
+            size += sample.n_chunks
+        if batch:
+            results.extend(self._retrieve_batch(batch, cfg))
+        return results
+
+    @torch.no_grad()
+    def _retrieve_batch(self, samples: Sequence[TokenizedSample], cfg: SearchConfig) -> list[Retrieval]:
+        t0 = time.perf_counter()
+        dev = self.device
+        counts = np.array([s.n_chunks for s in samples])
+        width = int(counts.max())
+        flat = self.embed_chunks([c for s in samples for c in s.chunks], cfg.chunk_batch)
+        if len(samples) == 1:
+            chunk_vecs = flat.unsqueeze(0)
+        else:
+            chunk_vecs = pad_rows(flat, counts)
+        valid = torch.arange(width, device=dev)[None, :] < torch.from_numpy(counts).to(dev)[:, None]
+        beams = [_Beam(i) for i in range(len(samples))]
+        width_beam = max(1, cfg.beam_width)
+        for _ in range(cfg.max_steps):
+            live = [b for b in beams if not b.finished]
+            if not live:
+                break
+            states = self.embed_states([self._state_ids(samples[b.sample], b) for b in live])
+            rows = torch.tensor([b.sample for b in live], device=dev)
+            selected = torch.zeros(len(live), width, dtype=torch.bool, device=dev)
+            for i, b in enumerate(live):
+                if b.steps:
+                    selected[i, list(b.chosen)] = True
+            vecs = chunk_vecs[0] if len(samples) == 1 else chunk_vecs[rows]
+            q = self.score(states, vecs, selected, torch.from_numpy(counts).to(dev)[rows])
+            pos = self.qnet.positions(selected, torch.from_numpy(counts).to(dev)[rows])
+            q = q.masked_fill(selected | ~valid[rows], float("-inf"))
+            k = min(width, max(width_beam, cfg.alternatives + 1))
+            top_q, top_i = q.topk(k, dim=1)
+            top_q, top_i = top_q.cpu().numpy(), top_i.cpu().numpy()
+            pos_np = None if pos is None else pos.gather(1, torch.from_numpy(top_i).to(dev)).cpu().numpy()
+            beams = self._advance(beams, live, top_q, top_i, pos_np, cfg, width_beam)
+        results = []
+        seconds = (time.perf_counter() - t0) / len(samples)
+        for i, sample in enumerate(samples):
+            best = max((b for b in beams if b.sample == i), key=lambda b: b.score)
+            stopped = best.finished and len(best.steps) < min(cfg.max_steps, sample.n_chunks)
+            results.append(Retrieval(sample.id, best.steps, stopped_early=stopped, seconds=seconds))
+        return results
+
+    def _state_ids(self, sample: TokenizedSample, beam: _Beam) -> np.ndarray:
+        return self.layout.state(sample.question, [sample.chunks[i] for i in sorted(beam.chosen)])
+
+    @staticmethod
+    def _advance(beams, live, top_q, top_i, pos_np, cfg: SearchConfig, width: int) -> list[_Beam]:
+        """Expand live beams by their best actions; keep the ``width`` best per sample."""
+        candidates: dict[int, list[_Beam]] = {}
+        for b in beams:
+            if b.finished:
+                candidates.setdefault(b.sample, []).append(b)
+        for row, b in enumerate(live):
+            finite = np.isfinite(top_q[row])
+            if not finite.any():  # no chunk left
+                candidates.setdefault(b.sample, []).append(_Beam(b.sample, b.steps, b.score, True))
+                continue
+            if cfg.stop_threshold is not None and top_q[row][0] < cfg.stop_threshold:
+                candidates.setdefault(b.sample, []).append(_Beam(b.sample, b.steps, b.score, True))
+                continue
+            for j in range(min(width, int(finite.sum()))):
+                q = float(top_q[row][j])
+                if cfg.stop_threshold is not None and q < cfg.stop_threshold:
+                    break
+                alts = [(int(top_i[row][a]), float(top_q[row][a])) for a in range(len(top_i[row])) if a != j and np.isfinite(top_q[row][a])]
+                step = Step(int(top_i[row][j]), q, None if pos_np is None else float(pos_np[row][j]), alts[: cfg.alternatives])
+                candidates.setdefault(b.sample, []).append(_Beam(b.sample, [*b.steps, step], q))
+        kept: list[_Beam] = []
+        for sample in sorted(candidates):
+            seen: set[frozenset[int]] = set()
+            for cand in sorted(candidates[sample], key=lambda c: -c.score):
+                if cand.chosen in seen:
+                    continue
+                seen.add(cand.chosen)
+                kept.append(cand)
+                if sum(1 for k in kept if k.sample == sample) >= width:
+                    break
+        return kept

@@ -1,0 +1,101 @@
+"""Shared fixtures: a tiny random-init encoder (real tokenizer, no hub) and tiny datasets."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    """A random-init BERT with the bundled MiniLM tokenizer: fast, offline, real tokenisation."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from qrag.encoder import bundled_minilm_dir
+
+    torch.manual_seed(seed)
+    src = bundled_minilm_dir()
+    tokenizer = AutoTokenizer.from_pretrained(str(src))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=hidden * 2, max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    BertModel(config).save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder(tmp_path_factory) -> str:
+    return str(build_tiny_encoder(tmp_path_factory.mktemp("tiny_encoder")))
+
+
+WORDS = "alpha beta gamma delta river castle forest painter singer city novel film war king queen ship".split()
+
+
+def make_hotpot_records(n: int, seed: int = 0, paragraphs: int = 6) -> list[dict]:
+    """Synthetic records in the official HotpotQA layout; the question names its two gold titles."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        titles = [f"Title {i}-{j} {rng.choice(WORDS)}" for j in range(paragraphs)]
+        gold = rng.sample(range(paragraphs), 2)
+        context = [[t, [f" {t} is a {rng.choice(WORDS)} of {rng.choice(WORDS)}.", f" It has {rng.choice(WORDS)} {k}."]] for k, t in enumerate(titles)]
+        records.append({
+            "_id": f"q{i:04d}",
+            "question": f"What links {titles[gold[0]]} and {titles[gold[1]]}?",
+            "answer": rng.choice(WORDS),
+            "supporting_facts": [[titles[gold[0]], 0], [titles[gold[1]], 1]],
+            "context": context,
+            "type": "bridge",
+            "level": "hard",
+        })
+    return records
+
+
+@pytest.fixture(scope="session")
+def hotpot_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("hotpot") / "tiny_hotpot.json"
+    path.write_text(json.dumps(make_hotpot_records(60)))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_cfg(tiny_encoder, hotpot_file, tmp_path):
+    """A TrainConfig that trains in seconds on CPU."""
+    from qrag.config import load_config
+
+    return load_config(None, [
+        f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path / 'runs'}", "name=tiny",
+        "updates=4", "learner.episodes_per_update=6", "learner.micro_batch=3", "learner.warmup_updates=2",
+        "learner.lr=1e-3", "eval_limit=8", "log_every=1", "data.chunk_tokens=48",
+    ])
+
+
+def shared_data_dir() -> Path | None:
+    for c in (ROOT.parent / "shared" / "data", ROOT / "shared" / "data"):
+        if c.is_dir():
+            return c
+    env = os.environ.get("QRAG_DATA_DIR")
+    return Path(env) if env else None
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    d = shared_data_dir()
+    if d is None:
+        pytest.skip("shared benchmark data not available")
+    return d

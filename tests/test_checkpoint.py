@@ -1,0 +1,69 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qrag.checkpoint import CheckpointError, fingerprint, load_qnet, read_meta
+from qrag.train import TrainingRun, latest_checkpoint
+
+
+def params(qnet):
+    return {k: v.detach().clone() for k, v in qnet.state_dict().items()}
+
+
+def test_checkpoint_files_are_safetensors_and_json_only(tiny_cfg):
+    run = TrainingRun(tiny_cfg)
+    run.learner.train_update(run.train_tok[:4])
+    path = run.save(Path(tiny_cfg.out_dir) / "ck")
+    suffixes = {p.suffix for p in path.rglob("*") if p.is_file()}
+    assert suffixes <= {".safetensors", ".json", ".yaml", ".txt"}, suffixes
+    assert not any(p.suffix in {".bin", ".pt", ".pkl"} for p in path.rglob("*"))
+    qnet, tok, layout, cfg = load_qnet(path, torch.device("cpu"))
+    for name in ("state_encoder", "action_encoder", "target_state_encoder", "target_action_encoder"):
+        a, b = getattr(run.qnet, name).state_dict(), getattr(qnet, name).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert cfg.learner.lr == tiny_cfg.learner.lr
+    assert read_meta(path)["model"]["positions"] == tiny_cfg.model.positions
+    assert len(fingerprint(path)) == 16
+
+
+def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny_cfg, tmp_path):
+    straight = TrainingRun(tiny_cfg)
+    straight.run(report=lambda *_: None)
+
+    from qrag.config import load_config, to_dict
+
+    first_cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flat(to_dict(tiny_cfg)).items()] + ["checkpoint_every=2", "name=split"])
+    first = TrainingRun(first_cfg)
+    # stop after the checkpoint at update 2, as a crash would
+    source = first.local_source()
+    while first.learner.update < 2:
+        first.learner.train_update(source.next_batch())
+    ck = first.save(first.checkpoint_dir(2))
+    assert latest_checkpoint(first.run_dir) == ck
+    resumed = TrainingRun(first_cfg, resume=ck)
+    assert resumed.learner.update == 2
+    resumed.run(report=lambda *_: None)
+    a, b = params(straight.qnet), params(resumed.qnet)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif not (isinstance(v, dict)):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_missing_or_foreign_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_qnet(tmp_path / "nope", torch.device("cpu"))
+    (tmp_path / "x").mkdir()
+    with pytest.raises(CheckpointError, match="not a qrag checkpoint"):
+        load_qnet(tmp_path / "x", torch.device("cpu"))

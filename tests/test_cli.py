@@ -1,0 +1,65 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+QRAG = [sys.executable, "-m", "qrag"]
+ENV = {"PYTHONPATH": str(ROOT / "platform"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+
+
+def run(args, **kw):
+    import os
+
+    return subprocess.run(QRAG + args, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600, **kw)
+
+
+def test_help_on_every_subcommand():
+    from qrag.cli import COMMANDS, build_parser
+
+    build_parser()
+    out = run(["--help"])
+    assert out.returncode == 0 and "train" in out.stdout
+    for name in COMMANDS:
+        sub = run([name, "--help"])
+        assert sub.returncode == 0, (name, sub.stderr)
+        assert "usage: qrag " + name in sub.stdout
+    train_help = run(["train", "--help"]).stdout
+    assert "learner.alpha" in train_help and "entropy temperature" in train_help
+
+
+def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
+    common = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "data.chunk_tokens=48"]
+    out = run(["train", *common, f"out_dir={tmp_path}", "name=cli", "updates=2", "learner.episodes_per_update=4",
+               "learner.micro_batch=4", "eval_limit=5", "--no-progress"])
+    assert out.returncode == 0, out.stderr
+    final = json.loads(out.stdout.strip().splitlines()[-1])
+    assert final["updates"] == 2 and 0 <= final["fact_em"] <= 1
+    ck = tmp_path / "cli" / "final"
+    res = tmp_path / "eval.json"
+    ev = run(["eval", "--checkpoint", str(ck), "--limit", "6", "--steps", "3", "--beam", "2", "--out", str(res), "--device", "cpu"])
+    assert ev.returncode == 0, ev.stderr
+    summary = json.loads(res.read_text())
+    for key in ("fact_em", "fact_f1", "num_samples", "avg_steps"):
+        assert key in summary
+    assert summary["num_samples"] == 6 and summary["avg_steps"] == 3
+    records = (tmp_path / "eval.records.jsonl").read_text().splitlines()
+    assert len(records) == 6 and "retrieved" in json.loads(records[0])
+    base = run(["eval", "--checkpoint", "none", *common, "--limit", "4", "--device", "cpu"])
+    assert base.returncode == 0, base.stderr
+    assert json.loads(base.stdout)["num_samples"] == 4
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "learner.alpah=1"], "unknown config key learner.alpah"),
+    (["train", "data.path=/nonexistent/file.json", "updates=1"], "/nonexistent/file.json: no such file"),
+    (["train", "model.encoder=/nonexistent/model", "updates=1"], "encoder directory not found: /nonexistent/model"),
+    (["eval", "--checkpoint", "/nonexistent/ck"], "checkpoint directory not found"),
+])
+def test_errors_are_one_clear_line(args, message):
+    out = run(args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+import torch
+
+from qrag.config import EnvConfig, LearnerConfig, ModelConfig
+from qrag.learner import SoftPQNLearner, alpha_at, lambda_returns, lr_factor, soft_value
+
+
+def test_lambda_returns_hand_computed():
+    gamma, lam = 0.9, 0.5
+    v1, v2 = 0.4, 0.7  # V(s_1), V(s_2)
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    dones = torch.tensor([[0.0, 0.0, 1.0]])
+    next_values = torch.tensor([[v1, v2, 123.0]])  # value after the last step must be ignored
+    g = lambda_returns(rewards, dones, next_values, gamma, lam)[0]
+    g2 = 1.0
+    g1 = 0 + gamma * ((1 - lam) * v2 + lam * g2)
+    g0 = 0 + gamma * ((1 - lam) * v1 + lam * g1)
+    assert g.tolist() == pytest.approx([g0, g1, g2])
+
+
+def test_lambda_returns_early_termination_and_extremes():
+    rewards = torch.tensor([[1.0, 0.0]])
+    dones = torch.tensor([[1.0, 1.0]])  # ended at step 0
+    assert lambda_returns(rewards, dones, torch.tensor([[5.0, 5.0]]), 0.99, 0.5)[0, 0] == 1.0
+    # λ = 0: one-step TD target r + γ V(s_{t+1}); λ = 1: Monte-Carlo return.
+    r = torch.tensor([[0.0, 1.0]])
+    d = torch.tensor([[0.0, 1.0]])
+    v = torch.tensor([[0.3, 0.0]])
+    assert lambda_returns(r, d, v, 0.9, 0.0)[0, 0].item() == pytest.approx(0.9 * 0.3)
+    assert lambda_returns(r, d, v, 0.9, 1.0)[0, 0].item() == pytest.approx(0.9)
+
+
+def test_soft_value_masks_before_top_k():
+    q = torch.tensor([[5.0, 1.0, 0.9, 0.1]])
+    available = torch.tensor([[False, True, True, True]])  # the best chunk is already selected
+    v = soft_value(q, available, alpha=0.05, top_k=1, soft=True)
+    assert v.item() == pytest.approx(1.0)  # not 5.0: unavailable chunks never enter V
+    hard = soft_value(q, available, alpha=0.05, top_k=3, soft=False)
+    assert hard.item() == pytest.approx(1.0)
+    soft = soft_value(q, available, alpha=0.05, top_k=3, soft=True)
+    expected = 0.05 * np.log(np.exp(1 / 0.05) + np.exp(0.9 / 0.05) + np.exp(0.1 / 0.05))
+    assert soft.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_lr_schedule_and_alpha_never_rises():
+    cfg = LearnerConfig(warmup_updates=10, final_lr_fraction=0.1, alpha=0.05)
+    lrs = [lr_factor(u, 10, 100, 0.1) for u in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+    alphas = [alpha_at(u, cfg, 100) for u in range(101)]
+    assert all(a2 <= a1 + 1e-12 for a1, a2 in zip(alphas, alphas[1:]))
+    assert alphas[0] == 0.05 and alphas[100] == pytest.approx(0.005)
+
+
+def _learner(tiny_encoder, **learner_kw):
+    from qrag.checkpoint import untrained_qnet
+
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative"), torch.device("cpu"), use_target=True)
+    cfg = LearnerConfig(**{"episodes_per_update": 4, "micro_batch": 2, "warmup_updates": 1, "lr": 1e-3, **learner_kw})
+    return SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu")), tok, layout
+
+
+def _episodes(tok, layout, n=4):
+    from qrag.data.sample import Sample
+    from qrag.tokens import tokenize_samples
+
+    samples = [Sample(f"s{i}", f"question {i}", [f"chunk {j} of {i}" for j in range(6)], [1, 4]) for i in range(n)]
+    return tokenize_samples(samples, tok, layout, chunk_tokens=16, question_tokens=16)
+
+
+def test_update_trains_every_transition_including_the_last(tiny_encoder):
+    learner, tok, layout = _learner(tiny_encoder, alpha=0.0)
+    eps = _episodes(tok, layout)
+    before = [p.detach().clone() for p in learner.qnet.online_parameters()]
+    target_before = [p.detach().clone() for p in learner.qnet.target_state_encoder.parameters()]
+    m = learner.train_update(eps)
+    # every step of every episode, the terminal one included, enters the loss
+    assert m.transitions == pytest.approx(m.episode_length * len(eps))
+    assert m.transitions >= len(eps)
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.qnet.online_parameters()))
+    # targets moved by exactly tau towards the online weights
+    online = list(learner.qnet.state_encoder.parameters())
+    for t_old, t_new, o in zip(target_before, learner.qnet.target_state_encoder.parameters(), online):
+        assert torch.allclose(t_new, t_old + 0.02 * (o.detach() - t_old), atol=1e-6)
+    assert learner.update == 1
+
+
+def test_ablations_run(tiny_encoder):
+    for kw in ({"use_target": False}, {"soft_q": False}):
+        learner, tok, layout = _learner(tiny_encoder, **kw)
+        if not kw.get("use_target", True):
+            learner.qnet.use_target = False
+        m = learner.train_update(_episodes(tok, layout))
+        assert np.isfinite(m.loss)
+
+
+def test_sampling_respects_availability_and_top_k(tiny_encoder):
+    learner, _, _ = _learner(tiny_encoder, top_k=2, alpha=10.0)
+    q = torch.tensor([[0.9, 0.8, 0.7, 0.1]]).repeat(500, 1)
+    available = torch.tensor([[False, True, True, True]]).repeat(500, 1)
+    actions = learner.sample_actions(q, available, alpha=10.0)
+    assert set(actions.tolist()) == {1, 2}  # never the selected chunk 0, never outside the top-2
+    greedy = learner.sample_actions(q, available, alpha=0.0)
+    assert set(greedy.tolist()) == {1}
