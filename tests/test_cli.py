@@ -33,7 +33,7 @@ def test_help_on_every_subcommand():
 def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
     common = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "data.chunk_tokens=48"]
     out = run(["train", *common, f"out_dir={tmp_path}", "name=cli", "updates=2", "learner.episodes_per_update=4",
-               "learner.micro_batch=4", "eval_limit=5", "--no-progress"])
+               "--no-progress", "learner.micro_batch=4", "eval_limit=5"])  # overrides after an option too
     assert out.returncode == 0, out.stderr
     final = json.loads(out.stdout.strip().splitlines()[-1])
     assert final["updates"] == 2 and 0 <= final["fact_em"] <= 1

@@ -79,6 +79,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-threshold", type=float, metavar="Q", help="stop when the best Q falls below Q")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--out", metavar="FILE.json", help="write the summary here (records go to FILE.records.jsonl)")
+    p.add_argument("--answer", metavar="BACKEND", choices=["none", "local", "openai"],
+                   help="also answer with a reader LLM: local (SmolLM2-135M, offline) | openai (answer.base_url, answer.model) "
+                        "| none; adds ans_em/ans_f1 (default: answer.backend)")
     _config_args(p)
 
 
@@ -96,8 +99,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if value is not None:
             overrides.append(f"{key}={value}")
     cfg = load_config(args.config, overrides) if args.config or args.checkpoint == "none" else None
-    summary = evaluate_checkpoint(args.checkpoint, cfg, overrides, split=args.split, limit=args.limit, device=args.device, out=args.out)
-    print(json.dumps({k: v for k, v in summary.items() if k != "search"}, indent=2))
+    summary = evaluate_checkpoint(args.checkpoint, cfg, overrides, split=args.split, limit=args.limit, device=args.device, out=args.out,
+                                  answer=args.answer)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("search", "answer", "answer_error_ids")}, indent=2))
     return 0
 
 
@@ -133,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     from .encoder import ModelPathError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # argparse stops collecting positionals after an option; accept key=value overrides anywhere.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return COMMANDS[args.command][2](args)
     except (ConfigError, DataError, ModelPathError, CheckpointError, FileNotFoundError) as exc:

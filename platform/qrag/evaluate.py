@@ -84,11 +84,14 @@ def evaluate_checkpoint(
     limit: int | None = None,
     device: str = "auto",
     out: str | Path | None = None,
+    answer: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint directory, or ``"none"`` for the untrained encoder.
 
     Without ``cfg`` the run's own config (saved in the checkpoint) is used, with ``overrides``
-    applied: the data, chunking and search of training unless told otherwise.
+    applied: the data, chunking and search of training unless told otherwise. ``answer``
+    (none | local | openai; default ``cfg.answer.backend``) also has a reader LLM answer from the
+    retrieved chunks: the summary gains ``ans_em``, ``ans_f1``, ``answer_errors``, ``reader_model``.
     """
     from .checkpoint import load_qnet, load_run_config, untrained_qnet
     from .config import apply_overrides, from_dict, TrainConfig
@@ -104,10 +107,12 @@ def evaluate_checkpoint(
         # Pretrained encoders know nothing of position rotations: the baseline scores without them.
         model_cfg = type(cfg.model)(**{**to_dict(cfg.model), "positions": "none"})
         qnet, tokenizer, layout = untrained_qnet(model_cfg, dev)
+        trained_on = None
     else:
         qnet, tokenizer, layout, run_cfg = load_qnet(checkpoint, dev, with_targets=False)
         if cfg is None:
             cfg = from_dict(TrainConfig, apply_overrides(to_dict(run_cfg), overrides or []))
+        trained_on = run_cfg.data.dataset
     samples = load_samples(cfg.data, split, tokenizer_counter(tokenizer))
     if limit is not None:
         samples = samples[:limit]
@@ -115,8 +120,25 @@ def evaluate_checkpoint(
     retriever = Retriever(qnet, layout, dev, cfg.learner.encode_tokens)
     result = evaluate(retriever, samples, tokenized, cfg.search, extra={
         "checkpoint": checkpoint, "dataset": cfg.data.dataset, "split": split, "device": str(dev),
-        "positions": qnet.cfg.positions,
+        "positions": qnet.cfg.positions, "train_dataset": trained_on,
     })
+    backend = answer or cfg.answer.backend
+    if backend != "none":
+        _answer(result, samples, cfg, backend)
     if out:
         result.write(out)
     return result.summary
+
+
+def _answer(result: EvalResult, samples: Sequence[Sample], cfg, backend: str) -> None:
+    """Have the reader answer from each question's retrieved chunks; scores go into the records
+    and the summary (questions whose request failed are counted, not scored)."""
+    from .answer import answer_records, attach_reader_inputs, load_prompt, make_answerer, public_config
+
+    template = load_prompt(cfg.answer.prompt, cfg.data.dataset)  # a bad prompt fails before the reader loads
+    answerer = make_answerer(cfg.answer, backend)
+    attach_reader_inputs(result.records, samples, cfg.answer.full_passages)
+    t0 = time.perf_counter()
+    result.summary.update(answer_records(result.records, answerer, template, cfg.data.dataset))
+    result.summary["answer_seconds"] = time.perf_counter() - t0
+    result.summary["answer"] = public_config(cfg.answer, backend)

@@ -167,7 +167,9 @@ class SoftPQNLearner:
         target_state_enc, target_action_enc = qnet.target_encoders()
 
         flat_chunks = [c for s in episodes for c in s.chunks]
+        qnet.action_encoder.eval()  # acting sees the deterministic encoder
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat_chunks, kind="chunks"), env.n_chunks)
+        qnet.action_encoder.train()
         if qnet.use_target:
             target_chunk_vecs = pad_rows(self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks)
         else:
@@ -179,12 +181,23 @@ class SoftPQNLearner:
         next_values = torch.zeros(m, horizon, device=dev)
         state_vecs, chosen_seqs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
 
+        # Without dropout the acting forward pass equals the loss's forward pass: keep its graph
+        # instead of encoding the states twice. With dropout, act without it and re-encode.
+        reuse_acting_pass = qnet.cfg.dropout == 0
+        state_seqs: list[np.ndarray] = []
         for t in range(horizon):
             rows = env.active
             if len(rows) == 0:
                 break
             rows_t = torch.from_numpy(rows).to(dev)
-            states = self._embed(qnet.state_encoder, env.states(rows), grad=True, kind="states")
+            seqs = env.states(rows)
+            if reuse_acting_pass:
+                states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
+            else:
+                qnet.state_encoder.eval()
+                states = self._embed(qnet.state_encoder, seqs, kind="states")
+                qnet.state_encoder.train()
+                state_seqs.extend(seqs)
             selected = torch.from_numpy(env.selected[rows]).to(dev)
             available = torch.from_numpy(env.available(rows)).to(dev)
             with torch.no_grad():
@@ -222,9 +235,13 @@ class SoftPQNLearner:
         actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
         if chosen_pos:
             actions_vecs = qnet.place(actions_vecs, torch.cat(chosen_pos))
-        q_taken = QNetwork.pair_scores(torch.cat(state_vecs), actions_vecs)  # [K, 2]
+        if reuse_acting_pass:
+            state_vecs_all = torch.cat(state_vecs)
+        else:
+            state_vecs_all = self._embed(qnet.state_encoder, state_seqs, grad=True, kind="states_grad")
+        q_taken = QNetwork.pair_scores(state_vecs_all, actions_vecs)  # [K, 2]
         loss = ((q_taken - targets.unsqueeze(1)) ** 2).mean(0).sum()
-        (loss * weight).backward()
+        self._backward(loss * weight)
         return {
             "loss": float(loss.detach()),
             "q_taken": float(q_taken.detach().mean()),
@@ -234,6 +251,20 @@ class SoftPQNLearner:
             "episode_length": float(env.t.mean()),
             "transitions": int(len(targets)),
         }
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward through both encoders; timed with the encoder passes when profiling."""
+        if not self.stats.timed:
+            loss.backward()
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        loss.backward()
+        sync()
+        dt = time.perf_counter() - t0
+        self.stats.seconds += dt
+        self.stats.by_kind["backward"] = self.stats.by_kind.get("backward", 0.0) + dt
 
     # -- one update ----------------------------------------------------------------------------
 

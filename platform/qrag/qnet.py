@@ -28,6 +28,17 @@ class QNetwork(nn.Module):
             self.target_action_encoder = copy.deepcopy(action_encoder).requires_grad_(False)
         if self.dim % 4:
             raise ValueError(f"embedding width {self.dim} must be divisible by 4 (twin halves of rotated pairs)")
+        if cfg.freeze_embeddings:
+            for encoder in (state_encoder, action_encoder):
+                encoder.get_input_embeddings().requires_grad_(False)
+
+    def train(self, mode: bool = True) -> QNetwork:
+        """Targets always run in eval mode: bootstrapped values must not carry dropout noise."""
+        super().train(mode)
+        if self.use_target:
+            self.target_state_encoder.eval()
+            self.target_action_encoder.eval()
+        return self
 
     @classmethod
     def from_pretrained(cls, encoder: nn.Module, cfg: ModelConfig, use_target: bool = True) -> QNetwork:
@@ -38,7 +49,8 @@ class QNetwork(nn.Module):
         return int(self.state_encoder.config.hidden_size)
 
     def online_parameters(self) -> list[nn.Parameter]:
-        return [*self.state_encoder.parameters(), *self.action_encoder.parameters()]
+        """The trained parameters (frozen embedding tables excluded)."""
+        return [p for p in (*self.state_encoder.parameters(), *self.action_encoder.parameters()) if p.requires_grad]
 
     def target_encoders(self) -> tuple[nn.Module, nn.Module]:
         """Encoders that bootstrap V; the online ones when targets are ablated."""

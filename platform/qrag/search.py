@@ -1,6 +1,9 @@
 """Inference: embed the chunks once, then step by step embed the state and score every available
 chunk (a dot product after the position rotation). Greedy, beam search over Q (Plan Q-RAG), and
 stopping when the best available Q falls below a threshold.
+
+Beam search keeps, per question, the ``beam_width`` best paths; a path's score is the minimum Q
+along it (see ``_advance``), and the best-scoring path is returned.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from .config import SearchConfig
 from .encoder import EncodeStats, encode, pad_rows
+from .positions import rope_frequencies
 from .qnet import QNetwork
 from .tokens import TokenizedSample, TokenLayout
 
@@ -75,22 +79,40 @@ class Retriever:
         return self._encode(self.qnet.state_encoder, seqs, "states")
 
     @torch.no_grad()
-    def score(self, states: torch.Tensor, chunk_vecs: torch.Tensor, selected: torch.Tensor, n_chunks: torch.Tensor, block: int = 65536) -> torch.Tensor:
+    def score(self, states: torch.Tensor, chunk_vecs: torch.Tensor, selected: torch.Tensor, n_chunks: torch.Tensor,
+              block: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Q (mean of the twin halves) of every chunk for each state row: [L, N].
 
-        ``chunk_vecs`` is [L, N, d] or [N, d] shared by all rows; columns are scored in blocks so
-        that rotated copies never exceed ``block`` chunks per row.
+        ``chunk_vecs`` is [L, N, d] or [N, d] shared by all rows. Without positions the mean of
+        the twin dot products is half the full dot product: one matmul, no copy of the vectors.
+        With positions the rotation is folded into the dot product (never materialising rotated
+        copies of the chunk vectors), ``block`` chunks at a time (default: ~2M floats per
+        temporary, whatever the number of rows), so extra memory does not grow with N x L.
+        ``positions`` may pass ``self.qnet.positions(selected, n_chunks)`` already computed.
         """
-        pos = self.qnet.positions(selected, n_chunks)
-        n = selected.shape[1]
+        pos = self.qnet.positions(selected, n_chunks) if positions is None else positions
+        if pos is None:
+            if chunk_vecs.dim() == 2:
+                return (states.float() @ chunk_vecs.float().T) * 0.5
+            return torch.einsum("ld,lnd->ln", states.float(), chunk_vecs.float()) * 0.5
+        n, d = selected.shape[1], states.shape[-1]
+        rows, q4 = len(states), d // 4
+        block = block or max(1024, (1 << 21) // max(1, rows * d))
+        freqs = rope_frequencies(d, self.qnet.cfg.rope_base, states.device)
+        # Pairs (2k, 2k+1) of each twin half, as in qrag.positions.rotate: u, w of the state and
+        # x, y of a chunk; <s, R(θ)a> = Σ cosθ·(u·x + w·y) + sinθ·(w·x − u·y).
+        st = states.float().reshape(rows, 1, 2, q4, 2)
+        u, w = st[..., 0], st[..., 1]
         out = torch.empty(selected.shape, device=states.device, dtype=torch.float32)
         for lo in range(0, n, block):
             hi = min(n, lo + block)
-            vecs = chunk_vecs[..., lo:hi, :]
-            if vecs.dim() == 2:
-                vecs = vecs.unsqueeze(0).expand(len(states), -1, -1)
-            placed = self.qnet.place(vecs, None if pos is None else pos[:, lo:hi])
-            out[:, lo:hi] = QNetwork.twin_scores(states, placed).mean(-1)
+            v = chunk_vecs[..., lo:hi, :].float()
+            v = v.reshape(*v.shape[:-1], 2, q4, 2)
+            x, y = v[..., 0], v[..., 1]  # [(L,) b, 2, d/4]
+            along = (u * x).sum(-2) + (w * y).sum(-2)  # [L, b, d/4], summed over the two halves
+            across = (w * x).sum(-2) - (u * y).sum(-2)
+            angles = pos[:, lo:hi].to(torch.float32).unsqueeze(-1) * freqs
+            out[:, lo:hi] = 0.5 * (angles.cos() * along + angles.sin() * across).sum(-1)
         return out
 
     def retrieve(self, samples: Sequence[TokenizedSample], cfg: SearchConfig, max_batch_chunks: int = 65536) -> list[Retrieval]:
@@ -133,8 +155,8 @@ class Retriever:
                 if b.steps:
                     selected[i, list(b.chosen)] = True
             vecs = chunk_vecs[0] if len(samples) == 1 else chunk_vecs[rows]
-            q = self.score(states, vecs, selected, torch.from_numpy(counts).to(dev)[rows])
             pos = self.qnet.positions(selected, torch.from_numpy(counts).to(dev)[rows])
+            q = self.score(states, vecs, selected, torch.from_numpy(counts).to(dev)[rows], positions=pos)
             q = q.masked_fill(selected | ~valid[rows], float("-inf"))
             k = min(width, max(width_beam, cfg.alternatives + 1))
             top_q, top_i = q.topk(k, dim=1)
@@ -173,7 +195,10 @@ class Retriever:
                     break
                 alts = [(int(top_i[row][a]), float(top_q[row][a])) for a in range(len(top_i[row])) if a != j and np.isfinite(top_q[row][a])]
                 step = Step(int(top_i[row][j]), q, None if pos_np is None else float(pos_np[row][j]), alts[: cfg.alternatives])
-                candidates.setdefault(b.sample, []).append(_Beam(b.sample, [*b.steps, step], q))
+                # A path is scored by the lowest Q along it. Every Q on the path estimates the same
+                # episode return, and Q of states the policy rarely visits (after a wrong first
+                # pick) is over-estimated; ranking by the last Q alone prefers such paths.
+                candidates.setdefault(b.sample, []).append(_Beam(b.sample, [*b.steps, step], min(b.score, q)))
         kept: list[_Beam] = []
         for sample in sorted(candidates):
             seen: set[frozenset[int]] = set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,12 +24,13 @@ from .checkpoint import (
 from .config import SearchConfig, TrainConfig
 from .data import load_samples
 from .data.chunking import tokenizer_counter
+from .data.splits import in_validation
 from .data.sample import Sample
-from .encoder import pick_device
+from .encoder import load_tokenizer, pick_device, resolve_encoder
 from .evaluate import EvalResult, evaluate
 from .learner import SoftPQNLearner
 from .search import Retriever
-from .tokens import TokenizedSample, tokenize_samples
+from .tokens import TokenizedSample, TokenLayout, tokenize_samples
 
 Reporter = Callable[[int, dict[str, float]], None]
 
@@ -75,6 +77,10 @@ class LocalEpisodeSource:
         return [self.samples[i] for i in self.sampler.take(self.batch_size)]
 
 
+def _init_cuda(device: torch.device) -> None:
+    torch.empty(1, device=device)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -92,19 +98,34 @@ class TrainingRun:
         self.cfg = cfg
         self.device = device or pick_device(cfg.device)
         seed_everything(cfg.seed)
-        if resume is not None:
-            self.qnet, self.tokenizer, self.layout, _ = load_qnet(resume, self.device, with_targets=True)
-            if cfg.learner.use_target and not self.qnet.use_target:
-                raise ValueError(f"{resume} has no target encoders but learner.use_target is true")
-        else:
-            self.qnet, self.tokenizer, self.layout = untrained_qnet(cfg.model, self.device, cfg.learner.use_target)
-        self.learner = SoftPQNLearner(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
         self.train_samples: list[Sample] = []
         self.dev_samples: list[Sample] = []
+        self.val_samples: list[Sample] = []
         self.train_tok: list[TokenizedSample] = []
+        self.val_tok: list[TokenizedSample] = []
         self.dev_tok: list[TokenizedSample] = []
-        if load_data:
-            self.load_data()
+        self.best_f1 = float("-inf")
+        # Data loading (JSON parsing, tokenisation: mostly GIL-free Rust) overlaps with loading
+        # the encoders and initialising the GPU; it only needs the tokenizer.
+        self.timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.tokenizer = load_tokenizer(str(Path(resume) / "tokenizer") if resume is not None else resolve_encoder(cfg.model.encoder))
+        self.layout = TokenLayout.from_tokenizer(self.tokenizer, cfg.model.max_state_tokens)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            if self.device.type == "cuda":
+                pool.submit(_init_cuda, self.device)  # seconds of driver start-up, off the critical path
+            loading = pool.submit(self.load_data) if load_data else None
+            if resume is not None:
+                self.qnet, _, _, _ = load_qnet(resume, self.device, with_targets=True)
+                if cfg.learner.use_target and not self.qnet.use_target:
+                    raise ValueError(f"{resume} has no target encoders but learner.use_target is true")
+            else:
+                self.qnet, _, _ = untrained_qnet(cfg.model, self.device, cfg.learner.use_target)
+            self.timings["model_s"] = time.perf_counter() - t0
+            if loading is not None:
+                loading.result()
+            self.timings["model_and_data_s"] = time.perf_counter() - t0
+        self.learner = SoftPQNLearner(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []
         if resume is not None:
@@ -112,15 +133,22 @@ class TrainingRun:
             if "sampler" in extra and self.train_tok:
                 self.sampler.load_state(extra["sampler"])
             self.history = extra.get("history", [])
+            self.best_f1 = extra.get("best_f1", float("-inf"))
 
     # -- data ----------------------------------------------------------------------------------
 
     def load_data(self) -> None:
+        t0 = time.perf_counter()
         count = tokenizer_counter(self.tokenizer)
-        self.train_samples = load_samples(self.cfg.data, "train", count)
+        train = load_samples(self.cfg.data, "train", count)
+        val_fraction = self.cfg.data.val_fraction
+        self.train_samples = [s for s in train if not in_validation(s.id, val_fraction)]
+        self.val_samples = [s for s in train if in_validation(s.id, val_fraction)]
         self.dev_samples = load_samples(self.cfg.data, "dev", count)
         self.train_tok = self.tokenize(self.train_samples)
+        self.val_tok = self.tokenize(self.val_samples)
         self.dev_tok = self.tokenize(self.dev_samples)
+        self.timings["data_s"] = time.perf_counter() - t0
 
     def tokenize(self, samples: Sequence[Sample]) -> list[TokenizedSample]:
         d = self.cfg.data
@@ -141,18 +169,26 @@ class TrainingRun:
         """Episodes sampled in this process from the training split (the default source)."""
         return LocalEpisodeSource(self.train_tok, self.cfg.learner.episodes_per_update, self.sampler)
 
-    def evaluate(self, limit: int | None = None, search: SearchConfig | None = None) -> EvalResult:
+    def evaluate(self, limit: int | None = None, search: SearchConfig | None = None, split: str = "dev") -> EvalResult:
+        """Search + metrics on ``split`` ("dev", or "val" — the held-out part of train)."""
+        samples, tokenized = (self.val_samples, self.val_tok) if split == "val" else (self.dev_samples, self.dev_tok)
         search = search or self.cfg.search
-        n = len(self.dev_tok) if limit is None else min(limit, len(self.dev_tok))
+        n = len(tokenized) if limit is None else min(limit, len(tokenized))
         retriever = Retriever(self.qnet, self.layout, self.device, self.cfg.learner.encode_tokens)
         try:
-            return evaluate(retriever, self.dev_samples[:n], self.dev_tok[:n], search, extra={"update": self.learner.update})
+            return evaluate(retriever, samples[:n], tokenized[:n], search, extra={"update": self.learner.update, "split": split})
         finally:
             self.qnet.train()
 
-    def save(self, directory: Path) -> Path:
-        extra = {"sampler": self.sampler.state(), "history": self.history[-10000:]}
-        return save_checkpoint(directory, self.qnet, self.tokenizer, self.cfg, self.learner, extra)
+    @property
+    def periodic_split(self) -> str:
+        """Periodic evaluation (and best-checkpoint selection) never looks at dev when a
+        validation split exists, so the final dev figure stays unbiased."""
+        return "val" if self.val_tok else "dev"
+
+    def save(self, directory: Path, resumable: bool = True) -> Path:
+        extra = {"sampler": self.sampler.state(), "history": self.history[-10000:], "best_f1": self.best_f1}
+        return save_checkpoint(directory, self.qnet, self.tokenizer, self.cfg, self.learner if resumable else None, extra)
 
     def run(
         self,
@@ -190,10 +226,14 @@ class TrainingRun:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(ret=f"{m.episode_return:.3f}", loss=f"{m.loss:.4f}", eps=f"{metrics['perf/episodes_per_s']:.0f}")
-            if cfg.eval_every and update % cfg.eval_every == 0 and update < cfg.updates:
-                ev = self.evaluate(cfg.eval_limit).summary
+            if cfg.eval_every and (update % cfg.eval_every == 0 or update == cfg.updates):
+                ev = self.evaluate(cfg.eval_limit, split=self.periodic_split).summary
                 last_eval = {"eval/fact_em": ev["fact_em"], "eval/fact_f1": ev["fact_f1"]}
                 metrics.update(last_eval)
+                if cfg.keep_best and ev["fact_f1"] > self.best_f1:
+                    self.best_f1 = ev["fact_f1"]
+                    self.save(self.run_dir / "best", resumable=False)
+                    metrics["eval/best_fact_f1"] = self.best_f1
             if update % max(1, cfg.log_every) == 0 or update == cfg.updates or "eval/fact_f1" in metrics:
                 report(update, metrics)
             if cfg.checkpoint_every and update % cfg.checkpoint_every == 0 and update < cfg.updates:
@@ -203,14 +243,22 @@ class TrainingRun:
         if bar is not None:
             bar.close()
         final = self.save(self.run_dir / "final")
-        result = self.evaluate(cfg.eval_limit)
+        reported = final
+        if cfg.keep_best and (self.run_dir / "best").is_dir():
+            # Report the selected checkpoint: load its weights into the live model.
+            best_qnet, *_ = load_qnet(self.run_dir / "best", self.device, with_targets=False)
+            self.qnet.state_encoder.load_state_dict(best_qnet.state_encoder.state_dict())
+            self.qnet.action_encoder.load_state_dict(best_qnet.action_encoder.state_dict())
+            reported = self.run_dir / "best"
+        result = self.evaluate(None)
+        result.summary["checkpoint"] = str(reported)
         result.write(self.run_dir / "eval.json")
-        summary = {"eval/fact_em": result.summary["fact_em"], "eval/fact_f1": result.summary["fact_f1"]}
+        summary = {"final/dev_fact_em": result.summary["fact_em"], "final/dev_fact_f1": result.summary["fact_f1"]}
         report(self.learner.update, summary)
         if on_checkpoint is not None:
             on_checkpoint(final, summary)
         return {
-            "checkpoint": str(final), "eval": result.summary, "updates": self.learner.update,
+            "checkpoint": str(reported), "final_checkpoint": str(final), "eval": result.summary, "updates": self.learner.update,
             "seconds": time.perf_counter() - started, "run_dir": str(self.run_dir),
         }
 

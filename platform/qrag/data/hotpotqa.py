@@ -8,6 +8,7 @@ supporting fact. A bad record stops loading with an error naming the file and th
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,17 @@ def _support(record: dict[str, Any], paragraphs: list[tuple[str, list[str]]], wh
     return sorted(support)
 
 
+@functools.lru_cache(maxsize=4)
+def _read_cached(file: Path, mtime_ns: int, size: int) -> Any:
+    return read_json(file)
+
+
+def _read_records(file: Path) -> Any:
+    """Parsed once per process: train and dev splits come from the same file."""
+    st = file.stat()
+    return _read_cached(file.resolve(), st.st_mtime_ns, st.st_size)
+
+
 def parse_record(record: Any, where: str, budget: int, count: TokenCounter) -> Sample:
     if not isinstance(record, dict):
         raise DataError(f"{where}: a record must be a JSON object")
@@ -88,7 +100,7 @@ def load_hotpotqa(
 ) -> list[Sample]:
     samples: list[Sample] = []
     for file in resolve_files(path or default_path()):
-        records = read_json(file)
+        records = _read_records(file)
         if not isinstance(records, list):
             raise DataError(f"{file}: expected a JSON list of HotpotQA records")
         for i, record in enumerate(records):

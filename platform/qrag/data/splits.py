@@ -31,3 +31,8 @@ def in_split(record_id: str, split: str, dev_fraction: float) -> bool:
 
 def take_split(items: Sequence[T], ids: Sequence[str], split: str, dev_fraction: float) -> list[T]:
     return [item for item, rid in zip(items, ids) if in_split(rid, split, dev_fraction)]
+
+
+def in_validation(record_id: str, val_fraction: float) -> bool:
+    """Validation part of the train split: a second, independent hash of the id."""
+    return val_fraction > 0 and dev_score("val:" + record_id) < val_fraction

@@ -1,0 +1,293 @@
+"""Long-context benchmark (issue 6): train on <= 4K-token contexts, evaluate up to 10M tokens.
+
+For each task (qa2, qa3: BabiLong; niah: the mix of the eight RULER NIAH tasks) it
+  (a) trains Q-RAG (relative positions, T = 4) on 2K-token contexts for ``--minutes`` minutes
+      (the number of updates is set from the measured speed so the schedule completes);
+  (b) evaluates the trained checkpoint and the untrained encoder (multi-step RAG w/o FT) at
+      4K, 32K, 128K, 1M (and 10M on ``--questions-10m`` questions for BabiLong), with T = the
+      task's number of supporting facts;
+and writes bench/results/longctx_<task>.json (+ .png when matplotlib is there) and prints one
+JSON line. Needs only torch, transformers, numpy, pyyaml, tqdm, safetensors (no Ray/MLflow/FAISS).
+
+On a GPU machine, from the repository root (one call per task keeps each under 10 minutes):
+
+    python bench/longctx.py --pack-assets .carry/longctx            # once, here: fp16 encoder + data subset
+    PYTHONPATH=platform python bench/longctx.py --assets .carry/longctx --task qa3 --minutes 5
+    python bench/longctx.py --merge bench/results/longctx_*.json     # here: one table + plot
+
+Without ``--assets`` the bundled MiniLM and ../shared/data are used (``--encoder``, ``--babi``,
+``--novels``, ``--essays`` override each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import machine_info  # noqa: E402
+
+PRESETS = {"qa1": "babilong-qa1.yaml", "qa2": "babilong-qa2.yaml", "qa3": "babilong-qa3.yaml",
+           "qa4": "babilong-qa4.yaml", "qa5": "babilong-qa5.yaml", "niah": "niah.yaml"}
+BABILONG_LENGTHS = "4k,32k,128k,1m,10m"
+NIAH_LENGTHS = "4k,32k,128k,1m"
+# What --pack-assets copies (sizes stored): bAbI qa1-qa5 (<1 MB), training books that hold the
+# 2M-token training haystack, evaluation books (a 10M-token context wraps around them).
+PACK_TRAIN_BOOKS = 4
+PACK_DEV_BOOKS = 10
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="qa3", help="qa1..qa5 or niah, comma-separated for several in one call (default qa3)")
+    p.add_argument("--minutes", type=float, default=5.0, help="training time per task (default 5)")
+    p.add_argument("--assets", metavar="DIR", help="a folder made by --pack-assets (encoder/, babi/, novels/, essays/)")
+    p.add_argument("--encoder", help="encoder directory (default: assets/encoder, else the bundled MiniLM)")
+    p.add_argument("--babi", help="bAbI v1.2 folder with en/ and en-10k/")
+    p.add_argument("--novels", help="background books (a folder with train/ and dev/, or gutenberg_novels)")
+    p.add_argument("--essays", help="PaulGrahamEssays.json[.gz]")
+    p.add_argument("--lengths", help=f"evaluation lengths (default {BABILONG_LENGTHS}; NIAH {NIAH_LENGTHS})")
+    p.add_argument("--questions", type=int, default=100, help="BabiLong questions per length (default 100)")
+    p.add_argument("--questions-10m", type=int, default=20, help="BabiLong questions at 10M tokens (default 20)")
+    p.add_argument("--niah-questions", type=int, default=25, help="questions per NIAH task and length (default 25)")
+    p.add_argument("--train-tokens", type=int, default=2048, help="training context length (default 2048)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
+    p.add_argument("--runs", default=str(ROOT / "runs" / "bench-longctx"), help="checkpoints folder")
+    p.add_argument("--no-baseline", action="store_true", help="skip the untrained encoder")
+    p.add_argument("--pack-assets", metavar="DIR", help="write the fp16 encoder and a data subset to DIR, then exit")
+    p.add_argument("--generation-only", action="store_true",
+                   help="only time generating + tokenising one BabiLong sample per length (CPU; peak RSS), then exit")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge result files into longctx_all.json (+ .png), then exit")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for training, e.g. learner.lr=3e-5")
+    return p.parse_args(argv)
+
+
+# -- assets -------------------------------------------------------------------------------------
+
+
+def pack_assets(dest: Path) -> dict:
+    """The bundled encoder in fp16 (it loads back as fp32) and the data the benchmark reads."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from qrag.data.babi import default_dir
+    from qrag.data.babilong import default_background
+    from qrag.data.haystack import NOVEL_SPLIT, _text_files
+    from qrag.data.niah import default_essays
+    from qrag.encoder import resolve_encoder
+
+    dest.mkdir(parents=True, exist_ok=True)
+    src = resolve_encoder("minilm")
+    AutoModel.from_pretrained(src).to(torch.float16).save_pretrained(dest / "encoder", safe_serialization=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dest / "encoder")
+    for variant in ("en", "en-10k"):
+        (dest / "babi" / variant).mkdir(parents=True, exist_ok=True)
+        for f in sorted((default_dir() / variant).glob("qa[1-5]_*")):
+            shutil.copy2(f, dest / "babi" / variant / f.name)
+    novels = default_background()
+    for split, count in (("train", PACK_TRAIN_BOOKS), ("dev", PACK_DEV_BOOKS)):
+        (dest / "novels" / split).mkdir(parents=True, exist_ok=True)
+        for f in _text_files(novels / NOVEL_SPLIT[split])[:count]:
+            shutil.copy2(f, dest / "novels" / split / f.name)
+    (dest / "essays").mkdir(exist_ok=True)
+    shutil.copy2(default_essays(), dest / "essays" / default_essays().name)
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    return {"assets": str(dest), "megabytes": round(size / 2**20, 1)}
+
+
+def resolve_paths(args: argparse.Namespace) -> dict[str, str | None]:
+    a = Path(args.assets) if args.assets else None
+    essays = args.essays or (str(next((a / "essays").glob("*.json*"))) if a else None)
+    return {
+        "encoder": args.encoder or (str(a / "encoder") if a else "minilm"),
+        "babi": args.babi or (str(a / "babi") if a else None),
+        "novels": args.novels or (str(a / "novels") if a else None),
+        "essays": essays,
+    }
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tuple[dict, object]:
+    """Train for ``args.minutes``: a few timed updates set the total so the schedule completes."""
+    from qrag.config import load_config
+    from qrag.data.haystack import Measure
+    from qrag.longcontext import ChunkTokens
+    from qrag.train import EpochSampler, TrainingRun
+
+    overrides = [f"model.encoder={paths['encoder']}", f"out_dir={args.runs}", f"name={task}",
+                 f"data.context_tokens={args.train_tokens}", "checkpoint_every=0", "eval_every=0", *args.overrides]
+    if task == "niah":
+        overrides += [f"data.path={paths['essays']}"] if paths["essays"] else []
+    else:
+        overrides += [f"data.path={paths['novels']}"] if paths["novels"] else []
+        overrides += [f"data.facts_path={paths['babi']}"] if paths["babi"] else []
+    cfg = load_config(ROOT / "configs" / PRESETS[task], overrides)
+    t0 = time.perf_counter()
+    run = TrainingRun(cfg, device=device, load_data=False)
+    # Data without re-tokenising: generated samples take their token ids from the measured books.
+    if task == "niah":
+        from qrag.data.niah import generate_from_config
+    else:
+        from qrag.data.babilong import generate_from_config
+    measure = Measure.from_tokenizer(run.tokenizer)
+    tokens = ChunkTokens(run.tokenizer, run.layout, cfg.data.chunk_tokens, cfg.data.question_tokens)
+    train_items = generate_from_config(cfg.data, "train", measure)
+    dev_items = generate_from_config(cfg.data, "dev", measure)
+    run.train_samples, run.train_tok = [g.sample for g in train_items], tokens(train_items)
+    run.dev_samples, run.dev_tok = [g.sample for g in dev_items], tokens(dev_items)
+    del train_items, dev_items
+    tokens.clear()
+    run.sampler = EpochSampler(len(run.train_tok), cfg.seed)
+    data_s = time.perf_counter() - t0
+    log(f"{task}: {len(run.train_tok)} train / {len(run.dev_tok)} dev samples in {data_s:.0f}s")
+
+    source = run.local_source()
+    probe = 6
+    for i in range(probe):  # the first update warms up kernels; time the rest
+        if i == 1:
+            t1 = time.perf_counter()
+        run.learner.train_update(source.next_batch())
+    per_update = (time.perf_counter() - t1) / (probe - 1)
+    # The budget counts from the end of data preparation; 5% is kept for the final dev eval.
+    budget = 0.95 * args.minutes * 60 - (time.perf_counter() - t0 - data_s)
+    updates = max(probe + 1, probe + int(budget / per_update))
+    run.cfg.updates = run.learner.total_updates = updates
+    log(f"{task}: {per_update:.2f}s/update -> {updates} updates x {cfg.learner.episodes_per_update} episodes")
+    history: list[dict] = []
+    out = run.run(source=source, report=lambda step, m: history.append({"update": step, **m}))
+    train_s = time.perf_counter() - t0
+    last = [h for h in history if "train/return" in h][-5:]
+    return {
+        "checkpoint": out["checkpoint"], "updates": out["updates"], "seconds": round(train_s, 1),
+        "data_seconds": round(data_s, 1), "seconds_per_update": round(per_update, 3),
+        "episodes_per_update": cfg.learner.episodes_per_update,
+        "train_return_last": sum(h["train/return"] for h in last) / max(1, len(last)),
+        "dev_fact_f1": out["eval"]["fact_f1"], "dev_fact_em": out["eval"]["fact_em"],
+        "config": {"context_tokens": cfg.data.context_tokens, "positions": cfg.model.positions, "env.max_steps": cfg.env.max_steps,
+                   "lr": cfg.learner.lr, "samples_per_task": cfg.data.samples_per_task},
+    }, cfg
+
+
+# -- evaluation ---------------------------------------------------------------------------------
+
+
+def evaluate(task: str, checkpoint: str, cfg, args: argparse.Namespace, device, log) -> dict:
+    from qrag.data.niah import TASKS
+    from qrag.lengths import parse_length, run_sweep
+
+    is_niah = task == "niah"
+    lengths = [parse_length(x) for x in (args.lengths or (NIAH_LENGTHS if is_niah else BABILONG_LENGTHS)).split(",")]
+    if is_niah:
+        lengths = [n for n in lengths if n <= 2**20]  # RULER: 4K to 1M
+    tasks = list(TASKS) if is_niah else [task]
+    models = [("Q-RAG", checkpoint)] + ([] if args.no_baseline else [("untrained", "none")])
+
+    def samples(length: int) -> int:
+        if is_niah:
+            return args.niah_questions
+        return args.questions_10m if length >= 10 * 2**20 else args.questions
+
+    return run_sweep(models, cfg, tasks, lengths, samples, split="dev", device=device, log=log)
+
+
+def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
+    """Seconds and peak RSS to generate and tokenise one BabiLong sample at each length, after
+    the background books are measured (timed separately: once per process and tokenizer)."""
+    from qrag.data.babilong import book_haystack, generate_babilong
+    from qrag.data.haystack import MIN_BACKGROUND_TOKENS, Measure
+    from qrag.encoder import load_tokenizer, resolve_encoder
+    from qrag.lengths import length_label, parse_length
+    from qrag.longcontext import ChunkTokens
+    from qrag.memory import peak_mb, reset_peak
+    from qrag.tokens import TokenLayout
+
+    import torch
+
+    cpu = torch.device("cpu")
+    tokenizer = load_tokenizer(resolve_encoder(paths["encoder"]))
+    layout = TokenLayout.from_tokenizer(tokenizer, 512)
+    measure = Measure.from_tokenizer(tokenizer)
+    lengths = [parse_length(x) for x in (args.lengths or "1m,10m").split(",")]
+    t0 = time.perf_counter()
+    hay = book_haystack(paths["novels"], "dev", 64, measure, max(MIN_BACKGROUND_TOKENS, 2 * max(lengths)))
+    out = {"background_tokens": hay.tokens, "background_seconds": round(time.perf_counter() - t0, 1), "rows": []}
+    for length in lengths:
+        tokens = ChunkTokens(tokenizer, layout, 64, 48)
+        reset_peak(cpu)
+        t0 = time.perf_counter()
+        g = next(generate_babilong("qa3", "dev", length, 1, measure, facts_path=paths["babi"], background=paths["novels"]))
+        gen_s = time.perf_counter() - t0
+        tok = tokens([g])[0]
+        out["rows"].append({"length": length_label(length), "chunks": len(g.sample.chunks), "context_tokens": g.sample.meta["context_tokens"],
+                            "generate_seconds": round(gen_s, 2), "tokenize_seconds": round(time.perf_counter() - t0 - gen_s, 2),
+                            "peak_rss_mb": round(peak_mb(cpu)), "token_array_mb": round(sum(c.nbytes for c in tok.chunks) / 2**20, 1)})
+        del g, tok, tokens
+    return out
+
+
+def summary_line(task: str, training: dict, table: dict) -> dict:
+    from qrag.lengths import length_label
+
+    f1: dict[str, dict[str, float]] = {}
+    for r in table["rows"]:
+        key = r["model"] if task != "niah" else f"{r['model']}/{r['task']}"
+        f1.setdefault(key, {})[length_label(r["length"])] = round(100 * r["fact_f1"], 1)
+    return {"bench": "longctx", "task": task, "device": table["device"], "updates": training["updates"],
+            "train_seconds": training["seconds"], "fact_f1": f1}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from qrag.lengths import format_table, merge_tables, plot_table, read_table, write_table
+
+    out_dir = Path(args.out)
+    if args.pack_assets:
+        print(json.dumps(pack_assets(Path(args.pack_assets))))
+        return 0
+    if args.merge:
+        table = merge_tables([read_table(p) for p in args.merge])
+        path = write_table(table, out_dir / "longctx_all.json")
+        png = plot_table(table, path.with_suffix(".png"))
+        print(format_table(table))
+        print(json.dumps({"table": str(path), "plot": str(png) if png else None}))
+        return 0
+
+    from qrag.encoder import pick_device
+
+    device = pick_device(args.device)
+    paths = resolve_paths(args)
+    if args.generation_only:
+        print(json.dumps({"bench": "longctx-generation", "machine": machine_info(), **measure_generation(args, paths)}))
+        return 0
+
+    def log(text: str) -> None:
+        print(f"[longctx {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    for task in [t.strip() for t in args.task.split(",") if t.strip()]:
+        if task not in PRESETS:
+            raise SystemExit(f"longctx: unknown task {task!r} (choose from {', '.join(PRESETS)})")
+        training, cfg = train(task, args, paths, device, log)
+        t0 = time.perf_counter()
+        table = evaluate(task, training["checkpoint"], cfg, args, device, log)
+        table.update(bench="longctx", task=task, machine=machine_info(), training=training, paths=paths,
+                     eval_seconds=round(time.perf_counter() - t0, 1))
+        path = out_dir / f"longctx_{task}.json"
+        write_table(table, path)
+        plot_table(table, path.with_suffix(".png"))
+        print(format_table(table), file=sys.stderr)
+        print(json.dumps(summary_line(task, training, table)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,317 @@
+"""Scale of the serving path (library, no Ray/FAISS/MLflow needed): index a corpus of N tokens
+(default 10M, ~156K chunks of 64 tokens) built from the Gutenberg novels, then time retrieval.
+
+Reports, as one JSON line (and ``--out`` file):
+* indexing tokens/s end to end (text -> sentence-aligned chunks -> token ids -> vectors ->
+  checksummed shard files; CPU text work in ``--workers`` processes overlapping the GPU), next
+  to the bare encoder's forward tokens/s on the same padded batches (model calls only);
+* p50/p99 latency of ``--steps``-step retrieval at concurrency 1 (with per-stage means);
+* throughput at concurrency B (B questions searched in lockstep in one process: one state-encoder
+  call and one scoring pass per shard per step, as Serve's @serve.batch does across requests),
+  p50/p99 per batch, and the highest throughput whose p99 stays under ``--p99-ms``;
+* vectors bytes and GPU memory per shard.
+
+CPU check:  python bench/serve_scale.py --tokens 200000 --queries 20
+GPU (lead): see the report; needs only torch, transformers, numpy, safetensors on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import machine_info, write_result  # noqa: E402
+from qrag.config import SearchConfig  # noqa: E402
+from qrag.data.documents import Document, chunk_documents  # noqa: E402
+from qrag.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
+from qrag.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
+from qrag.index import CorpusStore, LocalIndex, ShardOptions  # noqa: E402
+
+
+def args_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", default=None, help="folder (searched recursively) or glob of .txt/.txt.gz books; default $QRAG_DATA_DIR/gutenberg_novels")
+    ap.add_argument("--tokens", type=int, default=10_000_000, help="corpus size in tokens (books in name order, the last one cut)")
+    ap.add_argument("--chunk-tokens", type=int, default=64)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--checkpoint", default=None, help="a checkpoint dir (its positions mode is used); default: the untrained encoder")
+    ap.add_argument("--encoder", default="minilm", help="encoder without checkpoint: 'minilm' or a HF directory")
+    ap.add_argument("--positions", default="relative", choices=["none", "absolute", "relative"],
+                    help="positions of the untrained encoder (relative = the exact rotated scoring path)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--chunk-batch", type=int, default=8192, help="chunks per encoder call while indexing")
+    ap.add_argument("--encode-tokens", type=int, default=131072, help="padded tokens per encoder forward")
+    ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="processes for chunking and tokenising")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--queries", type=int, default=200, help="questions timed at concurrency 1")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="lockstep batch sizes (concurrency) for the throughput curve")
+    ap.add_argument("--rounds", type=int, default=20, help="batches timed per batch size")
+    ap.add_argument("--p99-ms", type=float, default=100.0)
+    ap.add_argument("--storage", default=None, help="index folder (default: a temporary one)")
+    ap.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/serve_scale_h100.json")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="random-init encoder of --encoder's architecture (speed figures need no trained weights: carry only its config and tokenizer)")
+    ap.add_argument("--export-encoder", metavar="DIR", help="write the bundled MiniLM (config, tokenizer, fp16 weights ~46 MB) to carry to a GPU machine, and exit")
+    return ap
+
+
+def export_encoder(target: str) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    src = resolve_encoder("minilm")
+    model = AutoModel.from_pretrained(src)
+    model.half().save_pretrained(target, safe_serialization=True)
+    # Half the bytes on disk, but loaded as float32 like the bundled encoder (bf16 autocast on GPU).
+    config = json.loads((Path(target) / "config.json").read_text())
+    config["dtype"] = "float32"
+    (Path(target) / "config.json").write_text(json.dumps(config, indent=2))
+    AutoTokenizer.from_pretrained(src).save_pretrained(target)
+    print(json.dumps({"exported": target, "bytes": sum(p.stat().st_size for p in Path(target).rglob("*") if p.is_file())}))
+
+
+def random_weights_model(source, args) -> EmbeddingModel:
+    """The encoder's architecture with random weights: same shapes, same speed."""
+    from transformers import AutoConfig, AutoModel
+
+    from qrag.embedder import untrained_model_cfg
+    from qrag.encoder import load_tokenizer, pick_device
+    from qrag.qnet import QNetwork
+    from qrag.tokens import TokenLayout
+
+    path = resolve_encoder(args.encoder)
+    torch.manual_seed(0)
+    encoder = AutoModel.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+    model_cfg = untrained_model_cfg(args.encoder, args.positions)
+    dev = pick_device(args.device)
+    qnet = QNetwork.from_pretrained(encoder, model_cfg, use_target=False).to(dev)
+    tokenizer = load_tokenizer(path)
+    return EmbeddingModel(qnet, tokenizer, TokenLayout.from_tokenizer(tokenizer, model_cfg.max_state_tokens), dev, "random-weights",
+                          source, args.encode_tokens, 64, args.chunk_batch)
+
+
+def book_files(corpus: str | None) -> list[Path]:
+    if corpus is None:
+        from qrag.data.paths import data_root
+
+        corpus = str(data_root() / "gutenberg_novels")
+    if os.path.isdir(corpus):
+        files = sorted(p for p in Path(corpus).rglob("*") if p.name.endswith((".txt", ".txt.gz")) and p.name != "overview.txt")
+    else:
+        files = sorted(Path(p) for p in glob.glob(corpus))
+    if not files:
+        raise SystemExit(f"no .txt/.txt.gz books under {corpus}")
+    return files
+
+
+def read_book(path: Path) -> str:
+    raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
+    return raw.decode("utf-8", errors="replace")
+
+
+# -- worker processes: text -> chunks -> token ids ------------------------------------------------
+
+_TOK: Tokenization | None = None
+
+
+def _init_worker(tokenizer_dir: str, layout, question_tokens: int) -> None:
+    global _TOK
+    from qrag.encoder import load_tokenizer
+
+    torch.set_num_threads(1)
+    _TOK = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
+
+
+def _prepare(job: tuple[str, str, int]):
+    path, doc_id, budget = job
+    chunks = chunk_documents([Document(doc_id, read_book(Path(path)))], _TOK.count_tokens, budget)
+    return doc_id, chunks, _TOK.tokenize_chunks([c.text for c in chunks], budget)
+
+
+def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_dir: str) -> dict:
+    """Chunk + tokenise books in worker processes while the main process embeds and stores."""
+    name = "bench"
+    m = index.create(name, chunk_tokens=args.chunk_tokens, shards=args.shards)
+    jobs = [(str(p), p.name.split(".")[0], args.chunk_tokens) for p in files]
+    t0 = time.perf_counter()
+    tokens = enc_tokens = chunks_total = 0
+    embed_s = store_s = 0.0
+    all_ids: list[np.ndarray] = []
+    with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64)) as pool:
+        pending = [pool.submit(_prepare, job) for job in jobs[: args.workers + 1]]
+        submitted = len(pending)
+        while pending and tokens < args.tokens:
+            doc_id, chunks, ids = pending.pop(0).result()  # books stay in corpus order
+            if submitted < len(jobs):
+                pending.append(pool.submit(_prepare, jobs[submitted]))
+                submitted += 1
+            room = args.tokens - tokens
+            keep = int(np.searchsorted(np.cumsum([c.tokens for c in chunks]), room) + 1)
+            chunks, ids = chunks[:keep], ids[:keep]
+            t = time.perf_counter()
+            vectors = np.concatenate([model.embed_chunks(ids[i : i + args.chunk_batch]) for i in range(0, len(ids), args.chunk_batch)])
+            t1 = time.perf_counter()
+            index.store.append(name, [Document(doc_id, "")], chunks, ids, vectors, model.fingerprint)
+            t2 = time.perf_counter()
+            embed_s += t1 - t
+            store_s += t2 - t1
+            tokens += sum(c.tokens for c in chunks)
+            enc_tokens += sum(len(x) for x in ids)
+            chunks_total += len(chunks)
+            all_ids.extend(ids)
+        for f in pending:
+            f.cancel()
+    wall = time.perf_counter() - t0
+    m = index.store.read(name)
+    return {"name": name, "chunks": chunks_total, "text_tokens": tokens, "encoder_tokens": enc_tokens, "documents": m.documents,
+            "seconds": wall, "embed_seconds": embed_s, "store_seconds": store_s,
+            "indexing_tokens_per_s": enc_tokens / wall, "embed_only_tokens_per_s": enc_tokens / embed_s,
+            "bytes_on_disk": index.store.disk_bytes(name), "ids": all_ids}
+
+
+@torch.no_grad()
+def bare_forward_tokens_per_s(model, ids: list[np.ndarray], encode_tokens: int, repeats: int = 1) -> float:
+    """The action encoder's forward alone on the same length-bucketed batches (padded on the
+    device beforehand; no host work timed)."""
+    dev = model.device
+    lengths = np.fromiter((len(s) for s in ids), dtype=np.int64, count=len(ids))
+    batches = []
+    for idx in _bucket(lengths, encode_tokens):
+        width = int(-(-lengths[idx].max() // 8) * 8)
+        arr = np.full((len(idx), width), model.layout.pad_id, dtype=np.int64)
+        for row, j in enumerate(idx):
+            arr[row, : lengths[j]] = ids[j]
+        ids_t = torch.from_numpy(arr).to(dev)
+        batches.append((ids_t, (ids_t != model.layout.pad_id).long()))
+    encoder = model.qnet.action_encoder
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with autocast_for(dev):
+        encoder(input_ids=batches[0][0][:8], attention_mask=batches[0][1][:8])  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        with autocast_for(dev):
+            for ids_t, mask in batches:
+                encoder(input_ids=ids_t, attention_mask=mask).last_hidden_state.sum()
+    sync()
+    return repeats * int(lengths.sum()) / (time.perf_counter() - t0)
+
+
+def questions_from(index: LocalIndex, n: int, seed: int = 0) -> list[str]:
+    """Questions made of words from random chunks (so they resemble the corpus)."""
+    rng = np.random.default_rng(seed)
+    cs = index.shards("bench")
+    out = []
+    for _ in range(n):
+        shard = cs.shards[int(rng.integers(len(cs.shards)))]
+        words = shard.texts[int(rng.integers(shard.n))].split()
+        start = int(rng.integers(max(1, len(words) - 12)))
+        out.append("what happened when " + " ".join(words[start : start + 12]))
+    return out
+
+
+def percentile_ms(values: list[float], p: float) -> float:
+    return round(float(np.percentile(np.asarray(values) * 1000.0, p)), 3)
+
+
+def main() -> None:
+    args = args_parser().parse_args()
+    if args.export_encoder:
+        export_encoder(args.export_encoder)
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    source = resolve_source(args.checkpoint, args.encoder)
+    if args.random_weights:
+        model = random_weights_model(source, args)
+    else:
+        model = load_embedding_model(source, args.device, positions=None if args.checkpoint else args.positions,
+                                     encode_tokens=args.encode_tokens, chunk_batch=args.chunk_batch)
+    dev = model.device
+    tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder(args.encoder)
+    storage = args.storage or tempfile.mkdtemp(prefix="qrag_serve_scale_")
+    index = LocalIndex(CorpusStore(storage), model, dev, ShardOptions(faiss="never"), chunk_batch=args.chunk_batch)
+    files = book_files(args.corpus)
+
+    built = index_corpus(index, model, files, args, tokenizer_dir)
+    ids = built.pop("ids")
+    bare = bare_forward_tokens_per_s(model, ids, args.encode_tokens)
+
+    # Shards on the device: memory per shard.
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(dev)
+    cs = index.shards("bench")
+    per_shard = [{"shard": s, "rows": sh.n, "vector_bytes": sh.nbytes()} for s, sh in cs.shards.items()]
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        loaded = torch.cuda.memory_allocated(dev) - base
+        for row in per_shard:
+            row["gpu_bytes_allocated"] = int(loaded / len(per_shard))
+
+    cfg = SearchConfig(max_steps=args.steps)
+    questions = questions_from(index, args.queries + 10)
+    for q in questions[:10]:  # warm-up (kernels, allocator)
+        index.retrieve("bench", q, cfg)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    lat, stages = [], {"tokenize": [], "encode": [], "score": [], "merge": []}
+    for q in questions[10:]:
+        _, _, t = index.retrieve("bench", q, cfg)
+        lat.append(t.total)
+        for k in stages:
+            stages[k].append(getattr(t, k))
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+
+    curve = []
+    for b in (int(x) for x in args.batches.split(",")):
+        times = []
+        for r in range(args.rounds + 1):
+            qs = [questions[(r * b + i) % len(questions)] for i in range(b)]
+            t = time.perf_counter()
+            index.retrieve_many("bench", qs, cfg)
+            if r:  # the first round warms up this batch shape
+                times.append(time.perf_counter() - t)
+        curve.append({"concurrency": b, "p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
+                      "queries_per_s": round(b / float(np.mean(times)), 2)})
+    ok = [c for c in curve if c["p99_ms"] < args.p99_ms]
+
+    result = {
+        "bench": "serve_scale", **machine_info(), "device": str(dev),
+        "model": {"source": source.describe(), "positions": model.model_cfg.positions, "dim": model.dim, "fingerprint": model.fingerprint,
+                  "random_weights": args.random_weights},
+        "corpus": {"files": len(files), "chunk_tokens": args.chunk_tokens, "shards": args.shards,
+                   **{k: v for k, v in built.items() if k in ("chunks", "text_tokens", "encoder_tokens", "documents", "bytes_on_disk")}},
+        "indexing": {"seconds": round(built["seconds"], 2), "tokens_per_s": round(built["indexing_tokens_per_s"]),
+                     "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
+                     "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
+                     "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
+                     "workers": args.workers},
+        "latency_concurrency_1": {"steps": args.steps, "queries": len(lat), "p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99),
+                                  "mean_stage_ms": {k: round(1000 * float(np.mean(v)), 3) for k, v in stages.items()},
+                                  "peak_gpu_bytes": peak},
+        "throughput": {"method": "in-process lockstep batches of B concurrent questions (one state-encoder call and one scoring pass per shard per step)",
+                       "curve": curve, "p99_limit_ms": args.p99_ms,
+                       "max_queries_per_s_with_p99_under_limit": max((c["queries_per_s"] for c in ok), default=None)},
+        "shards": per_shard,
+    }
+    print(json.dumps(result))
+    if args.out:
+        write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Train a Q-RAG retriever on HotpotQA on Ray (EnvRunner actors + a Ray Train learner, MLflow).
+
+    ray job submit --working-dir . -- python jobs/train_hotpot.py --base-dir "$PWD" [--config YAML] [key=value ...]
+    python jobs/train_hotpot.py [--config YAML] [key=value ...]     # starts a local Ray on 127.0.0.1
+
+Default preset: configs/hotpot.yaml. `--help` lists every option and config key.
+"""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+
+from qrag.distributed.job import run_job  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(run_job(sys.argv[1:], str(ROOT / "configs" / "hotpot.yaml")))

@@ -1,0 +1,87 @@
+"""``qrag sweep-lengths``: Fact EM/F1 of checkpoints (and the untrained encoder) on generated
+BabiLong / RULER NIAH contexts at a list of lengths -> a JSON table and a PNG plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .cli import _config_args, command
+
+DEFAULT_LENGTHS = "1k,4k,16k,32k,128k"
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", action="append", required=False, metavar="[LABEL=]DIR|none",
+                   help="a checkpoint directory or 'none' (the untrained encoder: multi-step RAG w/o FT); repeat to "
+                        "compare several in one table, e.g. --checkpoint Q-RAG=runs/qa3/final --checkpoint none")
+    p.add_argument("--tasks", metavar="LIST", help="comma-separated: qa1..qa5 and/or RULER NIAH tasks (niah_single_1 or S1, MK2, MV, ...). "
+                                                  "Default: the config's data.tasks, else qa1-qa5 (babilong) or all eight NIAH tasks (niah)")
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, metavar="LIST", help=f"context lengths in tokens, e.g. 1k,4k,32k,128k,1m,10m (default {DEFAULT_LENGTHS})")
+    p.add_argument("--samples", type=int, default=100, metavar="N", help="questions per task and length (default 100)")
+    p.add_argument("--samples-at", action="append", default=[], metavar="LENGTH=N",
+                   help="fewer questions at some lengths, e.g. --samples-at 10m=20")
+    p.add_argument("--split", default="dev", choices=["train", "dev", "all"], help="which split's questions and background (default dev)")
+    p.add_argument("--steps", default="auto", metavar="T|auto",
+                   help="retrieval steps; auto = each task's number of support chunks (qa1 1, qa2 2, qa3 3, MV/MQ 4)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--no-cache", action="store_true", help="embed every chunk of every context (no reuse of book-chunk embeddings)")
+    p.add_argument("--out", default="runs/lengths.json", metavar="FILE.json", help="the table; the plot goes beside it as FILE.png")
+    p.add_argument("--plot-only", metavar="TABLE.json", nargs="+", help="re-draw (and merge) existing tables instead of evaluating")
+    _config_args(p)
+
+
+def _models(specs: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for spec in specs:
+        label, sep, target = spec.partition("=")
+        if not sep:
+            label, target = ("untrained" if spec == "none" else Path(spec.rstrip("/")).parent.name or spec), spec
+        out.append((label, target))
+    return out
+
+
+@command("sweep-lengths", "evaluate retrievers on generated long contexts (BabiLong, RULER NIAH) at several lengths")(_args)
+def cmd_sweep_lengths(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+    from .encoder import pick_device
+    from .lengths import format_table, merge_tables, parse_length, plot_table, read_table, run_sweep, write_table
+
+    out = Path(args.out)
+    if args.plot_only:
+        table = merge_tables([read_table(p) for p in args.plot_only])
+        write_table(table, out)
+    else:
+        if not args.checkpoint:
+            raise ConfigError("give at least one --checkpoint (a directory or 'none'), or --plot-only")
+        cfg = load_config(args.config, args.overrides)
+        if args.tasks:
+            tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        elif cfg.data.tasks:
+            tasks = list(cfg.data.tasks)
+        elif cfg.data.dataset == "niah":
+            from .data.niah import TASKS
+
+            tasks = list(TASKS)
+        else:
+            from .data.babilong import DEFAULT_TASKS
+
+            tasks = list(DEFAULT_TASKS)
+        lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
+        per_length: dict[int, int] = {}
+        for spec in args.samples_at:
+            length, sep, n = spec.partition("=")
+            if not sep or not n.strip().isdigit():
+                raise ConfigError(f"bad --samples-at {spec!r}: expected LENGTH=N, e.g. 10m=20")
+            per_length[parse_length(length)] = int(n)
+        steps = None if args.steps == "auto" else int(args.steps)
+        table = run_sweep(_models(args.checkpoint), cfg, tasks, lengths, lambda n: per_length.get(n, args.samples),
+                          split=args.split, steps=steps, device=pick_device(args.device), cache=not args.no_cache,
+                          log=lambda s: print(s, file=sys.stderr, flush=True))
+        write_table(table, out)
+    png = plot_table(table, out.with_suffix(".png"))
+    print(format_table(table))
+    print(json.dumps({"table": str(out), "plot": str(png) if png else None, "rows": len(table["rows"])}))
+    return 0

@@ -1,0 +1,54 @@
+"""``qrag serve``: the Ray Serve retriever on this machine (local Ray on loopback), in one command."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .cli import command
+from .config import ConfigError, apply_overrides, describe, from_dict, read_yaml
+from .service_config import ServeConfig
+
+REPO_STATIC = Path(__file__).resolve().parents[2] / "serve" / "static"
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", metavar="DIR|URI", help="checkpoint directory or MLflow URI (runs:/..., models:/...); default: the untrained bundled encoder")
+    p.add_argument("--config", metavar="YAML", help="a Serve config such as serve/config.yaml: its first application's args are the defaults")
+    p.add_argument("--storage", metavar="DIR", help="where corpora are persisted (default qrag_indexes)")
+    p.add_argument("--shards", type=int, metavar="N", help="index-shard deployments (default 2)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default serve/static)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="ServeConfig overrides, e.g. state_batch_size=64 max_steps=8")
+    width = max(len(k) for k, _, _ in describe(ServeConfig))
+    p.epilog = "serve keys:\n" + "\n".join(f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in describe(ServeConfig))
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    data: dict = {}
+    if args.config:
+        apps = read_yaml(args.config).get("applications") or [{}]
+        data = dict(apps[0].get("args") or {})
+    overrides = list(args.overrides)
+    for key, value in (("checkpoint", args.checkpoint), ("storage", args.storage), ("shards", args.shards)):
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    try:
+        return from_dict(ServeConfig, apply_overrides(data, overrides))
+    except ConfigError as exc:
+        raise ConfigError(f"serve config: {exc}") from None
+
+
+@command("serve", "serve a retriever over HTTP with Ray Serve (local Ray, loopback)")(_args)
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = serve_config(args)
+    from .embedder import resolve_source  # noqa: PLC0415
+
+    resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri)  # a bad checkpoint fails here, before Ray starts
+    from .distributed.serving import serve_locally  # noqa: PLC0415 (Ray lives under qrag.distributed)
+
+    serve_locally(cfg, args.host, args.port, args.static)
+    return 0
+

@@ -1,0 +1,137 @@
+"""BabiLong: the facts of a bAbI story hidden, in order, in book text up to a target length.
+
+For each bAbI question (qa1-qa5 by default) the story's facts before the question are inserted
+at random chunk boundaries of a run of consecutive background chunks from a random place in
+the split's books (wrapping around to the next book and, past the end of the corpus, to the
+first). Every fact is its own chunk; the support chunks are those of the question's supporting
+facts. Chunks are sentence-aligned and hold at most ``data.chunk_tokens`` tokens.
+
+Length: the context (all chunks, no special tokens) is ``data.context_tokens`` tokens of the
+model's tokenizer, to within a few tokens. When a story's facts alone are longer than the
+target, its oldest facts before the first supporting fact are dropped (they cannot change the
+answer of qa1-qa5); a question whose supporting facts still do not fit is skipped.
+
+Background split (documented, no book in both): ``gutenberg_novels/small_collection_british_fiction``
+for train, ``gutenberg_novels/100_english_novels_pre1881`` for dev; for your own text see
+:func:`qrag.data.haystack.split_files`. bAbI train questions make the train split, bAbI test
+questions the dev split.
+
+Samples are a pure function of (seed, task, split, length, index): same config, same contexts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ..config import DataConfig
+from . import register_loader
+from .babi import BabiQuestion, load_babi
+from .chunking import TokenCounter
+from .contexts import Generated, assemble, interleave, rng_for
+from .haystack import MIN_BACKGROUND_TOKENS, NOVELS_DIR, Haystack, Measure, files_haystack, split_files
+from .paths import data_root
+from .sample import DataError, Sample
+
+DEFAULT_TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
+
+
+def default_background() -> Path:
+    return data_root() / NOVELS_DIR
+
+
+def book_haystack(path: str | Path | None, split: str, budget: int, measure: Measure, min_tokens: int = 0) -> Haystack:
+    """The chunked background books of ``split``, as many as hold ``min_tokens`` (0 = all)."""
+    files = split_files(path or default_background(), split)
+    return files_haystack(f"books-{split}", files, budget, measure, min_tokens)
+
+
+def fit_facts(q: BabiQuestion, counts: np.ndarray, length: int) -> int | None:
+    """Index of the first fact kept so that the facts fit in ``length`` tokens, or None."""
+    total = int(counts.sum())
+    first = 0
+    limit = q.support[0] if q.support else len(q.facts)
+    while total > length and first < limit:
+        total -= int(counts[first])
+        first += 1
+    return first if total <= length else None
+
+
+def generate_babilong(
+    task: str,
+    split: str,
+    length: int,
+    n: int,
+    measure: Measure,
+    *,
+    seed: int = 0,
+    budget: int = 64,
+    facts_path: str | Path | None = None,
+    background: str | Path | None = None,
+) -> Iterator[Generated]:
+    """``n`` BabiLong samples of ``task`` at ``length`` tokens, one at a time (a 10M-token
+    sample is only ever built alone)."""
+    if length <= 0:
+        raise DataError(f"babilong: context length must be positive, got {length}")
+    questions = load_babi(facts_path, task, split)
+    order = rng_for("babilong-order", seed, task, split).permutation(len(questions))
+    hay = book_haystack(background, split, budget, measure, max(MIN_BACKGROUND_TOKENS, 2 * length))
+    produced = draws = 0
+    while produced < n:
+        if draws >= n + len(questions):
+            raise DataError(f"babilong {task}: only {produced} of {len(questions)} {split} questions have facts "
+                            f"that fit in {length} tokens; raise data.context_tokens")
+        q = questions[order[draws % len(questions)]]
+        draws += 1
+        counts = np.asarray(measure.count(list(q.facts)), dtype=np.int64)
+        first = fit_facts(q, counts, length)
+        if first is None:
+            continue
+        rng = rng_for("babilong", seed, task, split, length, draws)
+        facts = list(q.facts[first:])
+        fact_tokens = int(counts[first:].sum())
+        window = hay.window(rng, length - fact_tokens)
+        chunks, refs, fact_pos = assemble(hay, window, facts, rng)
+        support = sorted(int(fact_pos[i - first]) for i in q.support)
+        sample = Sample(
+            id=f"babilong-{task}-{split}-{length}-{draws - 1}",
+            question=q.question,
+            chunks=chunks,
+            support=support,
+            answer=q.answer,
+            meta={
+                "task": task, "source_id": q.id, "context_tokens": window.tokens + fact_tokens, "target_tokens": length,
+                "facts": len(facts), "dropped_facts": first, "background": hay.name,
+            },
+        )
+        produced += 1
+        yield Generated(sample, hay, refs)
+
+
+def _tasks(cfg: DataConfig) -> list[str]:
+    return list(cfg.tasks) if cfg.tasks else list(DEFAULT_TASKS)
+
+
+def samples_for_split(cfg: DataConfig, split: str) -> int:
+    if split == "dev" and cfg.dev_samples_per_task is not None:
+        return cfg.dev_samples_per_task
+    return cfg.samples_per_task
+
+
+def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: int | None = None, n: int | None = None) -> list[Generated]:
+    """Every task of ``cfg`` at one length, interleaved task by task."""
+    per_task = []
+    for task in _tasks(cfg):
+        per_task.append(list(generate_babilong(
+            task, split, length or cfg.context_tokens, n if n is not None else samples_for_split(cfg, split), measure,
+            seed=cfg.seed, budget=cfg.chunk_tokens, facts_path=cfg.facts_path, background=cfg.path,
+        )))
+    return interleave(per_task)
+
+
+@register_loader("babilong")
+def load_babilong(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
+    samples = [g.sample for g in generate_from_config(cfg, split, Measure(count))]
+    return samples[: cfg.limit] if cfg.limit is not None else samples

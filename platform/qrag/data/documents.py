@@ -1,0 +1,118 @@
+"""User corpora: documents ``{id, text}`` -> sentence-aligned chunks under a token budget.
+
+Chunks keep their document id and follow corpus order (documents in the order given, chunks in
+document order), which is the order an index assigns global chunk positions in. A sentence
+longer than the budget is cut at word boundaries, so no text is lost to encoder truncation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .chunking import TokenCounter, pack_sentences, split_sentences
+from .sample import DataError
+
+DOC_ID_MAX_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class DocumentChunk:
+    doc_id: str
+    text: str
+    tokens: int  # token count of the text (no special tokens)
+
+
+def parse_documents(records: Any, where: str = "documents") -> list[Document]:
+    """Validate ``[{"id": ..., "text": ...}, ...]``; errors name the record and the field."""
+    if not isinstance(records, list):
+        raise DataError(f"{where}: expected a list of {{id, text}} objects")
+    docs, seen = [], set()
+    for i, rec in enumerate(records):
+        at = f"{where}[{i}]"
+        if not isinstance(rec, dict):
+            raise DataError(f"{at}: a document must be an object with 'id' and 'text'")
+        unknown = sorted(set(rec) - {"id", "text"})
+        if unknown:
+            raise DataError(f"{at}.{unknown[0]}: unknown field (a document has 'id' and 'text')")
+        doc_id, text = rec.get("id"), rec.get("text")
+        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
+            raise DataError(f"{at}.id: must be a non-empty string")
+        doc_id = str(doc_id)
+        if len(doc_id) > DOC_ID_MAX_CHARS:
+            raise DataError(f"{at}.id: longer than {DOC_ID_MAX_CHARS} characters")
+        if not isinstance(text, str):
+            raise DataError(f"{at}.text: must be a string")
+        check_text(text, f"{at}.text")
+        if not text.strip():
+            raise DataError(f"{at}.text: empty document (id={doc_id})")
+        if doc_id in seen:
+            raise DataError(f"{at}.id: duplicate document id {doc_id!r}")
+        seen.add(doc_id)
+        docs.append(Document(doc_id, text))
+    return docs
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, where: str) -> None:
+    """JSON may carry lone surrogates (``"\\ud800"``): text that is not valid Unicode is refused."""
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise DataError(f"{where}: not valid UTF-8 text (lone surrogate at character {bad.start()})")
+    if "\x00" in text:
+        raise DataError(f"{where}: contains a NUL character")
+
+
+def _cut_long(sentences: dict[int, str], counts: dict[int, int], budget: int, count: TokenCounter) -> dict[int, list[tuple[str, int]]]:
+    """Cut sentences over the budget into word windows that fit it: each round splits every
+    piece still too long into about budget-sized word runs, and counts all new pieces in one
+    tokenizer call (far fewer strings than counting word by word). A single word over the
+    budget stays whole (the encoder truncates it)."""
+    segs = {k: [(text.split(), counts[k])] for k, text in sentences.items()}
+    while True:
+        todo = [(k, i) for k, ss in segs.items() for i, (ws, n) in enumerate(ss) if n > budget and len(ws) > 1]
+        if not todo:
+            break
+        splits = []
+        for k, i in todo:
+            ws, n = segs[k][i]
+            per = max(1, min(len(ws) - 1, int(len(ws) * budget * 0.9 / n)))
+            splits.append((k, i, [ws[j : j + per] for j in range(0, len(ws), per)]))
+        piece_counts = iter(count([" ".join(p) for _, _, parts in splits for p in parts]))
+        counted = [(k, i, [(p, next(piece_counts)) for p in parts]) for k, i, parts in splits]
+        for k, i, parts in reversed(counted):  # from the end, so earlier indices stay valid
+            segs[k][i : i + 1] = parts
+    return {k: [(" ".join(ws), n) for ws, n in ss] for k, ss in segs.items()}
+
+
+def chunk_documents(docs: Sequence[Document], count: TokenCounter, budget: int) -> list[DocumentChunk]:
+    """Every document's chunks, in corpus order; one tokenizer call for all sentences."""
+    if budget < 1:
+        raise DataError(f"chunk budget must be at least 1 token, got {budget}")
+    per_doc = [split_sentences(d.text) for d in docs]
+    flat = [s for sents in per_doc for s in sents]
+    counts = count(flat)
+    long = {k: s for k, (s, n) in enumerate(zip(flat, counts)) if n > budget}
+    cut = _cut_long(long, {k: counts[k] for k in long}, budget, count) if long else {}
+    pieces = [cut[k] if k in cut else [(sentence, n)] for k, (sentence, n) in enumerate(zip(flat, counts))]
+    out: list[DocumentChunk] = []
+    k = 0
+    for doc, sents in zip(docs, per_doc):
+        parts = [p for j in range(k, k + len(sents)) for p in pieces[j]]
+        k += len(sents)
+        if not parts:
+            raise DataError(f"document {doc.id!r}: no text to index")
+        for start, end in pack_sentences([t for t, _ in parts], [n for _, n in parts], budget):
+            text = " ".join(t for t, _ in parts[start:end])
+            out.append(DocumentChunk(doc.id, text, sum(n for _, n in parts[start:end])))
+    return out

@@ -1,0 +1,166 @@
+"""Training jobs: what ``jobs/train_*.py`` run, under ``ray job submit`` or plain ``python``.
+
+    ray job submit --working-dir . -- python jobs/train_hotpot.py --base-dir "$PWD" [--config YAML] [key=value ...]
+    python jobs/train_hotpot.py [--config YAML] [key=value ...]      # starts a local Ray on 127.0.0.1
+
+Order of work: parse and validate everything on the driver (config, paths, encoder, data) and
+stop with a one-line error (exit code 2) before Ray is touched; then connect to the cluster
+(``--address``, else ``$RAY_ADDRESS``, else a new local one), train with ``train_with_ray`` and
+print where the run, its checkpoints and its metrics are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CheckpointError
+from ..config import ConfigError, TrainConfig, load_config
+from ..data import DataError
+from ..encoder import ModelPathError
+from .preflight import base_directory, preflight, resolve_paths, worker_env
+from .train import cpu_need, finished_updates, storage_run_dir, train_with_ray
+from .tracking import tracking_uri
+
+USER_ERRORS = (ConfigError, DataError, ModelPathError, CheckpointError)
+
+
+@dataclass
+class Job:
+    cfg: TrainConfig
+    address: str | None
+    env: dict[str, str]
+    prog: str
+
+    @property
+    def run_dir(self) -> str:
+        return storage_run_dir(self.cfg.out_dir, self.cfg.name)
+
+    def say(self, text: str) -> None:
+        print(f"{self.prog}: {text}", flush=True)
+
+
+def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
+    from ..cli import config_keys_epilog
+
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_keys_epilog(),
+        description="Train a Q-RAG retriever on Ray: EnvRunner actors feed a Ray Train learner; MLflow tracks the run. "
+                    "Submitting the same run name again resumes it.",
+    )
+    p.add_argument("--config", default=default_config, metavar="YAML", help=f"config preset (default {default_config})")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. updates=200 distributed.runners=4")
+    p.add_argument("--base-dir", metavar="DIR", help="resolve relative paths (out_dir, data.path, ...) against DIR; "
+                   "under `ray job submit` pass \"$PWD\" (default: the current directory)")
+    p.add_argument("--address", metavar="HOST:PORT", help="Ray cluster to use (default $RAY_ADDRESS, else start a local one on 127.0.0.1)")
+    return p
+
+
+def prepare(argv: list[str], default_config: str, prog: str | None = None) -> Job:
+    """Parse and validate; raises one of ``USER_ERRORS`` with a one-line message."""
+    prog = prog or Path(sys.argv[0]).name or "qrag-job"
+    args = build_parser(default_config, prog).parse_args(argv)
+    # The preset is part of the project (uploaded with the working dir): relative to the cwd.
+    cfg = resolve_paths(load_config(args.config, args.overrides), base_directory(args.base_dir))
+    preflight(cfg)
+    return Job(cfg, args.address or os.environ.get("RAY_ADDRESS") or None, worker_env(), prog)
+
+
+def _runtime_env(env_vars: dict[str, str]) -> dict[str, Any]:
+    """Ship this copy of qrag and the driver's data/encoder variables to every Ray process,
+    leaving alone what a ``ray job submit --runtime-env`` already set."""
+    import qrag
+
+    job_env = {}
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        job_env = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"]).get("runtime_env") or {}
+    taken = job_env.get("env_vars") or {}
+    env: dict[str, Any] = {"env_vars": {k: v for k, v in env_vars.items() if k not in taken}}
+    if "py_modules" not in job_env:
+        env["py_modules"] = [str(Path(qrag.__file__).resolve().parent)]
+    return env
+
+
+def connect(job: Job, ship_code: bool = True) -> bool:
+    """Connect to the job's Ray cluster, or start a local one; True if this call started it.
+    ``ship_code=False``: no runtime env (workers of a local Ray inherit this process's
+    environment, ``PYTHONPATH`` included) for Ray installs without the runtime-env agent."""
+    import ray
+
+    runtime_env = _runtime_env(job.env) if ship_code else None
+    if job.address:
+        ray.init(address=job.address, runtime_env=runtime_env, logging_level="WARNING")
+        return False
+    ray.init(
+        # The dashboard (when installed) serves the state API that Ray Train's clean-up actor polls.
+        address="local", _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", logging_level="WARNING",
+        # Logical CPUs: enough for the learner and every runner even on a small machine.
+        num_cpus=max(os.cpu_count() or 1, cpu_need(job.cfg)), runtime_env=runtime_env,
+    )
+    return True
+
+
+def launch(job: Job) -> dict[str, Any]:
+    """Connect, train, print where everything is; the outcome as a dict (see ``run_job``)."""
+    import ray
+
+    cfg = job.cfg
+    uri = tracking_uri(cfg)
+    job.say(f"run {job.run_dir}  (checkpoints in checkpoints/update_*, final/; {cfg.updates} updates, "
+            f"{cfg.distributed.runners} EnvRunners)")
+    job.say(f"MLflow {uri or 'off'}" + (f"  (experiment {cfg.distributed.mlflow_experiment!r})" if uri else ""))
+    started = connect(job)
+    try:
+        job.say(f"Ray {'started locally on 127.0.0.1' if started else 'at ' + job.address}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
+                f"{ray.cluster_resources().get('GPU', 0):g} GPUs")
+        result = train_with_ray(cfg)
+    finally:
+        if started:
+            ray.shutdown()
+    out = result.return_value or {}
+    summary = {
+        "run_dir": job.run_dir,
+        "checkpoint": f"{job.run_dir}/final",
+        "updates": out.get("updates"),
+        "fact_em": (out.get("eval") or {}).get("fact_em", result.metrics.get("eval/fact_em")),
+        "fact_f1": (out.get("eval") or {}).get("fact_f1", result.metrics.get("eval/fact_f1")),
+        "eval_questions": (out.get("eval") or {}).get("num_samples"),
+        "runner_wait_share": out.get("runner_wait_share"),
+        "seconds": out.get("seconds"),
+    }
+    if result.mlflow:
+        summary.update(mlflow_run_id=result.mlflow["run_id"], tracking_uri=result.mlflow["tracking_uri"])
+        job.say(f"MLflow run {result.mlflow['run_id']} in {result.mlflow['tracking_uri']}; "
+                f"UI (needs the full `mlflow` package): mlflow ui --backend-store-uri {result.mlflow['tracking_uri']} --host 127.0.0.1")
+    job.say(f"final checkpoint {summary['checkpoint']} (eval: qrag eval --checkpoint {summary['checkpoint']})")
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def run_job(argv: list[str], default_config: str) -> int:
+    """The whole job; 0 on success, 2 on bad input (before any actor starts), 1 if training failed."""
+    prog = Path(sys.argv[0]).name or "qrag-job"
+    try:
+        job = prepare(argv, default_config, prog)
+    except USER_ERRORS as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    done = finished_updates(job.run_dir)
+    if done is not None and done >= job.cfg.updates:
+        job.say(f"run {job.run_dir} already finished ({done} updates); its final checkpoint: {job.run_dir}/final")
+        return 0
+    try:
+        launch(job)
+    except USER_ERRORS as exc:  # the cluster cannot hold the run, or its MLflow run disagrees
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
+        print(f"{prog}: training failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr)
+        print(f"{prog}: submit the same command again to resume from the last checkpoint in {job.run_dir}", file=sys.stderr)
+        return 1
+    return 0

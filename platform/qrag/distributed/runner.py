@@ -1,0 +1,96 @@
+"""EnvRunner: the CPU side of training, one shard of the training split per runner.
+
+A runner loads the split (the dataset's loader builds contexts and chunks), keeps every
+``count``-th sample starting at ``index``, tokenises them with the model's tokenizer, and then
+answers ``episodes(k)``: its k-th batch of ready-to-step episodes, packed for the object store.
+
+Batch k is a pure function of (seed, index, k): the runner walks shuffled epochs of its shard,
+each epoch's order drawn from ``seed``, ``index`` and the epoch number. So a request lost with a
+dead runner can be re-issued to its restarted copy and returns the same episodes, and a learner
+resumed at update u asks for exactly the episodes an uninterrupted run would have seen.
+
+Stepping the MDP stays in the learner (``qrag.env.RetrievalEnv``): it is index bookkeeping over
+these arrays between two GPU encoder calls, and a round trip per step would only add latency.
+
+The class is plain Python; ``qrag.distributed.source`` runs it as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ..config import TrainConfig
+from ..data import DataError, load_samples
+from ..data.chunking import tokenizer_counter
+from ..data.splits import in_validation
+from ..encoder import load_tokenizer
+from ..tokens import TokenLayout, tokenize_samples
+from .episodes import EpisodeBatch
+from .faults import claim_once, hard_exit
+
+
+class ShardStream:
+    """Positions 0, 1, 2, ... of an endless walk over shuffled epochs of ``size`` items."""
+
+    def __init__(self, size: int, seed: int, index: int):
+        if size <= 0:
+            raise ValueError("an empty shard")
+        self.size, self.seed, self.index = size, seed, index
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 2:  # requests arrive in order: keep only recent epochs
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, self.index, epoch]).permutation(self.size)
+        return self._perms[epoch]
+
+    def take(self, start: int, count: int) -> list[int]:
+        return [int(self._perm(p // self.size)[p % self.size]) for p in range(start, start + count)]
+
+
+class EnvRunner:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        index: int,
+        count: int,
+        tokenizer_path: str,
+        layout: TokenLayout,
+        episodes_per_request: int,
+        crash_at: int | None = None,
+        crash_marker: str | None = None,
+    ):
+        t0 = time.perf_counter()
+        self.index, self.count, self.per_request = index, count, episodes_per_request
+        self.crash_at, self.crash_marker = crash_at, crash_marker  # fault injection (tests)
+        tokenizer = load_tokenizer(tokenizer_path)
+        mine = TokenLayout.from_tokenizer(tokenizer, cfg.model.max_state_tokens)
+        if mine != layout:
+            raise ValueError(f"runner {index}: tokenizer {tokenizer_path} gives {mine}, the learner's model uses {layout}")
+        # The train split minus its validation part, as ``TrainingRun.load_data`` splits it.
+        samples = [s for s in load_samples(cfg.data, "train", tokenizer_counter(tokenizer))
+                   if not in_validation(s.id, cfg.data.val_fraction)]
+        shard = samples[index::count]
+        if not shard:
+            raise DataError(f"runner {index}: the training split has {len(samples)} samples, too few for {count} runners")
+        d = cfg.data
+        self.episodes = tokenize_samples(shard, tokenizer, layout, chunk_tokens=d.chunk_tokens, question_tokens=d.question_tokens)
+        self.stream = ShardStream(len(self.episodes), cfg.seed, index)
+        self.served = 0
+        self.startup_s = time.perf_counter() - t0
+
+    def info(self) -> dict[str, Any]:
+        return {"index": self.index, "samples": len(self.episodes), "pid": os.getpid(), "startup_s": self.startup_s}
+
+    def episodes_for(self, k: int) -> EpisodeBatch:
+        """The runner's k-th batch (k counts this runner's requests from the start of training)."""
+        if k == self.crash_at and claim_once(self.crash_marker):
+            hard_exit(f"EnvRunner {self.index} dies while serving its request {k}")
+        picks = self.stream.take(k * self.per_request, self.per_request)
+        self.served += len(picks)
+        return EpisodeBatch.pack([self.episodes[i] for i in picks])

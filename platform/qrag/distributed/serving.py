@@ -1,0 +1,240 @@
+"""Ray Serve deployments of the retrieval service.
+
+* ``Encoder``  the state and chunk encoders (GPU when the cluster has one); concurrent requests'
+               states are batched into one forward pass with ``@serve.batch``.
+* ``Shard<i>`` one deployment per shard slot: holds shards i, i+N, ... of every corpus, loaded
+               from the shared storage (never re-embedded), exact rotated scoring in torch.
+* ``Ingress``  FastAPI (``qrag.http_api``) around ``qrag.service.RetrievalService``; fans a
+               query step out to the shards and merges their top-k.
+
+Metrics go through ``ray.serve.metrics`` to Ray's Prometheus exporter (``qrag_*``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.metrics import Counter, Histogram
+
+from ..config import ModelConfig, from_dict, to_dict
+from ..embedder import Tokenization, load_embedding_model, resolve_source, source_identity
+from ..encoder import pick_device
+from ..http_api import build_api
+from ..index import CorpusNotFound, CorpusStore, SegmentProblem, ShardHits, ShardOptions, ShardUnhealthy
+from ..service import ModelIdentity, RetrievalService, ServiceError, ShardHolder
+from ..service_config import ServeConfig
+
+LATENCY_BOUNDS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+
+
+@serve.deployment(name="Encoder")
+class Encoder:
+    def __init__(self, cfg: dict[str, Any]):
+        c = from_dict(ServeConfig, cfg)
+        source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
+        self.model = load_embedding_model(source, c.encoder_device, encode_tokens=c.encode_tokens,
+                                          question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+        # One request's beams come as one item; a batch never splits them.
+        self.embed_states.set_max_batch_size(max(c.state_batch_size, c.max_beam_width))
+        self.embed_states.set_batch_wait_timeout_s(c.state_batch_wait_s)
+
+    def info(self) -> dict[str, Any]:
+        return {**self.model.info(), "model": to_dict(self.model.model_cfg)}
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, batch_size_fn=lambda items: sum(len(x) for x in items))
+    async def embed_states(self, requests: list[list[np.ndarray]]) -> list[np.ndarray]:
+        flat = [s for r in requests for s in r]
+        vectors = await asyncio.to_thread(self.model.embed_states, flat)
+        out, lo = [], 0
+        for r in requests:
+            out.append(vectors[lo : lo + len(r)])
+            lo += len(r)
+        return out
+
+    async def embed_chunks(self, seqs: list[np.ndarray]) -> np.ndarray:
+        return await asyncio.to_thread(self.model.embed_chunks, seqs)
+
+    def stats(self) -> dict[str, Any]:
+        return {"chunks_embedded": self.model.chunks_embedded, "states_embedded": self.model.states_embedded, "device": str(self.model.device)}
+
+
+@serve.deployment(name="Shard")
+class Shard:
+    def __init__(self, cfg: dict[str, Any], slot: int):
+        c = from_dict(ServeConfig, cfg)
+        options = ShardOptions(faiss=c.faiss, approx_above=c.approx_above)
+        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shards, pick_device(c.shard_device), options)
+
+    async def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int):
+        """("ok", ShardHits) | ("unhealthy", problems) | ("not_found", message): plain data, so
+        the ingress sees the reason whatever Ray does to exception types."""
+        try:
+            return "ok", await asyncio.to_thread(self.holder.topk, corpus, uid, version, states, selected, n_total, k)
+        except ShardUnhealthy as exc:
+            return "unhealthy", [asdict(p) for p in exc.problems]
+        except CorpusNotFound as exc:
+            return "not_found", str(exc)
+
+    def stats(self, corpus: str | None = None) -> dict[str, Any]:
+        return self.holder.stats(corpus)
+
+
+def _overloaded(what: str, retry_after_s: int) -> ServiceError:
+    return ServiceError(503, None, f"{what} is overloaded or restarting; retry", {"Retry-After": str(retry_after_s)})
+
+
+class RemoteEncoder:
+    def __init__(self, handle, retry_after_s: int):
+        self.handle, self.retry_after_s = handle, retry_after_s
+
+    async def _call(self, method: str, seqs):
+        try:
+            return await getattr(self.handle, method).remote(seqs)
+        except (BackPressureError, DeploymentUnavailableError, RayActorError):
+            raise _overloaded("the encoder", self.retry_after_s) from None
+
+    async def embed_states(self, seqs):
+        return await self._call("embed_states", seqs)
+
+    async def embed_chunks(self, seqs):
+        return await self._call("embed_chunks", seqs)
+
+
+class RemoteShards:
+    def __init__(self, handle, retry_after_s: int):
+        self.handle, self.retry_after_s = handle, retry_after_s
+
+    async def topk(self, *args) -> ShardHits:
+        try:
+            status, payload = await self.handle.topk.remote(*args)
+        except (BackPressureError, DeploymentUnavailableError, RayActorError):
+            raise _overloaded("an index shard", self.retry_after_s) from None
+        if status == "unhealthy":
+            raise ShardUnhealthy([SegmentProblem(**p) for p in payload])
+        if status == "not_found":
+            raise ServiceError(404, "corpus", payload)
+        return payload
+
+    async def stats(self, corpus: str | None = None) -> dict[str, Any]:
+        return await self.handle.stats.remote(corpus)
+
+
+class RayMetrics:
+    def __init__(self):
+        self.requests = Counter("qrag_requests_total", description="HTTP requests by route and status.", tag_keys=("path", "status"))
+        self.latency = Histogram("qrag_request_seconds", description="HTTP request latency.", boundaries=LATENCY_BOUNDS, tag_keys=("path",))
+        self.stages = Histogram("qrag_retrieve_stage_seconds", description="Retrieval time per stage.", boundaries=LATENCY_BOUNDS, tag_keys=("stage",))
+        self.indexed = Counter("qrag_chunks_indexed_total", description="Chunks embedded and stored.")
+
+    def request(self, path: str, status: int, seconds: float) -> None:
+        self.requests.inc(tags={"path": path, "status": str(status)})
+        self.latency.observe(seconds, tags={"path": path})
+
+    def stage(self, stage: str, seconds: float) -> None:
+        self.stages.observe(seconds, tags={"stage": stage})
+
+    def chunks_indexed(self, n: int) -> None:
+        self.indexed.inc(n)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    async def __init__(self, cfg: dict[str, Any], encoder, shards: list, static: dict[str, bytes]):
+        c = from_dict(ServeConfig, cfg)
+        info = await encoder.info.remote()
+        source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
+        fingerprint, _, tokenizer, layout = await asyncio.to_thread(source_identity, source)
+        if fingerprint != info["fingerprint"]:
+            raise RuntimeError(f"the encoder serves model {info['fingerprint']} but {source.describe()} is {fingerprint}")
+        identity = ModelIdentity(info["fingerprint"], from_dict(ModelConfig, info["model"]), info["dim"], info["source"], info["trained"])
+        self.metrics = RayMetrics()
+        self.encoder = encoder
+        self.service = RetrievalService(c, CorpusStore(c.storage), Tokenization(tokenizer, layout, c.question_tokens), identity,
+                                        RemoteEncoder(encoder, c.retry_after_s), [RemoteShards(h, c.retry_after_s) for h in shards], self.metrics)
+        self.static = static
+
+    def __serve_build_asgi_app__(self):
+        api = build_api(self.service, self.static, self.metrics.request)
+
+        @api.get("/v1/encoder", include_in_schema=False)
+        async def encoder_stats():  # work counters: the durability test checks nothing is re-embedded
+            return await self.encoder.stats.remote()
+
+        return api
+
+
+def _cluster_has_gpu() -> bool:
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None):
+    """The Serve application: Ingress -> Encoder + Shard0..Shard{N-1}, sized by ``cfg``."""
+    if cfg.shards < 1:
+        raise ValueError(f"shards must be at least 1, got {cfg.shards}")
+    gpu = _cluster_has_gpu()
+    enc_gpus = cfg.encoder_gpus if cfg.encoder_gpus is not None else (0.5 if gpu else 0.0)
+    shard_gpus = cfg.shard_gpus if cfg.shard_gpus is not None else (0.5 / cfg.shards if gpu else 0.0)
+    args = to_dict(cfg)
+    backend = {"max_ongoing_requests": cfg.backend_max_ongoing_requests, "max_queued_requests": cfg.backend_max_queued_requests}
+    encoder = Encoder.options(num_replicas=cfg.encoder_replicas, ray_actor_options={"num_gpus": enc_gpus, "num_cpus": 0}, **backend).bind(args)
+    shards = [
+        Shard.options(name=f"Shard{i}", num_replicas=cfg.shard_replicas, ray_actor_options={"num_gpus": shard_gpus, "num_cpus": 0}, **backend).bind(args, i)
+        for i in range(cfg.shards)
+    ]
+    return Ingress.options(
+        num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.max_ongoing_requests, max_queued_requests=cfg.max_queued_requests,
+        backpressure_config={"status_code": 503, "retry_after_s": cfg.retry_after_s},
+    ).bind(args, encoder, shards, static or {})
+
+
+def build_app_from_args(args: dict[str, Any] | None, static_dir) -> Any:
+    """For ``serve run`` / ``serve deploy``: the config's ``args`` -> the application."""
+    from ..http_api import static_files
+
+    return build_app(from_dict(ServeConfig, dict(args or {})), static_files(static_dir))
+
+
+def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir) -> None:
+    """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from ..http_api import static_files
+
+    def stop(signum, frame):  # SIGTERM (a service manager, `kill`) shuts down like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+    if os.environ.get("RAY_ADDRESS"):  # a running cluster, e.g. `ray start --head --node-ip-address=127.0.0.1`
+        ray.init(configure_logging=False)
+    else:  # a fresh local Ray, whatever else runs on this machine
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(cfg, static_files(static_dir)), name="qrag", route_prefix="/")
+        url = f"http://{host}:{port}"
+        print(f"qrag serve: {url}/ (page)  {url}/docs (API)  {url}/healthz; model: {cfg.checkpoint or 'untrained ' + cfg.encoder}; "
+              f"storage: {cfg.storage}; Ctrl-C stops", file=sys.stderr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,171 @@
+"""MLflow tracking of Ray training runs (mlflow-skinny is enough; the core never imports this).
+
+* One MLflow run per training run, found again by its storage location (tag ``qrag.run_dir``):
+  re-submitting a run resumes the same MLflow run instead of starting a new one.
+* Params: the flattened resolved config. A resumed run must not change them (MLflow could not
+  record the change), except the ``distributed.*`` ones, which only say how the run is executed.
+* Metrics are logged by the learner with ``step = update``. After a restart from a checkpoint the
+  learner repeats the updates since that checkpoint; a metric is logged only for steps past the
+  last one MLflow already holds for it, so the history has no duplicated and no missing updates.
+* Artifacts: the resolved config, the final eval JSON and the final checkpoint.
+* Default store: ``sqlite:///<out_dir>/mlflow.db`` with artifacts in ``<out_dir>/mlruns``;
+  ``distributed.mlflow_uri`` or ``$MLFLOW_TRACKING_URI`` point elsewhere; ``none`` switches it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, TrainConfig, flatten, to_dict
+
+RUN_KEY_TAG = "qrag.run_key"
+PARENT_TAG = "mlflow.parentRunId"
+# Parts of the final checkpoint that `qrag eval` and serving need (no targets, no optimiser).
+INFERENCE_PARTS = ("config.yaml", "qrag.json", "state_encoder", "action_encoder", "tokenizer")
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def tracking_uri(cfg: TrainConfig) -> str | None:
+    """The MLflow store of this run, or None when tracking is off."""
+    uri = cfg.distributed.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None:
+        if is_uri(cfg.out_dir):
+            raise ConfigError(f"out_dir {cfg.out_dir} is a URI: set distributed.mlflow_uri or $MLFLOW_TRACKING_URI "
+                              "(the default SQLite store lives in a local out_dir)")
+        uri = f"sqlite:///{Path(cfg.out_dir).resolve() / 'mlflow.db'}"
+    return None if uri.strip().lower() == "none" else uri
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts of a SQLite store go beside the database (MLflow would use the cwd)."""
+    if uri.startswith("sqlite:///"):
+        return str(Path(uri[len("sqlite:///"):]).parent / "mlruns")
+    return None
+
+
+def client_for(uri: str):
+    """An ``MlflowClient`` (mlflow is imported here: tracking-free runs do not need it)."""
+    from mlflow import MlflowClient
+
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _experiment_id(client, name: str, uri: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=_artifact_root(uri))
+    except Exception:  # created by a concurrent run (a Tune sweep starts many at once)
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def config_params(cfg: TrainConfig) -> dict[str, str]:
+    return {key: str(value) for key, value in flatten(to_dict(cfg)).items()}
+
+
+def open_run(
+    cfg: TrainConfig, uri: str, run_dir: str, run_name: str, *, resuming: bool, parent_run_id: str | None = None
+) -> str:
+    """The MLflow run of the training run stored at ``run_dir``: the existing one when
+    ``resuming`` from a checkpoint there, else a new one. Logs params and the config; its id."""
+    from mlflow.entities import Param
+
+    client = client_for(uri)
+    exp = _experiment_id(client, cfg.distributed.mlflow_experiment, uri)
+    key = hashlib.sha1(run_dir.encode()).hexdigest()[:20]  # quote-free, whatever the path holds
+    found = client.search_runs([exp], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+    if found and not resuming:
+        # The storage was cleared: training starts over, and so does its history.
+        client.set_tag(found[0].info.run_id, RUN_KEY_TAG, f"{key}-superseded")
+        found = []
+    params = config_params(cfg)
+    if found:
+        run = found[0]
+        logged = run.data.params
+        changed = sorted(k for k in params if k in logged and logged[k] != params[k] and not k.startswith("distributed."))
+        if changed:
+            shown = ", ".join(f"{k}: {logged[k]} -> {params[k]}" for k in changed[:3])
+            raise ConfigError(f"run {run_name!r} already exists in {run_dir} with other settings ({shown}); "
+                              "resume it unchanged or choose a new name=")
+        run_id = run.info.run_id
+        params = {k: v for k, v in params.items() if k not in logged}
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, "qrag.resumed", str(int(run.data.tags.get("qrag.resumed", "0")) + 1))
+    else:
+        tags = {RUN_KEY_TAG: key, "qrag.run_dir": run_dir}
+        if parent_run_id:
+            tags[PARENT_TAG] = parent_run_id
+        run_id = client.create_run(exp, run_name=run_name, tags=tags).info.run_id
+    items = [Param(k, v) for k, v in params.items()]
+    for i in range(0, len(items), 100):  # MLflow takes at most 100 params per call
+        client.log_batch(run_id, params=items[i : i + 100])
+    client.log_text(run_id, yaml.safe_dump(to_dict(cfg), sort_keys=False), "config.yaml")
+    return run_id
+
+
+def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
+    from mlflow.entities import RunTag
+
+    client = client_for(uri)
+    if tags:
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    client.set_terminated(run_id, status)
+
+
+def log_final_checkpoint(uri: str, run_id: str, final: Path, checkpoint: Path, mode: str) -> None:
+    """The final eval files (kept in ``final``) and ``checkpoint`` (``mode``: inference | full | none)."""
+    client = client_for(uri)
+    for name in ("eval.json", "eval.records.jsonl"):
+        if (final / name).is_file():
+            client.log_artifact(run_id, str(final / name))
+    if mode == "full":
+        client.log_artifacts(run_id, str(checkpoint), "checkpoint")
+    elif mode == "inference":
+        for name in INFERENCE_PARTS:
+            part = checkpoint / name
+            if part.is_dir():
+                client.log_artifacts(run_id, str(part), f"checkpoint/{name}")
+            elif part.is_file():
+                client.log_artifact(run_id, str(part), "checkpoint")
+
+
+class MetricLogger:
+    """Logs metrics by update, skipping updates MLflow already has (see the module doc)."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.client, self.run_id = client_for(uri), run_id
+        data = self.client.get_run(run_id).data
+        self.last_step: dict[str, int] = {
+            key: max((m.step for m in self.client.get_metric_history(run_id, key)), default=-1) for key in data.metrics
+        }
+
+    def log(self, step: int, metrics: dict[str, Any]) -> int:
+        """Log the numeric ``metrics`` at ``step``; returns how many were new."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        fresh = [
+            Metric(key, float(value), now, step)
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and step > self.last_step.get(key, -1)
+        ]
+        if fresh:
+            self.client.log_batch(self.run_id, metrics=fresh)
+            for m in fresh:
+                self.last_step[m.key] = step
+        return len(fresh)

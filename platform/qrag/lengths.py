@@ -1,0 +1,284 @@
+"""Length sweeps: Fact EM/F1 of retrievers on generated long contexts at several lengths.
+
+The table (JSON, schema ``qrag.length_sweep/1``) has one row per (model, task, length)::
+
+    {"schema": "qrag.length_sweep/1", "created": ..., "device": ..., "git_commit": ...,
+     "split": "dev", "memory": "cuda_max_allocated" | "rss_peak",
+     "rows": [{"model": "Q-RAG", "checkpoint": "runs/qa3/final", "task": "qa3", "length": 1048576,
+               "fact_em": 0.97, "fact_f1": 0.98, "num_samples": 100, "steps": 3,
+               "seconds_per_question": 0.05, "generate_seconds_per_question": 0.02,
+               "peak_memory_mb": 812.0, "context_tokens": 1048575.2, "chunks": 20684.0,
+               "positions": "relative", "cached_chunks": 20512, "embedded_chunks": 41800}, ...]}
+
+``fact_em``/``fact_f1`` are means over the questions (0-1); ``length`` is the target context
+length in tokens and ``context_tokens`` the mean measured one; ``seconds_per_question`` is
+tokenising + embedding + search, ``generate_seconds_per_question`` building the context text;
+``peak_memory_mb`` is torch.cuda.max_memory_allocated on GPU, the peak RSS on CPU, during that
+row. ``steps`` is the search budget T (by default each task's number of support chunks).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import TrainConfig, to_dict
+from .data.haystack import Measure
+from .data.sample import DataError
+from .evaluate import score_retrievals
+from .longcontext import CachingRetriever, ChunkTokens, canonical_task, generate
+from .memory import memory_kind, peak_mb, reset_peak
+from .metrics import mean
+
+SCHEMA = "qrag.length_sweep/1"
+_SUFFIX = {"k": 1024, "m": 1024**2}
+
+
+def parse_length(text: str) -> int:
+    """``4k`` -> 4096, ``1m`` -> 1048576, ``10M`` -> 10485760, ``5000`` -> 5000."""
+    t = str(text).strip().lower()
+    try:
+        if t and t[-1] in _SUFFIX:
+            return int(round(float(t[:-1]) * _SUFFIX[t[-1]]))
+        return int(t)
+    except ValueError:
+        raise DataError(f"bad context length {text!r} (e.g. 4096, 4k, 1m, 10m)") from None
+
+
+def length_label(n: int) -> str:
+    for suffix, size in (("M", 1024**2), ("K", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{suffix}"
+    return str(n)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def load_model(checkpoint: str, cfg: TrainConfig, device: torch.device):
+    """(qnet, tokenizer, layout) of a checkpoint, or of the untrained encoder for ``"none"``
+    (which scores without positions: a pretrained encoder knows nothing of the rotation)."""
+    from .checkpoint import load_qnet, untrained_qnet
+
+    if checkpoint == "none":
+        return untrained_qnet(replace(cfg.model, positions="none"), device)
+    qnet, tokenizer, layout, _ = load_qnet(checkpoint, device, with_targets=False)
+    return qnet, tokenizer, layout
+
+
+def sweep_model(
+    label: str,
+    checkpoint: str,
+    cfg: TrainConfig,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    samples: Callable[[int], int],
+    *,
+    split: str = "dev",
+    steps: int | None = None,
+    device: torch.device,
+    cache: bool = True,
+    max_batch_chunks: int = 65536,
+    log: Callable[[str], None] = lambda s: None,
+) -> list[dict[str, Any]]:
+    """Rows of one model over tasks x lengths (see the module docstring)."""
+    qnet, tokenizer, layout = load_model(checkpoint, cfg, device)
+    measure = Measure.from_tokenizer(tokenizer)
+    tokens = ChunkTokens(tokenizer, layout, cfg.data.chunk_tokens, cfg.data.question_tokens)
+    retriever = CachingRetriever(qnet, layout, device, cfg.learner.encode_tokens, shared=tokens.shared if cache else {})
+    rows = []
+    for task in [canonical_task(t) for t in tasks]:
+        for length in sorted(lengths):
+            n = samples(length)
+            reset_peak(device)
+            gen_s = search_s = 0.0
+            records, ctx_tokens, n_chunks = [], [], []
+            t_steps = steps
+            embedded0, cached0 = retriever.misses, retriever.hits
+            stream = generate(task, split, length, n, measure, cfg.data)
+            while True:
+                t0 = time.perf_counter()
+                group = list(_take(stream, max_batch_chunks))
+                gen_s += time.perf_counter() - t0
+                if not group:
+                    break
+                t0 = time.perf_counter()
+                tok = tokens(group)
+                if t_steps is None:
+                    t_steps = max(len(g.sample.support) for g in group)
+                search = replace(cfg.search, max_steps=t_steps)
+                retrievals = retriever.retrieve(tok, search, max_batch_chunks=max_batch_chunks)
+                search_s += time.perf_counter() - t0
+                records.extend(score_retrievals([g.sample for g in group], retrievals))
+                ctx_tokens.extend(g.sample.meta["context_tokens"] for g in group)
+                n_chunks.extend(len(g.sample.chunks) for g in group)
+                del group, tok, retrievals
+            row = {
+                "model": label, "checkpoint": checkpoint, "task": task, "length": int(length),
+                "fact_em": mean([r["fact_em"] for r in records]), "fact_f1": mean([r["fact_f1"] for r in records]),
+                "num_samples": len(records), "steps": t_steps,
+                "seconds_per_question": search_s / max(1, len(records)),
+                "generate_seconds_per_question": gen_s / max(1, len(records)),
+                "peak_memory_mb": round(peak_mb(device), 1),
+                "context_tokens": mean(ctx_tokens), "chunks": mean(n_chunks),
+                "positions": qnet.cfg.positions,
+                "cached_chunks": retriever.hits - cached0, "embedded_chunks": retriever.misses - embedded0,
+            }
+            rows.append(row)
+            log(f"{label:>12} {task:>16} {length_label(length):>6}: fact_f1 {row['fact_f1']:.3f} fact_em {row['fact_em']:.3f} "
+                f"n={row['num_samples']} {row['seconds_per_question']:.3f}s/q peak {row['peak_memory_mb']:.0f}MB")
+        tokens.clear()  # haystack chunk arrays of this task; the embedding cache goes with them
+        retriever.clear()
+    return rows
+
+
+def _take(stream, max_chunks: int, max_items: int = 64):
+    """Pull generated samples from ``stream`` until their chunks would pass ``max_chunks``
+    (always at least one sample, so a 10M-token context is searched alone)."""
+    size = 0
+    taken = 0
+    for g in stream:
+        yield g
+        taken += 1
+        size += len(g.sample.chunks)
+        if size >= max_chunks or taken >= max_items:
+            return
+
+
+def run_sweep(
+    models: Sequence[tuple[str, str]],
+    cfg: TrainConfig,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    samples: Callable[[int], int],
+    *,
+    split: str = "dev",
+    steps: int | None = None,
+    device: torch.device,
+    cache: bool = True,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    """The whole table for several models (a checkpoint directory, or ``"none"``)."""
+    from .longcontext import default_paths
+
+    rows = []
+    for label, checkpoint in models:
+        rows.extend(sweep_model(label, checkpoint, cfg, tasks, lengths, samples, split=split, steps=steps,
+                                device=device, cache=cache, log=log))
+    return {
+        "schema": SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "git_commit": git_commit(),
+        "split": split,
+        "memory": memory_kind(device),
+        "data": {"seed": cfg.data.seed, "chunk_tokens": cfg.data.chunk_tokens, **default_paths(cfg.data)},
+        "search": to_dict(cfg.search),
+        "rows": rows,
+    }
+
+
+def write_table(table: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    return path
+
+
+def read_table(path: str | Path) -> dict[str, Any]:
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: cannot read a length-sweep table: {exc}") from None
+    if not isinstance(table, dict) or table.get("schema") != SCHEMA or not isinstance(table.get("rows"), list):
+        raise DataError(f"{path}: not a {SCHEMA} table")
+    return table
+
+
+def merge_tables(tables: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One table from several (e.g. one GPU run per task); later rows win on the same key."""
+    if not tables:
+        raise DataError("nothing to merge")
+    rows: dict[tuple, dict[str, Any]] = {}
+    for t in tables:
+        for r in t["rows"]:
+            rows[(r["model"], r["task"], r["length"])] = r
+    out = dict(tables[-1])
+    out["rows"] = list(rows.values())
+    return out
+
+
+def format_table(table: dict[str, Any]) -> str:
+    """Fact F1 (x100) per model and task, one column per length (the paper's layout)."""
+    rows = table["rows"]
+    lengths = sorted({r["length"] for r in rows})
+    keys = sorted({(r["task"], r["model"]) for r in rows})
+    by = {(r["task"], r["model"], r["length"]): r for r in rows}
+    head = f"{'task':<16}{'model':<18}" + "".join(f"{length_label(n):>8}" for n in lengths)
+    lines = ["Fact F1 (%)", head]
+    for task, model in keys:
+        cells = [f"{100 * by[(task, model, n)]['fact_f1']:8.1f}" if (task, model, n) in by else f"{'-':>8}" for n in lengths]
+        lines.append(f"{task:<16}{model[:17]:<18}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot_table(table: dict[str, Any], path: str | Path) -> Path | None:
+    """Fact F1 against context length, one panel per task, one line per model (like Fig. 2).
+    Returns None (with no file) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = table["rows"]
+    tasks = sorted({r["task"] for r in rows})
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cols = min(4, len(tasks))
+    nrows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        for m in models:
+            pts = sorted((r["length"], 100 * r["fact_f1"]) for r in rows if r["task"] == task and r["model"] == m)
+            if not pts:
+                continue
+            style = "--" if m.lower().startswith(("untrained", "none", "w/o ft")) else "-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["length"] for r in rows if r["task"] == task})
+        ax.set_xticks(ticks, [length_label(t) for t in ticks], rotation=45)
+        ax.set_ylim(0, 102)
+        ax.set_title(task)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("Fact F1 (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,183 @@
+"""Training on a real local Ray cluster (127.0.0.1): `ray job submit`, MLflow, checkpoints that
+survive a dead EnvRunner, a crashed learner and a re-submitted job."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.ray
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """`ray start --head` on 127.0.0.1 with its own ports, temp dir and auth token; stopped by pid."""
+    if shutil.which(RAY) is None and not Path(RAY).exists():
+        pytest.skip("the ray CLI is not installed")
+    tmp = tmp_path_factory.mktemp("ray")
+    gcs, dashboard, client, agent, agent_grpc, metrics, env_agent = _free_ports(7)
+    env = {
+        **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": str(ROOT / "platform"),
+    }
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp / "ray_start.log", "w")
+    proc = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
+         "--num-cpus=3", "--num-gpus=0", f"--temp-dir={tmp / 't'}", "--disable-usage-stats"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    api = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.time() + 120
+        while subprocess.run([RAY, "job", "list", "--address", api], env=env, capture_output=True).returncode != 0:
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"ray start failed: {(tmp / 'ray_start.log').read_text()[-2000:]}")
+            time.sleep(1)
+        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "api": api}
+    finally:
+        _stop_cluster(proc)
+        log.close()
+
+
+def _process_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getpgid(int(entry)) == pgid:
+                pids.append(int(entry))
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def _stop_cluster(proc: subprocess.Popen) -> None:
+    """Every process of the test cluster is in the session its `ray start` opened, and only
+    those: stop them with SIGTERM (the `ray start` parent itself would first wait out a 30 s
+    drain, so it goes last, with SIGKILL, once nothing is left to drain)."""
+    for pid in _process_group(proc.pid):
+        if pid != proc.pid:
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + 5
+    while time.time() < deadline and set(_process_group(proc.pid)) - {proc.pid}:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _args(tiny_encoder, hotpot_file, out_dir, name, *extra):
+    return [
+        "--config", "configs/smoke.yaml", f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={out_dir}",
+        f"name={name}", "learner.episodes_per_update=6", "learner.micro_batch=6", "learner.warmup_updates=2",
+        "eval_limit=6", "log_every=1", "data.chunk_tokens=48", "checkpoint_every=2", "distributed.runners=2",
+        "distributed.runner_cpus=0.5", *extra,
+    ]
+
+
+def _train(cluster, args, timeout=420):
+    """`python jobs/train_hotpot.py` against the cluster (the plain-python path of the job)."""
+    return subprocess.run([sys.executable, "jobs/train_hotpot.py", "--address", cluster["gcs"], *args], cwd=ROOT,
+                          env=cluster["env"], capture_output=True, text=True, timeout=timeout)
+
+
+def _mlflow_run(out_dir: Path, name: str):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("qrag")
+    runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == name]
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return client, runs[0]
+
+
+def _steps(client, run, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+
+
+def test_ray_job_submit_trains_tracks_and_checkpoints(cluster, tiny_encoder, hotpot_file, tmp_path):
+    out = tmp_path / "runs"
+    job = subprocess.run(
+        [RAY, "job", "submit", "--address", cluster["api"], "--working-dir", ".", "--",
+         "python", "jobs/train_hotpot.py", "--base-dir", str(tmp_path), *_args(tiny_encoder, hotpot_file, "runs", "submitted", "updates=3")],
+        cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=420,
+    )
+    assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-4000:]
+    summary = json.loads([line for line in job.stdout.splitlines() if line.startswith('{"run_dir"')][-1])
+    assert summary["updates"] == 3 and summary["run_dir"] == str(out / "submitted")  # landed in --base-dir, not in Ray's copy
+    client, run = _mlflow_run(out, "submitted")
+    assert run.info.status == "FINISHED" and run.info.run_id == summary["mlflow_run_id"]
+    assert _steps(client, run, "train/loss") == [1, 2, 3]
+    assert "final/dev_fact_f1" in run.data.metrics and "perf/runner_wait_share" in run.data.metrics
+    assert run.data.params["distributed.runners"] == "2" and run.data.params["out_dir"] == str(out)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")}
+    assert {"checkpoint/qrag.json", "checkpoint/state_encoder", "checkpoint/tokenizer"} <= artifacts
+    assert (out / "submitted" / "checkpoints" / "update_0000002" / "trainer").is_dir()
+    local = client.download_artifacts(run.info.run_id, "checkpoint", str(tmp_path / "dl"))
+    ev = subprocess.run([sys.executable, "-m", "qrag", "eval", "--checkpoint", local, "--limit", "4", "--device", "cpu"],
+                        env=cluster["env"], capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["num_samples"] == 4
+
+
+def test_dead_runner_and_crashed_learner_do_not_stop_the_run(cluster, tiny_encoder, hotpot_file, tmp_path):
+    out = tmp_path / "runs"
+    # Runner 0 dies while serving a request of update 2; the learner dies after update 3, one
+    # update past its checkpoint at update 2, and Ray Train restarts it from there.
+    args = _args(tiny_encoder, hotpot_file, out, "faults", "updates=5", "distributed.kill_runner_at_update=1",
+                 "distributed.fail_at_update=3", "distributed.max_failures=1")
+    res = _train(cluster, args)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    log = res.stdout + res.stderr
+    assert "EnvRunner 0 dies" in log and "the learner exits after update 3" in log
+    assert "from update 2" in log  # the restarted learner resumed from the checkpoint
+    assert json.loads(res.stdout.strip().splitlines()[-1])["updates"] == 5
+    client, run = _mlflow_run(out, "faults")
+    assert _steps(client, run, "train/loss") == [1, 2, 3, 4, 5]  # continuous: nothing twice, nothing missing
+    assert max(m.value for m in client.get_metric_history(run.info.run_id, "perf/runner_requests_lost")) >= 1
+    assert sorted(p.name for p in (out / "faults" / ".faults").iterdir()) == ["learner_after_3", "runner0_after_1"]
+
+
+def test_resubmitting_a_failed_run_resumes_it(cluster, tiny_encoder, hotpot_file, tmp_path):
+    out = tmp_path / "runs"
+    args = _args(tiny_encoder, hotpot_file, out, "again", "updates=4", "distributed.fail_at_update=3", "distributed.max_failures=0")
+    first = _train(cluster, args)
+    assert first.returncode == 1 and "submit the same command again" in first.stderr, (first.stdout + first.stderr)[-4000:]
+    client, run = _mlflow_run(out, "again")
+    assert run.info.status == "FAILED" and _steps(client, run, "train/loss") == [1, 2, 3]
+    second = _train(cluster, args)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "from update 2" in second.stderr
+    client, resumed = _mlflow_run(out, "again")
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
+    assert _steps(client, resumed, "train/loss") == [1, 2, 3, 4]
+    state = json.loads((out / "again" / "final" / "trainer" / "state.json").read_text())
+    assert state["learner"]["update"] == 4
+    third = _train(cluster, args, timeout=120)  # finished: nothing to do, Ray is not even contacted
+    assert third.returncode == 0 and "already finished (4 updates)" in third.stdout

@@ -1,0 +1,225 @@
+"""The chunk index (no Ray): chunking documents, persistence, repair, and answers identical to
+the offline search over the same corpus read as one long context."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from qrag.config import SearchConfig
+from qrag.data.documents import Document, chunk_documents, parse_documents
+from qrag.data.sample import DataError, Sample
+from qrag.embedder import load_embedding_model, resolve_source
+from qrag.index import (CorpusConflict, CorpusNotFound, CorpusShards, CorpusStore, LocalIndex, ShardOptions,
+                        ShardUnhealthy, StoreError, positions_at)
+from qrag.positions import relative_positions
+from qrag.search import Retriever
+from qrag.tokens import tokenize_samples
+
+WORDS = "the river castle forest painter singer city novel film war king queen ship harbour lamp garden".split()
+
+
+def make_documents(n_docs: int, seed: int = 0, sentences: int = 9) -> list[Document]:
+    rng = random.Random(seed)
+    docs = []
+    for d in range(n_docs):
+        sents = [f"Sentence {d}-{k} tells that the {rng.choice(WORDS)} met the {rng.choice(WORDS)} near {rng.choice(WORDS)} {rng.randint(0, 999)}."
+                 for k in range(sentences)]
+        docs.append(Document(f"doc-{d}", " ".join(sents)))
+    return docs
+
+
+@pytest.fixture(scope="module", params=["relative", "none"])
+def model(request, tiny_encoder):
+    return load_embedding_model(resolve_source(None, tiny_encoder), "cpu", positions=request.param)
+
+
+def offline(model, chunks: list[str], question: str, cfg: SearchConfig):
+    """qrag.search.Retriever over the corpus as one sample (document order = corpus order)."""
+    sample = Sample("corpus", question, chunks, [])
+    tok = tokenize_samples([sample], model.tokenizer, model.layout, chunk_tokens=24, question_tokens=model.question_tokens)
+    return Retriever(model.qnet, model.layout, torch.device("cpu")).retrieve(tok, cfg)[0]
+
+
+def test_positions_at_equals_positions_over_the_whole_context():
+    torch.manual_seed(0)
+    n = 37
+    for k in (0, 1, 3, 6):
+        selected = torch.zeros(2, n, dtype=torch.bool)
+        for r in range(2):
+            selected[r, torch.randperm(n)[:k]] = True
+        full = relative_positions(selected, torch.tensor([n, n]), 10.0, 9.0)
+        sel_sorted = torch.stack([torch.nonzero(row).flatten() for row in selected]) if k else torch.zeros(2, 0, dtype=torch.long)
+        for shard, n_shards in ((0, 1), (1, 4), (3, 4)):
+            gpos = torch.arange(shard, n, n_shards)
+            part = positions_at("relative", gpos, sel_sorted, n, 10.0, 9.0)
+            assert torch.equal(part, full[:, gpos])  # bit for bit, not approximately
+
+
+def test_chunking_keeps_documents_apart_and_cuts_long_sentences(model):
+    docs = [Document("a", "One short sentence. " * 3), Document("b", "word " * 100 + "end.")]
+    chunks = chunk_documents(docs, model.count_tokens, budget=16)
+    assert [c.doc_id for c in chunks][:1] == ["a"] and chunks[-1].doc_id == "b"
+    assert all(c.tokens <= 16 for c in chunks)
+    assert " ".join(c.text for c in chunks if c.doc_id == "b").split() == docs[1].text.split()
+
+
+@pytest.mark.parametrize("records, field", [
+    ([{"id": "x"}], "documents[0].text"),
+    ([{"id": "", "text": "t"}], "documents[0].id"),
+    ([{"id": "a", "text": "t"}, {"id": "a", "text": "u"}], "documents[1].id"),
+    ([{"id": "a", "text": "bad \ud800 text"}], "documents[0].text"),
+    ([{"id": "a", "text": "   "}], "documents[0].text"),
+    ([{"id": "a", "text": "t", "extra": 1}], "documents[0].extra"),
+    ({"id": "a"}, "documents"),
+])
+def test_bad_documents_name_the_field(records, field):
+    with pytest.raises(DataError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_documents(records)
+
+
+@pytest.fixture(scope="module")
+def indexed(model, tmp_path_factory):
+    """The same 12 documents indexed into 1 and into 4 shards, in two append batches each."""
+    docs = make_documents(12)
+    index = LocalIndex(CorpusStore(tmp_path_factory.mktemp("indexed")), model)
+    for shards in (1, 4):
+        index.create(f"c{shards}", chunk_tokens=24, shards=shards)
+        index.add_documents(f"c{shards}", docs[:7])
+        index.add_documents(f"c{shards}", docs[7:])  # positions continue across appends
+    m = index.store.read("c4")
+    rows = sorted(r for b in m.batches for s in range(m.shards) for r in index.store.read_texts(m, s, b))
+    assert [p for p, _, _ in rows] == list(range(m.chunks))
+    return index, [t for _, _, t in rows]
+
+
+@pytest.mark.parametrize("cfg", [SearchConfig(max_steps=3), SearchConfig(max_steps=3, beam_width=3), SearchConfig(max_steps=4, stop_threshold=0.0)],
+                         ids=["greedy", "beam", "threshold"])
+def test_sharded_answers_equal_offline_search_for_1_and_4_shards(model, indexed, cfg):
+    index, corpus = indexed
+    stopped = 0
+    for question in ["who met the painter near the harbour", "where is the castle of the queen", "the ship and the lamp"]:
+        ref = offline(model, corpus, question, cfg)
+        for shards in (1, 4):
+            got, records, timings = index.retrieve(f"c{shards}", question, cfg)
+            assert got.selected == ref.selected, (shards, question)
+            assert got.stopped_early == ref.stopped_early
+            assert [s.q for s in got.steps] == pytest.approx([s.q for s in ref.steps], abs=1e-5)
+            assert [a for s in got.steps for a, _ in s.alternatives] == [a for s in ref.steps for a, _ in s.alternatives]
+            if model.model_cfg.positions != "none":
+                assert [s.position for s in got.steps] == pytest.approx([s.position for s in ref.steps])
+            assert all(records[g].text == corpus[g] for g in got.selected)
+            assert timings.total > 0
+        if cfg.stop_threshold is not None:  # also a threshold that really stops the search early
+            q = [s.q for s in offline(model, corpus, question, SearchConfig(max_steps=4)).steps]
+            j = next((j for j in range(1, len(q)) if q[j] < min(q[:j])), None)
+            threshold = (q[j] + min(q[:j])) / 2 if j is not None else q[0] + 1e-3  # else: stop before the first step
+            j = j or 0
+            mid = SearchConfig(max_steps=4, stop_threshold=threshold)
+            ref = offline(model, corpus, question, mid)
+            assert ref.stopped_early and len(ref.selected) == j
+            stopped += 1
+            for shards in (1, 4):
+                got = index.retrieve(f"c{shards}", question, mid)[0]
+                assert got.selected == ref.selected and got.stopped_early
+    assert cfg.stop_threshold is None or stopped > 0
+
+
+def test_lockstep_batch_equals_one_by_one(model, tmp_path):
+    index = LocalIndex(CorpusStore(tmp_path), model)
+    index.create("c", chunk_tokens=24, shards=3)
+    index.add_documents("c", make_documents(6))
+    questions = ["the king and the queen", "a film about war", "the lamp in the garden"]
+    for cfg in (SearchConfig(max_steps=3), SearchConfig(max_steps=3, beam_width=2)):
+        many = index.retrieve_many("c", questions, cfg)
+        for q, got in zip(questions, many):
+            one = index.retrieve("c", q, cfg)[0]
+            assert got.selected == one.selected
+            assert [s.q for s in got.steps] == pytest.approx([s.q for s in one.steps], abs=1e-5)
+
+
+def test_faiss_and_torch_scoring_agree(tiny_encoder, tmp_path):
+    model = load_embedding_model(resolve_source(None, tiny_encoder), "cpu")
+    store = CorpusStore(tmp_path)
+    a = LocalIndex(store, model, options=ShardOptions(faiss="always"))
+    b = LocalIndex(store, model, options=ShardOptions(faiss="never"))
+    a.create("c", chunk_tokens=24, shards=2)
+    a.add_documents("c", make_documents(6))
+    assert a.shards("c").shards[0].uses_faiss and not b.shards("c").shards[0].uses_faiss
+    cfg = SearchConfig(max_steps=3, beam_width=2)
+    for q in ("the king and the queen", "a film about war"):
+        ra, rb = a.retrieve("c", q, cfg)[0], b.retrieve("c", q, cfg)[0]
+        assert ra.selected == rb.selected
+        assert [s.q for s in ra.steps] == pytest.approx([s.q for s in rb.steps], abs=1e-5)
+    # Above approx_above the FAISS index is HNSW; on a small corpus it still finds the best chunk.
+    c = LocalIndex(store, model, options=ShardOptions(faiss="always", approx_above=4))
+    assert c.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected == b.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected
+    assert type(c.shards("c").shards[0]._faiss).__name__ == "IndexHNSWFlat"
+
+
+def test_reload_without_reembedding_and_repair_of_a_corrupt_shard(model, tmp_path):
+    store = CorpusStore(tmp_path)
+    index = LocalIndex(store, model)
+    index.create("c", chunk_tokens=24, shards=2, dtype="float16")
+    index.add_documents("c", make_documents(5))
+    cfg = SearchConfig(max_steps=2)
+    before = index.retrieve("c", "the painter and the singer", cfg)[0]
+    embedded = model.chunks_embedded
+    fresh = LocalIndex(CorpusStore(tmp_path), model)  # a restart: loads from disk
+    again = fresh.retrieve("c", "the painter and the singer", cfg)[0]
+    assert again.selected == before.selected and model.chunks_embedded == embedded
+    assert fresh.shards("c").loaded_rows == store.read("c").chunks
+
+    m = store.read("c")
+    entry = m.batches[0]["shards"][1]
+    path = tmp_path / "c" / entry["vectors"]["file"]
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0xFF  # flip bits inside the vectors
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ShardUnhealthy, match="checksum mismatch") as err:
+        LocalIndex(CorpusStore(tmp_path), model).retrieve("c", "x", cfg)
+    problem = err.value.problems[0]
+    assert problem.repairable and problem.shard == 1
+    # Repair: re-embed the segment from its stored texts.
+    rows = store.read_texts(m, 1, m.batches[0])
+    ids = model.tokenize_chunks([t for _, _, t in rows], m.chunk_tokens)
+    store.replace_vectors("c", 1, m.batches[0]["id"], model.embed_chunks(ids), ids, model.fingerprint)
+    repaired = LocalIndex(CorpusStore(tmp_path), model).retrieve("c", "the painter and the singer", cfg)[0]
+    assert repaired.selected == before.selected
+
+    # Lost texts cannot be rebuilt: the shard is unhealthy, never served.
+    m = store.read("c")
+    (tmp_path / "c" / m.batches[0]["shards"][0]["texts"]["file"]).unlink()
+    with pytest.raises(ShardUnhealthy, match="texts are lost") as err:
+        LocalIndex(CorpusStore(tmp_path), model).retrieve("c", "x", cfg)
+    assert not err.value.problems[0].repairable
+
+
+def test_store_errors_and_crash_debris(model, tmp_path):
+    store = CorpusStore(tmp_path)
+    index = LocalIndex(store, model)
+    with pytest.raises(StoreError, match="invalid corpus name"):
+        store.create("../x", fingerprint="f", model=model.model_cfg, dim=32, chunk_tokens=24, shards=1)
+    index.create("c", chunk_tokens=24, shards=3)
+    with pytest.raises(CorpusConflict, match="already exists"):
+        index.create("c", chunk_tokens=24, shards=3)
+    index.add_documents("c", make_documents(2))
+    with pytest.raises(CorpusConflict, match="doc-0"):
+        index.add_documents("c", make_documents(3))
+    with pytest.raises(CorpusNotFound):
+        store.read("nope")
+    # A crashed append leaves files the manifest does not list; they are ignored, then removed.
+    (tmp_path / "c" / "shard_000" / "batch_000009.abc.safetensors").write_bytes(b"junk")
+    cs = CorpusShards(store, "c", [0, 1, 2], torch.device("cpu"))
+    cs.sync()
+    index.add_documents("c", [Document("new", "A new document. It has two sentences.")])
+    assert not (tmp_path / "c" / "shard_000" / "batch_000009.abc.safetensors").exists()
+    m = store.read("c")
+    assert m.documents == 3 and m.version == 2 and sorted(store.doc_ids(m)) == ["doc-0", "doc-1", "new"]
+    assert sum(b["chunks"] for b in m.batches) == m.chunks
+    json.loads((tmp_path / "c" / "corpus.json").read_text())
+    store.delete("c")
+    assert store.names() == []

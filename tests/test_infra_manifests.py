@@ -1,0 +1,244 @@
+"""infra/: every manifest parses, matches its schema (infra/schemas/, Ray's own schemas) and agrees
+with the project (infra/validate.py); each check is shown to fail on a broken copy. Also the
+placement arithmetic of qrag.distributed.placement. No cluster, no Docker: seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("infra_validate", ROOT / "infra" / "validate.py")
+validate = sys.modules["infra_validate"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(validate)
+
+
+def test_the_shipped_infra_has_no_problems():
+    assert validate.all_problems() == []
+
+
+@pytest.mark.parametrize("path", validate.k8s_files(), ids=lambda p: str(p.relative_to(ROOT / "infra")))
+def test_every_kubernetes_document_has_a_schema_and_matches_it(path):
+    docs = validate.read_docs(path)
+    assert docs, f"{path} is empty"
+    for doc in docs:
+        assert doc.key in validate.SCHEMA_IDS, doc.where
+        assert validate.schema_errors(doc.body, validate.SCHEMA_IDS[doc.key], doc.where) == []
+
+
+def test_the_manifests_cover_the_issue():
+    kinds = {d.key[1] for d in validate.k8s_docs()}
+    assert {"RayCluster", "RayJob", "RayService", "PersistentVolumeClaim", "Deployment", "Service", "Namespace", "Kustomization"} <= kinds
+    job = validate.one("RayJob")
+    assert "/opt/qrag/jobs/train_hotpot.py" in job.body["spec"]["entrypoint"]
+    groups = {g.name: g for g in validate.ray_groups(validate.one("RayCluster").body["spec"])[1]}
+    assert groups["gpu-workers"].gpus == 1 and groups["cpu-workers"].gpus == 0 and groups["cpu-workers"].custom == {"qrag_cpu_node": 1000}
+    assert all(g.max > g.min for g in groups.values())  # autoscaling bounds
+
+
+# -- every check fails on a broken copy ------------------------------------------------------------
+
+
+@pytest.fixture
+def infra(tmp_path, monkeypatch):
+    """A copy of infra/ that the checks read instead of the real one."""
+    copy = tmp_path / "infra"
+    shutil.copytree(ROOT / "infra", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(validate, "INFRA", copy)
+    validate.k8s_docs.cache_clear()
+    yield copy
+    validate.k8s_docs.cache_clear()
+
+
+def edit(path: Path, change, index: int = 0) -> None:
+    """Apply ``change(doc)`` to document ``index`` of a YAML file."""
+    docs = list(yaml.safe_load_all(path.read_text()))
+    change(docs[index])
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    validate.k8s_docs.cache_clear()
+
+
+def problems_after(path: Path, change, index: int = 0) -> str:
+    edit(path, change, index)
+    return "\n".join(validate.all_problems())
+
+
+def serve_args(change):
+    def apply(doc):
+        cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])
+        change(cfg["applications"][0]["args"], cfg)
+        doc["spec"]["serveConfigV2"] = yaml.safe_dump(cfg, sort_keys=False)
+    return apply
+
+
+def entrypoint(old: str, new: str):
+    def apply(doc):
+        assert old in doc["spec"]["entrypoint"]
+        doc["spec"]["entrypoint"] = doc["spec"]["entrypoint"].replace(old, new)
+    return apply
+
+
+RAYCLUSTER = "kuberay/cluster/raycluster.yaml"
+RAYJOB = "kuberay/train/rayjob.yaml"
+RAYSERVICE = "kuberay/serve/rayservice.yaml"
+
+
+@pytest.mark.parametrize("file, change, expected", [
+    # schemas
+    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(minReplica=1), "'minReplica' was unexpected"),
+    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][0]["rayStartParams"].update({"num-gpus": 1}), "1 is not of type 'string'"),
+    (RAYCLUSTER, lambda d: d["spec"]["autoscalerOptions"].update(upscalingMode="Fast"), "'Fast' is not one of"),
+    (RAYSERVICE, serve_args(lambda a, c: c.update(proxy_locaton="EveryNode")), "unknown key 'proxy_locaton'"),
+    # the RayJob against the project
+    (RAYJOB, entrypoint("jobs/train_hotpot.py", "jobs/train_hotpotqa.py"), "is not a file of the project"),
+    (RAYJOB, entrypoint("distributed.runners=8", "distributed.runnerz=8"), "unknown config key distributed.runnerz"),
+    (RAYJOB, entrypoint("distributed.runners=8", "distributed.runners=20"), "20 runners x 1 CPUs > 16 CPUs"),
+    (RAYJOB, entrypoint("'distributed.runner_resources={qrag_cpu_node: 0.001}'", ""), "EnvRunners may land on GPU nodes"),
+    (RAYJOB, entrypoint("qrag_cpu_node", "qrag_cpu"), "asks for 0.001 of 'qrag_cpu' but the Ray cluster has 0"),
+    (RAYJOB, entrypoint("distributed.learner_cpus=4", "distributed.learner_cpus=12"), "no worker group can hold the learner"),
+    (RAYJOB, lambda d: d["spec"].update(clusterSelector={"ray.io/cluster": "other"}), "names RayCluster 'other'"),
+    # the RayService against the project and the GPUs
+    (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=0.5)), "lets 2 shards share one GPU"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(encoder_replicas=2)), "some placement order leaves a shard without a GPU"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=None)), "set shard_gpus and encoder_gpus"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(shardz=2)), "unknown config key shardz"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(encoder_gpus=0)), "encoder_device is cuda but encoder_gpus asks Ray for no GPU"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="/mnt/qrag/runs/other/final")), "is not where a RayJob writes one"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(storage="qrag_indexes")), "args.storage qrag_indexes is not on the shared volume"),
+    (RAYSERVICE, serve_args(lambda a, c: c["applications"][0].update(import_path="serve.app:make")), "does not resolve to a function"),
+    (RAYSERVICE, serve_args(lambda a, c: c["http_options"].update(host="127.0.0.1")), "http_options.host must be 0.0.0.0"),
+    # pods, images, versions, wiring
+    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"].update({"nvidia.com/gpu": "2"}),
+     "nvidia.com/gpu limit 2 != num-gpus 1"),
+    (RAYCLUSTER, lambda d: d["spec"]["headGroupSpec"]["rayStartParams"].update({"num-cpus": "4"}), "the head should declare num-cpus"),
+    (RAYCLUSTER, lambda d: d["spec"].update(rayVersion="2.59.0"), "rayVersion 2.59.0 != the image's Ray"),
+    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(image="rayproject/ray:2.60.0"),
+     "not the qrag image"),
+    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]["env"][0].update(
+        value="http://mlflow.qrag.svc.cluster.local:5001"), "port 5001 is not a port of Service mlflow"),
+    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"].update(claimName="nope"),
+     "claims 'nope'"),
+    ("mlflow/k8s/mlflow.yaml#1", lambda d: d["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"].update(key="PASSWORD"),
+     "reads key 'PASSWORD' that secret mlflow-secrets lacks"),
+    ("mlflow/k8s/mlflow.yaml#2", lambda d: d["spec"]["ports"][0].update(targetPort="web"), "targetPort 'web' is not a container port"),
+    ("mlflow/k8s/kustomization.yaml", lambda d: d["resources"].append("redis.yaml"), "resource redis.yaml does not exist"),
+    ("mlflow/k8s/kustomization.yaml", lambda d: d["secretGenerator"][0].update(name="MLflow_Secrets"), "secretGenerator MLflow_Secrets: metadata/name"),
+    ("mlflow/docker-compose.yaml", lambda d: d["services"]["mlflow"].update(ports=["5000:5000"]), "publish 5000:5000 on 127.0.0.1"),
+    ("cluster.yaml", lambda d: d["available_node_types"]["gpu_worker"]["resources"].update(CPU=4), "no node type with the resources of worker group gpu-workers"),
+    ("cluster.yaml", lambda d: d["available_node_types"]["cpu_worker"].update(max_worker=3), "'max_worker' was unexpected"),
+    ("runtime_env.yaml", lambda d: d["pip"]["packages"].remove("faiss-cpu>=1.8"), "missing ['faiss-cpu>=1.8']"),
+    ("runtime_env.yaml", lambda d: d["env_vars"].update(HF_HUB_OFFLINE="0"), "env_vars.HF_HUB_OFFLINE=0 but the image sets 1"),
+], ids=lambda v: v if isinstance(v, str) and "/" in v else None)
+def test_a_broken_manifest_is_reported(infra, file, change, expected):
+    path, _, index = file.partition("#")  # file#n: the n-th document of the file
+    report = problems_after(infra / path, change, int(index or 0))
+    assert expected in report, report
+
+
+def test_dockerfile_checks(infra):
+    dockerfile = infra / "docker" / "Dockerfile"
+    text = dockerfile.read_text()
+    dockerfile.write_text(text.replace("rayproject/ray:2.60.0-py311-cu128", "rayproject/ray:latest")
+                          .replace("COPY --chown=ray:users serve/ serve/", "COPY --chown=ray:users serve/ serve/\nCOPY tune/ tune/")
+                          .replace("USER ray\nWORKDIR", "WORKDIR"))
+    report = "\n".join(validate.check_dockerfiles())
+    assert "base image rayproject/ray:latest is not pinned" in report
+    assert "COPY source tune/ does not exist" in report or "COPY source tune/ is excluded" in report
+    ignore = infra / "docker" / "Dockerfile.dockerignore"
+    ignore.write_text(ignore.read_text().replace("!platform/\n", ""))
+    dockerfile.write_text(text)
+    assert "COPY source platform/ is excluded" in "\n".join(validate.check_dockerfiles())
+
+
+def test_dockerignore_rules_follow_docker():
+    rules = ["**", "!platform/", "**/__pycache__/"]
+    assert not validate.dockerignore_excludes(rules, "platform")
+    assert not validate.dockerignore_excludes(rules, "platform/qrag/config.py")
+    assert validate.dockerignore_excludes(rules, "platform/qrag/__pycache__/x.pyc")
+    assert validate.dockerignore_excludes(rules, ".venv/bin/python")
+
+
+def test_dockerfile_parser_joins_continuations(tmp_path):
+    f = tmp_path / "Dockerfile"
+    f.write_text("# c\nFROM a:1\nENV A=1 \\\n    # inner comment\n    B=2\nCOPY [\"x y\", \"/z\"]\n")
+    ins = validate.dockerfile_instructions(f)
+    assert [(i.op, i.line) for i in ins] == [("FROM", 2), ("ENV", 3), ("COPY", 6)]
+    assert ins[1].args.split() == ["A=1", "B=2"]
+    assert validate.copy_sources(ins[2]) == ["x y"]
+
+
+def test_scripts_are_checked(infra):
+    (infra / "mlflow" / "server.sh").write_text("#!/usr/bin/env bash\nif then fi\n")
+    assert "server.sh" in "\n".join(validate.check_scripts())
+
+
+# -- placement arithmetic (qrag.distributed.placement) --------------------------------------------
+
+
+def test_shard_fractions_spread_one_shard_per_gpu_in_every_order():
+    from qrag.distributed.placement import gpu_plan_problems, shard_gpu_fraction
+
+    assert shard_gpu_fraction(2, 2, reserved=0.4) == pytest.approx(0.6)
+    assert shard_gpu_fraction(4, 2, reserved=0.2) == pytest.approx(0.4)  # two per GPU, never three
+    assert shard_gpu_fraction(3, 0) == 0.0
+    with pytest.raises(ValueError, match="reserve at most"):
+        shard_gpu_fraction(2, 2, reserved=0.6)
+    assert gpu_plan_problems(2, 0.6, 2, {"encoder": 0.2, "learner": 0.2}) == []
+    assert "share one GPU" in gpu_plan_problems(2, 0.5, 2, {"encoder": 0.2})[0]
+    assert "placement order" in gpu_plan_problems(2, 0.6, 2, {"encoder": 0.4, "learner": 0.2})[0]
+
+    # Every order Ray could place them in, with its best-fit choice of GPU: shards never share.
+    import itertools
+
+    def place(order, gpus=2):
+        free = [1.0] * gpus
+        where = {}
+        for name, need in order:
+            fits = [i for i in range(gpus) if free[i] + 1e-9 >= need]
+            if not fits:
+                return None
+            i = min(fits, key=lambda j: (free[j], j))
+            free[i] -= need
+            where[name] = i
+        return where
+
+    items = [("shard0", 0.6), ("shard1", 0.6), ("encoder", 0.2), ("learner", 0.2)]
+    for order in itertools.permutations(items):
+        where = place(order)
+        assert where is not None and where["shard0"] != where["shard1"], order
+
+
+def test_resource_maps_are_checked():
+    from qrag.config import ConfigError, load_config
+    from qrag.distributed.placement import check_cluster_has, check_resource_map, learner_worker_resources
+
+    assert check_resource_map("k", {"qrag_cpu_node": 0.001}) == {"qrag_cpu_node": 0.001}
+    for bad, message in [({"CPU": 1}, "not a custom resource"), ({"x": 0}, "positive"), ({"x": 1.5}, "only up to 1"), ({"": 1}, "non-empty")]:
+        with pytest.raises(ConfigError, match=message):
+            check_resource_map("k", bad)
+    cfg = load_config(None, ["distributed.runner_resources={qrag_cpu_node: 0.001}", "distributed.learner_gpus=0.25",
+                             "distributed.learner_resources={'accelerator_type:A10G': 0.001}"])
+    assert learner_worker_resources(cfg, True) == {"CPU": 1.0, "GPU": 0.25, "accelerator_type:A10G": 0.001}
+    assert learner_worker_resources(cfg, False) == {"CPU": 1.0, "accelerator_type:A10G": 0.001}
+    with pytest.raises(ConfigError, match="'qrag_cpu_node' but the Ray cluster has 0"):
+        check_cluster_has(cfg, {"CPU": 8, "accelerator_type:A10G": 1})
+    check_cluster_has(cfg, {"CPU": 8, "qrag_cpu_node": 1000, "accelerator_type:A10G": 1})
+    with pytest.raises(ConfigError, match="learner_gpus"):
+        learner_worker_resources(load_config(None, ["distributed.learner_gpus=1.5"]), True)
+
+
+def test_the_job_asks_ray_for_what_the_config_says():
+    """train.learner_resources (the job's preflight) now carries the placement fields."""
+    from qrag.config import ConfigError, load_config
+    from qrag.distributed.train import learner_resources
+
+    cfg = load_config(None, ["distributed.learner_gpus=0.2", "distributed.runners=2", "distributed.runner_resources={qrag_cpu_node: 0.001}"])
+    assert learner_resources(cfg, {"CPU": 8, "GPU": 2, "qrag_cpu_node": 1000}) == (True, {"CPU": 1.0, "GPU": 0.2})
+    with pytest.raises(ConfigError, match="qrag_cpu_node"):
+        learner_resources(cfg, {"CPU": 8, "GPU": 2})

@@ -1,0 +1,144 @@
+"""Length sweeps: the reuse shortcuts are exact, the scoring rewrite matches the rotation, and a
+tiny BabiLong/NIAH training + `qrag sweep-lengths` run writes its table and plot end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qrag.checkpoint import untrained_qnet
+from qrag.config import DataConfig, ModelConfig, SearchConfig
+from qrag.data.haystack import Measure
+from qrag.lengths import length_label, parse_length
+from qrag.longcontext import CachingRetriever, ChunkTokens, canonical_task, generate
+from qrag.qnet import QNetwork
+from qrag.search import Retriever
+from qrag.tokens import tokenize_samples
+
+from test_longctx_data import BABI_STORY, write_background
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lengths")
+    write_background(root / "bg" / "train", 1, 800)
+    write_background(root / "bg" / "dev", 2, 800)
+    (root / "babi" / "en").mkdir(parents=True)
+    for split in ("train", "test"):
+        (root / "babi" / "en" / f"qa1_single-supporting-fact_{split}.txt").write_text(BABI_STORY * 3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(tiny_encoder):
+    return untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative"), torch.device("cpu"))
+
+
+def test_length_parsing():
+    assert [parse_length(x) for x in ("4096", "4k", "1m", "10M", "0.5k")] == [4096, 4096, 2**20, 10 * 2**20, 512]
+    assert [length_label(n) for n in (1024, 32768, 2**20, 10 * 2**20, 1000)] == ["1K", "32K", "1M", "10M", "1000"]
+    assert canonical_task("S1") == "niah_single_1" and canonical_task("QA3") == "qa3"
+    with pytest.raises(ValueError):
+        parse_length("lots")
+
+
+@pytest.mark.parametrize("positions", ["relative", "absolute", "none"])
+def test_score_matches_explicit_rotation(model, positions):
+    qnet, _, layout = model
+    qnet.cfg.positions = positions
+    try:
+        r = Retriever(qnet, layout, torch.device("cpu"))
+        g = torch.Generator().manual_seed(0)
+        rows, n, d = 3, 3000, 32
+        states, vecs = torch.randn(rows, d, generator=g), torch.randn(n, d, generator=g)
+        selected = torch.zeros(rows, n, dtype=torch.bool)
+        selected[0, [4, 900]] = selected[1, 2999] = True
+        counts = torch.tensor([n, n, 2000])
+        pos = qnet.positions(selected, counts)
+        ref = QNetwork.twin_scores(states, qnet.place(vecs.expand(rows, -1, -1), pos)).mean(-1)
+        for block in (None, 1000):
+            assert torch.allclose(r.score(states, vecs, selected, counts, block=block), ref, atol=1e-5)
+        per_row = torch.randn(rows, n, d, generator=g)
+        ref = QNetwork.twin_scores(states, qnet.place(per_row, pos)).mean(-1)
+        assert torch.allclose(r.score(states, per_row, selected, counts, block=700), ref, atol=1e-5)
+    finally:
+        qnet.cfg.positions = "relative"
+
+
+def generated(data, measure, task="qa1", length=2048, n=4):
+    cfg = DataConfig(dataset="babilong" if task.startswith("qa") else "niah", path=str(data / "bg") if task.startswith("qa") else None,
+                     facts_path=str(data / "babi"), chunk_tokens=32)
+    return list(generate(task, "dev", length, n, measure, cfg))
+
+
+def test_chunk_tokens_equal_plain_tokenisation(data, model):
+    _, tokenizer, layout = model
+    items = generated(data, Measure.from_tokenizer(tokenizer), length=3000)
+    fast = ChunkTokens(tokenizer, layout, 32, 48)(items)
+    slow = tokenize_samples([g.sample for g in items], tokenizer, layout, chunk_tokens=32, question_tokens=48)
+    for a, b in zip(fast, slow):
+        assert np.array_equal(a.question, b.question) and np.array_equal(a.support, b.support)
+        assert len(a.chunks) == len(b.chunks) and all(np.array_equal(x, y) for x, y in zip(a.chunks, b.chunks))
+
+
+def test_caching_retriever_is_exact_and_reuses_book_chunks(data, model):
+    qnet, tokenizer, layout = model
+    items = generated(data, Measure.from_tokenizer(tokenizer), length=6000, n=6)
+    tokens = ChunkTokens(tokenizer, layout, 32, 48)
+    tok = tokens(items)
+    plain = Retriever(qnet, layout, torch.device("cpu")).retrieve(tok, SearchConfig(max_steps=3))
+    caching = CachingRetriever(qnet, layout, torch.device("cpu"), shared=tokens.shared)
+    first = caching.retrieve(tok[:3], SearchConfig(max_steps=3))
+    rest = caching.retrieve(tok[3:], SearchConfig(max_steps=3))
+    assert [r.selected for r in first + rest] == [r.selected for r in plain]
+    assert caching.cached > 0 and caching.hits > 0  # the 800-sentence book wraps: chunks repeat
+
+
+def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monkeypatch):
+    from qrag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    common = [f"model.encoder={tiny_encoder}", f"data.path={data / 'bg'}", f"data.facts_path={data / 'babi'}",
+              "data.chunk_tokens=32"]
+    assert main(["train", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--no-progress", *common,
+                 f"out_dir={tmp_path / 'runs'}", "updates=2", "data.context_tokens=512", "data.samples_per_task=8",
+                 "data.dev_samples_per_task=2", "learner.episodes_per_update=4", "learner.micro_batch=4",
+                 "learner.warmup_updates=1", "eval_every=0", "checkpoint_every=0"]) == 0
+    ckpt = tmp_path / "runs" / "babilong-qa1" / "final"
+    out = tmp_path / "sweep.json"
+    assert main(["sweep-lengths", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--checkpoint", f"Q-RAG={ckpt}",
+                 "--checkpoint", "none", "--tasks", "qa1,S1", "--lengths", "512,4k", "--samples", "3", "--samples-at", "4k=2",
+                 "--out", str(out), *common]) == 0
+    table = json.loads(out.read_text())
+    assert table["schema"] == "qrag.length_sweep/1" and table["memory"] == "rss_peak"
+    rows = table["rows"]
+    assert len(rows) == 2 * 2 * 2
+    assert {(r["model"], r["task"], r["length"]) for r in rows} == {
+        (m, t, n) for m in ("Q-RAG", "untrained") for t in ("qa1", "niah_single_1") for n in (512, 4096)}
+    for r in rows:
+        assert r["num_samples"] == (3 if r["length"] == 512 else 2)
+        assert 0.0 <= r["fact_em"] <= r["fact_f1"] + 1e-9 <= 1.0 + 1e-9
+        assert r["steps"] == (2 if r["task"] == "qa1" else 1)  # auto: the most support chunks of the task
+        assert r["peak_memory_mb"] > 0 and r["seconds_per_question"] > 0
+        assert abs(r["context_tokens"] - r["length"]) <= 0.02 * r["length"]
+    assert {r["positions"] for r in rows if r["model"] == "untrained"} == {"none"}
+    assert {r["positions"] for r in rows if r["model"] == "Q-RAG"} == {"relative"}
+    assert out.with_suffix(".png").stat().st_size > 1000
+    merged = tmp_path / "merged.json"
+    assert main(["sweep-lengths", "--plot-only", str(out), "--out", str(merged)]) == 0
+    assert json.loads(merged.read_text())["rows"] == rows
+
+
+def test_job_task_flag_becomes_an_override():
+    sys.path.insert(0, str(ROOT / "jobs"))
+    from train_babilong import tasks_to_overrides
+
+    assert tasks_to_overrides(["--tasks", "qa1, qa2", "updates=5"]) == ["data.tasks=[qa1,qa2]", "updates=5"]
+    assert tasks_to_overrides(["--tasks=S1", "--base-dir", "/x"]) == ["data.tasks=[S1]", "--base-dir", "/x"]

@@ -1,0 +1,260 @@
+"""bAbI parsing, the BabiLong and RULER NIAH generators: determinism, fact order, supports,
+chunk budgets, context lengths within 2% of the target, disjoint train/dev background."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from qrag.config import DataConfig
+from qrag.data import load_samples
+from qrag.data.babi import load_babi, parse_babi, task_file
+from qrag.data.babilong import generate_babilong
+from qrag.data.contexts import SPECIAL
+from qrag.data.haystack import Haystack, Measure, clear_cache, split_files
+from qrag.data.niah import TASKS, generate_niah
+from qrag.data.sample import DataError
+
+BABI_STORY = """1 Mary moved to the bathroom.
+2 John went to the hallway.
+3 Where is Mary? \tbathroom\t1
+4 Daniel went back to the hallway.
+5 Mary travelled to the office.
+6 Where is Mary? \toffice\t5
+1 Sandra got the apple.
+2 Sandra went to the garden.
+3 Where is the apple? \tgarden\t1 2
+"""
+
+WORDS = ("river castle forest painter singer city novel window garden harbor lantern meadow orchard "
+         "candle violin kettle mirror pebble ribbon saddle").split()
+
+
+def write_background(folder, seed: int, sentences: int = 1500) -> None:
+    rng = random.Random(seed)
+    lines = []
+    for i in range(sentences):
+        n = rng.randint(4, 14) if i % 97 else 90  # now and then a sentence longer than a chunk
+        words = [rng.choice(WORDS) for _ in range(n)]
+        lines.append(" ".join(words).capitalize() + ".")
+        if i % 7 == 6:
+            lines.append("")  # paragraph break
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"book{seed}.txt").write_text("\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_encoder):
+    from qrag.encoder import load_tokenizer
+
+    return load_tokenizer(tiny_encoder)
+
+
+@pytest.fixture(scope="module")
+def measure(tokenizer):
+    clear_cache()
+    return Measure.from_tokenizer(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def background(tmp_path_factory):
+    root = tmp_path_factory.mktemp("background")
+    write_background(root / "train", 1)
+    write_background(root / "dev", 2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def babi_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("babi")
+    (root / "en").mkdir()
+    for split in ("train", "test"):
+        (root / "en" / f"qa1_single-supporting-fact_{split}.txt").write_text(BABI_STORY)
+    return root
+
+
+def true_tokens(tokenizer, chunks):
+    return [len(x) for x in tokenizer(chunks, add_special_tokens=False)["input_ids"]]
+
+
+# -- bAbI -------------------------------------------------------------------------------------
+
+
+def test_babi_parser_maps_support_lines_to_fact_indices(tmp_path):
+    path = tmp_path / "qa2_x_test.txt"
+    path.write_text(BABI_STORY)
+    qs = parse_babi(path, "qa2")
+    assert [q.answer for q in qs] == ["bathroom", "office", "garden"]
+    assert qs[0].facts == ("Mary moved to the bathroom.", "John went to the hallway.")
+    assert qs[0].support == (0,)
+    # question lines are not facts: line 5 is the 4th fact of the first story
+    assert qs[1].facts[qs[1].support[0]] == "Mary travelled to the office."
+    assert len(qs[1].facts) == 4
+    # a new story starts when the numbering restarts
+    assert qs[2].facts == ("Sandra got the apple.", "Sandra went to the garden.") and qs[2].support == (0, 1)
+
+
+def test_babi_parser_names_file_and_line_of_bad_input(tmp_path):
+    path = tmp_path / "qa1_x_test.txt"
+    path.write_text("1 Mary moved.\n2 Where is Mary?\tkitchen\t7\n")
+    with pytest.raises(DataError, match=r"qa1_x_test.txt: line 2: support line 7"):
+        parse_babi(path, "qa1")
+    path.write_text("one Mary moved.\n")
+    with pytest.raises(DataError, match="line 1"):
+        parse_babi(path, "qa1")
+
+
+def test_real_babi_tasks_and_qa3_fallback(shared_data):
+    root = shared_data / "babi" / "tasks_1-20_v1-2"
+    for task, n_support in (("qa1", 1), ("qa2", 2), ("qa3", 3), ("qa4", 1), ("qa5", 1)):
+        qs = load_babi(root, task, "dev")
+        assert len(qs) == 1000 and {len(q.support) for q in qs} == {n_support}
+        for q in qs[:50]:
+            assert all(0 <= i < len(q.facts) for i in q.support)
+    assert task_file(root, "qa3", "train").parent.name == "en"  # en-10k has no qa3 train
+    assert task_file(root, "qa2", "train").parent.name == "en-10k"
+
+
+# -- background text --------------------------------------------------------------------------
+
+
+def test_background_split_is_disjoint(background, shared_data):
+    assert {f.name for f in split_files(background, "train")}.isdisjoint({f.name for f in split_files(background, "dev")})
+    novels = shared_data / "gutenberg_novels"
+    train, dev = split_files(novels, "train"), split_files(novels, "dev")
+    assert train and dev and not {f.name for f in train} & {f.name for f in dev}
+
+
+def test_haystack_chunks_are_sentence_aligned_and_within_budget(background, measure, tokenizer):
+    hay = Haystack.build("t", [(background / "dev" / "book2.txt").read_text()], 24, measure)
+    assert hay.additive
+    counts = true_tokens(tokenizer, [hay.chunk_text(k) for k in range(hay.n_chunks)])
+    assert max(counts) <= 24
+    assert counts == hay.chunk_counts.tolist()
+    # sentence-aligned: a sentence that fits a chunk is never cut between two chunks
+    from qrag.data.chunking import split_sentences
+
+    chunks = [hay.chunk_text(k) for k in range(hay.n_chunks)]
+    short = [x for x in split_sentences((background / "dev" / "book2.txt").read_text()) if len(x.split()) < 8]
+    assert short and all(any(x in c for c in chunks) for x in short[::25])
+    assert all(np.array_equal(hay.chunk_ids(k), np.asarray(tokenizer(hay.chunk_text(k), add_special_tokens=False)["input_ids"]))
+               for k in range(0, hay.n_chunks, 50))
+
+
+# -- BabiLong ---------------------------------------------------------------------------------
+
+
+def babilong(babi_dir, background, measure, length, n=3, seed=0, split="dev"):
+    return list(generate_babilong("qa1", split, length, n, measure, seed=seed, budget=32, facts_path=babi_dir, background=background))
+
+
+@pytest.mark.parametrize("length", [256, 1024, 4096, 40000])  # 40000 wraps around the corpus
+def test_babilong_length_order_support_and_budget(babi_dir, background, measure, tokenizer, length):
+    questions = {q.id: q for q in load_babi(babi_dir, "qa1", "dev")}
+    for g in babilong(babi_dir, background, measure, length):
+        s = g.sample
+        counts = true_tokens(tokenizer, s.chunks)
+        assert abs(sum(counts) - length) <= 0.02 * length
+        assert sum(counts) == s.meta["context_tokens"]
+        assert max(counts) <= 32
+        q = questions[s.meta["source_id"]]
+        facts = [c for c, r in zip(s.chunks, g.refs) if r == SPECIAL]
+        assert facts == list(q.facts)  # every fact, in story order, each its own chunk
+        assert [s.chunks[i] for i in s.support] == [q.facts[i] for i in q.support]
+        assert s.question == q.question and s.answer == q.answer and s.meta["task"] == "qa1"
+
+
+def test_babilong_is_deterministic_and_seeded(babi_dir, background, measure):
+    a = babilong(babi_dir, background, measure, 1024, seed=3)
+    clear_cache()
+    b = babilong(babi_dir, background, measure, 1024, seed=3)
+    c = babilong(babi_dir, background, measure, 1024, seed=4)
+    assert [x.sample.chunks for x in a] == [x.sample.chunks for x in b]
+    assert [x.sample.support for x in a] == [x.sample.support for x in b]
+    assert [x.sample.chunks for x in a] != [x.sample.chunks for x in c]
+
+
+def test_babilong_train_and_dev_use_different_books(babi_dir, background, measure):
+    dev_text = (background / "dev" / "book2.txt").read_text()
+    train_text = (background / "train" / "book1.txt").read_text()
+    for split, other in (("train", dev_text), ("dev", train_text)):
+        g = babilong(babi_dir, background, measure, 2048, n=1, split=split)[0]
+        background_chunks = [c for c, r in zip(g.sample.chunks, g.refs) if r >= 0]
+        assert not any(c in other for c in background_chunks[:20])
+
+
+def test_babilong_facts_longer_than_target_drop_old_facts_or_skip(babi_dir, background, measure):
+    g = babilong(babi_dir, background, measure, 12, n=2)
+    for item in g:
+        assert item.sample.meta["context_tokens"] <= 12
+        assert all(0 <= i < len(item.sample.chunks) for i in item.sample.support)
+    with pytest.raises(DataError, match="fit in 2 tokens"):
+        babilong(babi_dir, background, measure, 2, n=2)
+
+
+def test_babilong_loader_mixes_tasks(babi_dir, background, tokenizer):
+    from qrag.data.chunking import tokenizer_counter
+
+    cfg = DataConfig(dataset="babilong", path=str(background), facts_path=str(babi_dir), tasks=["qa1"],
+                     context_tokens=512, samples_per_task=4, dev_samples_per_task=2, chunk_tokens=32)
+    count = tokenizer_counter(tokenizer)
+    assert len(load_samples(cfg, "train", count)) == 4
+    dev = load_samples(cfg, "dev", count)
+    assert len(dev) == 2 and len({s.id for s in dev}) == 2
+
+
+# -- RULER NIAH -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def essays(tmp_path_factory, background):
+    import json
+
+    path = tmp_path_factory.mktemp("essays") / "essays.json"
+    path.write_text(json.dumps({"text": (background / "train" / "book1.txt").read_text()}))
+    return path
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_niah_tasks(task, measure, tokenizer, essays):
+    from qrag.data.niah import TASKS as SPECS
+
+    spec = SPECS[task]
+    for length in (4096, 8192):  # RULER's lengths start at 4K (a UUID needle alone is 1/16 of 1K)
+        items = list(generate_niah(task, "dev", length, 2, measure, budget=64, essays=essays))
+        for g in items:
+            s = g.sample
+            counts = true_tokens(tokenizer, s.chunks)
+            assert abs(sum(counts) - length) <= 0.02 * length
+            needles = [c for c, r in zip(s.chunks, g.refs) if r == SPECIAL]
+            assert len(needles) == max(spec.keys, spec.queries) * spec.values
+            assert len(s.support) == spec.queries * spec.values
+            answers = s.meta["answers"]
+            assert all(any(a in s.chunks[i] for a in answers) for i in s.support)
+            assert all(c.startswith("One of the special magic") for c in (s.chunks[i] for i in s.support))
+            # the asked key(s) appear in the question and only in the support chunks
+            keys = {c.split(" for ", 1)[1].split(" is: ")[0] for c in (s.chunks[i] for i in s.support)}
+            assert all(k in s.question for k in keys)
+            others = [c for i, c in enumerate(s.chunks) if i not in s.support]
+            assert not any(f" {k} is:" in c for k in keys for c in others)
+            if spec.haystack == "needles":
+                assert sum(c.startswith("One of the special magic") for c in others) > 10
+            else:
+                assert max(counts) <= 64
+    first = [g.sample for g in generate_niah(task, "dev", 1024, 2, measure, budget=64, essays=essays)]
+    again = [g.sample for g in generate_niah(task, "dev", 1024, 2, measure, budget=64, essays=essays)]
+    assert [(s.chunks, s.support) for s in first] == [(s.chunks, s.support) for s in again]
+    train = [g.sample for g in generate_niah(task, "train", 1024, 2, measure, budget=64, essays=essays)]
+    assert [s.answer for s in train] != [s.answer for s in first]
+
+
+def test_niah_loader_and_bad_task(tokenizer, essays):
+    from qrag.data.chunking import tokenizer_counter
+
+    cfg = DataConfig(dataset="niah", path=str(essays), tasks=["S1", "MV"], context_tokens=512, samples_per_task=2, chunk_tokens=64)
+    samples = load_samples(cfg, "dev", tokenizer_counter(tokenizer))
+    assert [s.meta["task"] for s in samples] == ["niah_single_1", "niah_multivalue"] * 2
+    with pytest.raises(DataError, match="unknown NIAH task"):
+        load_samples(DataConfig(dataset="niah", path=str(essays), tasks=["S9"]), "dev", tokenizer_counter(tokenizer))
