@@ -85,6 +85,9 @@ def with_runners(cfg, runners: int, skip: int) -> dict:
     # the data and encoder variables): no runtime env, which a trimmed Ray install may not support.
     os.environ.update(worker_env())
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "platform"), os.environ.get("PYTHONPATH")]))
+    # Ray runs its workers at nice 15; on a shared machine that alone would slow the learner down
+    # against the learner-alone row (nice 0). Same priority for both.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     connect(Job(cfg, None, {}, "bench"), ship_code=False)
     try:
         result = train_with_ray(cfg, run_name=f"{cfg.name}-r{runners}", tracking=False)
@@ -114,7 +117,8 @@ def main() -> int:
     ap.add_argument("--mode", choices=sorted(MODES), default="cpu")
     ap.add_argument("--updates", type=int, help="updates per setup (default: by mode)")
     ap.add_argument("--skip", type=int, help="first updates left out of the figures (default: by mode)")
-    ap.add_argument("--runners", type=int, nargs="+", help="runner counts to measure (default: by mode)")
+    ap.add_argument("--runners", type=lambda text: [int(n) for n in text.split(",")], metavar="N,N,...",
+                    help="runner counts to measure, e.g. 1,2,4 (default: by mode)")
     ap.add_argument("--no-alone", action="store_true", help="skip the learner-alone row")
     ap.add_argument("--encoder", help="tiny (random-init 2-layer BERT, MiniLM's tokenizer) | minilm | a directory (default: by mode)")
     ap.add_argument("--out", help="write the JSON result here, e.g. bench/results/train_throughput_cpu.json")

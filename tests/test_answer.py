@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import make_hotpot_records
+from qrag.readers import make_answerer
 from qrag.answer import (
     AnswerSetupError,
     ChatRequest,
@@ -17,7 +18,6 @@ from qrag.answer import (
     attach_reader_inputs,
     clean_answer,
     load_prompt,
-    make_answerer,
     parse_prompt,
     public_config,
 )

@@ -105,5 +105,8 @@ def test_shipped_subset_loads_whole(shared_data):
 def test_sentence_tools():
     assert split_sentences("Mary went home. John ran! Did he?  Yes.\n\nNew para.") == [
         "Mary went home.", "John ran!", "Did he?", "Yes.", "New para."]
+    # closing quotes and brackets stay with their sentence (a bug once dropped them)
+    assert split_sentences('He said "Go home!" Then (he left.) Why?') == ['He said "Go home!"', "Then (he left.)", "Why?"]
+    assert "".join(split_sentences('"Stop!" It ended.')).replace(" ", "") == '"Stop!"Itended.'
     assert pack_sentences(["a", "b", "c", "d"], [3, 3, 5, 1], 6) == [(0, 2), (2, 4)]
     assert pack_sentences(["long"], [99], 6) == [(0, 1)]

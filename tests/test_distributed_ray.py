@@ -117,6 +117,11 @@ def _mlflow_run(out_dir: Path, name: str):
     return client, runs[0]
 
 
+def _summary(stdout: str) -> dict:
+    """The job's closing JSON line (Ray may forward worker log lines after it)."""
+    return json.loads([line for line in stdout.splitlines() if line.startswith('{"run_dir"')][-1])
+
+
 def _steps(client, run, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
 
@@ -125,20 +130,24 @@ def test_ray_job_submit_trains_tracks_and_checkpoints(cluster, tiny_encoder, hot
     out = tmp_path / "runs"
     job = subprocess.run(
         [RAY, "job", "submit", "--address", cluster["api"], "--working-dir", ".", "--",
-         "python", "jobs/train_hotpot.py", "--base-dir", str(tmp_path), *_args(tiny_encoder, hotpot_file, "runs", "submitted", "updates=3")],
+         "python", "jobs/train_hotpot.py", "--base-dir", str(tmp_path),
+         *_args(tiny_encoder, hotpot_file, "runs", "submitted", "updates=3", "eval_every=2", "keep_best=true", "data.val_fraction=0.2")],
         cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=420,
     )
     assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-4000:]
-    summary = json.loads([line for line in job.stdout.splitlines() if line.startswith('{"run_dir"')][-1])
+    summary = _summary(job.stdout)
     assert summary["updates"] == 3 and summary["run_dir"] == str(out / "submitted")  # landed in --base-dir, not in Ray's copy
     client, run = _mlflow_run(out, "submitted")
     assert run.info.status == "FINISHED" and run.info.run_id == summary["mlflow_run_id"]
     assert _steps(client, run, "train/loss") == [1, 2, 3]
+    assert _steps(client, run, "eval/fact_f1") == [2, 3]  # on the validation part, which the learner kept
     assert "final/dev_fact_f1" in run.data.metrics and "perf/runner_wait_share" in run.data.metrics
     assert run.data.params["distributed.runners"] == "2" and run.data.params["out_dir"] == str(out)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")}
     assert {"checkpoint/qrag.json", "checkpoint/state_encoder", "checkpoint/tokenizer"} <= artifacts
     assert (out / "submitted" / "checkpoints" / "update_0000002" / "trainer").is_dir()
+    assert (out / "submitted" / "final" / "eval.json").is_file() and (out / "submitted" / "final" / "trainer").is_dir()
+    assert summary["checkpoint"] == str(out / "submitted" / "best") and (out / "submitted" / "best" / "qrag.json").is_file()
     local = client.download_artifacts(run.info.run_id, "checkpoint", str(tmp_path / "dl"))
     ev = subprocess.run([sys.executable, "-m", "qrag", "eval", "--checkpoint", local, "--limit", "4", "--device", "cpu"],
                         env=cluster["env"], capture_output=True, text=True, timeout=300)
@@ -157,7 +166,7 @@ def test_dead_runner_and_crashed_learner_do_not_stop_the_run(cluster, tiny_encod
     log = res.stdout + res.stderr
     assert "EnvRunner 0 dies" in log and "the learner exits after update 3" in log
     assert "from update 2" in log  # the restarted learner resumed from the checkpoint
-    assert json.loads(res.stdout.strip().splitlines()[-1])["updates"] == 5
+    assert _summary(res.stdout)["updates"] == 5
     client, run = _mlflow_run(out, "faults")
     assert _steps(client, run, "train/loss") == [1, 2, 3, 4, 5]  # continuous: nothing twice, nothing missing
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "perf/runner_requests_lost")) >= 1

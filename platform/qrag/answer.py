@@ -198,25 +198,6 @@ def answer_records(records: list[dict[str, Any]], answerer: Answerer, template: 
     }
 
 
-# -- backends --------------------------------------------------------------------------------------
-
-
-def make_answerer(cfg: AnswerConfig, backend: str | None = None) -> Answerer | None:
-    """The configured reader (``backend`` overrides ``cfg.backend``); None for ``none``."""
-    backend = backend or cfg.backend
-    if backend not in BACKENDS:
-        raise AnswerSetupError(f"unknown answer backend {backend!r} (choose from {', '.join(BACKENDS)})")
-    if backend == "none":
-        return None
-    if backend == "openai":
-        from .answer_openai import OpenAIAnswerer
-
-        return OpenAIAnswerer.from_config(cfg)
-    from .answer_local import LocalAnswerer
-
-    return LocalAnswerer.from_config(cfg)
-
-
 def public_config(cfg: AnswerConfig, backend: str) -> dict[str, Any]:
     """The answer settings as eval outputs record them: no API key."""
     out = {**to_dict(cfg), "backend": backend}

@@ -8,7 +8,9 @@ from collections.abc import Callable, Sequence
 # Counts tokens of many texts in one call (a fast tokenizer batches this).
 TokenCounter = Callable[[list[str]], list[int]]
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
+# A sentence ends at . ! or ?, possibly followed by one closing quote or bracket (which stays with
+# the sentence), then whitespace and the start of the next sentence.
+_SENTENCE_END = re.compile(r"(?:(?<=[.!?][\"')\]])|(?<=[.!?]))\s+(?=[\"'(\[]?[A-Z0-9])")
 
 
 def tokenizer_counter(tokenizer) -> TokenCounter:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def connect(job: Job, ship_code: bool = True) -> bool:
         # The dashboard (when installed) serves the state API that Ray Train's clean-up actor polls.
         address="local", _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", logging_level="WARNING",
         # Logical CPUs: enough for the learner and every runner even on a small machine.
-        num_cpus=max(os.cpu_count() or 1, cpu_need(job.cfg)), runtime_env=runtime_env,
+        num_cpus=max(os.cpu_count() or 1, math.ceil(cpu_need(job.cfg))), runtime_env=runtime_env,
     )
     return True
 
@@ -123,13 +124,14 @@ def launch(job: Job) -> dict[str, Any]:
         if started:
             ray.shutdown()
     out = result.return_value or {}
+    ev = out.get("eval") or {}  # the final evaluation on dev
     summary = {
         "run_dir": job.run_dir,
-        "checkpoint": f"{job.run_dir}/final",
+        "checkpoint": out.get("checkpoint", f"{job.run_dir}/final"),  # best/ with keep_best
         "updates": out.get("updates"),
-        "fact_em": (out.get("eval") or {}).get("fact_em", result.metrics.get("eval/fact_em")),
-        "fact_f1": (out.get("eval") or {}).get("fact_f1", result.metrics.get("eval/fact_f1")),
-        "eval_questions": (out.get("eval") or {}).get("num_samples"),
+        "fact_em": ev.get("fact_em"),
+        "fact_f1": ev.get("fact_f1"),
+        "eval_questions": ev.get("num_samples"),
         "runner_wait_share": out.get("runner_wait_share"),
         "seconds": out.get("seconds"),
     }
@@ -137,7 +139,7 @@ def launch(job: Job) -> dict[str, Any]:
         summary.update(mlflow_run_id=result.mlflow["run_id"], tracking_uri=result.mlflow["tracking_uri"])
         job.say(f"MLflow run {result.mlflow['run_id']} in {result.mlflow['tracking_uri']}; "
                 f"UI (needs the full `mlflow` package): mlflow ui --backend-store-uri {result.mlflow['tracking_uri']} --host 127.0.0.1")
-    job.say(f"final checkpoint {summary['checkpoint']} (eval: qrag eval --checkpoint {summary['checkpoint']})")
+    job.say(f"checkpoint {summary['checkpoint']} (evaluate it: qrag eval --checkpoint {summary['checkpoint']})")
     print(json.dumps(summary), flush=True)
     return summary
 

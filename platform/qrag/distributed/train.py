@@ -17,7 +17,6 @@ The worker runs the same ``TrainingRun.run()`` as ``qrag train``; only three thi
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -49,6 +48,12 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
+def cpu_need(cfg: TrainConfig) -> float:
+    """Logical CPUs the run reserves: the learner's and every runner's."""
+    d = cfg.distributed
+    return d.learner_cpus + d.runners * d.runner_cpus
+
+
 def learner_resources(cfg: TrainConfig, cluster: dict[str, float]) -> tuple[bool, dict[str, float]]:
     """(use a GPU?, resources of the learner worker); an error when the cluster cannot hold the run."""
     d = cfg.distributed
@@ -56,7 +61,7 @@ def learner_resources(cfg: TrainConfig, cluster: dict[str, float]) -> tuple[bool
     use_gpu = d.learner_gpu if d.learner_gpu is not None else gpus >= 1
     if use_gpu and gpus < 1:
         raise ConfigError("distributed.learner_gpu is true but the Ray cluster has no GPU")
-    need = d.learner_cpus + d.runners * d.runner_cpus
+    need = cpu_need(cfg)
     have = cluster.get("CPU", 0.0)
     if need > have + 1e-9:
         raise ConfigError(
@@ -129,8 +134,9 @@ class _Reporter:
         self.cfg, self.run, self.run_dir, self.feed, self.logger, self.pool = cfg, run, run_dir, feed, logger, pool
 
     def _checkpoint_follows(self, update: int) -> bool:
+        """A periodic checkpoint follows this report (``TrainingRun.run``'s rule) and carries its metrics."""
         every = self.cfg.checkpoint_every
-        return update >= self.cfg.updates or bool(every and update % every == 0)
+        return bool(every) and update % every == 0 and update < self.cfg.updates
 
     def __call__(self, update: int, metrics: dict[str, float]) -> None:
         import ray.train
@@ -202,7 +208,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         from .tracking import MetricLogger
 
         logger = MetricLogger(config["mlflow_uri"], config["mlflow_run_id"])
-    scratch = Path(tempfile.mkdtemp(prefix=f"qrag-{cfg.name}-"))
+    # Ray Train runs the worker in a directory of Ray's session: what a crash leaves there goes
+    # away with the session.
+    scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=os.getcwd()))
     pool = None
     try:
         tokenizer_path = resolve_encoder(cfg.model.encoder)
@@ -264,6 +272,8 @@ def train_with_ray(
     checkpoint, and its MLflow run too. ``parent_run_id`` nests the MLflow run under a parent
     (a Tune sweep's); ``callbacks`` are Ray Train ``UserCallback``s (e.g. Tune's report callback).
     Raises ``ConfigError`` before anything starts when the cluster cannot hold the run.
+    ``result.return_value`` holds the final eval and paths in storage; ``result.mlflow`` is
+    ``{"tracking_uri", "run_id", "experiment"}`` (None without tracking).
     """
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -315,7 +325,3 @@ def train_with_ray(
     result.mlflow = {"tracking_uri": uri, "run_id": run_id, "experiment": d.mlflow_experiment} if run_id else None
     return result
 
-
-def cpu_need(cfg: TrainConfig) -> int:
-    d = cfg.distributed
-    return math.ceil(d.learner_cpus + d.runners * d.runner_cpus)

@@ -1,0 +1,23 @@
+"""Building the configured reader backend (kept apart from :mod:`qrag.answer`, which the
+backends themselves import for the shared types)."""
+
+from __future__ import annotations
+
+from .answer import BACKENDS, Answerer, AnswerSetupError
+from .config import AnswerConfig
+
+
+def make_answerer(cfg: AnswerConfig, backend: str | None = None) -> Answerer | None:
+    """The configured reader (``backend`` overrides ``cfg.backend``); None for ``none``."""
+    backend = backend or cfg.backend
+    if backend not in BACKENDS:
+        raise AnswerSetupError(f"unknown answer backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend == "none":
+        return None
+    if backend == "openai":
+        from .answer_openai import OpenAIAnswerer
+
+        return OpenAIAnswerer.from_config(cfg)
+    from .answer_local import LocalAnswerer
+
+    return LocalAnswerer.from_config(cfg)
