@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.qrag-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean mlflow-server
+.PHONY: install demo test test-fast clean mlflow-server sweep
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 # checkpoint and the untrained encoder on the same dev questions.
 demo: install
 	$(PY) jobs/demo.py
+
+# A hyperparameter sweep on a local Ray (README "Hyperparameter sweeps"), e.g. SWEEP=tune/hotpot_alpha_lambda_tau.yaml
+SWEEP ?= tune/smoke.yaml
+sweep: install
+	$(PY) tune/sweep.py --config $(SWEEP)
 
 test: install mlflow-server
 	$(PY) -m pytest $(PYTEST_ARGS)

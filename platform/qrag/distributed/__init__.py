@@ -8,4 +8,7 @@ The only place in the library that imports Ray (and MLflow). Modules:
 * ``tracking``  MLflow runs: params, metrics by update (no duplicates after restarts), artifacts
 * ``train``     ``train_with_ray``: the Ray Train ``TorchTrainer`` around ``qrag.train.TrainingRun``
 * ``job``       ``run_job``: parse, validate before any actor starts, connect, train, print
+* ``sweep``     ``tune/sweep.py``: Ray Tune sweeps (``sweep_spec`` the sweep file, ``sweep_tune`` the
+                trainable and ASHA, ``sweep_tracking`` the MLflow parent run, ``sweep_results`` table,
+                plot and best config, ``sweep_local`` the same trials without Ray)
 """
