@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -99,3 +100,14 @@ def shared_data() -> Path:
     if d is None:
         pytest.skip("shared benchmark data not available")
     return d
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 right now (for servers a test starts)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,21 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_ports
 
 pytestmark = pytest.mark.ray
 
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +28,14 @@ def cluster(tmp_path_factory):
     if shutil.which(RAY) is None and not Path(RAY).exists():
         pytest.skip("the ray CLI is not installed")
     tmp = tmp_path_factory.mktemp("ray")
-    gcs, dashboard, client, agent, agent_grpc, metrics, env_agent = _free_ports(7)
+    gcs, dashboard, client, agent, agent_grpc, metrics, env_agent = free_ports(7)
     env = {
         **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": str(ROOT / "platform"),
+        # A job's `python` is the cluster's Python, as on a real cluster: here the test's own
+        # interpreter, also when CI runs pytest without activating the virtualenv.
+        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
     }
     env.pop("RAY_ADDRESS", None)
     log = open(tmp / "ray_start.log", "w")

@@ -26,23 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import free_ports, ROOT
 
 pytestmark = pytest.mark.ray
 
 RAY = str(Path(sys.executable).parent / "ray")
 SERVER_SCRIPT = ROOT / "infra" / "mlflow" / "server.sh"
 MARKER = "qrag_cpu_node"  # the CPU worker group's marker resource (infra/kuberay, infra/cluster.yaml)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def listening(port: int) -> bool:
@@ -83,6 +73,9 @@ def cluster(tmp_path_factory):
         **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": str(ROOT / "platform"),
+        # A job's `python` is the cluster's Python, as on a real cluster: here the test's own
+        # interpreter, also when CI runs pytest without activating the virtualenv.
+        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
     }
     for var in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
         env.pop(var, None)
