@@ -60,7 +60,7 @@ DATASETS = {  # name -> (overrides on the checkpoint's config, split)
 def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
     import torch
 
-    from qrag.answer import attach_reader_inputs
+    from qrag.answers.reader import attach_reader_inputs
     from qrag.checkpoint import load_qnet, untrained_qnet
     from qrag.config import TrainConfig, apply_overrides, from_dict, load_config, to_dict
     from qrag.data import load_samples
@@ -111,8 +111,8 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
 
 
 def answer_stage(args: argparse.Namespace, out: Path) -> dict:
-    from qrag.answer import answer_records, load_prompt
-    from qrag.answer_local import LocalAnswerer
+    from qrag.answers.reader import answer_records, load_prompt
+    from qrag.answers.local import LocalAnswerer
     from qrag.report import build_report
 
     reader = LocalAnswerer(args.reader, device=args.reader_device, batch_size=args.batch_size, max_tokens=args.max_tokens)

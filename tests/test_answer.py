@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import make_hotpot_records
-from qrag.readers import make_answerer
-from qrag.answer import (
+from qrag.answers.backends import make_answerer
+from qrag.answers.reader import (
     AnswerSetupError,
     ChatRequest,
     answer_records,
@@ -21,7 +21,7 @@ from qrag.answer import (
     parse_prompt,
     public_config,
 )
-from qrag.answer_openai import OpenAIAnswerer
+from qrag.answers.openai_compat import OpenAIAnswerer
 from qrag.config import AnswerConfig
 from qrag.data.sample import Sample
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from qrag.answer import ChatRequest, answer_records, load_prompt
-from qrag.answer_local import LocalAnswerer, prepare_smollm2, smollm2_gguf
+from qrag.answers.reader import ChatRequest, answer_records, load_prompt
+from qrag.answers.local import LocalAnswerer, prepare_smollm2, smollm2_gguf
 
 EASY = [
     ("What is the capital of Germany?", ["Germany: Berlin is the capital of Germany."], "Berlin"),

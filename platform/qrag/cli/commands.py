@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig, describe
+from ..config import ConfigError, config_keys_epilog
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
@@ -24,14 +24,6 @@ def command(name: str, help: str):
         return register
 
     return wrap
-
-
-def config_keys_epilog() -> str:
-    rows = describe(TrainConfig)
-    width = max(len(k) for k, _, _ in rows)
-    lines = ["config keys (set in the YAML file or as key=value overrides):"]
-    lines += [f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in rows]
-    return "\n".join(lines)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -50,8 +42,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 @command("train", "train a Q-RAG retriever on one machine (no Ray)")(_train_args)
 def cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .train import TrainingRun, print_reporter
+    from ..config import load_config
+    from ..train import TrainingRun, print_reporter
 
     cfg = load_config(args.config, args.overrides)
     run = TrainingRun(cfg, resume=args.resume)
@@ -87,8 +79,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 @command("eval", "evaluate a checkpoint (or the untrained encoder) on a dataset split")(_eval_args)
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .evaluate import evaluate_checkpoint
+    from ..config import load_config
+    from ..evaluate import evaluate_checkpoint
 
     overrides = list(args.overrides)
     if args.data:
@@ -120,21 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_extra_commands() -> None:
-    """Subcommands that live in their own modules ``qrag/cli_*.py`` (serve, report, ...) register
+    """Subcommands that live in their own modules of this package (serve, report, ...) register
     themselves with :func:`command` on import."""
     import importlib
     import pkgutil
 
     package = importlib.import_module(__package__)
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name.startswith("cli_"):
+        if info.name != "commands":
             importlib.import_module(f"{__package__}.{info.name}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError
-    from .data.sample import DataError
-    from .encoder import ModelPathError
+    from ..checkpoint import CheckpointError
+    from ..data.sample import DataError
+    from ..encoder import ModelPathError
 
     parser = build_parser()
     # argparse stops collecting positionals after an option; accept key=value overrides anywhere.

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .cli import command
-from .config import ConfigError, apply_overrides, describe, from_dict, read_yaml
-from .service_config import ServeConfig
+from ..config import ConfigError, apply_overrides, describe, from_dict, read_yaml
+from ..service_config import ServeConfig
+from .commands import command
 
-REPO_STATIC = Path(__file__).resolve().parents[2] / "serve" / "static"
+REPO_STATIC = Path(__file__).resolve().parents[3] / "serve" / "static"
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -44,10 +44,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 @command("serve", "serve a retriever over HTTP with Ray Serve (local Ray, loopback)")(_args)
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
-    from .embedder import resolve_source  # noqa: PLC0415
+    from ..embedder import resolve_source  # noqa: PLC0415
 
     resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri)  # a bad checkpoint fails here, before Ray starts
-    from .distributed.serving import serve_locally  # noqa: PLC0415 (Ray lives under qrag.distributed)
+    from ..distributed.serving import serve_locally  # noqa: PLC0415 (Ray lives under qrag.distributed)
 
     serve_locally(cfg, args.host, args.port, args.static)
     return 0

@@ -1,10 +1,10 @@
-"""Building the configured reader backend (kept apart from :mod:`qrag.answer`, which the
+"""Building the configured reader backend (kept apart from :mod:`qrag.answers.reader`, which the
 backends themselves import for the shared types)."""
 
 from __future__ import annotations
 
-from .answer import BACKENDS, Answerer, AnswerSetupError
-from .config import AnswerConfig
+from ..config import AnswerConfig
+from .reader import BACKENDS, Answerer, AnswerSetupError
 
 
 def make_answerer(cfg: AnswerConfig, backend: str | None = None) -> Answerer | None:
@@ -15,9 +15,9 @@ def make_answerer(cfg: AnswerConfig, backend: str | None = None) -> Answerer | N
     if backend == "none":
         return None
     if backend == "openai":
-        from .answer_openai import OpenAIAnswerer
+        from .openai_compat import OpenAIAnswerer
 
         return OpenAIAnswerer.from_config(cfg)
-    from .answer_local import LocalAnswerer
+    from .local import LocalAnswerer
 
     return LocalAnswerer.from_config(cfg)
