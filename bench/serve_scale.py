@@ -40,7 +40,9 @@ from qrag.config import SearchConfig  # noqa: E402
 from qrag.data.documents import Document, chunk_documents  # noqa: E402
 from qrag.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
 from qrag.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
-from qrag.index import CorpusStore, LocalIndex, ShardOptions  # noqa: E402
+from qrag.index.local import LocalIndex  # noqa: E402
+from qrag.index.shards import ShardOptions  # noqa: E402
+from qrag.index.store import CorpusStore  # noqa: E402
 
 
 def args_parser() -> argparse.ArgumentParser:

@@ -142,7 +142,9 @@ def build_corpus(args) -> dict:
     from qrag.data.documents import Document
     from qrag.embedder import load_embedding_model, resolve_source
     from qrag.encoder import resolve_encoder
-    from qrag.index import CorpusStore, LocalIndex, ShardOptions
+    from qrag.index.local import LocalIndex
+    from qrag.index.shards import ShardOptions
+    from qrag.index.store import CorpusStore
     from serve_scale import _init_worker, _prepare, book_files
 
     store = CorpusStore(args.storage)

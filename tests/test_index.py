@@ -13,8 +13,9 @@ from qrag.config import SearchConfig
 from qrag.data.documents import Document, chunk_documents, parse_documents
 from qrag.data.sample import DataError, Sample
 from qrag.embedder import load_embedding_model, resolve_source
-from qrag.index import (CorpusConflict, CorpusNotFound, CorpusShards, CorpusStore, LocalIndex, ShardOptions,
-                        ShardUnhealthy, StoreError, positions_at)
+from qrag.index.local import LocalIndex
+from qrag.index.shards import CorpusShards, ShardOptions, ShardUnhealthy, positions_at
+from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, StoreError
 from qrag.positions import relative_positions
 from qrag.search import Retriever
 from qrag.tokens import tokenize_samples

@@ -24,7 +24,7 @@ pytest.importorskip("ray.serve")
 from qrag.checkpoint import load_qnet, save_checkpoint, untrained_qnet  # noqa: E402
 from qrag.config import SearchConfig, load_config  # noqa: E402
 from qrag.data.sample import Sample  # noqa: E402
-from qrag.index import CorpusStore  # noqa: E402
+from qrag.index.store import CorpusStore  # noqa: E402
 from qrag.search import Retriever  # noqa: E402
 from qrag.service_config import ServeConfig  # noqa: E402
 from qrag.tokens import tokenize_samples  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 from qrag.config import SearchConfig
 from qrag.embedder import load_embedding_model, resolve_source
 from qrag.http_api import build_api
-from qrag.index import LocalIndex
+from qrag.index.local import LocalIndex
 from qrag.service import local_service
 from qrag.service_config import ServeConfig
 

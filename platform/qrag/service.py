@@ -24,8 +24,9 @@ from .config import ModelConfig, SearchConfig
 from .data.documents import Document, check_text, chunk_documents, parse_documents
 from .data.sample import DataError
 from .embedder import EmbeddingModel, Tokenization
-from .index import (ChunkRecord, CorpusConflict, CorpusNotFound, CorpusShards, CorpusStore, Manifest, Segment, SearchRun,
-                    ShardHits, ShardIndex, ShardOptions, ShardUnhealthy, StoreError, Timings)
+from .index.multistep import SearchRun, Timings
+from .index.shards import CorpusShards, ShardHits, ShardIndex, ShardOptions, ShardUnhealthy
+from .index.store import ChunkRecord, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, Segment, StoreError
 from .service_config import ServeConfig
 
 

@@ -27,7 +27,8 @@ from ..config import ModelConfig, from_dict, to_dict
 from ..embedder import Tokenization, load_embedding_model, resolve_source, source_identity
 from ..encoder import pick_device
 from ..http_api import build_api
-from ..index import CorpusNotFound, CorpusStore, SegmentProblem, ShardHits, ShardOptions, ShardUnhealthy
+from ..index.shards import ShardHits, ShardOptions, ShardUnhealthy
+from ..index.store import CorpusNotFound, CorpusStore, SegmentProblem
 from ..service import ModelIdentity, RetrievalService, ServiceError, ShardHolder
 from ..service_config import ServeConfig
 

@@ -1,0 +1,324 @@
+"""Scoring one shard of a corpus: exact (rotated) inner products, FAISS candidates for large
+unrotated shards, the merge of shard top-k lists, and a corpus's shards held together."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..positions import rotate
+from ..qnet import QNetwork
+from .store import (
+    ChunkRecord,
+    CorpusNotFound,
+    CorpusStore,
+    Segment,
+    SegmentProblem,
+    StoreError,
+    shard_rows,
+)
+
+
+def positions_at(mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total: int, delta: float, ell: float) -> torch.Tensor | None:
+    """Positions of the chunks at global indices ``gpos`` [n] for each row of ``selected``
+    [B, k] (sorted global indices; pad with ``n_total``), as :func:`qrag.positions.chunk_positions`
+    computes them over the whole context — the same float32 arithmetic, for a subset of columns."""
+    b = selected.shape[0]
+    if mode == "none":
+        return None
+    if mode == "absolute":
+        return gpos.to(torch.float32).expand(b, -1)
+    if mode != "relative":
+        raise ValueError(f"unknown positions mode {mode!r}")
+    m = torch.full((b, 1), n_total, dtype=torch.long, device=gpos.device)
+    bounds = torch.cat([selected.to(torch.long), m], dim=1)  # b_1..b_k, then m
+    idx = gpos.expand(b, -1).contiguous()
+    j = torch.searchsorted(bounds, idx, right=True)  # selected indices <= i
+    prev = torch.where(j > 0, bounds.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(idx))
+    nxt = torch.minimum(bounds.gather(1, j), m)
+    width = (nxt - prev).clamp(min=1).to(torch.float32)
+    return j.to(torch.float32) * delta + ell * (idx - prev).to(torch.float32) / width
+
+
+@dataclass
+class ShardHits:
+    """Top-k of one shard (or of several, merged) for each state row."""
+
+    q: np.ndarray  # [B, k] float32, best first; -inf pads rows with fewer candidates
+    ids: np.ndarray  # [B, k] int64 global positions (-1 for pads)
+    pos: np.ndarray | None  # [B, k] float32 positions used in the rotation (None: positions off)
+    records: dict[int, ChunkRecord] = field(default_factory=dict)
+
+    def rows(self, lo: int, hi: int) -> ShardHits:
+        """The hits of state rows [lo, hi) (records are shared, not filtered)."""
+        return ShardHits(self.q[lo:hi], self.ids[lo:hi], None if self.pos is None else self.pos[lo:hi], self.records)
+
+    @classmethod
+    def empty(cls, rows: int, with_pos: bool) -> ShardHits:
+        return cls(np.zeros((rows, 0), np.float32), np.zeros((rows, 0), np.int64), np.zeros((rows, 0), np.float32) if with_pos else None)
+
+
+def merge_hits(hits: Sequence[ShardHits], k: int) -> ShardHits:
+    """The best ``k`` of every row over all shards (ties broken by position), padded with -inf."""
+    q = np.concatenate([h.q for h in hits], axis=1)
+    ids = np.concatenate([h.ids for h in hits], axis=1)
+    with_pos = hits[0].pos is not None
+    pos = np.concatenate([h.pos for h in hits], axis=1) if with_pos else None
+    rows = q.shape[0]
+    out_q = np.full((rows, k), -np.inf, np.float32)
+    out_i = np.full((rows, k), -1, np.int64)
+    out_p = np.zeros((rows, k), np.float32) if with_pos else None
+    for r in range(rows):
+        order = np.lexsort((ids[r], -q[r]))[:k]
+        order = order[np.isfinite(q[r][order])]
+        out_q[r, : len(order)] = q[r][order]
+        out_i[r, : len(order)] = ids[r][order]
+        if with_pos:
+            out_p[r, : len(order)] = pos[r][order]
+    records: dict[int, ChunkRecord] = {}
+    keep = set(out_i[out_i >= 0].tolist())
+    for h in hits:
+        records.update({g: rec for g, rec in h.records.items() if g in keep})
+    return ShardHits(out_q, out_i, out_p, records)
+
+
+@dataclass
+class ShardOptions:
+    """How a shard scores: exact torch (always with RoPE positions) or FAISS (positions off)."""
+
+    faiss: str = "auto"  # auto: FAISS on CPU shards when positions are off | always | never
+    approx_above: int = 2_000_000  # chunks per shard above which FAISS uses HNSW instead of flat IP
+    hnsw_m: int = 32
+    hnsw_ef_search: int = 128
+    score_block: int = 1 << 18  # (state row x chunk) pairs rotated at once: bounds temporary memory
+
+
+class ShardIndex:
+    """One shard of one corpus in memory.
+
+    Vectors live on ``device`` in float32 and grow by appends (capacity doubles). Scores are
+    Q = mean of the twin halves of <s, R(pos) a>, computed exactly in torch in column blocks; with
+    positions off and ``faiss`` allowed, an inner-product FAISS index gives the candidates instead.
+    """
+
+    def __init__(self, corpus: str, shard: int, n_shards: int, model: ModelConfig, dim: int, device: torch.device, options: ShardOptions | None = None):
+        self.corpus, self.shard, self.n_shards = corpus, shard, n_shards
+        self.model, self.dim, self.device = model, dim, device
+        self.options = options or ShardOptions()
+        self._buf = torch.zeros(0, dim, device=device)
+        self.n = 0
+        self.doc_ids: list[str] = []
+        self.texts: list[str] = []
+        self.tokens: list[np.ndarray] = []
+        self.loaded: dict[int, str] = {}  # batch id -> sha256 of the vectors file loaded
+        self._faiss = None
+        self._faiss_n = 0
+        self._lock = threading.Lock()
+
+    @property
+    def vectors(self) -> torch.Tensor:
+        return self._buf[: self.n]
+
+    @property
+    def uses_faiss(self) -> bool:
+        o = self.options.faiss
+        if self.model.positions != "none" or o == "never":
+            return False
+        if o == "always":
+            return _faiss() is not None
+        return self.device.type == "cpu" and _faiss() is not None
+
+    def nbytes(self) -> int:
+        return self.n * self.dim * 4
+
+    def add(self, segment: Segment) -> None:
+        n_new = len(segment.positions)
+        expected = self.shard + self.n_shards * np.arange(self.n, self.n + n_new)
+        if not np.array_equal(segment.positions, expected):
+            raise StoreError(f"corpus {self.corpus!r} shard {self.shard}: batch {segment.batch} rows out of order")
+        with self._lock:
+            need = self.n + n_new
+            if need > len(self._buf):
+                grown = torch.zeros(max(need, 2 * len(self._buf), 1024), self.dim, device=self.device)
+                grown[: self.n] = self._buf[: self.n]
+                self._buf = grown
+            self._buf[self.n : need] = torch.from_numpy(np.asarray(segment.vectors, dtype=np.float32)).to(self.device)
+            self.doc_ids.extend(segment.doc_ids)
+            self.texts.extend(segment.texts)
+            self.tokens.extend(segment.tokens)
+            self.n = need
+
+    def record(self, g: int) -> ChunkRecord:
+        r = g // self.n_shards
+        return ChunkRecord(self.doc_ids[r], self.texts[r], self.tokens[r])
+
+    def _faiss_index(self):
+        faiss = _faiss()
+        with self._lock:
+            if self._faiss is None:
+                o = self.options
+                if self.n > o.approx_above:
+                    index = faiss.IndexHNSWFlat(self.dim, o.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+                    index.hnsw.efSearch = o.hnsw_ef_search
+                else:
+                    index = faiss.IndexFlatIP(self.dim)
+                self._faiss, self._faiss_n = index, 0
+            if self._faiss_n < self.n:
+                self._faiss.add(np.ascontiguousarray(self.vectors[self._faiss_n : self.n].cpu().numpy()))
+                self._faiss_n = self.n
+            return self._faiss
+
+    @torch.no_grad()
+    def topk(self, states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
+        """Each state row's best ``k`` chunks of this shard among the first ``n_total`` global
+        positions, the row's ``selected`` (global) chunks excluded."""
+        n = min(self.n, shard_rows(self.shard, self.n_shards, n_total))
+        states = (states if torch.is_tensor(states) else torch.tensor(np.asarray(states))).to(self.device, torch.float32)
+        rows = len(states)
+        with_pos = self.model.positions != "none"
+        if n == 0 or k <= 0:
+            return ShardHits.empty(rows, with_pos)
+        mine = [[g // self.n_shards for g in sel if g % self.n_shards == self.shard and g < n_total] for sel in selected]
+        if self.uses_faiss:
+            q, local = self._faiss_topk(states, mine, n, k)
+            pos = None
+        else:
+            q, local, pos = self._exact_topk(states, selected, mine, n, n_total, k)
+        ids = np.where(local >= 0, self.shard + self.n_shards * local, -1)
+        records = {int(g): self.record(int(g)) for g in np.unique(ids[ids >= 0])}
+        return ShardHits(q, ids.astype(np.int64), pos, records)
+
+    def _exact_topk(self, states, selected, mine, n, n_total, k):
+        dev = self.device
+        vectors = self.vectors[:n]
+        gpos = self.shard + self.n_shards * torch.arange(n, device=dev)
+        width = max(1, max((len(s) for s in selected), default=0))
+        sel = torch.full((len(states), width), n_total, dtype=torch.long, device=dev)
+        for r, s in enumerate(selected):
+            if len(s):
+                sel[r, : len(s)] = torch.as_tensor(sorted(s), dtype=torch.long, device=dev)
+        c = self.model
+        pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
+        q = torch.empty(len(states), n, device=dev, dtype=torch.float32)
+        block = max(1, self.options.score_block // max(1, len(states)))
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            vecs = vectors[lo:hi].unsqueeze(0).expand(len(states), -1, -1)
+            placed = vecs if pos is None else rotate(vecs, pos[:, lo:hi], c.rope_base)
+            q[:, lo:hi] = QNetwork.twin_scores(states, placed).mean(-1)
+        for r, rows in enumerate(mine):
+            if rows:
+                q[r, rows] = float("-inf")
+        kk = min(k, n)
+        top_q, top_i = q.topk(kk, dim=1)
+        top_pos = None if pos is None else pos.gather(1, top_i).cpu().numpy()
+        top_q, top_i = top_q.cpu().numpy(), top_i.cpu().numpy()
+        top_i = np.where(np.isfinite(top_q), top_i, -1)
+        return top_q, top_i, top_pos
+
+    def _faiss_topk(self, states, mine, n, k):
+        index = self._faiss_index()
+        extra = max((len(m) for m in mine), default=0) + (self.n - n)  # rows to filter out afterwards
+        kk = min(self.n, k + extra)
+        dist, local = index.search(np.ascontiguousarray(states.cpu().numpy()), kk)
+        out_q = np.full((len(states), min(k, n)), -np.inf, np.float32)
+        out_i = np.full(out_q.shape, -1, np.int64)
+        for r in range(len(states)):
+            banned = set(mine[r])
+            keep = [(float(d) / 2.0, int(i)) for d, i in zip(dist[r], local[r]) if 0 <= i < n and int(i) not in banned]
+            keep = keep[: out_q.shape[1]]
+            out_q[r, : len(keep)] = [d for d, _ in keep]  # Q = mean of the twin halves = <s, a> / 2
+            out_i[r, : len(keep)] = [i for _, i in keep]
+        return out_q, out_i
+
+
+_FAISS: Any = None
+
+
+def _faiss():
+    """faiss when installed (the GPU bench machine may lack it: shards then score in torch)."""
+    global _FAISS
+    if _FAISS is None:
+        try:
+            import faiss  # noqa: PLC0415
+
+            _FAISS = faiss
+        except ImportError:
+            _FAISS = False
+    return _FAISS or None
+
+
+class ShardUnhealthy(StoreError):
+    def __init__(self, problems: Sequence[SegmentProblem]):
+        self.problems = list(problems)
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+    def __reduce__(self):  # picklable across processes (Ray)
+        return (ShardUnhealthy, (self.problems,))
+
+
+class CorpusShards:
+    """The shards ``slots`` of one corpus held by one process, kept in step with the store."""
+
+    def __init__(self, store: CorpusStore, name: str, slots: Sequence[int], device: torch.device, options: ShardOptions | None = None):
+        self.store, self.name, self.slots, self.device = store, name, list(slots), device
+        self.options = options or ShardOptions()
+        self.uid: str | None = None
+        self.version = -1
+        self.shards: dict[int, ShardIndex] = {}
+        self.problems: list[SegmentProblem] = []
+        self.loaded_rows = 0  # rows read from disk since start (the durability test reads it)
+        self._sync_lock = threading.Lock()
+
+    def sync(self, min_version: int = 0, uid: str | None = None) -> None:
+        """Load what the manifest has and this process has not; reload a shard whose loaded
+        segment was replaced. Raises :class:`ShardUnhealthy` rather than serve a bad shard."""
+        if self.version >= min_version and (uid is None or uid == self.uid) and not self.problems:
+            return
+        with self._sync_lock:
+            m = self.store.read(self.name)
+            if uid is not None and m.uid != uid:
+                raise CorpusNotFound(f"corpus {self.name!r} was deleted and re-created; retry")
+            if m.uid != self.uid:
+                self.shards, self.uid = {}, m.uid
+            problems: list[SegmentProblem] = []
+            for slot in self.slots:
+                if slot >= m.shards:
+                    continue
+                shard = self.shards.get(slot)
+                replaced = shard is not None and any(
+                    b["id"] in shard.loaded and shard.loaded[b["id"]] != b["shards"][slot]["vectors"]["sha256"] for b in m.batches
+                )
+                if shard is None or replaced:
+                    shard = ShardIndex(m.name, slot, m.shards, m.model_cfg, m.dim, self.device, self.options)
+                new = [b for b in m.batches if b["id"] not in shard.loaded]
+                slot_problems = []
+                for b in new:
+                    segment, problem = self.store.read_segment(m, slot, b)
+                    if problem is not None:
+                        slot_problems.append(problem)
+                        break  # later rows would land at the wrong positions
+                    shard.add(segment)
+                    shard.loaded[b["id"]] = b["shards"][slot]["vectors"]["sha256"]
+                    self.loaded_rows += len(segment.positions)
+                self.shards[slot] = shard
+                problems.extend(slot_problems)
+            self.problems = problems
+            self.version = m.version
+            if problems:
+                raise ShardUnhealthy(problems)
+
+    def topk(self, states, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
+        hits = [self.shards[s].topk(states, selected, n_total, k) for s in self.slots if s in self.shards]
+        if not hits:
+            return ShardHits.empty(len(states), False)
+        return merge_hits(hits, k) if len(hits) > 1 else hits[0]
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.shards.values())

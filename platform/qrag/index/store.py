@@ -1,0 +1,438 @@
+"""Corpora on disk: manifest, append batches, shards; atomic commits and integrity checks.
+
+On disk, one directory per corpus under a storage root::
+
+    corpus.json                          the manifest: model fingerprint, positions, counts, and
+                                         per append batch the files of every shard + sha256 sums
+    docs/batch_000001.jsonl              the batch's documents (id, chunks, tokens)
+    shard_000/batch_000001.safetensors   vectors [n, d] (float16|float32), global positions,
+                                         chunk token ids (flat + offsets)
+    shard_000/batch_000001.jsonl         one line per chunk: position, document id, text
+
+A batch is committed by atomically replacing corpus.json once all its files are written: a
+crash mid-append leaves the previous version whole, and stray files are removed by the next
+write. Global chunk positions follow corpus order (documents as given, chunks in document
+order); chunk g lives in shard g % S at row g // S, so a shard holds every part of the corpus
+and appends keep the shards balanced.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from ..config import ModelConfig, from_dict, to_dict
+from ..data.documents import Document, DocumentChunk
+
+FORMAT_VERSION = 1
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DTYPES = ("float32", "float16")
+
+
+class StoreError(ValueError):
+    """A corpus that cannot be read or written; the message names the corpus and the file."""
+
+
+class CorpusNotFound(StoreError):
+    pass
+
+
+class CorpusConflict(StoreError):
+    """The request contradicts the corpus (exists already, duplicate document, other model)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest
+
+
+@dataclass
+class Manifest:
+    name: str
+    uid: str  # a new uid per creation: caches never confuse a deleted corpus with its successor
+    fingerprint: str  # of the encoders (and positions config) that made the vectors
+    model: dict[str, Any]  # the ModelConfig: positions mode, RoPE base, δ, ℓ
+    dim: int
+    chunk_tokens: int
+    shards: int
+    dtype: str = "float32"
+    version: int = 0
+    documents: int = 0
+    chunks: int = 0
+    tokens: int = 0
+    created: float = 0.0
+    updated: float = 0.0
+    # [{"id", "first", "chunks", "documents", "tokens", "docs": {file, sha256},
+    #   "shards": [{"chunks", "fingerprint", "vectors": {file, sha256}, "texts": {file, sha256}}]}]
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        return from_dict(ModelConfig, self.model)
+
+    @property
+    def positions(self) -> str:
+        return str(self.model.get("positions", "none"))
+
+    def summary(self) -> dict[str, Any]:
+        keys = ("name", "fingerprint", "dim", "chunk_tokens", "shards", "dtype", "version", "documents", "chunks", "tokens", "created", "updated")
+        return {**{k: getattr(self, k) for k in keys}, "positions": self.positions, "batches": len(self.batches)}
+
+
+def shard_rows(shard: int, n_shards: int, n_total: int) -> int:
+    """How many of the first ``n_total`` global positions fall in ``shard`` (g % S == shard)."""
+    return max(0, -(-(n_total - shard) // n_shards))
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one shard's segment (a batch's rows in one shard)
+
+
+@dataclass
+class ChunkRecord:
+    """What a caller needs of a chosen chunk: to show it and to put it into the next state."""
+
+    doc_id: str
+    text: str
+    tokens: np.ndarray  # [CLS] chunk [SEP], int32
+
+
+@dataclass
+class Segment:
+    batch: int
+    positions: np.ndarray  # int64 global positions, ascending
+    vectors: np.ndarray  # [n, d]
+    tokens: list[np.ndarray]
+    doc_ids: list[str]
+    texts: list[str]
+
+
+@dataclass
+class SegmentProblem:
+    """A shard file that is missing, corrupt or stale; ``repairable`` when its texts are intact
+    (the vectors can be re-embedded from them)."""
+
+    corpus: str
+    shard: int
+    batch: int
+    file: str
+    reason: str
+    repairable: bool
+
+    def __str__(self) -> str:
+        return f"corpus {self.corpus!r} shard {self.shard}: {self.file}: {self.reason}"
+
+
+def _encode_segment(positions: np.ndarray, vectors: np.ndarray, tokens: Sequence[np.ndarray], dtype: str) -> bytes:
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(tokens).astype(np.int32) if len(tokens) else np.zeros(0, np.int32)
+    return st_save({
+        "vectors": np.ascontiguousarray(vectors, dtype=np.dtype(dtype)),
+        "positions": np.ascontiguousarray(positions, dtype=np.int64),
+        "tokens": flat,
+        "offsets": offsets,
+    })
+
+
+def _encode_texts(positions: np.ndarray, doc_ids: Sequence[str], texts: Sequence[str]) -> bytes:
+    lines = [json.dumps({"position": int(p), "doc": d, "text": t}, ensure_ascii=False) for p, d, t in zip(positions, doc_ids, texts)]
+    return ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+
+
+class CorpusStore:
+    """Corpora under one storage root. Writers serialise on a per-corpus file lock, so several
+    processes (Serve replicas) may share the root; readers need no lock (manifest-first)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- names, locks, manifests
+
+    def path(self, name: str) -> Path:
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise StoreError(f"invalid corpus name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return self.root / name
+
+    @contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        self.path(name)
+        locks = self.root / ".locks"
+        locks.mkdir(exist_ok=True)
+        with open(locks / f"{name}.lock", "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and (p / "corpus.json").is_file() and NAME_PATTERN.match(p.name))
+
+    def manifest_mtime(self, name: str) -> float | None:
+        try:
+            return (self.path(name) / "corpus.json").stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def read(self, name: str) -> Manifest:
+        path = self.path(name) / "corpus.json"
+        if not path.is_file():
+            raise CorpusNotFound(f"unknown corpus {name!r}")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            manifest = Manifest(**data)
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
+            raise StoreError(f"{path}: unreadable manifest ({exc})") from None
+        if manifest.format_version != FORMAT_VERSION:
+            raise StoreError(f"{path}: unsupported index format {manifest.format_version!r}")
+        return manifest
+
+    def _write_manifest(self, m: Manifest) -> None:
+        m.updated = time.time()
+        _write_atomic(self.path(m.name) / "corpus.json", json.dumps(asdict(m), indent=1).encode("utf-8"))
+
+    def create(self, name: str, *, fingerprint: str, model: ModelConfig, dim: int, chunk_tokens: int, shards: int, dtype: str = "float32") -> Manifest:
+        if shards < 1:
+            raise StoreError(f"shards must be at least 1, got {shards}")
+        if dtype not in DTYPES:
+            raise StoreError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        with self.lock(name):
+            path = self.path(name)
+            if (path / "corpus.json").exists():
+                raise CorpusConflict(f"corpus {name!r} already exists")
+            if path.exists():  # debris of a crashed create or delete
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+            now = time.time()
+            m = Manifest(name=name, uid=secrets.token_hex(8), fingerprint=fingerprint, model=to_dict(model), dim=int(dim),
+                         chunk_tokens=int(chunk_tokens), shards=int(shards), dtype=dtype, created=now)
+            self._write_manifest(m)
+            return m
+
+    def delete(self, name: str) -> None:
+        with self.lock(name):
+            path = self.path(name)
+            if not (path / "corpus.json").exists():
+                raise CorpusNotFound(f"unknown corpus {name!r}")
+            # The manifest goes first: a crash part-way leaves debris, never a half corpus.
+            (path / "corpus.json").unlink()
+            shutil.rmtree(path, ignore_errors=True)
+
+    def disk_bytes(self, name: str) -> int:
+        return sum(p.stat().st_size for p in self.path(name).rglob("*") if p.is_file())
+
+    # -- documents
+
+    def doc_ids(self, m: Manifest) -> list[str]:
+        ids: list[str] = []
+        for batch in m.batches:
+            path = self.path(m.name) / batch["docs"]["file"]
+            data = self._read_checked(path, batch["docs"]["sha256"])
+            if data is None:
+                raise StoreError(f"corpus {m.name!r}: {batch['docs']['file']} is missing or corrupt")
+            ids.extend(json.loads(line)["id"] for line in data.decode("utf-8").splitlines() if line)
+        return ids
+
+    @staticmethod
+    def _read_checked(path: Path, sha: str) -> bytes | None:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        return data if _sha256(data) == sha else None
+
+    # -- appending
+
+    def append(
+        self,
+        name: str,
+        docs: Sequence[Document],
+        chunks: Sequence[DocumentChunk],
+        token_ids: Sequence[np.ndarray],
+        vectors: np.ndarray,
+        fingerprint: str,
+    ) -> Manifest:
+        """Add documents (their chunks in corpus order, token ids and vectors) as one batch."""
+        if not (len(chunks) == len(token_ids) == len(vectors)):
+            raise StoreError(f"corpus {name!r}: {len(chunks)} chunks, {len(token_ids)} token arrays and {len(vectors)} vectors")
+        with self.lock(name):
+            m = self.read(name)
+            if fingerprint != m.fingerprint:
+                raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}")
+            if vectors.ndim != 2 or vectors.shape[1] != m.dim:
+                raise StoreError(f"corpus {name!r}: vectors of shape {tuple(vectors.shape)}, expected [n, {m.dim}]")
+            existing = set(self.doc_ids(m))
+            dup = next((d.id for d in docs if d.id in existing), None)
+            if dup is not None:
+                raise CorpusConflict(f"document id {dup!r} is already in corpus {name!r}")
+            self._remove_strays(m)
+            batch_id = max((b["id"] for b in m.batches), default=0) + 1
+            first = m.chunks
+            positions = np.arange(first, first + len(chunks), dtype=np.int64)
+            root = self.path(name)
+            tag = f"batch_{batch_id:06d}"
+            per_doc: dict[str, list[int]] = {d.id: [0, 0] for d in docs}
+            for c in chunks:
+                per_doc[c.doc_id][0] += 1
+                per_doc[c.doc_id][1] += c.tokens
+            docs_bytes = "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode()
+            (root / "docs").mkdir(exist_ok=True)
+            _write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
+            shard_entries = []
+            for s in range(m.shards):
+                rows = np.nonzero(positions % m.shards == s)[0]
+                entry = self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],
+                                            [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
+                shard_entries.append(entry)
+            m.batches.append({
+                "id": batch_id, "first": first, "chunks": len(chunks), "documents": len(docs),
+                "tokens": int(sum(c.tokens for c in chunks)),
+                "docs": {"file": f"docs/{tag}.jsonl", "sha256": _sha256(docs_bytes)},
+                "shards": shard_entries,
+            })
+            m.version += 1
+            m.documents += len(docs)
+            m.chunks += len(chunks)
+            m.tokens += int(sum(c.tokens for c in chunks))
+            self._write_manifest(m)
+            return m
+
+    def _write_segment(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str) -> dict[str, Any]:
+        folder = self.path(m.name) / f"shard_{shard:03d}"
+        folder.mkdir(exist_ok=True)
+        vec_bytes = _encode_segment(positions, vectors, tokens, m.dtype)
+        txt_bytes = _encode_texts(positions, doc_ids, texts)
+        # A fresh file name per write: a reader holding the old manifest still finds its files.
+        suffix = secrets.token_hex(3)
+        vec_name, txt_name = f"{tag}.{suffix}.safetensors", f"{tag}.jsonl"
+        _write_atomic(folder / vec_name, vec_bytes)
+        if not (folder / txt_name).exists() or _sha256((folder / txt_name).read_bytes()) != _sha256(txt_bytes):
+            _write_atomic(folder / txt_name, txt_bytes)
+        return {
+            "chunks": int(len(positions)), "fingerprint": fingerprint,
+            "vectors": {"file": f"shard_{shard:03d}/{vec_name}", "sha256": _sha256(vec_bytes)},
+            "texts": {"file": f"shard_{shard:03d}/{txt_name}", "sha256": _sha256(txt_bytes)},
+        }
+
+    def _remove_strays(self, m: Manifest) -> None:
+        """Files of crashed writes: anything in docs/ or shard_*/ that the manifest does not list."""
+        keep = {b["docs"]["file"] for b in m.batches}
+        keep |= {s[k]["file"] for b in m.batches for s in b["shards"] for k in ("vectors", "texts")}
+        root = self.path(m.name)
+        for folder in [root / "docs", *root.glob("shard_*")]:
+            for file in folder.glob("*") if folder.is_dir() else []:
+                rel = f"{folder.name}/{file.name}"
+                if rel not in keep and file.is_file():
+                    file.unlink()
+
+    # -- reading and repairing shards
+
+    def read_segment(self, m: Manifest, shard: int, batch: dict[str, Any]) -> tuple[Segment | None, SegmentProblem | None]:
+        """One batch's rows of one shard, checked against the manifest; never wrong rows."""
+        entry = batch["shards"][shard]
+        root = self.path(m.name)
+        expected = np.arange(batch["first"], batch["first"] + batch["chunks"], dtype=np.int64)
+        expected = expected[expected % m.shards == shard]
+
+        def problem(file: str, reason: str, repairable: bool) -> tuple[None, SegmentProblem]:
+            return None, SegmentProblem(m.name, shard, batch["id"], file, reason, repairable)
+
+        texts = self._read_checked(root / entry["texts"]["file"], entry["texts"]["sha256"])
+        if texts is None:
+            reason = "missing" if not (root / entry["texts"]["file"]).exists() else "checksum mismatch"
+            return problem(entry["texts"]["file"], f"{reason}; the chunk texts are lost, re-create the corpus", False)
+        rows = [json.loads(line) for line in texts.decode("utf-8").splitlines() if line]
+        if len(rows) != len(expected) or any(r["position"] != p for r, p in zip(rows, expected)):
+            return problem(entry["texts"]["file"], "rows do not match the manifest", False)
+        if entry.get("fingerprint") != m.fingerprint:
+            return problem(entry["vectors"]["file"], f"vectors from model {entry.get('fingerprint')}, corpus model {m.fingerprint}", True)
+        data = self._read_checked(root / entry["vectors"]["file"], entry["vectors"]["sha256"])
+        if data is None:
+            reason = "missing" if not (root / entry["vectors"]["file"]).exists() else "checksum mismatch"
+            return problem(entry["vectors"]["file"], reason, True)
+        try:
+            arrays = st_load(data)
+            vectors, positions, flat, offsets = arrays["vectors"], arrays["positions"], arrays["tokens"], arrays["offsets"]
+        except Exception as exc:  # safetensors raises its own error types
+            return problem(entry["vectors"]["file"], f"unreadable ({exc})", True)
+        if vectors.shape != (len(expected), m.dim) or not np.array_equal(positions, expected) or len(offsets) != len(expected) + 1:
+            return problem(entry["vectors"]["file"], "arrays do not match the manifest", True)
+        tokens = [flat[offsets[i] : offsets[i + 1]] for i in range(len(expected))]
+        return Segment(batch["id"], positions, vectors, tokens, [r["doc"] for r in rows], [r["text"] for r in rows]), None
+
+    def replace_vectors(self, name: str, shard: int, batch_id: int, vectors: np.ndarray, token_ids: Sequence[np.ndarray], fingerprint: str) -> Manifest:
+        """Re-embedded vectors for one segment whose texts are intact (repair / reindex)."""
+        with self.lock(name):
+            m = self.read(name)
+            if fingerprint != m.fingerprint:
+                raise CorpusConflict(f"corpus {name!r} is for model {m.fingerprint}, not {fingerprint}")
+            batch = next((b for b in m.batches if b["id"] == batch_id), None)
+            if batch is None:
+                raise StoreError(f"corpus {name!r} has no batch {batch_id}")
+            segment_texts = self.read_texts(m, shard, batch)
+            if len(segment_texts) != len(vectors):
+                raise StoreError(f"corpus {name!r} shard {shard} batch {batch_id}: {len(vectors)} vectors for {len(segment_texts)} chunks")
+            positions = np.asarray([p for p, _, _ in segment_texts], dtype=np.int64)
+            old = batch["shards"][shard]
+            new = self._write_segment(m, shard, f"batch_{batch_id:06d}", positions, vectors, token_ids,
+                                      [d for _, d, _ in segment_texts], [t for _, _, t in segment_texts], fingerprint)
+            batch["shards"][shard] = new
+            m.version += 1
+            self._write_manifest(m)
+            old_file = self.path(name) / old["vectors"]["file"]
+            if old["vectors"]["file"] != new["vectors"]["file"] and old_file.exists():
+                old_file.unlink()
+            return m
+
+    def read_texts(self, m: Manifest, shard: int, batch: dict[str, Any]) -> list[tuple[int, str, str]]:
+        """(position, doc id, text) of a segment, checked; a StoreError when they are lost."""
+        entry = batch["shards"][shard]
+        data = self._read_checked(self.path(m.name) / entry["texts"]["file"], entry["texts"]["sha256"])
+        if data is None:
+            raise StoreError(f"corpus {m.name!r} shard {shard}: {entry['texts']['file']} is missing or corrupt")
+        rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
+        return [(r["position"], r["doc"], r["text"]) for r in rows]
+
+    def set_fingerprint(self, name: str, fingerprint: str, dim: int, model: ModelConfig) -> Manifest:
+        """Start a re-index with another model: every segment turns stale until re-embedded."""
+        with self.lock(name):
+            m = self.read(name)
+            m.fingerprint, m.dim, m.model = fingerprint, int(dim), to_dict(model)
+            m.version += 1
+            self._write_manifest(m)
+            return m
