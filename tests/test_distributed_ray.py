@@ -4,22 +4,17 @@ survive a dead EnvRunner, a crashed learner and a re-submitted job."""
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_ports
+from conftest import ROOT
+from ray_cluster import RAY, local_ray_cluster
 
 pytestmark = pytest.mark.ray
-
-RAY = str(Path(sys.executable).parent / "ray")
 
 
 @pytest.fixture(scope="module")
@@ -27,61 +22,8 @@ def cluster(tmp_path_factory):
     """`ray start --head` on 127.0.0.1 with its own ports, temp dir and auth token; stopped by pid."""
     if shutil.which(RAY) is None and not Path(RAY).exists():
         pytest.skip("the ray CLI is not installed")
-    tmp = tmp_path_factory.mktemp("ray")
-    gcs, dashboard, client, agent, agent_grpc, metrics, env_agent = free_ports(7)
-    env = {
-        **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0",
-        "PYTHONPATH": str(ROOT / "platform"),
-        # A job's `python` is the cluster's Python, as on a real cluster: here the test's own
-        # interpreter, also when CI runs pytest without activating the virtualenv.
-        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
-    }
-    env.pop("RAY_ADDRESS", None)
-    log = open(tmp / "ray_start.log", "w")
-    proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
-         "--num-cpus=3", "--num-gpus=0", f"--temp-dir={tmp / 't'}", "--disable-usage-stats"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.time() + 120
-        while subprocess.run([RAY, "job", "list", "--address", api], env=env, capture_output=True).returncode != 0:
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"ray start failed: {(tmp / 'ray_start.log').read_text()[-2000:]}")
-            time.sleep(1)
-        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "api": api}
-    finally:
-        _stop_cluster(proc)
-        log.close()
-
-
-def _process_group(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and os.getpgid(int(entry)) == pgid:
-                pids.append(int(entry))
-        except ProcessLookupError:
-            pass
-    return pids
-
-
-def _stop_cluster(proc: subprocess.Popen) -> None:
-    """Every process of the test cluster is in the session its `ray start` opened, and only
-    those: stop them with SIGTERM (the `ray start` parent itself would first wait out a 30 s
-    drain, so it goes last, with SIGKILL, once nothing is left to drain)."""
-    for pid in _process_group(proc.pid):
-        if pid != proc.pid:
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.time() + 5
-    while time.time() < deadline and set(_process_group(proc.pid)) - {proc.pid}:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    with local_ray_cluster(tmp_path_factory.mktemp("ray")) as c:
+        yield c
 
 
 def _args(tiny_encoder, hotpot_file, out_dir, name, *extra):

@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import pwd
-import secrets
 import shutil
 import signal
 import socket
@@ -26,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports, ROOT
+from conftest import ROOT, free_ports
+from ray_cluster import local_ray_cluster
 
 pytestmark = pytest.mark.ray
 
-RAY = str(Path(sys.executable).parent / "ray")
 SERVER_SCRIPT = ROOT / "infra" / "mlflow" / "server.sh"
 MARKER = "qrag_cpu_node"  # the CPU worker group's marker resource (infra/kuberay, infra/cluster.yaml)
 
@@ -67,37 +66,9 @@ def mlflow_bin() -> str:
 def cluster(tmp_path_factory):
     """`ray start --head` on 127.0.0.1: 3 CPUs, 2 logical GPUs (placement only; nothing runs CUDA),
     the CPU-node marker resource; own ports, temp dir and auth token; stopped by process group."""
-    tmp = tmp_path_factory.mktemp("ray")
-    gcs, dashboard, client, agent, agent_grpc, metrics, env_agent = free_ports(7)
-    env = {
-        **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0",
-        "PYTHONPATH": str(ROOT / "platform"),
-        # A job's `python` is the cluster's Python, as on a real cluster: here the test's own
-        # interpreter, also when CI runs pytest without activating the virtualenv.
-        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
-    }
-    for var in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
-        env.pop(var, None)
-    log = open(tmp / "ray_start.log", "w")
-    proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
-         "--num-cpus=3", "--num-gpus=2", f"--resources={json.dumps({MARKER: 100})}", f"--temp-dir={tmp / 't'}", "--disable-usage-stats"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.time() + 120
-        while not listening(dashboard) or subprocess.run([RAY, "job", "list", "--address", api], env=env, capture_output=True).returncode:
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"ray start failed: {(tmp / 'ray_start.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "api": api}
-    finally:
-        stop_group(proc)
-        log.close()
+    with local_ray_cluster(tmp_path_factory.mktemp("ray"), num_gpus=2, resources={MARKER: 100},
+                           drop_env=("RAY_ADDRESS", "MLFLOW_TRACKING_URI")) as c:
+        yield c
 
 
 # -- PostgreSQL (skipped where it is not installed) ----------------------------------------------
