@@ -24,7 +24,7 @@ from .checkpoint import (
 from .config import SearchConfig, TrainConfig
 from .data import load_samples
 from .data.chunking import tokenizer_counter
-from .data.splits import in_validation
+from .data.splits import split_validation
 from .data.sample import Sample
 from .encoder import load_tokenizer, pick_device, resolve_encoder
 from .evaluate import EvalResult, evaluate
@@ -140,10 +140,8 @@ class TrainingRun:
     def load_data(self) -> None:
         t0 = time.perf_counter()
         count = tokenizer_counter(self.tokenizer)
-        train = load_samples(self.cfg.data, "train", count)
-        val_fraction = self.cfg.data.val_fraction
-        self.train_samples = [s for s in train if not in_validation(s.id, val_fraction)]
-        self.val_samples = [s for s in train if in_validation(s.id, val_fraction)]
+        self.train_samples, self.val_samples = split_validation(load_samples(self.cfg.data, "train", count),
+                                                                self.cfg.data.val_fraction)
         self.dev_samples = load_samples(self.cfg.data, "dev", count)
         self.train_tok = self.tokenize(self.train_samples)
         self.val_tok = self.tokenize(self.val_samples)

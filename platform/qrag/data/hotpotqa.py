@@ -9,13 +9,15 @@ supporting fact. A bad record stops loading with an error naming the file and th
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .chunking import TokenCounter, cap_paragraphs
 from .paths import data_root, read_json, resolve_files
 from .sample import DataError, Sample
-from .splits import in_split
+from .splits import records_in_split
 
 DEFAULT_FILE = "hotpotqa/hotpot_dev_distractor_v1.subset1368.json.gz"
 
@@ -98,17 +100,13 @@ def load_hotpotqa(
     count: TokenCounter,
     limit: int | None = None,
 ) -> list[Sample]:
-    samples: list[Sample] = []
-    for file in resolve_files(path or default_path()):
-        records = _read_records(file)
-        if not isinstance(records, list):
-            raise DataError(f"{file}: expected a JSON list of HotpotQA records")
-        for i, record in enumerate(records):
-            rid = record.get("_id") if isinstance(record, dict) else None
-            where = f"{file}: record {i}" + (f" (_id={rid})" if rid else "")
-            if isinstance(rid, str) and not in_split(rid, split, dev_fraction):
-                continue
-            samples.append(parse_record(record, where, budget, count))
-            if limit is not None and len(samples) >= limit:
-                return samples
-    return samples
+    pairs = (pair for file in resolve_files(path or default_path()) for pair in _numbered_records(file))
+    samples = (parse_record(record, where, budget, count) for where, record in records_in_split(pairs, "_id", split, dev_fraction))
+    return list(itertools.islice(samples, limit))
+
+
+def _numbered_records(file: Path) -> Iterator[tuple[str, Any]]:
+    records = _read_records(file)
+    if not isinstance(records, list):
+        raise DataError(f"{file}: expected a JSON list of HotpotQA records")
+    return ((f"{file}: record {i}", record) for i, record in enumerate(records))

@@ -17,6 +17,7 @@ file and the line.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from . import register_loader
 from .chunking import TokenCounter, cap_paragraphs, split_sentences
 from .paths import data_root, read_jsonl, resolve_files
 from .sample import DataError, Sample
-from .splits import SPLITS, in_split
+from .splits import SPLITS, records_in_split
 
 TRAIN_FILE = "musique/musique_ans_v1.0_train.subset150.jsonl.gz"
 DEV_FILE = "musique/musique_ans_v1.0.migres100_split_unstated.jsonl.gz"
@@ -115,17 +116,9 @@ def load_musique(
                 raise DataError(f"{file}: no such file (set data.path or QRAG_DATA_DIR)")
     else:
         files, by_hash = resolve_files(path), True
-    samples: list[Sample] = []
-    for file in files:
-        for lineno, record in read_jsonl(file):
-            rid = record.get("id") if isinstance(record, dict) else None
-            where = f"{file}: line {lineno}" + (f" (id={rid})" if rid else "")
-            if by_hash and isinstance(rid, str) and not in_split(rid, split, dev_fraction):
-                continue
-            samples.append(parse_record(record, where, budget, count))
-            if limit is not None and len(samples) >= limit:
-                return samples
-    return samples
+    pairs = ((f"{file}: line {lineno}", record) for file in files for lineno, record in read_jsonl(file))
+    in_split = records_in_split(pairs, "id", split, dev_fraction, by_hash=by_hash)
+    return list(itertools.islice((parse_record(record, where, budget, count) for where, record in in_split), limit))
 
 
 @register_loader("musique")

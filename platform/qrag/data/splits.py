@@ -7,8 +7,8 @@ the Python hash seed: ``sha1(id)`` mapped to [0, 1) is compared with ``dev_fract
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -29,6 +29,19 @@ def in_split(record_id: str, split: str, dev_fraction: float) -> bool:
     return is_dev if split == "dev" else not is_dev
 
 
+def records_in_split(pairs: Iterable[tuple[str, Any]], id_key: str, split: str, dev_fraction: float, *,
+                     by_hash: bool = True) -> Iterator[tuple[str, Any]]:
+    """The (where, record) pairs of ``split``, ``where`` extended with the record's id. A record
+    without a string id is kept, so that its parser stops with an error naming it."""
+    for where, record in pairs:
+        rid = record.get(id_key) if isinstance(record, dict) else None
+        if rid:
+            where = f"{where} ({id_key}={rid})"
+        if by_hash and isinstance(rid, str) and not in_split(rid, split, dev_fraction):
+            continue
+        yield where, record
+
+
 def take_split(items: Sequence[T], ids: Sequence[str], split: str, dev_fraction: float) -> list[T]:
     return [item for item, rid in zip(items, ids) if in_split(rid, split, dev_fraction)]
 
@@ -36,3 +49,13 @@ def take_split(items: Sequence[T], ids: Sequence[str], split: str, dev_fraction:
 def in_validation(record_id: str, val_fraction: float) -> bool:
     """Validation part of the train split: a second, independent hash of the id."""
     return val_fraction > 0 and dev_score("val:" + record_id) < val_fraction
+
+
+def split_validation(samples: Sequence[T], val_fraction: float) -> tuple[list[T], list[T]]:
+    """(train, validation) parts of the train split's samples (by :func:`in_validation` of ``.id``).
+    The learner evaluates on the second; training, local or in Ray runners, sees only the first."""
+    train: list[T] = []
+    val: list[T] = []
+    for s in samples:
+        (val if in_validation(s.id, val_fraction) else train).append(s)
+    return train, val

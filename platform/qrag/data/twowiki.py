@@ -24,7 +24,7 @@ from .chunking import TokenCounter
 from .hotpotqa import parse_record
 from .paths import data_root, read_json, read_jsonl, resolve_files
 from .sample import DataError, Sample
-from .splits import in_split
+from .splits import records_in_split
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +57,16 @@ def load_2wiki(
 ) -> list[Sample]:
     samples: list[Sample] = []
     skipped: list[str] = []
-    for file in resolve_files(path or default_path()):
-        for where, record in _records(file):
-            rid = record.get("_id") if isinstance(record, dict) else None
-            where += f" (_id={rid})" if rid else ""
-            if isinstance(rid, str) and not in_split(rid, split, dev_fraction):
-                continue
-            if isinstance(record, dict) and "context" not in record:
-                skipped.append(str(rid))
-                continue
-            sample = parse_record(record, where, budget, count)
-            sample.meta["evidences"] = record.get("evidences")
-            samples.append(sample)
-            if limit is not None and len(samples) >= limit:
-                break
+    pairs = (pair for file in resolve_files(path or default_path()) for pair in _records(file))
+    for where, record in records_in_split(pairs, "_id", split, dev_fraction):
         if limit is not None and len(samples) >= limit:
             break
+        if isinstance(record, dict) and "context" not in record:
+            skipped.append(str(record.get("_id")))
+            continue
+        sample = parse_record(record, where, budget, count)
+        sample.meta["evidences"] = record.get("evidences")
+        samples.append(sample)
     if skipped:
         log.warning("2wiki: skipped %d record(s) without a 'context' field (nothing to retrieve from): %s",
                     len(skipped), ", ".join(skipped))

@@ -26,7 +26,7 @@ import numpy as np
 from ..config import TrainConfig
 from ..data import DataError, load_samples
 from ..data.chunking import tokenizer_counter
-from ..data.splits import in_validation
+from ..data.splits import split_validation
 from ..encoder import load_tokenizer
 from ..tokens import TokenLayout, tokenize_samples
 from .episodes import EpisodeBatch
@@ -73,8 +73,7 @@ class EnvRunner:
         if mine != layout:
             raise ValueError(f"runner {index}: tokenizer {tokenizer_path} gives {mine}, the learner's model uses {layout}")
         # The train split minus its validation part, as ``TrainingRun.load_data`` splits it.
-        samples = [s for s in load_samples(cfg.data, "train", tokenizer_counter(tokenizer))
-                   if not in_validation(s.id, cfg.data.val_fraction)]
+        samples = split_validation(load_samples(cfg.data, "train", tokenizer_counter(tokenizer)), cfg.data.val_fraction)[0]
         shard = samples[index::count]
         if not shard:
             raise DataError(f"runner {index}: the training split has {len(samples)} samples, too few for {count} runners")

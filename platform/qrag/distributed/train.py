@@ -31,7 +31,7 @@ import torch
 from ..config import ConfigError, TrainConfig
 from ..data import load_samples
 from ..data.chunking import tokenizer_counter
-from ..data.splits import in_validation
+from ..data.splits import split_validation
 from ..encoder import load_tokenizer, resolve_encoder
 from ..tokens import TokenizedSample, TokenLayout
 from ..train import EpisodeSource, TrainingRun
@@ -187,7 +187,7 @@ def _load_eval_splits(run: TrainingRun, cfg: TrainConfig) -> None:
     count = tokenizer_counter(run.tokenizer)
     if cfg.data.val_fraction > 0:
         train = load_samples(cfg.data, "train", count)
-        run.val_samples = [s for s in train if in_validation(s.id, cfg.data.val_fraction)]
+        run.val_samples = split_validation(train, cfg.data.val_fraction)[1]
         run.val_tok = run.tokenize(run.val_samples)
     run.dev_samples = load_samples(cfg.data, "dev", count)
     run.dev_tok = run.tokenize(run.dev_samples)
