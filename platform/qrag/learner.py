@@ -185,6 +185,8 @@ class SoftPQNLearner:
         # instead of encoding the states twice. With dropout, act without it and re-encode.
         reuse_acting_pass = qnet.cfg.dropout == 0
         state_seqs: list[np.ndarray] = []
+        if not reuse_acting_pass:
+            qnet.state_encoder.eval()  # act without dropout; the loss re-encodes in train mode below
         for t in range(horizon):
             rows = env.active
             if len(rows) == 0:
@@ -194,9 +196,7 @@ class SoftPQNLearner:
             if reuse_acting_pass:
                 states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
             else:
-                qnet.state_encoder.eval()
                 states = self._embed(qnet.state_encoder, seqs, kind="states")
-                qnet.state_encoder.train()
                 state_seqs.extend(seqs)
             selected = torch.from_numpy(env.selected[rows]).to(dev)
             available = torch.from_numpy(env.available(rows)).to(dev)

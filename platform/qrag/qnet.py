@@ -64,9 +64,12 @@ class QNetwork(nn.Module):
             return
         pairs = [(self.target_state_encoder, self.state_encoder), (self.target_action_encoder, self.action_encoder)]
         for target, online in pairs:
-            t_params = [p for p in target.parameters()]
-            o_params = [p.detach() for p in online.parameters()]
-            torch._foreach_lerp_(t_params, o_params, tau)
+            # Frozen parameters (e.g. token embeddings) never move, so their targets already equal
+            # them: skipping them saves the largest tensors' memory traffic on every update.
+            moving = [(t, o.detach()) for t, o in zip(target.parameters(), online.parameters()) if o.requires_grad]
+            if moving:
+                t_params, o_params = map(list, zip(*moving))
+                torch._foreach_lerp_(t_params, o_params, tau)
 
     def finish(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled encoder output -> the vector Q uses (each twin half unit-length if configured)."""
