@@ -224,3 +224,18 @@ def test_store_errors_and_crash_debris(model, tmp_path):
     json.loads((tmp_path / "c" / "corpus.json").read_text())
     store.delete("c")
     assert store.names() == []
+
+
+def test_merge_hits_keeps_positions_when_an_empty_holder_answers_first():
+    """A holder with no shard slots answers zero columns without positions; merging it with a
+    rotated shard's hits must keep their positions (it used to drop them, or fail)."""
+    import numpy as np
+
+    from qrag.index.shards import ShardHits, merge_hits
+
+    full = ShardHits(np.array([[0.9, 0.5], [0.2, 0.7]], np.float32), np.array([[3, 5], [4, 6]], np.int64),
+                     np.array([[1.5, 2.5], [11.0, 12.0]], np.float32))
+    merged = merge_hits([ShardHits.empty(2, False), full], k=2)
+    assert merged.pos is not None
+    assert merged.ids.tolist() == [[3, 5], [6, 4]]
+    assert merged.pos.tolist() == [[1.5, 2.5], [12.0, 11.0]]

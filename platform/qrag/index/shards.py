@@ -66,6 +66,9 @@ class ShardHits:
 
 def merge_hits(hits: Sequence[ShardHits], k: int) -> ShardHits:
     """The best ``k`` of every row over all shards (ties broken by position), padded with -inf."""
+    # A shard (or holder) with nothing to score answers with zero columns and cannot know the
+    # positions mode: it adds nothing, so it must not decide whether positions are merged.
+    hits = [h for h in hits if h.q.shape[1]] or list(hits[:1])
     q = np.concatenate([h.q for h in hits], axis=1)
     ids = np.concatenate([h.ids for h in hits], axis=1)
     with_pos = hits[0].pos is not None
@@ -197,14 +200,16 @@ class ShardIndex:
     def _exact_topk(self, states, selected, mine, n, n_total, k):
         dev = self.device
         vectors = self.vectors[:n]
-        gpos = self.shard + self.n_shards * torch.arange(n, device=dev)
-        width = max(1, max((len(s) for s in selected), default=0))
-        sel = torch.full((len(states), width), n_total, dtype=torch.long, device=dev)
-        for r, s in enumerate(selected):
-            if len(s):
-                sel[r, : len(s)] = torch.as_tensor(sorted(s), dtype=torch.long, device=dev)
         c = self.model
-        pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
+        pos = None
+        if c.positions != "none":  # the selected set only matters through the chunks' positions
+            gpos = self.shard + self.n_shards * torch.arange(n, device=dev)
+            width = max(1, max((len(s) for s in selected), default=0))
+            sel = torch.full((len(states), width), n_total, dtype=torch.long, device=dev)
+            for r, s in enumerate(selected):
+                if len(s):
+                    sel[r, : len(s)] = torch.as_tensor(sorted(s), dtype=torch.long, device=dev)
+            pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
         q = torch.empty(len(states), n, device=dev, dtype=torch.float32)
         block = max(1, self.options.score_block // max(1, len(states)))
         for lo in range(0, n, block):
@@ -315,9 +320,12 @@ class CorpusShards:
                 raise ShardUnhealthy(problems)
 
     def topk(self, states, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
-        hits = [self.shards[s].topk(states, selected, n_total, k) for s in self.slots if s in self.shards]
-        if not hits:
+        shards = [self.shards[s] for s in self.slots if s in self.shards]
+        if not shards:
             return ShardHits.empty(len(states), False)
+        if not torch.is_tensor(states):  # one host-to-device copy for all the holder's shards
+            states = torch.from_numpy(np.ascontiguousarray(states, dtype=np.float32)).to(shards[0].device)
+        hits = [shard.topk(states, selected, n_total, k) for shard in shards]
         return merge_hits(hits, k) if len(hits) > 1 else hits[0]
 
     def nbytes(self) -> int:
