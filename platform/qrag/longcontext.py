@@ -179,8 +179,14 @@ class CachingRetriever(Retriever):
         if self.cached + len(keep) > self.max_cached:
             self.clear()
         new = vecs[torch.tensor(keep, device=vecs.device)]
-        base = self.cached
-        self._store = new if self._store is None else torch.cat([self._store, new])
+        base, end = self.cached, self.cached + len(keep)
+        capacity = 0 if self._store is None else len(self._store)
+        if end > capacity:  # grow geometrically: appending stays linear in the vectors cached
+            grown = vecs.new_empty(max(end, min(2 * capacity, self.max_cached)), vecs.shape[1])
+            if base:
+                grown[:base] = self._store[:base]
+            self._store = grown
+        self._store[base:end] = new
         for j, i in enumerate(keep):
             self._row[id(seqs[i])] = base + j
             self._held.append(seqs[i])
@@ -193,7 +199,6 @@ def default_paths(data: DataConfig) -> dict[str, str]:
     from .data.babi import default_dir
     from .data.babilong import default_background
     from .data.niah import default_essays
-    from .data.sample import DataError
 
     def resolved(default) -> str | None:
         try:
