@@ -93,7 +93,7 @@ def evaluate_checkpoint(
     (none | local | openai; default ``cfg.answer.backend``) also has a reader LLM answer from the
     retrieved chunks: the summary gains ``ans_em``, ``ans_f1``, ``answer_errors``, ``reader_model``.
     """
-    from .checkpoint import load_qnet, load_run_config, untrained_qnet
+    from .checkpoint import load_qnet, untrained_qnet
     from .config import apply_overrides, from_dict, TrainConfig
     from .data import load_samples
     from .data.chunking import tokenizer_counter

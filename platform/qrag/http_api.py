@@ -69,7 +69,7 @@ def _field(loc: tuple[Any, ...]) -> str | None:
 
 
 def _error(status: int, field: str | None, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"status": status, "field": field, "message": message}}, status_code=status, headers=headers)
+    return JSONResponse(ServiceError(status, field, message).body(), status_code=status, headers=headers)
 
 
 class BodyGuard:

@@ -278,7 +278,7 @@ class RetrievalService:
             except ServiceError as exc:
                 job.state, job.error = "failed", exc.body()["error"]
             except (StoreError, DataError) as exc:
-                job.state, job.error = "failed", {"status": 500, "field": None, "message": str(exc)}
+                job.state, job.error = "failed", ServiceError(500, None, str(exc)).body()["error"]
             finally:
                 job.finished = time.time()
 

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from ..config import ConfigError, config_keys_epilog
 

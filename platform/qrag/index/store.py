@@ -203,12 +203,6 @@ class CorpusStore:
     def names(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and (p / "corpus.json").is_file() and NAME_PATTERN.match(p.name))
 
-    def manifest_mtime(self, name: str) -> float | None:
-        try:
-            return (self.path(name) / "corpus.json").stat().st_mtime_ns
-        except FileNotFoundError:
-            return None
-
     def read(self, name: str) -> Manifest:
         path = self.path(name) / "corpus.json"
         if not path.is_file():
