@@ -54,6 +54,37 @@ class _Beam:
         return frozenset(s.chunk for s in self.steps)
 
 
+@torch.no_grad()
+def score_chunks(states: torch.Tensor, chunk_vecs: torch.Tensor, pos: torch.Tensor | None, rope_base: float,
+                 block: int | None = None) -> torch.Tensor:
+    """Q (mean of the twin halves) of every chunk for each state row: [L, N], the chunks rotated to
+    ``pos`` [L, N] (or not, for None). ``chunk_vecs`` is [L, N, d] or [N, d] shared by all rows.
+    The one scoring rule of offline search and of the sharded index."""
+    if pos is None:
+        if chunk_vecs.dim() == 2:
+            return (states.float() @ chunk_vecs.float().T) * 0.5
+        return torch.einsum("ld,lnd->ln", states.float(), chunk_vecs.float()) * 0.5
+    n, d = chunk_vecs.shape[-2], states.shape[-1]
+    rows, q4 = len(states), d // 4
+    block = block or max(1024, (1 << 21) // max(1, rows * d))
+    freqs = rope_frequencies(d, rope_base, states.device)
+    # Pairs (2k, 2k+1) of each twin half, as in qrag.positions.rotate: u, w of the state and
+    # x, y of a chunk; <s, R(θ)a> = Σ cosθ·(u·x + w·y) + sinθ·(w·x − u·y).
+    st = states.float().reshape(rows, 1, 2, q4, 2)
+    u, w = st[..., 0], st[..., 1]
+    out = torch.empty(rows, n, device=states.device, dtype=torch.float32)
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        v = chunk_vecs[..., lo:hi, :].float()
+        v = v.reshape(*v.shape[:-1], 2, q4, 2)
+        x, y = v[..., 0], v[..., 1]  # [(L,) b, 2, d/4]
+        along = (u * x).sum(-2) + (w * y).sum(-2)  # [L, b, d/4], summed over the two halves
+        across = (w * x).sum(-2) - (u * y).sum(-2)
+        angles = pos[:, lo:hi].to(torch.float32).unsqueeze(-1) * freqs
+        out[:, lo:hi] = 0.5 * (angles.cos() * along + angles.sin() * across).sum(-1)
+    return out
+
+
 class Retriever:
     """Runs the search for a trained (or untrained) Q-network on any device."""
 
@@ -91,29 +122,7 @@ class Retriever:
         ``positions`` may pass ``self.qnet.positions(selected, n_chunks)`` already computed.
         """
         pos = self.qnet.positions(selected, n_chunks) if positions is None else positions
-        if pos is None:
-            if chunk_vecs.dim() == 2:
-                return (states.float() @ chunk_vecs.float().T) * 0.5
-            return torch.einsum("ld,lnd->ln", states.float(), chunk_vecs.float()) * 0.5
-        n, d = selected.shape[1], states.shape[-1]
-        rows, q4 = len(states), d // 4
-        block = block or max(1024, (1 << 21) // max(1, rows * d))
-        freqs = rope_frequencies(d, self.qnet.cfg.rope_base, states.device)
-        # Pairs (2k, 2k+1) of each twin half, as in qrag.positions.rotate: u, w of the state and
-        # x, y of a chunk; <s, R(θ)a> = Σ cosθ·(u·x + w·y) + sinθ·(w·x − u·y).
-        st = states.float().reshape(rows, 1, 2, q4, 2)
-        u, w = st[..., 0], st[..., 1]
-        out = torch.empty(selected.shape, device=states.device, dtype=torch.float32)
-        for lo in range(0, n, block):
-            hi = min(n, lo + block)
-            v = chunk_vecs[..., lo:hi, :].float()
-            v = v.reshape(*v.shape[:-1], 2, q4, 2)
-            x, y = v[..., 0], v[..., 1]  # [(L,) b, 2, d/4]
-            along = (u * x).sum(-2) + (w * y).sum(-2)  # [L, b, d/4], summed over the two halves
-            across = (w * x).sum(-2) - (u * y).sum(-2)
-            angles = pos[:, lo:hi].to(torch.float32).unsqueeze(-1) * freqs
-            out[:, lo:hi] = 0.5 * (angles.cos() * along + angles.sin() * across).sum(-1)
-        return out
+        return score_chunks(states, chunk_vecs, pos, self.qnet.cfg.rope_base, block)
 
     def retrieve(self, samples: Sequence[TokenizedSample], cfg: SearchConfig, max_batch_chunks: int = 65536) -> list[Retrieval]:
         """Search every sample; short contexts are batched together, long ones run alone."""
@@ -141,7 +150,8 @@ class Retriever:
             chunk_vecs = flat.unsqueeze(0)
         else:
             chunk_vecs = pad_rows(flat, counts)
-        valid = torch.arange(width, device=dev)[None, :] < torch.from_numpy(counts).to(dev)[:, None]
+        counts_t = torch.from_numpy(counts).to(dev)
+        valid = torch.arange(width, device=dev)[None, :] < counts_t[:, None]
         beams = [_Beam(i) for i in range(len(samples))]
         width_beam = max(1, cfg.beam_width)
         for _ in range(cfg.max_steps):
@@ -155,8 +165,8 @@ class Retriever:
                 if b.steps:
                     selected[i, list(b.chosen)] = True
             vecs = chunk_vecs[0] if len(samples) == 1 else chunk_vecs[rows]
-            pos = self.qnet.positions(selected, torch.from_numpy(counts).to(dev)[rows])
-            q = self.score(states, vecs, selected, torch.from_numpy(counts).to(dev)[rows], positions=pos)
+            pos = self.qnet.positions(selected, counts_t[rows])
+            q = self.score(states, vecs, selected, counts_t[rows], positions=pos)
             q = q.masked_fill(selected | ~valid[rows], float("-inf"))
             k = min(width, max(width_beam, cfg.alternatives + 1))
             top_q, top_i = q.topk(k, dim=1)

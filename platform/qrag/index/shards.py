@@ -12,8 +12,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..positions import rotate
-from ..qnet import QNetwork
+from ..search import score_chunks
 from .store import (
     ChunkRecord,
     CorpusNotFound,
@@ -210,13 +209,7 @@ class ShardIndex:
                 if len(s):
                     sel[r, : len(s)] = torch.as_tensor(sorted(s), dtype=torch.long, device=dev)
             pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
-        q = torch.empty(len(states), n, device=dev, dtype=torch.float32)
-        block = max(1, self.options.score_block // max(1, len(states)))
-        for lo in range(0, n, block):
-            hi = min(n, lo + block)
-            vecs = vectors[lo:hi].unsqueeze(0).expand(len(states), -1, -1)
-            placed = vecs if pos is None else rotate(vecs, pos[:, lo:hi], c.rope_base)
-            q[:, lo:hi] = QNetwork.twin_scores(states, placed).mean(-1)
+        q = score_chunks(states, vectors, pos, c.rope_base, block=max(1, self.options.score_block // max(1, len(states))))
         for r, rows in enumerate(mine):
             if rows:
                 q[r, rows] = float("-inf")
