@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -37,6 +36,7 @@ from .evaluate import score_retrievals
 from .longcontext import CachingRetriever, ChunkTokens, canonical_task, generate
 from .memory import memory_kind, peak_mb, reset_peak
 from .metrics import mean
+from .provenance import git_commit, write_json
 
 SCHEMA = "qrag.length_sweep/1"
 _SUFFIX = {"k": 1024, "m": 1024**2}
@@ -58,15 +58,6 @@ def length_label(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size}{suffix}"
     return str(n)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def device_name(device: torch.device) -> str:
@@ -199,10 +190,7 @@ def run_sweep(
 
 
 def write_table(table: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=2) + "\n")
-    return path
+    return write_json(path, table)
 
 
 def read_table(path: str | Path) -> dict[str, Any]:
