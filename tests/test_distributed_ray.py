@@ -109,7 +109,10 @@ def test_dead_runner_and_crashed_learner_do_not_stop_the_run(cluster, tiny_encod
 
 def test_resubmitting_a_failed_run_resumes_it(cluster, tiny_encoder, hotpot_file, tmp_path):
     out = tmp_path / "runs"
-    args = _args(tiny_encoder, hotpot_file, out, "again", "updates=4", "distributed.fail_at_update=3", "distributed.max_failures=0")
+    # keep_best with an evaluation every update: the best checkpoint chosen before the crash
+    # must survive it (the resumed run restores best_f1 and may never choose another).
+    args = _args(tiny_encoder, hotpot_file, out, "again", "updates=4", "distributed.fail_at_update=3", "distributed.max_failures=0",
+                 "keep_best=true", "eval_every=1")
     first = _train(cluster, args)
     assert first.returncode == 1 and "submit the same command again" in first.stderr, (first.stdout + first.stderr)[-4000:]
     client, run = _mlflow_run(out, "again")
@@ -122,5 +125,7 @@ def test_resubmitting_a_failed_run_resumes_it(cluster, tiny_encoder, hotpot_file
     assert _steps(client, resumed, "train/loss") == [1, 2, 3, 4]
     state = json.loads((out / "again" / "final" / "trainer" / "state.json").read_text())
     assert state["learner"]["update"] == 4
+    assert (out / "again" / "best").is_dir() and any((out / "again" / "best").iterdir())
+    assert _summary(second.stdout)["checkpoint"].endswith("/again/best")  # the run reports its chosen checkpoint
     third = _train(cluster, args, timeout=120)  # finished: nothing to do, Ray is not even contacted
     assert third.returncode == 0 and "already finished (4 updates)" in third.stdout

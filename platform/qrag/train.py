@@ -230,8 +230,10 @@ class TrainingRun:
                 metrics.update(last_eval)
                 if cfg.keep_best and ev["fact_f1"] > self.best_f1:
                     self.best_f1 = ev["fact_f1"]
-                    self.save(self.run_dir / "best", resumable=False)
+                    best = self.save(self.run_dir / "best", resumable=False)
                     metrics["eval/best_fact_f1"] = self.best_f1
+                    if on_checkpoint is not None:
+                        on_checkpoint(best, metrics)
             if update % max(1, cfg.log_every) == 0 or update == cfg.updates or "eval/fact_f1" in metrics:
                 report(update, metrics)
             if cfg.checkpoint_every and update % cfg.checkpoint_every == 0 and update < cfg.updates:

@@ -165,11 +165,14 @@ class _Reporter:
         from ray.train import Checkpoint, CheckpointConsistencyMode
 
         name = path.relative_to(self.run.run_dir).as_posix()
+        if name == "best":
+            # keep_best: an inference-only checkpoint, not one to resume from. Stored as soon as it
+            # is chosen, so that a restarted learner (whose best_f1 comes back with its
+            # checkpoint) still has it.
+            copy_files(str(path), f"{self.run_dir}/best")
+            return
         if name == "final":
             self._keep_eval_files(path)
-            best = self.run.run_dir / "best"
-            if best.is_dir():  # keep_best: an inference-only checkpoint, not one to resume from
-                copy_files(str(best), f"{self.run_dir}/best")
         ray.train.report(
             {"update": self.run.learner.update, **metrics},
             checkpoint=Checkpoint.from_directory(str(path)),
@@ -191,6 +194,15 @@ def _load_eval_splits(run: TrainingRun, cfg: TrainConfig) -> None:
         run.val_tok = run.tokenize(run.val_samples)
     run.dev_samples = load_samples(cfg.data, "dev", count)
     run.dev_tok = run.tokenize(run.dev_samples)
+
+
+def _restore_best(run_dir: str, scratch: Path) -> None:
+    """The best checkpoint chosen before a restart, back where ``TrainingRun`` keeps it."""
+    from pyarrow.fs import FileSystem, FileType, copy_files
+
+    fs, path = FileSystem.from_uri(run_dir if is_uri(run_dir) else os.path.abspath(run_dir))
+    if fs.get_file_info(f"{path}/best").type == FileType.Directory:
+        copy_files(f"{run_dir}/best", str(scratch / "best"))
 
 
 def train_loop(config: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +233,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         checkpoint = ray.train.get_checkpoint()
         with checkpoint.as_directory() if checkpoint else nullcontext(None) as resume:
             run = _WorkerRun(cfg, scratch, resume=resume, load_data=pool is None)
+        if checkpoint is not None:
+            _restore_best(run_dir, scratch)
         if run.layout != layout:
             raise ValueError(f"the checkpoint's tokenizer gives {run.layout}, the runners use {layout} ({tokenizer_path})")
         if pool is not None:
