@@ -33,8 +33,6 @@ def load_jsonl(path: str | Path | None, *, split: str, dev_fraction: float, limi
                 raise DataError(f"{where}: 'support' must be a list of chunk indices")
             if not isinstance(record.get("question"), str):
                 raise DataError(f"{where}: missing field 'question'")
-            if not in_split(str(rid), split, dev_fraction):
-                continue
             sample = Sample(
                 id=str(rid),
                 question=record["question"].strip(),
@@ -43,7 +41,9 @@ def load_jsonl(path: str | Path | None, *, split: str, dev_fraction: float, limi
                 answer=str(record.get("answer", "")),
                 meta={k: v for k, v in record.items() if k not in {"id", "question", "chunks", "support", "answer"}},
             )
-            sample.validate(where)
+            sample.validate(where)  # every record, whatever its split: a bad dev record stops training too
+            if not in_split(str(rid), split, dev_fraction):
+                continue
             samples.append(sample)
             if limit is not None and len(samples) >= limit:
                 return samples

@@ -31,6 +31,10 @@ class Sample:
             raise DataError(f"{where}: empty question")
         if not self.chunks:
             raise DataError(f"{where}: no context chunks")
+        if not self.support:
+            # With no support chunk the episode is a success before any action, so every first
+            # pick would be rewarded and every retrieval would score Fact EM 1.
+            raise DataError(f"{where}: empty support (at least one chunk index must answer the question)")
         bad = [i for i in self.support if not 0 <= i < len(self.chunks)]
         if bad:
             raise DataError(f"{where}: support index {bad[0]} points outside the {len(self.chunks)} chunks")
