@@ -55,3 +55,34 @@ def test_describe_and_flatten_cover_every_leaf():
     assert all(h for _, _, h in describe(TrainConfig))
     assert "learner.alpha" in flatten(to_dict(TrainConfig()))
     assert apply_overrides({}, ["a.b=1"]) == {"a": {"b": 1}}
+
+
+def test_keep_best_without_a_validation_part_is_an_error_naming_the_keys(tmp_path):
+    # Planted bug it catches: check_selection not called (keep_best silently selects on dev).
+    with pytest.raises(ConfigError, match=r"keep_best=true with data.val_fraction=0"):
+        load_config(None, ["keep_best=true", "eval_every=5"])
+    preset = tmp_path / "p.yaml"
+    preset.write_text("keep_best: true\ndata:\n  val_fraction: 0.1\n")
+    with pytest.raises(ConfigError, match=r"p.yaml: keep_best=true with data.val_fraction=0"):
+        load_config(preset, ["data.val_fraction=0"])
+    assert load_config(preset).keep_best  # with a validation part it is fine
+    assert not load_config(None, ["keep_best=false"]).keep_best
+
+
+def test_a_saved_run_config_loads_without_the_run_rules(tmp_path):
+    """Checkpoints written before the rule existed must still evaluate."""
+    from qrag.checkpoint import load_run_config
+    from qrag.config import dump_yaml
+
+    old = TrainConfig(keep_best=True)
+    dump_yaml(old, tmp_path / "config.yaml")
+    assert load_run_config(tmp_path).keep_best
+
+
+@pytest.mark.parametrize("name", ["hotpot", "musique", "smoke"])
+def test_presets_never_select_or_monitor_on_dev(name):
+    """Periodic evaluation (and keep_best) of these presets runs on a validation part of train."""
+    from conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    assert cfg.data.val_fraction > 0 or (cfg.eval_every == 0 and not cfg.keep_best)

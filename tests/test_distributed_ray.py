@@ -112,7 +112,7 @@ def test_resubmitting_a_failed_run_resumes_it(cluster, tiny_encoder, hotpot_file
     # keep_best with an evaluation every update: the best checkpoint chosen before the crash
     # must survive it (the resumed run restores best_f1 and may never choose another).
     args = _args(tiny_encoder, hotpot_file, out, "again", "updates=4", "distributed.fail_at_update=3", "distributed.max_failures=0",
-                 "keep_best=true", "eval_every=1")
+                 "keep_best=true", "eval_every=1", "data.val_fraction=0.3")  # keep_best needs a validation part
     first = _train(cluster, args)
     assert first.returncode == 1 and "submit the same command again" in first.stderr, (first.stdout + first.stderr)[-4000:]
     client, run = _mlflow_run(out, "again")

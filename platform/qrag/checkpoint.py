@@ -129,7 +129,7 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
 
 
 def load_run_config(directory: str | Path) -> TrainConfig:
-    return load_config(Path(directory) / "config.yaml")
+    return load_config(Path(directory) / "config.yaml", check=False)  # what the run was, not a new run
 
 
 def load_qnet(directory: str | Path, device: torch.device, with_targets: bool = True) -> tuple[QNetwork, Any, TokenLayout, TrainConfig]:

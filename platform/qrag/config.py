@@ -35,7 +35,7 @@ class DataConfig:
     dataset: str = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah.")
     path: str | None = opt(None, "File, .gz file or glob. Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).")
     dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
-    val_fraction: float = opt(0.0, "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = evaluate on dev.")
+    val_fraction: float = opt(0.0, "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = periodic evaluation on dev (then keep_best is an error).")
     chunk_tokens: int = opt(220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64).")
     question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
     limit: int | None = opt(None, "Use at most this many records per split (None = all).")
@@ -69,6 +69,7 @@ class EnvConfig:
     max_steps: int = opt(2, "T: chunks selected per episode.")
     penalize_extra_steps: bool = opt(False, "Success reward 0.5 + 0.5 * |gold| / |selected| instead of 1.")
     never_terminate: bool = opt(False, "Keep stepping to T after success (rewards 0 after it); for Q-threshold stopping.")
+    credit: str = opt("chunk", "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | text (any chunk with a support fact's text; the reference's BabiLong reward).")
 
 
 @dataclass
@@ -86,7 +87,8 @@ class LearnerConfig:
     alpha: float = opt(0.05, "Initial entropy temperature α; annealed with the decaying learning rate.")
     lam: float = opt(0.5, "λ of the λ-returns.")
     tau: float = opt(0.02, "EMA rate of the target encoders.")
-    top_k: int = opt(32, "The Boltzmann policy and the soft value consider the top-k available chunks.")
+    top_k: int = opt(32, "The Boltzmann policy considers the top-k available chunks.")
+    value_top_k: int | None = opt(None, "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). Its entropy bonus is up to α·ln k.")
     episodes_per_update: int = opt(96, "Episodes per optimiser update (paper: 12 x 8 accumulation).")
     micro_batch: int = opt(12, "Episodes per forward/backward; gradients are accumulated over the update.")
     soft_q: bool = opt(True, "Soft value V = α·logsumexp(Q'/α); False uses max Q' (ablation 'w/o soft-Q').")
@@ -162,7 +164,7 @@ class TrainConfig:
     eval_every: int = opt(0, "Evaluate on the dev split every N updates (0 = only at the end).")
     eval_limit: int | None = opt(200, "Dev questions used by periodic evaluation (None = all).")
     checkpoint_every: int = opt(0, "Write a resumable checkpoint every N updates (0 = only at the end).")
-    keep_best: bool = opt(False, "Keep the checkpoint with the best periodic eval Fact F1 in <run>/best and report it at the end.")
+    keep_best: bool = opt(False, "Keep the checkpoint with the best periodic eval Fact F1 (on data.val_fraction of train; required > 0) in <run>/best and report it at the end.")
     log_every: int = opt(10, "Log training metrics every N updates.")
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Data."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model."})
@@ -311,8 +313,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = TrainConfig) -> Any:
-    """Defaults <- YAML preset <- overrides, validated into ``cls``."""
+def check_selection(cfg: TrainConfig) -> None:
+    """Nothing is selected on the data it is reported on: ``keep_best`` picks a checkpoint by its
+    periodic evaluation, which runs on dev when there is no validation part of train."""
+    if cfg.keep_best and cfg.data.val_fraction <= 0:
+        raise ConfigError(
+            "keep_best=true with data.val_fraction=0 would choose the checkpoint on dev, the split the run "
+            "reports: set data.val_fraction (e.g. 0.1, a validation part of train) or keep_best=false"
+        )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = TrainConfig,
+                check: bool = True) -> Any:
+    """Defaults <- YAML preset <- overrides, validated into ``cls``. ``check`` also applies the
+    run-level rules (:func:`check_selection`); a saved run's config is read without them."""
     data = read_yaml(path) if path else {}
     if path:
         # Errors in the file itself should name the file.
@@ -320,7 +334,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             from_dict(cls, data)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
-    return from_dict(cls, apply_overrides(data, overrides or []))
+    cfg = from_dict(cls, apply_overrides(data, overrides or []))
+    if check and cls is TrainConfig:
+        try:
+            check_selection(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+    return cfg
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:
