@@ -9,9 +9,10 @@ On disk, one directory per corpus under a storage root::
                                          chunk token ids (flat + offsets)
     shard_000/batch_000001.jsonl         one line per chunk: position, document id, text
 
-A batch is committed by atomically replacing corpus.json once all its files are written: a
-crash mid-append leaves the previous version whole, and stray files are removed by the next
-write. Global chunk positions follow corpus order (documents as given, chunks in document
+A batch is committed by atomically replacing corpus.json once all its files are written, and
+every file and directory is fsynced before the write is acknowledged: a crash (or SIGKILL)
+mid-append leaves the previous version whole, and the next open or write removes stray files
+and temp files. Global chunk positions follow corpus order (documents as given, chunks in document
 order); chunk g lives in shard g % S at row g // S, so a shard holds every part of the corpus
 and appends keep the shards balanced.
 """
@@ -40,7 +41,7 @@ from ..config import ModelConfig, from_dict, to_dict
 from ..data.documents import Document, DocumentChunk
 
 FORMAT_VERSION = 1
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would let "books\n" in
 DTYPES = ("float32", "float16")
 
 
@@ -103,13 +104,48 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def valid_name(name: object) -> bool:
+    return isinstance(name, str) and NAME_PATTERN.fullmatch(name) is not None
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable, not only the files' bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dir(path: Path) -> None:
+    """mkdir that survives a crash: the parent's entry is fsynced too."""
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        fsync_dir(path.parent)
+
+
+TMP_SUFFIX = ".tmp"
+
+
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write to a temp file, then rename over ``path``; with ``durable`` both the file and the
+    directory entry are on disk before this returns (the write may then be acknowledged)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,50 +213,89 @@ class CorpusStore:
     """Corpora under one storage root. Writers serialise on a per-corpus file lock, so several
     processes (Serve replicas) may share the root; readers need no lock (manifest-first)."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, clean: bool = True):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        if clean:  # leftovers of a crash (SIGKILL mid-append) go when the storage is opened
+            self.clean_all()
 
     # -- names, locks, manifests
 
     def path(self, name: str) -> Path:
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        if not valid_name(name):
             raise StoreError(f"invalid corpus name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
         return self.root / name
 
     @contextmanager
-    def lock(self, name: str) -> Iterator[None]:
+    def lock(self, name: str, blocking: bool = True) -> Iterator[bool]:
+        """The corpus's writer lock (shared by processes on this storage). Non-blocking: yields
+        False when another writer holds it."""
         self.path(name)
         locks = self.root / ".locks"
         locks.mkdir(exist_ok=True)
         with open(locks / f"{name}.lock", "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
             try:
-                yield
+                fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and (p / "corpus.json").is_file() and NAME_PATTERN.match(p.name))
+        return sorted(p.name for p in self.root.iterdir() if valid_name(p.name) and p.is_dir() and (p / "corpus.json").is_file())
 
     def read(self, name: str) -> Manifest:
         path = self.path(name) / "corpus.json"
-        if not path.is_file():
-            raise CorpusNotFound(f"unknown corpus {name!r}")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            raw = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            raise CorpusNotFound(f"unknown corpus {name!r}") from None
+        except OSError as exc:
+            raise StoreError(f"corpus {name!r}: corpus.json cannot be read ({exc.strerror})") from None
+        try:
+            data = json.loads(raw.decode("utf-8"))
             manifest = Manifest(**data)
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
-            raise StoreError(f"{path}: unreadable manifest ({exc})") from None
+            if not isinstance(manifest.batches, list) or not isinstance(manifest.chunks, int) or not isinstance(manifest.shards, int):
+                raise TypeError("fields of the wrong type")
+        except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise StoreError(f"corpus {name!r}: corpus.json is unreadable ({type(exc).__name__}); restore it or delete the corpus") from None
         if manifest.format_version != FORMAT_VERSION:
-            raise StoreError(f"{path}: unsupported index format {manifest.format_version!r}")
+            raise StoreError(f"corpus {name!r}: unsupported index format {manifest.format_version!r}")
         return manifest
+
+    def clean(self, name: str) -> int:
+        """Remove temp files of interrupted writes and files no manifest lists, unless a writer
+        is busy with the corpus (its files are then in use). Returns how many were removed."""
+        removed = 0
+        with self.lock(name, blocking=False) as held:
+            if not held:
+                return 0
+            root = self.path(name)
+            for tmp in [*root.glob(f".*{TMP_SUFFIX}"), *root.glob(f"*/.*{TMP_SUFFIX}")]:
+                tmp.unlink(missing_ok=True)
+                removed += 1
+            try:
+                removed += self._remove_strays(self.read(name))
+            except StoreError:
+                pass  # unreadable or gone: nothing can say which files are stray
+        return removed
+
+    def clean_all(self) -> int:
+        """What opening the storage does: every corpus's leftovers of crashed writes go."""
+        return sum(self.clean(p.name) for p in self.root.iterdir() if valid_name(p.name) and p.is_dir())
 
     def _write_manifest(self, m: Manifest) -> None:
         m.updated = time.time()
-        _write_atomic(self.path(m.name) / "corpus.json", json.dumps(asdict(m), indent=1).encode("utf-8"))
+        write_atomic(self.path(m.name) / "corpus.json", json.dumps(asdict(m), indent=1).encode("utf-8"))
 
-    def create(self, name: str, *, fingerprint: str, model: ModelConfig, dim: int, chunk_tokens: int, shards: int, dtype: str = "float32") -> Manifest:
+    def create(self, name: str, *, fingerprint: str, model: ModelConfig, dim: int, chunk_tokens: int, shards: int, dtype: str = "float32",
+               first: tuple[Sequence[Document], Sequence[DocumentChunk], Sequence[np.ndarray], np.ndarray] | None = None,
+               job: str | None = None) -> Manifest:
+        """A new corpus; with ``first`` (docs, chunks, token ids, vectors) it appears already
+        holding them, so a failed create leaves nothing behind (no empty corpus, no 409 on retry)."""
         if shards < 1:
             raise StoreError(f"shards must be at least 1, got {shards}")
         if dtype not in DTYPES:
@@ -231,10 +306,12 @@ class CorpusStore:
                 raise CorpusConflict(f"corpus {name!r} already exists")
             if path.exists():  # debris of a crashed create or delete
                 shutil.rmtree(path)
-            path.mkdir(parents=True)
+            make_dir(path)
             now = time.time()
             m = Manifest(name=name, uid=secrets.token_hex(8), fingerprint=fingerprint, model=to_dict(model), dim=int(dim),
                          chunk_tokens=int(chunk_tokens), shards=int(shards), dtype=dtype, created=now)
+            if first is not None:  # indexed, then visible: the manifest is written last
+                self._add_batch(m, *first, fingerprint=fingerprint, job=job)
             self._write_manifest(m)
             return m
 
@@ -245,7 +322,9 @@ class CorpusStore:
                 raise CorpusNotFound(f"unknown corpus {name!r}")
             # The manifest goes first: a crash part-way leaves debris, never a half corpus.
             (path / "corpus.json").unlink()
+            fsync_dir(path)
             shutil.rmtree(path, ignore_errors=True)
+            fsync_dir(self.root)
 
     def disk_bytes(self, name: str) -> int:
         return sum(p.stat().st_size for p in self.path(name).rglob("*") if p.is_file())
@@ -280,79 +359,97 @@ class CorpusStore:
         token_ids: Sequence[np.ndarray],
         vectors: np.ndarray,
         fingerprint: str,
+        job: str | None = None,
     ) -> Manifest:
-        """Add documents (their chunks in corpus order, token ids and vectors) as one batch."""
-        if not (len(chunks) == len(token_ids) == len(vectors)):
-            raise StoreError(f"corpus {name!r}: {len(chunks)} chunks, {len(token_ids)} token arrays and {len(vectors)} vectors")
+        """Add documents (their chunks in corpus order, token ids and vectors) as one batch;
+        durable when this returns. ``job`` is recorded with the batch (a restarted server can
+        tell whether an interrupted job's documents made it)."""
         with self.lock(name):
             m = self.read(name)
             if fingerprint != m.fingerprint:
                 raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}")
-            if vectors.ndim != 2 or vectors.shape[1] != m.dim:
-                raise StoreError(f"corpus {name!r}: vectors of shape {tuple(vectors.shape)}, expected [n, {m.dim}]")
             existing = set(self.doc_ids(m))
             dup = next((d.id for d in docs if d.id in existing), None)
             if dup is not None:
                 raise CorpusConflict(f"document id {dup!r} is already in corpus {name!r}")
             self._remove_strays(m)
-            batch_id = max((b["id"] for b in m.batches), default=0) + 1
-            first = m.chunks
-            positions = np.arange(first, first + len(chunks), dtype=np.int64)
-            root = self.path(name)
-            tag = f"batch_{batch_id:06d}"
-            per_doc: dict[str, list[int]] = {d.id: [0, 0] for d in docs}
-            for c in chunks:
-                per_doc[c.doc_id][0] += 1
-                per_doc[c.doc_id][1] += c.tokens
-            docs_bytes = "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode()
-            (root / "docs").mkdir(exist_ok=True)
-            _write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
-            shard_entries = []
-            for s in range(m.shards):
-                rows = np.nonzero(positions % m.shards == s)[0]
-                entry = self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],
-                                            [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
-                shard_entries.append(entry)
-            m.batches.append({
-                "id": batch_id, "first": first, "chunks": len(chunks), "documents": len(docs),
-                "tokens": int(sum(c.tokens for c in chunks)),
-                "docs": {"file": f"docs/{tag}.jsonl", "sha256": _sha256(docs_bytes)},
-                "shards": shard_entries,
-            })
-            m.version += 1
-            m.documents += len(docs)
-            m.chunks += len(chunks)
-            m.tokens += int(sum(c.tokens for c in chunks))
+            for tmp in self.path(name).glob(f"*/.*{TMP_SUFFIX}"):
+                tmp.unlink(missing_ok=True)
+            self._add_batch(m, docs, chunks, token_ids, vectors, fingerprint=fingerprint, job=job)
             self._write_manifest(m)
             return m
 
+    def _add_batch(self, m: Manifest, docs, chunks, token_ids, vectors: np.ndarray, *, fingerprint: str, job: str | None) -> None:
+        """Write one batch's files (each durable) and add it to ``m`` (not yet written)."""
+        name = m.name
+        if not (len(chunks) == len(token_ids) == len(vectors)):
+            raise StoreError(f"corpus {name!r}: {len(chunks)} chunks, {len(token_ids)} token arrays and {len(vectors)} vectors")
+        if vectors.ndim != 2 or vectors.shape[1] != m.dim:
+            raise StoreError(f"corpus {name!r}: vectors of shape {tuple(vectors.shape)}, expected [n, {m.dim}]")
+        batch_id = max((b["id"] for b in m.batches), default=0) + 1
+        first = m.chunks
+        positions = np.arange(first, first + len(chunks), dtype=np.int64)
+        root = self.path(name)
+        tag = f"batch_{batch_id:06d}"
+        per_doc: dict[str, list[int]] = {d.id: [0, 0] for d in docs}
+        for c in chunks:
+            per_doc[c.doc_id][0] += 1
+            per_doc[c.doc_id][1] += c.tokens
+        docs_bytes = "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode()
+        make_dir(root / "docs")
+        write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
+        shard_entries = []
+        for s in range(m.shards):
+            rows = np.nonzero(positions % m.shards == s)[0]
+            entry = self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],
+                                        [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
+            shard_entries.append(entry)
+        m.batches.append({
+            "id": batch_id, "first": first, "chunks": len(chunks), "documents": len(docs),
+            "tokens": int(sum(c.tokens for c in chunks)),
+            "docs": {"file": f"docs/{tag}.jsonl", "sha256": _sha256(docs_bytes)},
+            "shards": shard_entries, **({"job": job} if job else {}),
+        })
+        m.version += 1
+        m.documents += len(docs)
+        m.chunks += len(chunks)
+        m.tokens += int(sum(c.tokens for c in chunks))
+
     def _write_segment(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str) -> dict[str, Any]:
         folder = self.path(m.name) / f"shard_{shard:03d}"
-        folder.mkdir(exist_ok=True)
+        make_dir(folder)
         vec_bytes = _encode_segment(positions, vectors, tokens, m.dtype)
         txt_bytes = _encode_texts(positions, doc_ids, texts)
         # A fresh file name per write: a reader holding the old manifest still finds its files.
         suffix = secrets.token_hex(3)
         vec_name, txt_name = f"{tag}.{suffix}.safetensors", f"{tag}.jsonl"
-        _write_atomic(folder / vec_name, vec_bytes)
+        write_atomic(folder / vec_name, vec_bytes)
         if not (folder / txt_name).exists() or _sha256((folder / txt_name).read_bytes()) != _sha256(txt_bytes):
-            _write_atomic(folder / txt_name, txt_bytes)
+            write_atomic(folder / txt_name, txt_bytes)
         return {
             "chunks": int(len(positions)), "fingerprint": fingerprint,
             "vectors": {"file": f"shard_{shard:03d}/{vec_name}", "sha256": _sha256(vec_bytes)},
             "texts": {"file": f"shard_{shard:03d}/{txt_name}", "sha256": _sha256(txt_bytes)},
         }
 
-    def _remove_strays(self, m: Manifest) -> None:
-        """Files of crashed writes: anything in docs/ or shard_*/ that the manifest does not list."""
+    def _remove_strays(self, m: Manifest) -> int:
+        """Files of crashed writes: anything in docs/ or shard_*/ that the manifest does not list
+        (temp files of a write in progress are left to their writer)."""
         keep = {b["docs"]["file"] for b in m.batches}
         keep |= {s[k]["file"] for b in m.batches for s in b["shards"] for k in ("vectors", "texts")}
         root = self.path(m.name)
+        removed = 0
         for folder in [root / "docs", *root.glob("shard_*")]:
             for file in folder.glob("*") if folder.is_dir() else []:
                 rel = f"{folder.name}/{file.name}"
-                if rel not in keep and file.is_file():
+                if rel not in keep and file.is_file() and not file.name.endswith(TMP_SUFFIX):
                     file.unlink()
+                    removed += 1
+        return removed
+
+    @staticmethod
+    def job_batch(m: Manifest, job: str) -> dict[str, Any] | None:
+        return next((b for b in m.batches if b.get("job") == job), None)
 
     # -- reading and repairing shards
 
