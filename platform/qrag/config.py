@@ -32,8 +32,13 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:
 class DataConfig:
     """Where the questions and their contexts come from and how contexts are chunked."""
 
-    dataset: str = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah.")
-    path: str | None = opt(None, "File, .gz file or glob. Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).")
+    dataset: str = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah | mixed (see data.sources).")
+    path: str | None = opt(None, "File, .gz file or glob (JSON/JSONL; .parquet and datasets.save_to_disk folders read through Hugging Face datasets). Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).")
+    hub: str | None = opt(None, "Hugging Face dataset 'name[:config]' read with datasets.load_dataset instead of data.path, e.g. hotpotqa/hotpot_qa:distractor (or a local folder of data files). Its train split feeds train, its validation split dev; with no validation split, records are split by id hash.")
+    sources: list[dict[str, Any]] = opt([], "dataset=mixed: the datasets mixed into one, each {dataset, path?, hub?, train: train|all|none, dev: dev|none, max_support?}. "
+                                           "'train' = which of the source's own splits goes into the mixed train split (default train), 'dev' likewise for dev (default dev); "
+                                           "relative paths are under $QRAG_DATA_DIR; max_support leaves out records with more support chunks (e.g. more hops than env.max_steps). See configs/hotpot-mixed.yaml.")
+    cache_dir: str | None = opt(None, "Arrow cache of chunked, tokenised splits (keyed by tokenizer, chunking settings and the source files): null = $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.")
     dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
     val_fraction: float = opt(0.0, "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = periodic evaluation on dev (then keep_best is an error).")
     chunk_tokens: int = opt(220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64).")
