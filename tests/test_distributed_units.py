@@ -92,7 +92,7 @@ def test_fault_plan_fires_once(tmp_path):
 def test_metric_history_has_no_duplicates_after_a_restart(tmp_path, tiny_cfg):
     from mlflow import MlflowClient
 
-    from qrag.distributed.tracking import MetricLogger, open_run
+    from qrag.tracking import MetricLogger, open_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = open_run(tiny_cfg, uri, "/runs/a", "a", resuming=False, parent_run_id="parent123")
@@ -115,7 +115,7 @@ def test_metric_history_has_no_duplicates_after_a_restart(tmp_path, tiny_cfg):
 
 
 def test_resubmitted_run_reuses_its_mlflow_run_unless_the_storage_was_cleared(tmp_path, tiny_cfg):
-    from qrag.distributed.tracking import open_run
+    from qrag.tracking import open_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = open_run(tiny_cfg, uri, "/runs/a", "a", resuming=False)
@@ -129,7 +129,7 @@ def test_resubmitted_run_reuses_its_mlflow_run_unless_the_storage_was_cleared(tm
 
 
 def test_tracking_uri_defaults_beside_the_runs(tmp_path, monkeypatch):
-    from qrag.distributed.tracking import tracking_uri
+    from qrag.tracking import tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = load_config(None, [f"out_dir={tmp_path}"])
@@ -170,19 +170,47 @@ def test_bad_input_stops_the_job_before_ray(extra, message, tiny_encoder, hotpot
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-def test_relative_paths_need_the_submitters_directory_under_ray_job_submit(tmp_path, monkeypatch, tiny_encoder):
+def test_relative_paths_default_to_rays_storage_root_on_a_cluster(tmp_path, monkeypatch, tiny_encoder):
     from qrag.distributed.preflight import base_directory, resolve_paths
 
-    cfg = load_config(None, ["out_dir=runs", "data.path=data/h.json", f"model.encoder={tiny_encoder}"])
-    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}}))
     monkeypatch.delenv("QRAG_BASE_DIR", raising=False)
-    with pytest.raises(ConfigError, match='--base-dir "\\$PWD"'):
-        resolve_paths(cfg, base_directory(None))
-    resolved = resolve_paths(cfg, base_directory(str(tmp_path)))
-    assert resolved.out_dir == str(tmp_path / "runs") and resolved.data.path == str(tmp_path / "data" / "h.json")
-    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    monkeypatch.setenv("RAY_STORAGE", str(tmp_path / "storage"))
     monkeypatch.chdir(tmp_path)
-    assert resolve_paths(cfg, base_directory(None)).out_dir == str(tmp_path / "runs")  # plain python: the cwd
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "h.json").write_text("[]")
+    cfg = load_config(None, ["out_dir=runs", "data.path=data/h.json", f"model.encoder={tiny_encoder}",
+                             "distributed.mlflow_uri=sqlite:///runs/m.db"])
+    # Joining a cluster (`ray job submit` sets RAY_ADDRESS): outputs under Ray's storage root,
+    # inputs from the (uploaded) working directory.
+    on_cluster = resolve_paths(cfg, base_directory(None, cluster=True))
+    assert on_cluster.out_dir == str(tmp_path / "storage" / "runs") and on_cluster.data.path == str(tmp_path / "data" / "h.json")
+    assert on_cluster.distributed.mlflow_uri == f"sqlite:///{tmp_path / 'storage' / 'runs' / 'm.db'}"
+    monkeypatch.delenv("RAY_STORAGE")
+    assert resolve_paths(cfg, base_directory(None, cluster=True)).out_dir == str(Path("~/ray_results/runs").expanduser())
+    # An input that is not in the working directory has no meaning on the cluster: a clear error.
+    missing = load_config(None, ["data.path=elsewhere/h.json", f"model.encoder={tiny_encoder}"])
+    with pytest.raises(ConfigError, match="data.path=elsewhere/h.json is a relative path"):
+        resolve_paths(missing, base_directory(None, cluster=True))
+    # --base-dir: everything under it; a local Ray (plain python): the cwd.
+    other = tmp_path / "other"
+    other.mkdir()
+    resolved = resolve_paths(cfg, base_directory(str(other), cluster=True))
+    assert resolved.out_dir == str(other / "runs") and resolved.data.path == str(other / "data" / "h.json")
+    assert resolve_paths(cfg, base_directory(None)).out_dir == str(tmp_path / "runs")
+
+
+def test_autoscaling_capacity_counts(monkeypatch):
+    from qrag.distributed.train import learner_resources
+
+    cfg = load_config(None, ["distributed.runners=3", "distributed.runner_cpus=1", "distributed.learner_cpus=2"])
+    monkeypatch.delenv("QRAG_AUTOSCALE_TO", raising=False)
+    with pytest.raises(ConfigError, match="needs 5 CPUs .* has 2"):
+        learner_resources(cfg, {"CPU": 2.0})
+    monkeypatch.setenv("QRAG_AUTOSCALE_TO", '{"CPU": 16, "GPU": 2}')
+    assert learner_resources(cfg, {"CPU": 2.0}) == (True, {"CPU": 2.0, "GPU": 1.0})
+    monkeypatch.delenv("QRAG_AUTOSCALE_TO")
+    grown = load_config(None, ["distributed.runners=3", "distributed.learner_cpus=2", "distributed.autoscale_to={CPU: 8}"])
+    assert learner_resources(grown, {"CPU": 2.0}) == (False, {"CPU": 2.0})
 
 
 def test_the_cluster_must_hold_the_run():

@@ -134,7 +134,8 @@ class AnswerConfig:
 
 @dataclass
 class DistributedConfig:
-    """Training on Ray (``qrag.distributed``): env runners, the learner's resources, MLflow, faults."""
+    """Training on Ray (``qrag.distributed``): env runners, the learner's resources, faults; the
+    ``mlflow_*`` keys also apply to ``qrag train`` (one MLflow logger for both paths)."""
 
     runners: int = opt(2, "EnvRunner actors (CPU) that load, chunk and tokenise the training split, one shard each; 0 = sample in the learner.")
     envs_per_runner: int = opt(0, "Episodes a runner returns per request; 0 = learner.episodes_per_update / runners, rounded up.")
@@ -145,6 +146,7 @@ class DistributedConfig:
     learner_gpus: float = opt(1.0, "GPUs the learner reserves when it has one; a fraction (e.g. 0.2) lets it share its GPU with Serve deployments (qrag.distributed.placement).")
     runner_resources: dict[str, float] = opt({}, "Custom Ray resources each EnvRunner asks for, e.g. {qrag_cpu_node: 0.001} to keep runners on the nodes that declare it (infra/: the CPU worker group).")
     learner_resources: dict[str, float] = opt({}, "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); every name must be declared by some node.")
+    autoscale_to: dict[str, float] = opt({}, "What an autoscaling cluster can grow to, e.g. {CPU: 64, GPU: 8, qrag_cpu_node: 4000}: the run is checked against these, not only against the nodes up now ({} = $QRAG_AUTOSCALE_TO as JSON, else the nodes up now).")
     runner_max_restarts: int = opt(3, "Ray restarts a dead runner this many times (-1 = always).")
     request_retries: int = opt(3, "A runner request lost to a dead runner is re-issued this many times.")
     request_timeout_s: float = opt(600.0, "A runner request unanswered for this long counts as lost.")
@@ -153,6 +155,9 @@ class DistributedConfig:
     mlflow_uri: str | None = opt(None, "MLflow tracking URI; null = $MLFLOW_TRACKING_URI, else sqlite:///<out_dir>/mlflow.db; 'none' = no tracking.")
     mlflow_experiment: str = opt("qrag", "MLflow experiment name.")
     mlflow_checkpoint: str = opt("inference", "Final checkpoint logged to MLflow: inference (online encoders, tokenizer, config) | full | none.")
+    mlflow_model: bool = opt(True, "Also log the reported checkpoint as an MLflow pyfunc model (artifact model/: questions + chunks in, retrieved steps out).")
+    mlflow_registered_model: str | None = opt(None, "Register that model under this name in the MLflow model registry (a sweep registers its best trial).")
+    mlflow_model_alias: str | None = opt(None, "Alias set on the registered version, e.g. champion (a sweep's default: champion); serve it as models:/<name>@<alias>.")
     fail_at_update: int = opt(0, "Fault injection (tests): hard-exit the learner once after this update (0 = off).")
     kill_runner_at_update: int = opt(0, "Fault injection (tests): ray.kill runner 0 once after this update (0 = off).")
 

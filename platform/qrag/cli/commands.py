@@ -44,14 +44,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..train import TrainingRun, print_reporter
 
+    from ..tracking import RunTracker
+
     cfg = load_config(args.config, args.overrides)
     run = TrainingRun(cfg, resume=args.resume)
     print(f"train: {len(run.train_tok)} train / {len(run.dev_tok)} dev questions, device {run.device}, "
           f"{cfg.updates} updates x {cfg.learner.episodes_per_update} episodes", file=sys.stderr)
+    # The same MLflow logger as the Ray path (distributed.mlflow_uri=none: off), fed by run()'s callbacks.
+    tracker = RunTracker.open(cfg, str(run.run_dir.resolve()), resuming=args.resume is not None)
     # With a progress bar the bar shows the metrics; without one they are printed as JSON lines.
-    out = run.run(report=print_reporter if args.no_progress else (lambda step, metrics: None), progress=not args.no_progress)
-    print(json.dumps({"checkpoint": out["checkpoint"], "fact_em": out["eval"]["fact_em"], "fact_f1": out["eval"]["fact_f1"],
-                      "num_samples": out["eval"]["num_samples"], "updates": out["updates"], "seconds": round(out["seconds"], 1)}))
+    report = print_reporter if args.no_progress else (lambda step, metrics: None)
+    try:
+        out = run.run(report=tracker.reporter(report), progress=not args.no_progress)
+    except BaseException:
+        tracker.close("FAILED")
+        raise
+    tracker.finish(run.run_dir, out["checkpoint"])
+    summary = {"checkpoint": out["checkpoint"], "fact_em": out["eval"]["fact_em"], "fact_f1": out["eval"]["fact_f1"],
+               "num_samples": out["eval"]["num_samples"], "updates": out["updates"], "seconds": round(out["seconds"], 1)}
+    if tracker.run_id:
+        summary.update(mlflow_run_id=tracker.run_id, tracking_uri=tracker.uri)
+    print(json.dumps(summary))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Training jobs: what ``jobs/train_*.py`` run, under ``ray job submit`` or plain ``python``.
 
-    ray job submit --working-dir . -- python jobs/train_hotpot.py --base-dir "$PWD" [--config YAML] [key=value ...]
+    ray job submit --working-dir . -- python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs in ~/ray_results/
     python jobs/train_hotpot.py [--config YAML] [key=value ...]      # starts a local Ray on 127.0.0.1
 
 Order of work: parse and validate everything on the driver (config, paths, encoder, data) and
@@ -26,7 +26,7 @@ from ..data import DataError
 from ..encoder import ModelPathError
 from .preflight import base_directory, preflight, resolve_paths, worker_env
 from .train import cpu_need, finished_updates, storage_run_dir, train_with_ray
-from .tracking import tracking_uri
+from ..tracking import tracking_uri
 
 USER_ERRORS = (ConfigError, DataError, ModelPathError, CheckpointError)
 
@@ -56,8 +56,9 @@ def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=default_config, metavar="YAML", help=f"config preset (default {default_config})")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. updates=200 distributed.runners=4")
-    p.add_argument("--base-dir", metavar="DIR", help="resolve relative paths (out_dir, data.path, ...) against DIR; "
-                   "under `ray job submit` pass \"$PWD\" (default: the current directory)")
+    p.add_argument("--base-dir", metavar="DIR", help="resolve relative paths (out_dir, data.path, ...) against DIR (default: "
+                   "inputs against the current directory; out_dir against it with a local Ray, against $RAY_STORAGE or "
+                   "~/ray_results when joining a cluster, e.g. under `ray job submit`)")
     p.add_argument("--address", metavar="HOST:PORT", help="Ray cluster to use (default $RAY_ADDRESS, else start a local one on 127.0.0.1)")
     return p
 
@@ -67,24 +68,49 @@ def prepare(argv: list[str], default_config: str, prog: str | None = None) -> Jo
     prog = prog or Path(sys.argv[0]).name or "qrag-job"
     args = build_parser(default_config, prog).parse_args(argv)
     # The preset is part of the project (uploaded with the working dir): relative to the cwd.
-    cfg = resolve_paths(load_config(args.config, args.overrides), base_directory(args.base_dir))
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    cfg = resolve_paths(load_config(args.config, args.overrides), base_directory(args.base_dir, cluster=address is not None))
     preflight(cfg)
-    return Job(cfg, args.address or os.environ.get("RAY_ADDRESS") or None, worker_env(), prog)
+    return Job(cfg, address, worker_env(), prog)
 
 
-def _runtime_env(env_vars: dict[str, str]) -> dict[str, Any]:
+def _runtime_env(env_vars: dict[str, str], job_env: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ship this copy of qrag and the driver's data/encoder variables to every Ray process,
-    leaving alone what a ``ray job submit --runtime-env`` already set."""
+    leaving alone what the job's own runtime env (``ray job submit --runtime-env*``) sets:
+    Ray refuses to merge two runtime envs that set the same field or variable."""
     import qrag
 
-    job_env = {}
-    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
-        job_env = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"]).get("runtime_env") or {}
+    job_env = job_env or {}
     taken = job_env.get("env_vars") or {}
-    env: dict[str, Any] = {"env_vars": {k: v for k, v in env_vars.items() if k not in taken}}
-    if "py_modules" not in job_env:
+    env: dict[str, Any] = {}
+    ours = {k: v for k, v in env_vars.items() if k not in taken}
+    if ours:
+        env["env_vars"] = ours
+    if not job_env.get("py_modules"):
         env["py_modules"] = [str(Path(qrag.__file__).resolve().parent)]
     return env
+
+
+def join_cluster(address: str, env_vars: dict[str, str], ship_code: bool = True) -> None:
+    """``ray.init`` on a running cluster with our runtime env added to the job's."""
+    import ray
+
+    if not ship_code:
+        ray.init(address=address, logging_level="WARNING")
+        return
+    try:
+        ray.init(address=address, runtime_env=_runtime_env(env_vars), logging_level="WARNING")
+        return
+    except ValueError as exc:
+        if "runtime env" not in str(exc):
+            raise
+    # The job's own runtime env sets some of the same fields or variables. It is readable once
+    # connected (public API): reconnect with the part of ours that does not clash.
+    ray.init(address=address, logging_level="WARNING")
+    extra = _runtime_env(env_vars, dict(ray.get_runtime_context().runtime_env or {}))
+    if extra:
+        ray.shutdown()
+        ray.init(address=address, runtime_env=extra, logging_level="WARNING")
 
 
 def connect(job: Job, ship_code: bool = True) -> bool:
@@ -95,7 +121,7 @@ def connect(job: Job, ship_code: bool = True) -> bool:
 
     runtime_env = _runtime_env(job.env) if ship_code else None
     if job.address:
-        ray.init(address=job.address, runtime_env=runtime_env, logging_level="WARNING")
+        join_cluster(job.address, job.env, ship_code)
         return False
     ray.init(
         # The dashboard (when installed) serves the state API that Ray Train's clean-up actor polls.
@@ -136,9 +162,9 @@ def launch(job: Job) -> dict[str, Any]:
         "seconds": out.get("seconds"),
     }
     if result.mlflow:
-        summary.update(mlflow_run_id=result.mlflow["run_id"], tracking_uri=result.mlflow["tracking_uri"])
-        job.say(f"MLflow run {result.mlflow['run_id']} in {result.mlflow['tracking_uri']}; "
-                f"UI (needs the full `mlflow` package): mlflow ui --backend-store-uri {result.mlflow['tracking_uri']} --host 127.0.0.1")
+        summary.update(mlflow_run_id=result.mlflow.run_id, tracking_uri=result.mlflow.tracking_uri)
+        job.say(f"MLflow run {result.mlflow.run_id} in {result.mlflow.tracking_uri}; "
+                f"UI (needs the full `mlflow` package): mlflow ui --backend-store-uri {result.mlflow.tracking_uri} --host 127.0.0.1")
     job.say(f"checkpoint {summary['checkpoint']} (evaluate it: qrag eval --checkpoint {summary['checkpoint']})")
     print(json.dumps(summary), flush=True)
     return summary

@@ -20,7 +20,9 @@ starts, and the manifest tests and ``bench/two_gpu.py`` use the same arithmetic.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,6 +73,27 @@ def learner_worker_resources(cfg: TrainConfig, use_gpu: bool) -> dict[str, float
         resources["GPU"] = check_gpu_amount("distributed.learner_gpus", d.learner_gpus)
     resources.update(check_resource_map("distributed.learner_resources", d.learner_resources))
     return resources
+
+
+def cluster_capacity(cfg: TrainConfig, now: Mapping[str, float]) -> dict[str, float]:
+    """What the run may count on: the resources of the nodes up ``now``, raised to what an
+    autoscaling cluster can grow to (``distributed.autoscale_to``, else ``$QRAG_AUTOSCALE_TO``).
+    Ray has no public API for an autoscaler's limits, so the cluster's owner states them
+    (infra/ sets the variable to the worker groups' maxima)."""
+    limits: Any = cfg.distributed.autoscale_to
+    if not limits and os.environ.get("QRAG_AUTOSCALE_TO"):
+        try:
+            limits = json.loads(os.environ["QRAG_AUTOSCALE_TO"])
+        except ValueError:
+            raise ConfigError(f"$QRAG_AUTOSCALE_TO is not JSON: {os.environ['QRAG_AUTOSCALE_TO']!r}") from None
+    if not isinstance(limits, Mapping):
+        raise ConfigError(f"distributed.autoscale_to: expected a mapping of resource name to amount, got {limits!r}")
+    out = {k: float(v) for k, v in now.items()}
+    for name, amount in limits.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+            raise ConfigError(f"distributed.autoscale_to.{name}: expected an amount >= 0, got {amount!r}")
+        out[name] = max(out.get(name, 0.0), float(amount))
+    return out
 
 
 def check_cluster_has(cfg: TrainConfig, cluster: Mapping[str, float]) -> None:

@@ -2,8 +2,9 @@
 
 * Paths: Ray workers run in other directories (``ray job submit --working-dir`` even runs the
   driver in a temporary copy of the project), so every relative path in the config is made
-  absolute here, against the *submitter's* directory: the cwd for plain ``python jobs/...``,
-  ``--base-dir`` (or ``$QRAG_BASE_DIR``) under ``ray job submit``.
+  absolute here (``PathBase``): against ``--base-dir`` / ``$QRAG_BASE_DIR`` when given; else
+  inputs against the cwd and outputs against the cwd (a local Ray) or Ray's storage root
+  (``$RAY_STORAGE``, else ``~/ray_results``) when joining a cluster.
 * Values: the ``distributed`` section, the encoder and its tokenizer, and one record of each data
   split are loaded, so a wrong key, path or model fails in a second with a one-line message.
 * Environment: the variables workers need to find the same data and encoder.
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
@@ -22,74 +23,98 @@ from ..data import DataError, load_samples
 from ..data.chunking import tokenizer_counter
 from ..data.paths import data_root
 from ..encoder import load_tokenizer, resolve_encoder
-from .tracking import is_uri, tracking_uri
+from ..tracking import is_uri, tracking_uri
 
 MLFLOW_CHECKPOINT_MODES = ("inference", "full", "none")
 # Passed on to every runner and learner process when set on the driver.
 FORWARDED_ENV = ("QRAG_DATA_DIR", "QRAG_ENCODER", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")
 
 
-def ray_job_working_dir() -> str | None:
-    """The working_dir of the ``ray job submit`` this process runs under, if any."""
-    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
-    if not raw:
-        return None
-    try:
-        return (json.loads(raw).get("runtime_env") or {}).get("working_dir")
-    except (ValueError, AttributeError):
-        return None
+def storage_root() -> str:
+    """Where runs of a cluster job land when out_dir is relative: Ray Train's own default
+    ``storage_path`` (``$RAY_STORAGE``, else ``~/ray_results``), absolute on every node."""
+    root = os.environ.get("RAY_STORAGE") or "~/ray_results"
+    return root if is_uri(root) else str(Path(root).expanduser().resolve())
 
 
-def base_directory(explicit: str | None) -> Path | None:
-    """Where relative paths point: ``--base-dir``, ``$QRAG_BASE_DIR``, else the cwd unless this
-    is a ``ray job submit`` driver (whose cwd is a temporary copy that nobody will look into)."""
+@dataclass(frozen=True)
+class PathBase:
+    """What relative paths of a config mean.
+
+    * ``explicit`` (``--base-dir`` / ``$QRAG_BASE_DIR``): every relative path is under it.
+    * Otherwise inputs (data, encoder) are read from the cwd (under ``ray job submit``: the
+      uploaded working directory, which every worker of the job gets too), and outputs go to the
+      cwd when this process starts its own Ray, or to ``storage_root()`` when it joins a cluster
+      (``--address`` / ``$RAY_ADDRESS``, as a submitted job does), whose nodes cannot see the
+      submitter's directory and whose driver runs in a temporary copy.
+    """
+
+    files: Path
+    outputs: str
+    explicit: bool = False
+    cluster: bool = False
+
+
+def base_directory(explicit: str | None, cluster: bool = False) -> PathBase:
     chosen = explicit or os.environ.get("QRAG_BASE_DIR")
     if chosen:
         base = Path(chosen).expanduser()
         if not base.is_dir():
             raise ConfigError(f"--base-dir {chosen}: no such directory")
-        return base.resolve()
-    return None if ray_job_working_dir() else Path.cwd()
+        return PathBase(base.resolve(), str(base.resolve()), explicit=True, cluster=cluster)
+    return PathBase(Path.cwd(), storage_root() if cluster else str(Path.cwd()), cluster=cluster)
 
 
-def _absolute(value: str, key: str, base: Path | None) -> str:
-    if is_uri(value) or os.path.isabs(os.path.expanduser(value)):
+def _join(root: str, value: str) -> str:
+    return f"{root.rstrip('/')}/{value}" if is_uri(root) else str(Path(root) / value)
+
+
+def _is_absolute(value: str) -> bool:
+    return is_uri(value) or os.path.isabs(os.path.expanduser(value))
+
+
+def _input(value: str, key: str, base: PathBase) -> str:
+    if _is_absolute(value):
         return os.path.expanduser(value)
-    if base is None:
-        raise ConfigError(
-            f"{key}={value} is a relative path, but this driver runs in Ray's temporary copy of the working "
-            f"directory: pass --base-dir \"$PWD\" after the script name, or an absolute {key}"
-        )
-    return str(base / value)
+    path = base.files / value
+    if base.cluster and not base.explicit and not path.exists():
+        # Under `ray job submit` the cwd is the uploaded working directory: a path outside it
+        # (data beside the checkout, .rayignored files) has no meaning on the cluster.
+        raise ConfigError(f"{key}={value} is a relative path and {path} does not exist on the driver (a cluster job runs in "
+                          f"a copy of the uploaded working directory): give an absolute {key} the cluster can read, or pass "
+                          "--base-dir \"$PWD\" after the script name when the cluster shares this machine's files")
+    return str(path)
 
 
-def _sqlite_absolute(uri: str, key: str, base: Path | None) -> str:
+def _sqlite_absolute(uri: str, base: PathBase) -> str:
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-        return prefix + _absolute(uri[len(prefix):], key, base)
+        return prefix + _join(base.outputs, uri[len(prefix):])
     return uri
 
 
-def resolve_paths(cfg: TrainConfig, base: Path | None) -> TrainConfig:
+def resolve_paths(cfg: TrainConfig, base: PathBase | Path) -> TrainConfig:
     """A copy of ``cfg`` whose paths are absolute (or URIs); the data and encoder variables too."""
+    if isinstance(base, Path):
+        base = PathBase(base, str(base), explicit=True)
     data, model, dist = cfg.data, cfg.model, cfg.distributed
     if data.path is not None:
-        data = dataclasses.replace(data, path=_absolute(data.path, "data.path", base))
-    if base is not None and not os.path.isabs(model.encoder) and (base / model.encoder).is_dir():
-        model = dataclasses.replace(model, encoder=str(base / model.encoder))
+        data = dataclasses.replace(data, path=_input(data.path, "data.path", base))
+    if not os.path.isabs(model.encoder) and (base.files / model.encoder).is_dir():
+        model = dataclasses.replace(model, encoder=str(base.files / model.encoder))
     uri = dist.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
-        dist = dataclasses.replace(dist, mlflow_uri=_sqlite_absolute(uri, "distributed.mlflow_uri", base))
+        dist = dataclasses.replace(dist, mlflow_uri=_sqlite_absolute(uri, base))
     for var in ("QRAG_DATA_DIR", "QRAG_ENCODER"):
         if os.environ.get(var):
-            os.environ[var] = _absolute(os.environ[var], var, base)
-    if base is not None and not os.environ.get("QRAG_DATA_DIR"):
-        for candidate in (base / "shared" / "data", base.parent / "shared" / "data"):
+            os.environ[var] = _input(os.environ[var], var, base)
+    if not os.environ.get("QRAG_DATA_DIR"):
+        for candidate in (base.files / "shared" / "data", base.files.parent / "shared" / "data"):
             if candidate.is_dir():
                 os.environ["QRAG_DATA_DIR"] = str(candidate)
                 break
-    out_dir = _absolute(cfg.out_dir, "out_dir", base)
-    return dataclasses.replace(cfg, out_dir=out_dir, data=data, model=model, distributed=dist)
+    out_dir = cfg.out_dir if _is_absolute(cfg.out_dir) else _join(base.outputs, cfg.out_dir)
+    return dataclasses.replace(cfg, out_dir=os.path.expanduser(out_dir), data=data, model=model, distributed=dist)
 
 
 def check_distributed(cfg: TrainConfig) -> None:

@@ -145,8 +145,19 @@ class RayMetrics:
         self.indexed.inc(n)
 
 
+# The ingress replica's FastAPI app. Its routes need the service that the (async) constructor
+# builds, so the constructor leaves the app here and the builder given to ``@serve.ingress``
+# (public API: Serve evaluates it on the replica, after the constructor) hands it to Serve.
+# One replica per process, so one slot.
+_REPLICA_APP: dict[str, Any] = {}
+
+
+def _replica_app():
+    return _REPLICA_APP.pop("app")
+
+
 @serve.deployment(name="Ingress")
-@serve.ingress()
+@serve.ingress(_replica_app)
 class Ingress:
     async def __init__(self, cfg: dict[str, Any], encoder, shards: list, static: dict[str, bytes]):
         c = from_dict(ServeConfig, cfg)
@@ -161,8 +172,9 @@ class Ingress:
         self.service = RetrievalService(c, CorpusStore(c.storage), Tokenization(tokenizer, layout, c.question_tokens), identity,
                                         RemoteEncoder(encoder, c.retry_after_s), [RemoteShards(h, c.retry_after_s) for h in shards], self.metrics)
         self.static = static
+        _REPLICA_APP["app"] = self._api()
 
-    def __serve_build_asgi_app__(self):
+    def _api(self):
         api = build_api(self.service, self.static, self.metrics.request)
 
         @api.get("/v1/encoder", include_in_schema=False)

@@ -29,7 +29,7 @@ from .job import USER_ERRORS
 from .preflight import base_directory, check_distributed, preflight, resolve_paths, worker_env
 from .sweep_results import TrialOutcome, write_report
 from .sweep_spec import Sweep, load_sweep
-from .tracking import is_uri, tracking_uri
+from ..tracking import is_uri, tracking_uri
 from .train import cpu_need, learner_resources
 
 STATE_FILE = "sweep.json"
@@ -44,8 +44,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--name", help="sweep name (default: the file's `name`, else its file name)")
     p.add_argument("--trials", type=int, metavar="N", help="draws from the space (default: the file's `trials`)")
     p.add_argument("--max-concurrent", type=int, metavar="N", help="trials at once (default: the file's `max_concurrent`)")
-    p.add_argument("--base-dir", metavar="DIR", help="resolve relative paths (out_dir, data.path, ...) against DIR; "
-                   "under `ray job submit` pass \"$PWD\" (default: the current directory)")
+    p.add_argument("--base-dir", metavar="DIR", help="resolve relative paths (out_dir, data.path, ...) against DIR (default: "
+                   "inputs against the current directory; out_dir against it with a local Ray, against $RAY_STORAGE or "
+                   "~/ray_results when joining a cluster, e.g. under `ray job submit`)")
     p.add_argument("--address", metavar="HOST:PORT", help="Ray cluster (default $RAY_ADDRESS, else a new local one on 127.0.0.1)")
     p.add_argument("--local", action="store_true", help="no Ray: run the trials one after another in this process "
                    "(the same stopping rule; no MLflow)")
@@ -62,7 +63,8 @@ def prepare(argv: list[str], prog: str = "sweep") -> tuple[Sweep, argparse.Names
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     sweep = load_sweep(args.config, args.overrides, name=args.name, trials=args.trials, max_concurrent=args.max_concurrent)
-    sweep.base = resolve_paths(sweep.base, base_directory(args.base_dir))
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    sweep.base = resolve_paths(sweep.base, base_directory(args.base_dir, cluster=address is not None and not args.local))
     if is_uri(sweep.base.out_dir):
         raise ConfigError(f"out_dir {sweep.base.out_dir} is a URI: a sweep keeps its scheduler state, table and plot in "
                           "out_dir, so give it a local or shared (e.g. NFS) directory")
@@ -117,7 +119,7 @@ def connect(sweep: Sweep, address: str | None) -> bool:
     trials; True if this call started it. Ships this copy of qrag to every worker."""
     import ray
 
-    from .job import _runtime_env
+    from .job import _runtime_env, join_cluster
 
     env = worker_env()
     # Every process of the sweep gets the cluster's address: Ray Train's placement-group cleaner
@@ -127,7 +129,7 @@ def connect(sweep: Sweep, address: str | None) -> bool:
     if address:
         if ":" in address and "://" not in address:
             env.setdefault("RAY_ADDRESS", address)
-        ray.init(address=address, runtime_env=_runtime_env(env), logging_level="WARNING")
+        join_cluster(address, env)
         return False
     port = _free_port()
     env["RAY_ADDRESS"] = f"127.0.0.1:{port}"

@@ -2,7 +2,7 @@
 
 * The parent run is found again by the sweep's directory (tag ``qrag.sweep_key``): a resumed
   sweep keeps its parent. Its params are the sweep's settings; they cannot change on resume.
-* Trial runs are opened by ``train_with_ray`` (``qrag.distributed.tracking``) with the parent's
+* Trial runs are opened by ``train_with_ray`` (``qrag.tracking``) with the parent's
   id in ``mlflow.parentRunId``. A trial stopped by the scheduler dies with its Ray Train run, so
   the sweep closes its MLflow run afterwards (status KILLED, tag ``qrag.stopped_early``). A trial
   that had to start over (interrupted before its first checkpoint) leaves a superseded run
@@ -22,7 +22,7 @@ import yaml
 from ..config import ConfigError, flatten, to_dict
 from .sweep_results import SweepReport, TrialOutcome
 from .sweep_spec import Sweep
-from .tracking import PARENT_TAG, RUN_KEY_TAG, _experiment_id, client_for
+from ..tracking import PARENT_TAG, RUN_KEY_TAG, _experiment_id, client_for
 
 SWEEP_KEY_TAG = "qrag.sweep_key"
 

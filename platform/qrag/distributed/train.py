@@ -8,7 +8,7 @@ The worker runs the same ``TrainingRun.run()`` as ``qrag train``; only three thi
   in ``<storage>/<run name>/`` with the layout ``qrag train`` uses (``checkpoints/update_N``,
   ``final``) and hands the latest back through ``ray.train.get_checkpoint()`` after a crash or
   when the same run is submitted again;
-* metrics go to MLflow (``qrag.distributed.tracking``) by update, and evaluations and checkpoints
+* metrics go to MLflow (``qrag.tracking``) by update, and evaluations and checkpoints
   to ``ray.train.report`` (what Ray Tune sees when a sweep wraps this trainer).
 
 ``train_with_ray`` is the entry point of both ``jobs/`` and the Tune sweep.
@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ from ..encoder import load_tokenizer, resolve_encoder
 from ..tokens import TokenizedSample, TokenLayout
 from ..train import EpisodeSource, TrainingRun
 from .faults import FaultPlan
-from .placement import check_cluster_has, learner_worker_resources
-from .tracking import is_uri
+from .placement import check_cluster_has, cluster_capacity, learner_worker_resources
+from ..tracking import is_uri
 
 EVAL_FILES = ("eval.json", "eval.records.jsonl")
 
@@ -55,8 +56,10 @@ def cpu_need(cfg: TrainConfig) -> float:
 
 
 def learner_resources(cfg: TrainConfig, cluster: dict[str, float]) -> tuple[bool, dict[str, float]]:
-    """(use a GPU?, resources of the learner worker); an error when the cluster cannot hold the run."""
+    """(use a GPU?, resources of the learner worker); an error when the cluster, grown as far as
+    its autoscaler may (``placement.cluster_capacity``), cannot hold the run."""
     d = cfg.distributed
+    cluster = cluster_capacity(cfg, cluster)
     gpus = cluster.get("GPU", 0.0)
     use_gpu = d.learner_gpu if d.learner_gpu is not None else gpus >= 1
     if use_gpu and gpus < 1:
@@ -66,7 +69,8 @@ def learner_resources(cfg: TrainConfig, cluster: dict[str, float]) -> tuple[bool
     if need > have + 1e-9:
         raise ConfigError(
             f"the run needs {need:g} CPUs (learner {d.learner_cpus:g} + {d.runners} runners x {d.runner_cpus:g}) "
-            f"but the Ray cluster has {have:g}: lower distributed.runners or distributed.runner_cpus, or give Ray more CPUs"
+            f"but the Ray cluster has {have:g}: lower distributed.runners or distributed.runner_cpus, or give Ray more CPUs "
+            "(an autoscaling cluster: state its maximum in distributed.autoscale_to or $QRAG_AUTOSCALE_TO)"
         )
     check_cluster_has(cfg, cluster)  # custom resources (qrag.distributed.placement)
     return use_gpu, learner_worker_resources(cfg, use_gpu)
@@ -76,12 +80,30 @@ def storage_run_dir(storage_path: str, run_name: str) -> str:
     return f"{storage_path.rstrip('/')}/{run_name}"
 
 
+# Our own marker that Ray Train has committed a checkpoint of the run (written by the learner
+# after ``get_all_reported_checkpoints(COMMITTED)``), so the driver need not read Ray's files.
+COMMITTED_MARKER = ".qrag/checkpoint_committed"
+
+
+def _storage(run_dir: str):
+    from pyarrow.fs import FileSystem
+
+    return FileSystem.from_uri(run_dir if is_uri(run_dir) else os.path.abspath(run_dir))
+
+
 def has_checkpoint(run_dir: str) -> bool:
     """Whether Ray Train will resume the run at ``run_dir`` from a checkpoint."""
-    from pyarrow.fs import FileSystem, FileType
+    from pyarrow.fs import FileType
 
-    fs, path = FileSystem.from_uri(run_dir if is_uri(run_dir) else os.path.abspath(run_dir))
-    return fs.get_file_info(f"{path}/checkpoint_manager_snapshot.json").type == FileType.File
+    fs, path = _storage(run_dir)
+    return fs.get_file_info(f"{path}/{COMMITTED_MARKER}").type == FileType.File
+
+
+def mark_committed(run_dir: str, update: int) -> None:
+    fs, path = _storage(run_dir)
+    fs.create_dir(f"{path}/{os.path.dirname(COMMITTED_MARKER)}", recursive=True)
+    with fs.open_output_stream(f"{path}/{COMMITTED_MARKER}") as out:
+        out.write(json.dumps({"update": update}).encode())
 
 
 def finished_updates(run_dir: str) -> int | None:
@@ -182,6 +204,7 @@ class _Reporter:
         # A report is only a request: wait until Ray Train has committed the checkpoint, so that
         # a crash from here on restarts from it (and not from the one before).
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+        mark_committed(self.run_dir, self.run.learner.update)
 
 
 def _load_eval_splits(run: TrainingRun, cfg: TrainConfig) -> None:
@@ -198,9 +221,9 @@ def _load_eval_splits(run: TrainingRun, cfg: TrainConfig) -> None:
 
 def _restore_best(run_dir: str, scratch: Path) -> None:
     """The best checkpoint chosen before a restart, back where ``TrainingRun`` keeps it."""
-    from pyarrow.fs import FileSystem, FileType, copy_files
+    from pyarrow.fs import FileType, copy_files
 
-    fs, path = FileSystem.from_uri(run_dir if is_uri(run_dir) else os.path.abspath(run_dir))
+    fs, path = _storage(run_dir)
     if fs.get_file_info(f"{path}/best").type == FileType.Directory:
         copy_files(f"{run_dir}/best", str(scratch / "best"))
 
@@ -217,7 +240,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(max(1, int(d.learner_cpus)))
     logger = None
     if config.get("mlflow_run_id"):
-        from .tracking import MetricLogger
+        from ..tracking import MetricLogger
 
         logger = MetricLogger(config["mlflow_uri"], config["mlflow_run_id"])
     # Ray Train runs the worker in a directory of Ray's session: what a crash leaves there goes
@@ -270,6 +293,29 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
 # -- on the driver ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MlflowRun:
+    tracking_uri: str
+    run_id: str
+    experiment: str
+
+
+@dataclass(frozen=True)
+class RayTrainRun:
+    """What ``train_with_ray`` returns: Ray Train's result and the run's MLflow run."""
+
+    result: Any  # ray.train.Result
+    mlflow: MlflowRun | None
+
+    @property
+    def return_value(self) -> dict[str, Any] | None:
+        return self.result.return_value
+
+    @property
+    def checkpoint(self):
+        return self.result.checkpoint
+
+
 def train_with_ray(
     cfg: TrainConfig,
     *,
@@ -286,8 +332,8 @@ def train_with_ray(
     checkpoint, and its MLflow run too. ``parent_run_id`` nests the MLflow run under a parent
     (a Tune sweep's); ``callbacks`` are Ray Train ``UserCallback``s (e.g. Tune's report callback).
     Raises ``ConfigError`` before anything starts when the cluster cannot hold the run.
-    ``result.return_value`` holds the final eval and paths in storage; ``result.mlflow`` is
-    ``{"tracking_uri", "run_id", "experiment"}`` (None without tracking).
+    Returns a ``RayTrainRun``: ``.result`` is Ray Train's ``Result`` (``.return_value`` and
+    ``.checkpoint`` are forwarded), ``.mlflow`` the ``MlflowRun`` (None without tracking).
     """
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -303,7 +349,7 @@ def train_with_ray(
 
     uri = run_id = None
     if tracking:
-        from .tracking import finish_run, log_final_checkpoint, open_run, tracking_uri
+        from ..tracking import finish_run, log_final_checkpoint, open_run, tracking_uri
 
         uri = tracking_uri(cfg)
         if uri:
@@ -334,8 +380,7 @@ def train_with_ray(
             with result.checkpoint.as_directory() as final:
                 # keep_best reports <run>/best; it sits beside final/ in local storage.
                 chosen = Path(reported) if not is_uri(reported) and Path(reported).is_dir() else Path(final)
-                log_final_checkpoint(uri, run_id, Path(final), chosen, d.mlflow_checkpoint)
+                log_final_checkpoint(uri, run_id, Path(final), chosen, d.mlflow_checkpoint, cfg)
         finish_run(uri, run_id, "FINISHED", {"qrag.checkpoint": reported})
-    result.mlflow = {"tracking_uri": uri, "run_id": run_id, "experiment": d.mlflow_experiment} if run_id else None
-    return result
+    return RayTrainRun(result, MlflowRun(uri, run_id, d.mlflow_experiment) if run_id else None)
 

@@ -1,4 +1,5 @@
-"""MLflow tracking of Ray training runs (mlflow-skinny is enough; the core never imports this).
+"""MLflow tracking of training runs, for ``qrag train`` and the Ray path alike (mlflow-skinny is
+enough; nothing here imports Ray, and mlflow is imported only when tracking is on).
 
 * One MLflow run per training run, found again by its storage location (tag ``qrag.run_dir``):
   re-submitting a run resumes the same MLflow run instead of starting a new one.
@@ -7,7 +8,10 @@
 * Metrics are logged by the learner with ``step = update``. After a restart from a checkpoint the
   learner repeats the updates since that checkpoint; a metric is logged only for steps past the
   last one MLflow already holds for it, so the history has no duplicated and no missing updates.
-* Artifacts: the resolved config, the final eval JSON and the final checkpoint.
+* Artifacts: the resolved config, the final eval JSON, the final checkpoint and, with
+  ``distributed.mlflow_model``, the reported checkpoint as a pyfunc model (``model/``,
+  ``qrag.mlflow_model``), registered under ``distributed.mlflow_registered_model`` when set.
+* Provenance: the git commit (``mlflow.source.git.commit``) and the data as dataset inputs.
 * Default store: ``sqlite:///<out_dir>/mlflow.db`` with artifacts in ``<out_dir>/mlruns``;
   ``distributed.mlflow_uri`` or ``$MLFLOW_TRACKING_URI`` point elsewhere; ``none`` switches it off.
 """
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -22,10 +27,11 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, TrainConfig, flatten, to_dict
+from .config import ConfigError, TrainConfig, flatten, to_dict
 
 RUN_KEY_TAG = "qrag.run_key"
 PARENT_TAG = "mlflow.parentRunId"
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
 # Parts of the final checkpoint that `qrag eval` and serving need (no targets, no optimiser).
 INFERENCE_PARTS = ("config.yaml", "qrag.json", "state_encoder", "action_encoder", "tokenizer")
 
@@ -115,7 +121,46 @@ def open_run(
     for i in range(0, len(items), 100):  # MLflow takes at most 100 params per call
         client.log_batch(run_id, params=items[i : i + 100])
     client.log_text(run_id, yaml.safe_dump(to_dict(cfg), sort_keys=False), "config.yaml")
+    log_provenance(client, run_id, cfg)
     return run_id
+
+
+def data_sources(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(name, source) of every dataset the run reads: a hub name, a path, or the loader's default."""
+    d = cfg.data
+    entries = d.sources if d.dataset == "mixed" and getattr(d, "sources", None) else [{"dataset": d.dataset, "path": d.path,
+                                                                                        "hub": getattr(d, "hub", None)}]
+    out = []
+    for e in entries:
+        name = str(e.get("dataset", d.dataset))
+        source = e.get("hub") and f"hf://{e['hub']}" or e.get("path") or f"{name} (the loader's default file)"
+        out.append((name, str(source)))
+    return out
+
+
+def log_provenance(client, run_id: str, cfg: TrainConfig) -> None:
+    """The git commit and the data (as MLflow dataset inputs: name, source, a digest of the
+    source and the chunking settings)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from . import __version__
+    from .provenance import git_commit
+
+    commit = git_commit()
+    if commit:
+        client.set_tag(run_id, GIT_COMMIT_TAG, commit)
+    client.set_tag(run_id, "qrag.version", __version__)
+    d = cfg.data
+    inputs = []
+    for name, source in data_sources(cfg):
+        digest = hashlib.sha1(f"{source}|{d.chunk_tokens}|{d.question_tokens}|{d.dev_fraction}|{d.limit}".encode()).hexdigest()[:12]
+        kind = "hf" if source.startswith("hf://") else "local"
+        dataset = Dataset(name=name, digest=digest, source_type=kind, source=json.dumps({"uri": source}))
+        inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "train")]))
+    try:
+        client.log_inputs(run_id, datasets=inputs)
+    except Exception:  # noqa: BLE001 - an old server without dataset support: keep the run
+        client.set_tag(run_id, "qrag.data", "; ".join(f"{n}={s}" for n, s in data_sources(cfg)))
 
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
@@ -127,9 +172,19 @@ def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, 
     client.set_terminated(run_id, status)
 
 
-def log_final_checkpoint(uri: str, run_id: str, final: Path, checkpoint: Path, mode: str) -> None:
-    """The final eval files (kept in ``final``) and ``checkpoint`` (``mode``: inference | full | none)."""
+def log_final_checkpoint(uri: str, run_id: str, final: Path, checkpoint: Path, mode: str, cfg: TrainConfig | None = None) -> None:
+    """The final eval files (kept in ``final``), ``checkpoint`` (``mode``: inference | full | none)
+    and, per ``cfg.distributed``, its inference part as a pyfunc model, registered under a name
+    and alias."""
     client = client_for(uri)
+    d = cfg.distributed if cfg is not None else None
+    if d is not None and d.mlflow_model:
+        from .mlflow_model import log_model, register
+
+        log_model(client, run_id, checkpoint)
+        if d.mlflow_registered_model:
+            version = register(client, run_id, d.mlflow_registered_model, d.mlflow_model_alias)
+            client.set_tag(run_id, "qrag.registered_model", f"{d.mlflow_registered_model}/{version}")
     for name in ("eval.json", "eval.records.jsonl"):
         if (final / name).is_file():
             client.log_artifact(run_id, str(final / name))
@@ -169,3 +224,44 @@ class MetricLogger:
             for m in fresh:
                 self.last_step[m.key] = step
         return len(fresh)
+
+
+class RunTracker:
+    """MLflow for ``qrag train`` (no Ray): the run opened and closed around ``TrainingRun.run()``,
+    whose ``report`` callback it wraps. A do-nothing tracker when tracking is off."""
+
+    def __init__(self, cfg: TrainConfig, uri: str | None, run_id: str | None):
+        self.cfg, self.uri, self.run_id = cfg, uri, run_id
+        self.metrics = MetricLogger(uri, run_id) if uri and run_id else None
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, run_dir: str, *, resuming: bool) -> RunTracker:
+        """``resuming`` (``--resume``) continues the MLflow run of ``run_dir``, as a resubmitted Ray run does."""
+        uri = tracking_uri(cfg)
+        if uri is None:
+            return cls(cfg, None, None)
+        return cls(cfg, uri, open_run(cfg, uri, run_dir, cfg.name, resuming=resuming))
+
+    def reporter(self, inner):
+        """``inner`` (printing) plus MLflow metrics by update."""
+        if self.metrics is None:
+            return inner
+
+        def report(step: int, metrics: dict[str, Any]) -> None:
+            inner(step, metrics)
+            self.metrics.log(step, metrics)
+
+        return report
+
+    def finish(self, eval_dir: str | Path, reported: str | Path) -> None:
+        """Eval files and the reported checkpoint (final/, or best/ with keep_best) as artifacts
+        and as a model, as the Ray path logs them; the run FINISHED."""
+        if not self.run_id:
+            return
+        d = self.cfg.distributed
+        log_final_checkpoint(self.uri, self.run_id, Path(eval_dir), Path(reported), d.mlflow_checkpoint, self.cfg)
+        finish_run(self.uri, self.run_id, "FINISHED", {"qrag.checkpoint": str(reported)})
+
+    def close(self, status: str) -> None:
+        if self.run_id:
+            finish_run(self.uri, self.run_id, status)
