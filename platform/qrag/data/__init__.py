@@ -27,14 +27,15 @@ def register_loader(name: str) -> Callable[[Loader], Loader]:
 def _hotpotqa(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
     from .hotpotqa import load_hotpotqa
 
-    return load_hotpotqa(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit)
+    return load_hotpotqa(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit,
+                         hub=cfg.hub)
 
 
 @register_loader("jsonl")
 def _jsonl(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
     from .jsonl import load_jsonl
 
-    return load_jsonl(cfg.path, split=split, dev_fraction=cfg.dev_fraction, limit=cfg.limit)
+    return load_jsonl(cfg.path, split=split, dev_fraction=cfg.dev_fraction, limit=cfg.limit, hub=cfg.hub)
 
 
 def load_samples(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .chunking import TokenCounter, cap_paragraphs
-from .paths import data_root, read_json, resolve_files
+from .hf import hotpot_layout, record_pairs
+from .paths import data_root, read_json
 from .sample import DataError, Sample
 from .splits import records_in_split
 
@@ -99,9 +100,11 @@ def load_hotpotqa(
     budget: int,
     count: TokenCounter,
     limit: int | None = None,
+    hub: str | None = None,
 ) -> list[Sample]:
-    pairs = (pair for file in resolve_files(path or default_path()) for pair in _numbered_records(file))
-    samples = (parse_record(record, where, budget, count) for where, record in records_in_split(pairs, "_id", split, dev_fraction))
+    pairs, by_hash = record_pairs(path or default_path(), hub, split, _numbered_records, hotpot_layout)
+    in_split = records_in_split(pairs, "_id", split, dev_fraction, by_hash=by_hash)
+    samples = (parse_record(record, where, budget, count) for where, record in in_split)
     return list(itertools.islice(samples, limit))
 
 

@@ -12,7 +12,8 @@ default path, ``train`` is the 150-question train subset and ``dev`` the 100-que
 whose split is not stated (probably official dev): the out-of-distribution evaluation set for a
 HotpotQA-trained retriever; ``all`` is both. With an explicit ``data.path`` the records are split
 by a hash of their id, like every other loader. A bad line stops loading with an error naming the
-file and the line.
+file and the line. ``data.hub`` (e.g. ``dgslibisey/MuSiQue``: the official layout) reads the hub's
+train and validation splits instead (:mod:`qrag.data.hf`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 from ..config import DataConfig
 from . import register_loader
 from .chunking import TokenCounter, cap_paragraphs, split_sentences
-from .paths import data_root, read_jsonl, resolve_files
+from .hf import record_pairs
+from .paths import data_root, note_source, read_jsonl
 from .sample import DataError, Sample
 from .splits import SPLITS, records_in_split
 
@@ -108,19 +110,26 @@ def load_musique(
     budget: int,
     count: TokenCounter,
     limit: int | None = None,
+    hub: str | None = None,
 ) -> list[Sample]:
-    if path is None:
+    if path is None and hub is None:
         files, by_hash = default_files(split), False
         for file in files:
             if not file.is_file():
                 raise DataError(f"{file}: no such file (set data.path or QRAG_DATA_DIR)")
+            note_source(file)
+        pairs = (pair for file in files for pair in _lines(file))
     else:
-        files, by_hash = resolve_files(path), True
-    pairs = ((f"{file}: line {lineno}", record) for file in files for lineno, record in read_jsonl(file))
+        pairs, by_hash = record_pairs(path or "", hub, split, _lines)
     in_split = records_in_split(pairs, "id", split, dev_fraction, by_hash=by_hash)
     return list(itertools.islice((parse_record(record, where, budget, count) for where, record in in_split), limit))
 
 
+def _lines(file: Path):
+    return ((f"{file}: line {lineno}", record) for lineno, record in read_jsonl(file))
+
+
 @register_loader("musique")
 def _musique(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
-    return load_musique(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit)
+    return load_musique(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit,
+                        hub=cfg.hub)

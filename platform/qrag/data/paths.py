@@ -8,12 +8,34 @@ import io
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from .sample import DataError
 
 _HERE = Path(__file__).resolve()
+
+# The files a load reads, for the fingerprint of a cached split (qrag.data.prepared).
+_SOURCES: ContextVar[set[str] | None] = ContextVar("qrag_data_sources", default=None)
+
+
+@contextmanager
+def recording_sources() -> Iterator[set[str]]:
+    """Collect the absolute paths of every data file read inside the block."""
+    seen: set[str] = set()
+    token = _SOURCES.set(seen)
+    try:
+        yield seen
+    finally:
+        _SOURCES.reset(token)
+
+
+def note_source(path: str | os.PathLike[str]) -> None:
+    seen = _SOURCES.get()
+    if seen is not None:
+        seen.add(str(Path(path).resolve()))
 
 
 def data_root() -> Path:
@@ -39,10 +61,13 @@ def resolve_files(path: str | os.PathLike[str]) -> list[Path]:
         matches = sorted(Path(p) for p in glob.glob(text))
         if not matches:
             raise DataError(f"{text}: the glob matches no file")
+        for match in matches:
+            note_source(match)
         return matches
     p = Path(text)
     if not p.is_file():
         raise DataError(f"{p}: no such file")
+    note_source(p)
     return [p]
 
 

@@ -21,8 +21,9 @@ from typing import Any
 from ..config import DataConfig
 from . import register_loader
 from .chunking import TokenCounter
+from .hf import hotpot_layout, record_pairs
 from .hotpotqa import parse_record
-from .paths import data_root, read_json, read_jsonl, resolve_files
+from .paths import data_root, read_json, read_jsonl
 from .sample import DataError, Sample
 from .splits import records_in_split
 
@@ -54,11 +55,12 @@ def load_2wiki(
     budget: int,
     count: TokenCounter,
     limit: int | None = None,
+    hub: str | None = None,
 ) -> list[Sample]:
     samples: list[Sample] = []
     skipped: list[str] = []
-    pairs = (pair for file in resolve_files(path or default_path()) for pair in _records(file))
-    for where, record in records_in_split(pairs, "_id", split, dev_fraction):
+    pairs, by_hash = record_pairs(path or default_path(), hub, split, _records, hotpot_layout)
+    for where, record in records_in_split(pairs, "_id", split, dev_fraction, by_hash=by_hash):
         if limit is not None and len(samples) >= limit:
             break
         if isinstance(record, dict) and "context" not in record:
@@ -75,4 +77,5 @@ def load_2wiki(
 
 @register_loader("2wiki")
 def _2wiki(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
-    return load_2wiki(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit)
+    return load_2wiki(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit,
+                      hub=cfg.hub)
