@@ -61,7 +61,7 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
     import torch
 
     from qrag.answers.reader import attach_reader_inputs
-    from qrag.checkpoint import load_qnet, untrained_qnet
+    from qrag.checkpoint import baseline_label, baseline_qnet, is_untrained, load_qnet
     from qrag.config import TrainConfig, apply_overrides, from_dict, load_config, to_dict
     from qrag.data import load_samples
     from qrag.data.chunking import tokenizer_counter
@@ -72,10 +72,10 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
     from qrag.tokens import tokenize_samples
 
     device = pick_device(args.device)
-    if args.checkpoint == "none":  # the untrained encoder ("multi-step RAG w/o FT"), for smoke tests and the baseline row
+    if is_untrained(args.checkpoint):  # the untrained encoder ("multi-step RAG w/o FT"), for smoke tests and the baseline row
         base = load_config(ROOT / "configs" / "hotpot.yaml", [])
-        qnet, tokenizer, layout = untrained_qnet(type(base.model)(**{**to_dict(base.model), "positions": "none"}), device)
-        trained_on, label = None, args.label or "Multi-step RAG w/o FT (ours)"
+        qnet, tokenizer, layout = baseline_qnet(base.model, device, args.checkpoint)  # "none": full-vector cosine (the paper's)
+        trained_on, label = None, args.label or f"{baseline_label(qnet.cfg.similarity)} (ours)"
     else:
         qnet, tokenizer, layout, base = load_qnet(args.checkpoint, device, with_targets=False)
         trained_on, label = base.data.dataset, args.label or "Q-RAG (ours)"
@@ -90,6 +90,7 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
         t0 = time.perf_counter()
         result = evaluate(retriever, samples, tokenized, cfg.search, extra={
             "checkpoint": args.checkpoint, "dataset": name, "split": split, "device": str(device), "positions": qnet.cfg.positions,
+            "similarity": qnet.cfg.similarity,
             "train_dataset": trained_on, "label": label, "encoder": base.model.encoder, "chunk_tokens": cfg.data.chunk_tokens,
             "retrieval_machine": info,
         })
@@ -147,7 +148,7 @@ def answer_stage(args: argparse.Namespace, out: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="runs/hotpot/final", help="HotpotQA-trained checkpoint, or 'none' (untrained encoder)")
+    ap.add_argument("--checkpoint", default="runs/hotpot/final", help="HotpotQA-trained checkpoint, or 'none' (untrained encoder, full-vector cosine; 'none:twin' = half-vector variant)")
     ap.add_argument("--stage", choices=["retrieve", "answer", "all"], default="all")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "answers"), help="per-dataset files and report.md")
     ap.add_argument("--out", default=None, help="the one-line JSON result (default: OUT_DIR/retrieve.json for --stage retrieve, "

@@ -25,8 +25,8 @@ def test_table2_layout_ood_average_and_paper_rows():
     rep = table2([
         ("h.json", summary("hotpotqa", "hotpotqa", 0.9, 0.8, 0.5, 0.4)),
         ("m.json", summary("musique", "hotpotqa", 0.6, 0.3, 0.3, 0.2)),
-        ("b.json", summary("hotpotqa", None, 0.7, 0.5, 0.45, 0.35, checkpoint="none")),
-        ("bm.json", summary("musique", None, 0.5, 0.3, checkpoint="none")),  # untrained: joins the OOD column
+        ("b.json", summary("hotpotqa", None, 0.7, 0.5, 0.45, 0.35, checkpoint="none", similarity="cosine")),
+        ("bm.json", summary("musique", None, 0.5, 0.3, checkpoint="none", similarity="cosine")),  # untrained: joins the OOD column
         ("p.json", summary("hotpotqa", "hotpotqa", 0.92, 0.85, beam=4)),
     ], paper=True)
     lines = rep.markdown

@@ -15,6 +15,7 @@ never leaves a half-written checkpoint where a resume would find it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -155,13 +156,42 @@ def load_qnet(directory: str | Path, device: torch.device, with_targets: bool = 
 
 
 def untrained_qnet(model_cfg: ModelConfig, device: torch.device, use_target: bool = False) -> tuple[QNetwork, Any, TokenLayout]:
-    """Both encoders start as the pretrained encoder (untouched: the paper's "multi-step RAG w/o
-    FT" baseline when evaluated as is)."""
+    """Both encoders start as the pretrained encoder (where training starts). To evaluate the
+    untrained encoder as a baseline use :func:`baseline_qnet`, which scores the way the paper does."""
     path = resolve_encoder(model_cfg.encoder)
     tokenizer = load_tokenizer(path)
     encoder = load_encoder(path, model_cfg.dropout)
     qnet = QNetwork.from_pretrained(encoder, model_cfg, use_target=use_target)
     return qnet.to(device), tokenizer, TokenLayout.from_tokenizer(tokenizer, model_cfg.max_state_tokens)
+
+
+# The untrained rows: "none" is the paper's "multi-step RAG w/o FT" (the pretrained encoder's own
+# similarity, the full-vector cosine of its pooled embeddings); "none:twin" is a labelled extra,
+# the mean of the two half-vector cosines (what an untrained Q-network computes before training).
+UNTRAINED_SPECS = {"none": "cosine", "none:twin": "twin"}
+
+
+def is_untrained(spec: str) -> bool:
+    return spec in UNTRAINED_SPECS
+
+
+def baseline_model_cfg(model_cfg: ModelConfig, similarity: str = "cosine") -> ModelConfig:
+    """The untrained encoder's scoring: no positions (a pretrained encoder knows nothing of the
+    rotation), normalised pooled vectors, ``similarity`` 'cosine' (the paper's) or 'twin'."""
+    return dataclasses.replace(model_cfg, positions="none", normalize=True, similarity=similarity)
+
+
+def baseline_qnet(model_cfg: ModelConfig, device: torch.device, spec: str = "none") -> tuple[QNetwork, Any, TokenLayout]:
+    """The untrained encoder as a baseline row; ``spec`` is "none" (the paper's full-vector cosine)
+    or "none:twin" (the half-vector variant, an extra that must be labelled as such)."""
+    if spec not in UNTRAINED_SPECS:
+        raise CheckpointError(f"untrained baseline must be one of {', '.join(UNTRAINED_SPECS)}, got {spec!r}")
+    return untrained_qnet(baseline_model_cfg(model_cfg, UNTRAINED_SPECS[spec]), device)
+
+
+def baseline_label(similarity: str) -> str:
+    """The row name of an untrained-encoder figure."""
+    return "Multi-step RAG w/o FT" if similarity == "cosine" else "Multi-step RAG w/o FT (half-vector cosines, not the paper's)"
 
 
 def load_training_state(directory: str | Path, learner) -> dict[str, Any]:
@@ -204,5 +234,6 @@ def set_numpy_state(rng: np.random.Generator, state: dict[str, Any]) -> None:
 
 __all__ = [
     "CheckpointError", "ModelPathError", "save_checkpoint", "load_qnet", "untrained_qnet", "load_training_state",
+    "UNTRAINED_SPECS", "is_untrained", "baseline_model_cfg", "baseline_qnet", "baseline_label",
     "is_checkpoint", "read_meta", "fingerprint", "load_run_config", "numpy_state", "set_numpy_state",
 ]

@@ -61,7 +61,10 @@ class ModelConfig:
     rope_base: float = opt(10000.0, "RoPE base: angle of pair k at position p is p * base^(-2k/d_half).")
     relative_delta: float = opt(10.0, "δ: step between intervals in relative positions.")
     relative_ell: float = opt(9.0, "ℓ: within-interval resolution in relative positions (0 < ℓ < δ).")
-    normalize: bool = opt(True, "L2-normalise each twin half of the pooled vectors, so Q starts as a cosine in [-1, 1] like the returns.")
+    normalize: bool = opt(True, "L2-normalise the pooled vectors (how: model.similarity), so Q starts as a cosine in [-1, 1] like the returns.")
+    similarity: str = opt("twin", "With normalize: 'twin' = each twin half unit-length, Q = mean of the two half cosines (what Q-RAG trains); "
+                          "'cosine' = Q is the full-vector cosine of the pooled embeddings (the pretrained encoder's own similarity: "
+                          "the paper's untrained baseline).")
     max_state_tokens: int = opt(512, "State sequences (question + selected chunks) are capped at this many tokens.")
     dropout: float = opt(0.0, "Dropout inside the encoders during training; with 0 the acting forward pass is reused by the loss.")
     freeze_embeddings: bool = opt(False, "Keep the token-embedding tables of both encoders frozen (less overfitting on small data).")

@@ -86,14 +86,16 @@ def evaluate_checkpoint(
     out: str | Path | None = None,
     answer: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a checkpoint directory, or ``"none"`` for the untrained encoder.
+    """Evaluate a checkpoint directory, or the untrained encoder: ``"none"`` scores with its own
+    similarity, the full-vector cosine of the pooled embeddings (the paper's "multi-step RAG w/o
+    FT"); ``"none:twin"`` with the mean of two half-vector cosines (a labelled extra).
 
     Without ``cfg`` the run's own config (saved in the checkpoint) is used, with ``overrides``
     applied: the data, chunking and search of training unless told otherwise. ``answer``
     (none | local | openai; default ``cfg.answer.backend``) also has a reader LLM answer from the
     retrieved chunks: the summary gains ``ans_em``, ``ans_f1``, ``answer_errors``, ``reader_model``.
     """
-    from .checkpoint import load_qnet, untrained_qnet
+    from .checkpoint import baseline_label, baseline_qnet, is_untrained, load_qnet
     from .config import apply_overrides, from_dict, TrainConfig
     from .data import load_samples
     from .data.chunking import tokenizer_counter
@@ -101,13 +103,12 @@ def evaluate_checkpoint(
     from .tokens import tokenize_samples
 
     dev = pick_device(device)
-    if checkpoint == "none":
+    label = None
+    if is_untrained(checkpoint):
         if cfg is None:
             raise ValueError("evaluating the untrained encoder needs a config")
-        # Pretrained encoders know nothing of position rotations: the baseline scores without them.
-        model_cfg = type(cfg.model)(**{**to_dict(cfg.model), "positions": "none"})
-        qnet, tokenizer, layout = untrained_qnet(model_cfg, dev)
-        trained_on = None
+        qnet, tokenizer, layout = baseline_qnet(cfg.model, dev, checkpoint)
+        trained_on, label = None, baseline_label(qnet.cfg.similarity)
     else:
         qnet, tokenizer, layout, run_cfg = load_qnet(checkpoint, dev, with_targets=False)
         if cfg is None:
@@ -120,7 +121,8 @@ def evaluate_checkpoint(
     retriever = Retriever(qnet, layout, dev, cfg.learner.encode_tokens)
     result = evaluate(retriever, samples, tokenized, cfg.search, extra={
         "checkpoint": checkpoint, "dataset": cfg.data.dataset, "split": split, "device": str(dev),
-        "positions": qnet.cfg.positions, "train_dataset": trained_on,
+        "positions": qnet.cfg.positions, "similarity": qnet.cfg.similarity, "train_dataset": trained_on,
+        **({"label": label} if label else {}),
     })
     backend = answer or cfg.answer.backend
     if backend != "none":

@@ -67,12 +67,12 @@ def device_name(device: torch.device) -> str:
 
 
 def load_model(checkpoint: str, cfg: TrainConfig, device: torch.device):
-    """(qnet, tokenizer, layout) of a checkpoint, or of the untrained encoder for ``"none"``
-    (which scores without positions: a pretrained encoder knows nothing of the rotation)."""
-    from .checkpoint import load_qnet, untrained_qnet
+    """(qnet, tokenizer, layout) of a checkpoint, or of the untrained encoder for ``"none"`` (the
+    paper's baseline: full-vector cosine, no positions) or ``"none:twin"`` (half-vector cosines)."""
+    from .checkpoint import baseline_qnet, is_untrained, load_qnet
 
-    if checkpoint == "none":
-        return untrained_qnet(replace(cfg.model, positions="none"), device)
+    if is_untrained(checkpoint):
+        return baseline_qnet(cfg.model, device, checkpoint)
     qnet, tokenizer, layout, _ = load_qnet(checkpoint, device, with_targets=False)
     return qnet, tokenizer, layout
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
 from .positions import chunk_positions, rotate
+
+SIMILARITIES = ("twin", "cosine")
 
 
 class QNetwork(nn.Module):
@@ -28,6 +31,8 @@ class QNetwork(nn.Module):
             self.target_action_encoder = copy.deepcopy(action_encoder).requires_grad_(False)
         if self.dim % 4:
             raise ValueError(f"embedding width {self.dim} must be divisible by 4 (twin halves of rotated pairs)")
+        if cfg.similarity not in SIMILARITIES:
+            raise ValueError(f"model.similarity must be one of {', '.join(SIMILARITIES)}, got {cfg.similarity!r}")
         if cfg.freeze_embeddings:
             for encoder in (state_encoder, action_encoder):
                 encoder.get_input_embeddings().requires_grad_(False)
@@ -72,9 +77,16 @@ class QNetwork(nn.Module):
                 torch._foreach_lerp_(t_params, o_params, tau)
 
     def finish(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Pooled encoder output -> the vector Q uses (each twin half unit-length if configured)."""
+        """Pooled encoder output -> the vector Q uses.
+
+        'twin': each twin half unit-length, so Q (the mean of the twin dot products) is the mean
+        of two half-vector cosines. 'cosine': the whole vector scaled to length √2, so the same
+        mean of twin dot products, ⟨s, a⟩ / 2, is the full-vector cosine of the pooled embeddings.
+        """
         if not self.cfg.normalize:
             return pooled
+        if self.cfg.similarity == "cosine":
+            return torch.nn.functional.normalize(pooled.float(), dim=-1) * math.sqrt(2.0)
         h = pooled.shape[-1] // 2
         halves = pooled.float().reshape(*pooled.shape[:-1], 2, h)
         return torch.nn.functional.normalize(halves, dim=-1).reshape(pooled.shape)

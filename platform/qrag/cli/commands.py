@@ -73,7 +73,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR|none",
-                   help="a checkpoint directory, or 'none' for the untrained encoder (multi-step RAG w/o FT)")
+                   help="a checkpoint directory, or 'none' for the untrained encoder scored by the full-vector cosine of its "
+                        "pooled embeddings (the paper's multi-step RAG w/o FT); 'none:twin' scores it by the mean of two "
+                        "half-vector cosines instead (an extra, labelled as such)")
     p.add_argument("--data", metavar="PATH", help="data file or glob (default: the dataset's shipped file)")
     p.add_argument("--dataset", metavar="NAME", help="loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah")
     p.add_argument("--split", default="dev", choices=["train", "dev", "all"], help="which split of the data (default dev)")
@@ -102,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for key, value in (("search.max_steps", args.steps), ("search.beam_width", args.beam), ("search.stop_threshold", args.stop_threshold)):
         if value is not None:
             overrides.append(f"{key}={value}")
-    cfg = load_config(args.config, overrides) if args.config or args.checkpoint == "none" else None
+    cfg = load_config(args.config, overrides, check=False) if args.config or args.checkpoint in ("none", "none:twin") else None
     summary = evaluate_checkpoint(args.checkpoint, cfg, overrides, split=args.split, limit=args.limit, device=args.device, out=args.out,
                                   answer=args.answer)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("search", "answer", "answer_error_ids")}, indent=2))

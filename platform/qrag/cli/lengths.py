@@ -15,7 +15,8 @@ DEFAULT_LENGTHS = "1k,4k,16k,32k,128k"
 
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", action="append", required=False, metavar="[LABEL=]DIR|none",
-                   help="a checkpoint directory or 'none' (the untrained encoder: multi-step RAG w/o FT); repeat to "
+                   help="a checkpoint directory or 'none' (the untrained encoder, full-vector cosine: multi-step RAG w/o FT; "
+                        "'none:twin' = its half-vector variant, an extra); repeat to "
                         "compare several in one table, e.g. --checkpoint Q-RAG=runs/qa3/final --checkpoint none")
     p.add_argument("--tasks", metavar="LIST", help="comma-separated: qa1..qa5 and/or RULER NIAH tasks (niah_single_1 or S1, MK2, MV, ...). "
                                                   "Default: the config's data.tasks, else qa1-qa5 (babilong) or all eight NIAH tasks (niah)")
@@ -33,12 +34,19 @@ def _args(p: argparse.ArgumentParser) -> None:
     _config_args(p)
 
 
+# "none" is the paper's untrained baseline (full-vector cosine); "none:twin" the half-vector extra.
+UNTRAINED_LABELS = {"none": "untrained", "none:twin": "untrained (half-vector cosines)"}
+
+
 def _models(specs: list[str]) -> list[tuple[str, str]]:
     out = []
     for spec in specs:
         label, sep, target = spec.partition("=")
         if not sep:
-            label, target = ("untrained" if spec == "none" else Path(spec.rstrip("/")).parent.name or spec), spec
+            if spec in UNTRAINED_LABELS:
+                label, target = UNTRAINED_LABELS[spec], spec
+            else:
+                label, target = Path(spec.rstrip("/")).parent.name or spec, spec
         out.append((label, target))
     return out
 
