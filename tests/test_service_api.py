@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
@@ -23,21 +24,58 @@ def model(tiny_encoder):
     return load_embedding_model(resolve_source(None, tiny_encoder), "cpu", positions="relative")
 
 
-@pytest.fixture
-def client(model, tmp_path):
-    cfg = ServeConfig(storage=str(tmp_path / "store"), shards=2, chunk_tokens=24, max_body_bytes=200_000, max_documents=50)
-    service = local_service(cfg, model)
-    api = build_api(service, {"index.html": b"<html>page</html>"})
+class LoopThread:
+    """One event loop for a test's requests, as a server has: background jobs keep running
+    between requests (asyncio.run per request would cancel them)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        async def drain():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(drain())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def make_client(service, loop: LoopThread, keys=None, static=None, on_request=None, headers=None):
+    api = build_api(service, static, on_request, keys)
     transport = httpx.ASGITransport(app=api)
 
     def call(method: str, path: str, **kw):
         async def go():
-            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", headers=headers or {}) as c:
                 return await c.request(method, path, **kw)
-        return asyncio.run(go())
+        return loop.run(go())
 
-    call.service = service
+    call.service, call.loop = service, loop
     return call
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def serve_cfg(tmp_path, **kw) -> ServeConfig:
+    return ServeConfig(**{"storage": str(tmp_path / "store"), "shards": 2, "chunk_tokens": 24, "max_body_bytes": 200_000, "max_documents": 50, **kw})
+
+
+@pytest.fixture
+def client(model, tmp_path, loop):
+    return make_client(local_service(serve_cfg(tmp_path), model), loop, static={"index.html": b"<html>page</html>"})
 
 
 def docs_json(n=6, seed=0):
@@ -103,7 +141,7 @@ BAD = [
 def test_bad_requests_get_4xx_naming_the_field(client):
     assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(2)}).status_code == 201
     for payload, status, field in BAD:
-        r = client("POST", "/v1/retrieve", content=json.dumps(payload).encode())
+        r = client("POST", "/v1/retrieve", content=json.dumps(payload).encode(), headers={"content-type": "application/json"})
         assert r.status_code == status, (payload, r.text)
         assert r.json()["error"]["field"] == field, (payload, r.json())
     raw = [(b"{not json", 400, "body"), (b'{"question": "caf\xe9", "corpus": "books"}', 400, "body"), (b"[1, 2]", 422, "body")]
@@ -181,7 +219,7 @@ def test_a_corpus_of_another_model_is_refused_until_reindexed(client, tiny_encod
     async def go(method, path, **kw):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://127.0.0.1") as c:
             if path.endswith("/reindex"):
-                job = (await c.request(method, path)).json()["job"]
+                job = (await c.request(method, path, json={})).json()["job"]
                 while job["state"] in ("queued", "running"):
                     await asyncio.sleep(0.05)
                     job = (await c.get(f"/v1/jobs/{job['id']}")).json()

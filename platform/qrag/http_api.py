@@ -1,13 +1,20 @@
 """The HTTP face of the retrieval service: FastAPI routes under /v1, OpenAPI at /docs, the web
 page at /, and JSON errors that name the field at fault (4xx for the client's mistakes).
 
+Around the routes, from the outside in: :class:`Observed` counts every response (guards' and
+crashes' too), :class:`Guard` checks the Host, the Origin, the API key and the Content-Type,
+drops headers that would lift the server's timeouts and enforces the request deadline, and
+:class:`BodyGuard` bounds the body (size, UTF-8, document count) before anything parses it.
+
 Built around a :class:`qrag.service.RetrievalService`; Ray Serve mounts it as its ingress
 (``qrag.distributed.serving``), tests mount it in-process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +22,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from .service import RetrievalService, RetrieveParams, ServiceError
+from .auth import allows, scope_of
+from .index.store import StoreError
+from .service import RetrievalService, RetrieveParams, ServiceError, store_error
 
 log = logging.getLogger("qrag.http")
 
@@ -44,7 +55,11 @@ class CreateCorpus(_Strict):
 
 class AppendDocuments(_Strict):
     documents: list[DocumentIn]
-    wait: StrictBool = True
+    wait: StrictBool = Field(True, description="false: answer 202 at once with a job to poll at /v1/jobs/{id}.")
+
+
+class Reindex(_Strict):
+    wait: StrictBool = Field(False, description="true: answer when the re-index ends (or 202 after job_wait_s).")
 
 
 class RetrieveRequest(_Strict):
@@ -72,21 +87,161 @@ def _error(status: int, field: str | None, message: str, headers: dict[str, str]
     return JSONResponse(ServiceError(status, field, message).body(), status_code=status, headers=headers)
 
 
-class BodyGuard:
-    """Reads the body before the app does: refuses oversized (413) and non-UTF-8 (400) bodies."""
+# Headers with which a client could lift Serve's request timeout or its disconnect handling.
+STRIPPED_HEADERS = (b"x-request-timeout-seconds", b"x-request-disconnect-disabled")
+# The web page loads only its own script and style, and may not be framed.
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "x-frame-options": "DENY", "referrer-policy": "no-referrer", "cross-origin-opener-policy": "same-origin",
+}
+PUBLIC_PATHS = ("/", "/healthz", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
+# Posts that create documents: their document count is taken from the raw body first.
+DOCUMENT_POSTS = re.compile(r"^/v1/corpora(/[^/]+/documents)?/?$")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+
+def _json_content_type(ctype: bytes | None) -> bool:
+    if ctype is None:
+        return False
+    main = ctype.split(b";")[0].strip().lower()
+    return main == b"application/json" or (main.startswith(b"application/") and main.endswith(b"+json"))
+
+
+def _hostname(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def needed_scope(method: str, path: str) -> str | None:
+    """read, write, or None (public) for one request."""
+    if not path.startswith("/v1/"):
+        return None
+    if method in ("GET", "HEAD", "OPTIONS") or path.rstrip("/") == "/v1/retrieve":
+        return "read"
+    return "write"
+
+
+class Guard:
+    """Host allow-list, cross-origin writes, API keys and scopes, JSON-only bodies, and the
+    request deadline; strips client headers that would disable the server's timeout."""
+
+    def __init__(self, app, *, keys: dict[str, str], allowed_hosts: list[str], cors_origins: list[str], timeout_s: float, retry_after_s: int):
+        self.app, self.keys = app, keys
+        self.any_host = "*" in allowed_hosts
+        self.hosts = {_hostname(h) for h in allowed_hosts}
+        self.origins = set(cors_origins)
+        self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
+
+    def _refusal(self, scope) -> JSONResponse | None:
+        headers = {k: v for k, v in scope.get("headers") or []}
+        host = headers.get(b"host", b"").decode("latin-1")
+        if not self.any_host and _hostname(host) not in self.hosts:
+            return _error(421, "host", f"host {host[:100]!r} is not served here (allowed_hosts)")
+        method, path = scope["method"], scope["path"]
+        origin = headers.get(b"origin")
+        if origin is not None and method not in ("GET", "HEAD", "OPTIONS"):
+            o = origin.decode("latin-1")
+            same = o.split("://", 1)[-1].lower() == host.lower()
+            if not same and o not in self.origins:
+                return _error(403, "origin", f"cross-origin request from {o[:100]!r} refused (cors_origins)")
+        need = needed_scope(method, path)
+        if self.keys and need is not None and method != "OPTIONS":
+            auth = headers.get(b"authorization")
+            scope_ = scope_of(self.keys, auth.decode("latin-1") if auth else None)
+            if scope_ is None:
+                return _error(401, "authorization", "send 'Authorization: Bearer <API key>'" if auth is None else "unknown API key",
+                              {"WWW-Authenticate": "Bearer"})
+            if not allows(scope_, need):
+                return _error(403, "authorization", f"this API key may {scope_}; {method} {path} needs a {need} key")
+        if method in ("POST", "PUT", "PATCH") and not _json_content_type(headers.get(b"content-type")):
+            ctype = headers.get(b"content-type")
+            what = "no Content-Type" if ctype is None else f"Content-Type {ctype.decode('latin-1')[:100]}"
+            return _error(415, "content-type", f"send JSON with 'Content-Type: application/json' ({what})")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope["headers"] = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in STRIPPED_HEADERS]
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await asyncio.wait_for(self.app(scope, receive, tracked), self.timeout_s)
+        except asyncio.TimeoutError:
+            if not started:
+                await _error(503, None, f"the request took longer than {self.timeout_s:g} s (request_timeout_s); an indexing job it "
+                                        f"started goes on (GET /v1/corpora/<name>/jobs)", {"Retry-After": str(self.retry_after_s)})(scope, receive, send)
+
+
+class Observed:
+    """Counts every response by route and status, also those of the guards and of crashes."""
+
+    def __init__(self, app, routes, on_request: Callable[[str, int, float], None]):
+        self.app, self.routes, self.on_request = app, routes, on_request
+
+    def _route(self, scope) -> str:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match != Match.NONE:
+                return route.path
+        return "unmatched"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), 0
+
+        async def observed(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed)
+        except asyncio.CancelledError:  # the client went away (or Serve gave up): 499 in the log's sense
+            status = status or 499
+            raise
+        except Exception:
+            # FastAPI has already answered 500 (its handler re-raises afterwards); answer only if not.
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if status == 0:
+                status = 500
+                await _error(500, None, "internal error")(scope, receive, send)
+        finally:
+            self.on_request(self._route(scope), status or 499, time.perf_counter() - t0)
+
+
+class BodyGuard:
+    """Reads the body before the app does: refuses oversized (413), non-UTF-8 (400) bodies and
+    document uploads that hold more documents than allowed (413, counted before parsing)."""
+
+    def __init__(self, app, limit: int, max_documents: int | None = None):
+        self.app, self.limit, self.max_documents = app, limit, max_documents
+
+    def _too_many_documents(self, path: str, body: bytes) -> bool:
+        """Each document adds at least two commas outside strings ({"id":..,"text":..},): far more
+        commas than max_documents allows means far too many documents, known without parsing."""
+        if self.max_documents is None or not DOCUMENT_POSTS.match(path) or body.count(b",") <= 2 * self.max_documents + 8:
+            return False
+        return _JSON_STRING.sub(b'""', body).count(b",") > 2 * self.max_documents + 8
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        ctype = headers.get(b"content-type")
-        if ctype is None:  # curl -d and many clients omit it: the API only speaks JSON
-            scope = {**scope, "headers": [*scope.get("headers", []), (b"content-type", b"application/json")]}
-        elif not ctype.split(b";")[0].strip().lower().endswith(b"json"):
-            return await _error(415, "content-type", f"send JSON (application/json), not {ctype.decode('latin-1')}")(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None:
             try:
@@ -111,6 +266,9 @@ class BodyGuard:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return await _error(400, "body", f"request body is not valid UTF-8 (byte {exc.start})")(scope, receive, send)
+        if self._too_many_documents(scope["path"], body):
+            return await _error(413, "documents", f"more than {self.max_documents} documents in one request (counted before parsing); "
+                                                  f"send at most {self.max_documents} per request")(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -127,14 +285,22 @@ def build_api(
     service: RetrievalService,
     static: dict[str, bytes] | None = None,
     on_request: Callable[[str, int, float], None] | None = None,
-) -> FastAPI:
-    """The FastAPI app for ``service``; ``static`` holds the web page's files by name."""
+    keys: dict[str, str] | None = None,
+):
+    """The ASGI app for ``service``: FastAPI routes inside the guards. ``static`` holds the web
+    page's files by name; ``keys`` maps API-key digests to scopes (see :mod:`qrag.auth`)."""
     api = FastAPI(title="qrag retriever", version="1", description="Q-RAG multi-step retrieval over sharded chunk indexes.")
     static = static or {}
+    cfg = service.cfg
 
     @api.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError):
         return _error(exc.status, exc.field, exc.message, exc.headers)
+
+    @api.exception_handler(StoreError)
+    async def store_failure(request: Request, exc: StoreError):
+        err = store_error(exc)
+        return _error(err.status, err.field, err.message, err.headers)
 
     @api.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -157,14 +323,14 @@ def build_api(
         log.exception("internal error on %s %s", request.method, request.url.path)
         return _error(500, None, f"internal error: {type(exc).__name__}")
 
-    if on_request is not None:
-        @api.middleware("http")
-        async def count(request: Request, call_next):
-            t0 = time.perf_counter()
-            response = await call_next(request)
-            route = request.scope.get("route")
-            on_request(getattr(route, "path", "unmatched"), response.status_code, time.perf_counter() - t0)
-            return response
+    @api.middleware("http")
+    async def security_headers(request: Request, call_next):
+        response = await call_next(request)
+        response.headers.setdefault("x-content-type-options", "nosniff")
+        if response.media_type and response.media_type.startswith("text/html"):
+            for k, v in PAGE_HEADERS.items():
+                response.headers.setdefault(k, v)
+        return response
 
     # -- page --------------------------------------------------------------------------------
 
@@ -172,7 +338,7 @@ def build_api(
     async def page():
         if "index.html" not in static:
             return _error(404, None, "no web page bundled with this server")
-        return Response(static["index.html"], media_type=STATIC_TYPES[".html"])
+        return Response(static["index.html"], media_type=STATIC_TYPES[".html"], headers=PAGE_HEADERS)
 
     @api.get("/static/{name}", include_in_schema=False)
     async def static_file(name: str):
@@ -191,10 +357,15 @@ def build_api(
     async def list_corpora():
         return {"corpora": service.list_corpora()}
 
-    @api.post("/v1/corpora", status_code=201, summary="Create a corpus (optionally with documents)")
+    def accepted(out: dict[str, Any], status: int = 200):
+        """202 while the job goes on (wait:false, or it outlasted job_wait_s)."""
+        job = out.get("job")
+        return JSONResponse(out, status_code=202 if job and job["state"] in ("queued", "running") else status)
+
+    @api.post("/v1/corpora", status_code=201, summary="Create a corpus (optionally with documents); visible once indexed")
     async def create_corpus(body: CreateCorpus):
         out = await service.create(body.name, [d.model_dump() for d in body.documents] if body.documents else None, body.chunk_tokens, body.wait)
-        return out if body.wait or not body.documents else JSONResponse(out, status_code=202)
+        return accepted(out, 201)
 
     @api.get("/v1/corpora/{name}", summary="Corpus stats: documents, chunks, tokens, shards, bytes")
     async def corpus_stats(name: str):
@@ -207,25 +378,35 @@ def build_api(
     @api.post("/v1/corpora/{name}/documents", summary="Append documents (send large uploads in several requests)")
     async def append(name: str, body: AppendDocuments):
         out = await service.append(name, [d.model_dump() for d in body.documents], body.wait)
-        return out if body.wait else JSONResponse(out, status_code=202)
+        return accepted(out)
 
-    @api.post("/v1/corpora/{name}/reindex", status_code=202, summary="Re-embed a corpus with the served model")
-    async def reindex(name: str):
-        return await service.reindex(name)
+    @api.post("/v1/corpora/{name}/reindex", status_code=202, summary="Re-embed a corpus with the served model (one at a time per corpus)")
+    async def reindex(name: str, body: Reindex | None = None):
+        return accepted(await service.reindex(name, wait=body.wait if body else False), 200)
 
-    @api.get("/v1/jobs/{job_id}", summary="Progress of an indexing job")
+    @api.get("/v1/corpora/{name}/jobs", summary="The corpus's recent indexing jobs, newest first")
+    async def corpus_jobs(name: str):
+        return await asyncio.to_thread(service.corpus_jobs, name)
+
+    @api.get("/v1/jobs/{job_id}", summary="Progress of an indexing job (any replica answers; outcomes survive restarts)")
     async def job(job_id: str):
-        return service.job(job_id)
+        return await asyncio.to_thread(service.job, job_id)
 
     @api.post("/v1/retrieve", summary="Multi-step retrieval over a corpus or an inline context")
     async def retrieve(body: RetrieveRequest):
-        params = RetrieveParams(**body.model_dump())
-        if params.stop_threshold is not None:
-            params.stop_threshold = float(params.stop_threshold)
-        return await service.retrieve(params)
+        return await service.retrieve(RetrieveParams(**body.model_dump()))
 
-    api.add_middleware(BodyGuard, limit=service.cfg.max_body_bytes)
-    return api
+    if cfg.cors_origins:
+        api.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["authorization", "content-type"])
+    app = BodyGuard(api, limit=cfg.max_body_bytes, max_documents=cfg.max_documents)
+    app = Guard(app, keys=keys or {}, allowed_hosts=list(cfg.allowed_hosts), cors_origins=list(cfg.cors_origins),
+                timeout_s=cfg.request_timeout_s, retry_after_s=cfg.retry_after_s)
+    if on_request is not None:
+        app = Observed(app, api.router.routes, on_request)
+    app.api = api  # the FastAPI object (routes, OpenAPI), for callers that add routes
+    app.add_exception_handler = api.add_exception_handler  # Serve maps its overload errors through it
+    return app
 
 
 def static_files(folder) -> dict[str, bytes]:

@@ -7,30 +7,39 @@
 * ``Ingress``  FastAPI (``qrag.http_api``) around ``qrag.service.RetrievalService``; fans a
                query step out to the shards and merges their top-k.
 
-Metrics go through ``ray.serve.metrics`` to Ray's Prometheus exporter (``qrag_*``).
+Metrics go through ``ray.serve.metrics`` to Ray's Prometheus exporter (``qrag_*``). Every call
+to the encoder or a shard has a deadline; any failure of theirs (overload, a restarting
+replica, a CUDA out-of-memory) answers 503 with Retry-After, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import ray
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter, Histogram
 
+from ..auth import key_table, startup_problem
 from ..config import ModelConfig, from_dict, to_dict
 from ..embedder import Tokenization, load_embedding_model, resolve_source, source_identity
 from ..encoder import pick_device
 from ..http_api import build_api
+from ..index.holder import ShardHolder, ShardOverBudget
 from ..index.shards import ShardHits, ShardOptions, ShardUnhealthy
 from ..index.store import CorpusNotFound, CorpusStore, SegmentProblem
-from ..service import ModelIdentity, RetrievalService, ServiceError, ShardHolder
+from ..service import ModelIdentity, RetrievalService, ServiceError, encoder_positions
 from ..service_config import ServeConfig
+
+log = logging.getLogger("qrag.serving")
+PROXY_CALLBACK = "qrag.distributed.proxy_guard:middlewares"
 
 LATENCY_BOUNDS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
@@ -47,7 +56,7 @@ class Encoder:
         self.embed_states.set_batch_wait_timeout_s(c.state_batch_wait_s)
 
     def info(self) -> dict[str, Any]:
-        return {**self.model.info(), "model": to_dict(self.model.model_cfg)}
+        return {**self.model.info(), "model": to_dict(self.model.model_cfg), "max_positions": encoder_positions(self.model.qnet.action_encoder)}
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, batch_size_fn=lambda items: sum(len(x) for x in items))
     async def embed_states(self, requests: list[list[np.ndarray]]) -> list[np.ndarray]:
@@ -71,35 +80,58 @@ class Shard:
     def __init__(self, cfg: dict[str, Any], slot: int):
         c = from_dict(ServeConfig, cfg)
         options = ShardOptions(faiss=c.faiss, approx_above=c.approx_above)
-        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shards, pick_device(c.shard_device), options)
+        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shards, pick_device(c.shard_device), options, c.shard_memory_bytes)
+        # Loading a corpus from disk runs in its own threads: queries of loaded corpora never
+        # wait behind it for a worker thread.
+        self.loader = ThreadPoolExecutor(2, thread_name_prefix="qrag-load")
 
     async def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int):
-        """("ok", ShardHits) | ("unhealthy", problems) | ("not_found", message): plain data, so
-        the ingress sees the reason whatever Ray does to exception types."""
+        """("ok", ShardHits) | ("unhealthy", problems) | ("not_found", message) |
+        ("over_budget", (corpus, need, budget)): plain data, so the ingress sees the reason
+        whatever Ray does to exception types."""
         try:
-            return "ok", await asyncio.to_thread(self.holder.topk, corpus, uid, version, states, selected, n_total, k)
+            cs = await asyncio.get_running_loop().run_in_executor(self.loader, self.holder.ensure, corpus, uid, version)
+            return "ok", await asyncio.to_thread(cs.topk, states, selected, n_total, k)
         except ShardUnhealthy as exc:
             return "unhealthy", [asdict(p) for p in exc.problems]
         except CorpusNotFound as exc:
             return "not_found", str(exc)
+        except ShardOverBudget as exc:
+            return "over_budget", (exc.corpus, exc.need, exc.budget)
 
     def stats(self, corpus: str | None = None) -> dict[str, Any]:
         return self.holder.stats(corpus)
 
+    def forget(self, corpus: str) -> bool:
+        return self.holder.forget(corpus)
 
-def _overloaded(what: str, retry_after_s: int) -> ServiceError:
-    return ServiceError(503, None, f"{what} is overloaded or restarting; retry", {"Retry-After": str(retry_after_s)})
+
+def _overloaded(what: str, retry_after_s: int, why: str = "is overloaded or restarting") -> ServiceError:
+    return ServiceError(503, None, f"{what} {why}; retry", {"Retry-After": str(retry_after_s)})
+
+
+async def call_backend(method, args: tuple, what: str, timeout_s: float, retry_after_s: int):
+    """One deployment-handle call with a deadline; every failure of the backend is a 503."""
+    response = method.remote(*args)
+    try:
+        return await asyncio.wait_for(response, timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise _overloaded(what, retry_after_s, f"did not answer within {timeout_s:g} s (handle_timeout_s)") from None
+    except (BackPressureError, DeploymentUnavailableError):
+        raise _overloaded(what, retry_after_s) from None
+    except RayError as exc:  # a dead replica, or an error inside it (CUDA out of memory, ...)
+        cause = type(getattr(exc, "cause", None) or exc).__name__
+        log.warning("%s failed: %s", what, exc)
+        raise _overloaded(what, retry_after_s, f"failed ({cause})") from None
 
 
 class RemoteEncoder:
-    def __init__(self, handle, retry_after_s: int):
-        self.handle, self.retry_after_s = handle, retry_after_s
+    def __init__(self, handle, retry_after_s: int, timeout_s: float = 30.0):
+        self.handle, self.retry_after_s, self.timeout_s = handle, retry_after_s, timeout_s
 
     async def _call(self, method: str, seqs):
-        try:
-            return await getattr(self.handle, method).remote(seqs)
-        except (BackPressureError, DeploymentUnavailableError, RayActorError):
-            raise _overloaded("the encoder", self.retry_after_s) from None
+        return await call_backend(getattr(self.handle, method), (seqs,), "the encoder", self.timeout_s, self.retry_after_s)
 
     async def embed_states(self, seqs):
         return await self._call("embed_states", seqs)
@@ -109,22 +141,24 @@ class RemoteEncoder:
 
 
 class RemoteShards:
-    def __init__(self, handle, retry_after_s: int):
-        self.handle, self.retry_after_s = handle, retry_after_s
+    def __init__(self, handle, retry_after_s: int, timeout_s: float = 30.0):
+        self.handle, self.retry_after_s, self.timeout_s = handle, retry_after_s, timeout_s
 
     async def topk(self, *args) -> ShardHits:
-        try:
-            status, payload = await self.handle.topk.remote(*args)
-        except (BackPressureError, DeploymentUnavailableError, RayActorError):
-            raise _overloaded("an index shard", self.retry_after_s) from None
+        status, payload = await call_backend(self.handle.topk, args, "an index shard", self.timeout_s, self.retry_after_s)
         if status == "unhealthy":
             raise ShardUnhealthy([SegmentProblem(**p) for p in payload])
         if status == "not_found":
             raise ServiceError(404, "corpus", payload)
+        if status == "over_budget":
+            raise ShardOverBudget(*payload)
         return payload
 
     async def stats(self, corpus: str | None = None) -> dict[str, Any]:
-        return await self.handle.stats.remote(corpus)
+        return await call_backend(self.handle.stats, (corpus,), "an index shard", self.timeout_s, self.retry_after_s)
+
+    async def forget(self, corpus: str) -> None:
+        await call_backend(self.handle.forget, (corpus,), "an index shard", self.timeout_s, self.retry_after_s)
 
 
 class RayMetrics:
@@ -161,27 +195,47 @@ def _replica_app():
 class Ingress:
     async def __init__(self, cfg: dict[str, Any], encoder, shards: list, static: dict[str, bytes]):
         c = from_dict(ServeConfig, cfg)
+        self.keys = key_table(c.api_keys)  # $QRAG_API_KEYS of this replica (a Kubernetes Secret) + the config
+        problem = startup_problem(await _proxy_host(), self.keys, c.allow_unauthenticated)
+        if problem:
+            raise RuntimeError(problem)
         info = await encoder.info.remote()
         source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
         fingerprint, _, tokenizer, layout = await asyncio.to_thread(source_identity, source)
         if fingerprint != info["fingerprint"]:
             raise RuntimeError(f"the encoder serves model {info['fingerprint']} but {source.describe()} is {fingerprint}")
-        identity = ModelIdentity(info["fingerprint"], from_dict(ModelConfig, info["model"]), info["dim"], info["source"], info["trained"])
+        identity = ModelIdentity(info["fingerprint"], from_dict(ModelConfig, info["model"]), info["dim"], info["source"], info["trained"],
+                                 info.get("max_positions"))
         self.metrics = RayMetrics()
         self.encoder = encoder
         self.service = RetrievalService(c, CorpusStore(c.storage), Tokenization(tokenizer, layout, c.question_tokens), identity,
-                                        RemoteEncoder(encoder, c.retry_after_s), [RemoteShards(h, c.retry_after_s) for h in shards], self.metrics)
+                                        RemoteEncoder(encoder, c.retry_after_s, c.handle_timeout_s),
+                                        [RemoteShards(h, c.retry_after_s, c.handle_timeout_s) for h in shards], self.metrics)
         self.static = static
         _REPLICA_APP["app"] = self._api()
 
     def _api(self):
-        api = build_api(self.service, self.static, self.metrics.request)
+        app = build_api(self.service, self.static, self.metrics.request, self.keys)
+        cfg = self.service.cfg
 
-        @api.get("/v1/encoder", include_in_schema=False)
+        @app.api.get("/v1/encoder", include_in_schema=False)
         async def encoder_stats():  # work counters: the durability test checks nothing is re-embedded
-            return await self.encoder.stats.remote()
+            return await call_backend(self.encoder.stats, (), "the encoder", cfg.handle_timeout_s, cfg.retry_after_s)
 
-        return api
+        return app
+
+
+async def _proxy_host() -> str:
+    """The address Serve's HTTP proxies listen on (from the controller's HTTP options)."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        options = await controller.get_http_config.remote()
+        return str(options.host)
+    except Exception as exc:  # unknown: assume reachable from anywhere (keys then required)
+        log.warning("cannot read Serve's HTTP host (%s); assuming a public address", exc)
+        return "0.0.0.0"
 
 
 def _cluster_has_gpu() -> bool:
@@ -229,17 +283,24 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir) -> None:
 
     from ..http_api import static_files
 
+    problem = startup_problem(host, key_table(cfg.api_keys), cfg.allow_unauthenticated)
+    if problem:  # before Ray starts
+        raise SystemExit(f"qrag serve: {problem}")
+
     def stop(signum, frame):  # SIGTERM (a service manager, `kill`) shuts down like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    # The HTTP proxy drops client headers that would lift the request timeout (the local Ray
+    # started below inherits this; a running cluster needs it in `ray start`'s environment).
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
 
     if os.environ.get("RAY_ADDRESS"):  # a running cluster, e.g. `ray start --head --node-ip-address=127.0.0.1`
         ray.init(configure_logging=False)
     else:  # a fresh local Ray, whatever else runs on this machine
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port, "request_timeout_s": cfg.request_timeout_s + 10})
         serve.run(build_app(cfg, static_files(static_dir)), name="qrag", route_prefix="/")
         url = f"http://{host}:{port}"
         print(f"qrag serve: {url}/ (page)  {url}/docs (API)  {url}/healthz; model: {cfg.checkpoint or 'untrained ' + cfg.encoder}; "

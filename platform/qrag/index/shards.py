@@ -101,6 +101,12 @@ class ShardOptions:
     score_block: int = 1 << 18  # (state row x chunk) pairs rotated at once: bounds temporary memory
 
 
+def row_bytes(text_chars: int, doc_id_chars: int, n_tokens: int) -> int:
+    """Host memory of one row beside its vector: text, document id (up to 4 bytes a character),
+    int32 token ids, and the Python objects around them."""
+    return text_chars + doc_id_chars + 4 * n_tokens + 250
+
+
 class ShardIndex:
     """One shard of one corpus in memory.
 
@@ -122,6 +128,7 @@ class ShardIndex:
         self._faiss = None
         self._faiss_n = 0
         self._lock = threading.Lock()
+        self._row_bytes = 0  # texts, token ids and their Python objects: what nbytes adds to the vectors
 
     @property
     def vectors(self) -> torch.Tensor:
@@ -137,7 +144,16 @@ class ShardIndex:
         return self.device.type == "cpu" and _faiss() is not None
 
     def nbytes(self) -> int:
-        return self.n * self.dim * 4
+        """Memory held: the vector buffer (its capacity) plus the rows' texts and token ids."""
+        return int(self._buf.numel()) * 4 + self._row_bytes
+
+    def reserve(self, rows: int) -> None:
+        """Grow the buffer once to ``rows`` (loading a corpus knows its size: no doubling slack)."""
+        with self._lock:
+            if rows > len(self._buf):
+                grown = torch.zeros(rows, self.dim, device=self.device)
+                grown[: self.n] = self._buf[: self.n]
+                self._buf = grown
 
     def add(self, segment: Segment) -> None:
         n_new = len(segment.positions)
@@ -154,6 +170,7 @@ class ShardIndex:
             self.doc_ids.extend(segment.doc_ids)
             self.texts.extend(segment.texts)
             self.tokens.extend(segment.tokens)
+            self._row_bytes += sum(row_bytes(len(t), len(d), len(ids)) for t, d, ids in zip(segment.texts, segment.doc_ids, segment.tokens))
             self.n = need
 
     def record(self, g: int) -> ChunkRecord:
@@ -296,6 +313,7 @@ class CorpusShards:
                 if shard is None or replaced:
                     shard = ShardIndex(m.name, slot, m.shards, m.model_cfg, m.dim, self.device, self.options)
                 new = [b for b in m.batches if b["id"] not in shard.loaded]
+                shard.reserve(shard.n + sum(b["shards"][slot]["chunks"] for b in new))
                 slot_problems = []
                 for b in new:
                     segment, problem = self.store.read_segment(m, slot, b)

@@ -1,0 +1,158 @@
+"""What one shard process holds: some shards of every corpus, loaded lazily from the store,
+within a memory budget (least recently used corpora are evicted; a corpus that cannot fit is
+refused), freed when the corpus is deleted. Loading one corpus never holds a lock that another
+corpus's queries need."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from .shards import CorpusShards, ShardHits, ShardOptions, row_bytes
+from .store import CorpusNotFound, CorpusStore, Manifest, StoreError, shard_rows
+
+# A chunk's text is a few characters per token: what the budget assumes before the texts are read.
+CHARS_PER_TOKEN = 6
+
+
+class ShardOverBudget(StoreError):
+    """The corpus's shards do not fit this holder's memory budget even with nothing else loaded."""
+
+    def __init__(self, corpus: str, need: int, budget: int):
+        self.corpus, self.need, self.budget = corpus, need, budget
+        super().__init__(f"corpus {corpus!r} needs about {need / 2**20:.1f} MiB in each index shard; "
+                         f"the budget is {budget / 2**20:.1f} MiB (shard_memory_bytes)")
+
+    def __reduce__(self):  # picklable across processes (Ray)
+        return (ShardOverBudget, (self.corpus, self.need, self.budget))
+
+
+def estimate_bytes(rows: int, dim: int, tokens_per_row: float) -> int:
+    """Memory of ``rows`` loaded rows (vectors in float32, texts, token ids)."""
+    per_row = dim * 4 + row_bytes(int(tokens_per_row * CHARS_PER_TOKEN), 16, int(tokens_per_row) + 2)
+    return int(rows * per_row)
+
+
+def holder_rows(slots: range | list[int], shards: int, chunks: int) -> int:
+    return sum(shard_rows(s, shards, chunks) for s in slots if s < shards)
+
+
+def corpus_bytes_per_holder(m: Manifest, holders: int, extra_chunks: int = 0, extra_tokens: int = 0) -> int:
+    """The most any one of ``holders`` holders needs for corpus ``m`` (plus a pending append)."""
+    chunks, tokens = m.chunks + extra_chunks, m.tokens + extra_tokens
+    per_row_tokens = tokens / chunks if chunks else 0.0
+    rows = max(holder_rows(range(h, m.shards, holders), m.shards, chunks) for h in range(max(1, holders)))
+    return estimate_bytes(rows, m.dim, per_row_tokens)
+
+
+class ShardHolder:
+    """Shards ``slot, slot + holders, ...`` of every corpus (what one shard deployment replica
+    holds), kept in step with the store."""
+
+    def __init__(self, store: CorpusStore, slot: int, holders: int, device: torch.device, options: ShardOptions | None = None,
+                 memory_bytes: int | None = None, sweep_s: float = 2.0):
+        self.store, self.slot, self.holders, self.device = store, slot, holders, device
+        self.options = options or ShardOptions()
+        self.memory_bytes = memory_bytes
+        self.corpora: OrderedDict[str, CorpusShards] = OrderedDict()  # least recently used first
+        self.evictions = 0
+        self._lock = threading.Lock()  # the dict only: never held while a corpus loads
+        self._sweep_s, self._swept = sweep_s, 0.0
+
+    def _slots(self, shards: int) -> range:
+        return range(self.slot, shards, self.holders)
+
+    def ensure(self, corpus: str, uid: str, version: int) -> CorpusShards:
+        """The corpus loaded up to ``version`` (the caller's manifest), within the budget."""
+        self._sweep()
+        with self._lock:
+            cs = self.corpora.get(corpus)
+            if cs is not None and cs.uid is not None and cs.uid != uid:
+                del self.corpora[corpus]
+                cs = None
+        if cs is None:
+            try:
+                m = self.store.read(corpus)
+            except CorpusNotFound:
+                self.forget(corpus)
+                raise
+            self._make_room(corpus, self._need(m))
+            with self._lock:
+                cs = self.corpora.get(corpus)
+                if cs is None:
+                    cs = self.corpora[corpus] = CorpusShards(self.store, corpus, self._slots(m.shards), self.device, self.options)
+        try:
+            cs.sync(version, uid)  # loads outside self._lock: other corpora keep answering
+        except CorpusNotFound:
+            self.forget(corpus)
+            raise
+        with self._lock:
+            if corpus in self.corpora:
+                self.corpora.move_to_end(corpus)
+        if self.memory_bytes is not None and self.nbytes() > self.memory_bytes:
+            self._make_room(corpus, cs.nbytes())  # it grew by appends: others make way, or it goes
+        return cs
+
+    def _need(self, m: Manifest) -> int:
+        rows = holder_rows(self._slots(m.shards), m.shards, m.chunks)
+        return estimate_bytes(rows, m.dim, m.tokens / m.chunks if m.chunks else 0.0)
+
+    def _make_room(self, corpus: str, need: int) -> None:
+        budget = self.memory_bytes
+        if budget is None:
+            return
+        if need > budget:
+            self.forget(corpus)
+            raise ShardOverBudget(corpus, need, budget)
+        with self._lock:
+            others = [name for name in self.corpora if name != corpus]
+            used = sum(self.corpora[name].nbytes() for name in others)
+            for name in others:  # least recently used first
+                if used + need <= budget:
+                    break
+                used -= self.corpora.pop(name).nbytes()
+                self.evictions += 1
+
+    def _sweep(self) -> None:
+        """Drop corpora deleted on disk (by another replica, or while this one was idle)."""
+        now = time.monotonic()
+        if now - self._swept < self._sweep_s:
+            return
+        self._swept = now
+        with self._lock:
+            names = list(self.corpora)
+        for name in names:
+            if not (self.store.root / name / "corpus.json").is_file():
+                self.forget(name)
+
+    def forget(self, corpus: str) -> bool:
+        """Free a corpus's memory (it was deleted); queries in flight keep their references."""
+        with self._lock:
+            return self.corpora.pop(corpus, None) is not None
+
+    def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int) -> ShardHits:
+        return self.ensure(corpus, uid, version).topk(states, selected, n_total, k)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(cs.nbytes() for cs in self.corpora.values())
+
+    def stats(self, corpus: str | None = None) -> dict[str, Any]:
+        with self._lock:
+            held = {name: cs for name, cs in self.corpora.items() if corpus is None or name == corpus}
+        return {
+            "slot": self.slot, "device": str(self.device), "corpora": len(held),
+            "rows": sum(s.n for cs in held.values() for s in cs.shards.values()),
+            "bytes": sum(cs.nbytes() for cs in held.values()),
+            "budget_bytes": self.memory_bytes, "evictions": self.evictions,
+            "loaded_rows": sum(cs.loaded_rows for cs in held.values()),
+            "problems": [str(p) for cs in held.values() for p in cs.problems],
+        }
+
+
+__all__ = ["ShardHolder", "ShardOverBudget", "corpus_bytes_per_holder", "estimate_bytes"]
