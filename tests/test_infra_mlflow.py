@@ -278,3 +278,43 @@ def test_shards_get_a_gpu_each_whatever_the_start_order(cluster):
         ids = result[label]
         assert all(len(v) == 1 for v in ids.values()), ids
         assert ids["shard0"] != ids["shard1"], (label, ids)
+
+
+def test_local_train_registers_a_model_that_serves_by_alias(mlflow_server, tiny_encoder, hotpot_file, tmp_path, monkeypatch):
+    """`qrag train` (no Ray) logs to the server with the Ray path's logger: the reported checkpoint
+    becomes a pyfunc model, registered with an alias; `models:/<name>@<alias>` loads both as a
+    pyfunc (questions + chunks in, steps out) and as the checkpoint `qrag serve` uses."""
+    import mlflow.pyfunc
+    from mlflow import MlflowClient
+
+    from qrag.embedder import load_embedding_model, resolve_source
+
+    url = mlflow_server["url"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(MLFLOW_TRACKING_URI=url, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "platform"))
+    args = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path / 'runs'}", "name=local",
+            "updates=2", "log_every=1", "learner.episodes_per_update=4", "learner.micro_batch=4", "eval_limit=4", "data.chunk_tokens=48",
+            "distributed.mlflow_registered_model=qrag-local", "distributed.mlflow_model_alias=champion", "--no-progress"]
+    job = subprocess.run([sys.executable, "-m", "qrag", "train", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    summary = json.loads(job.stdout.strip().splitlines()[-1])
+    client = MlflowClient(url)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags.get("mlflow.source.git.commit")
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2]
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["hotpotqa"]
+    version = client.get_model_version_by_alias("qrag-local", "champion")
+    assert version.run_id == run.info.run_id
+
+    uri = "models:/qrag-local@champion"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)  # the registry too
+    model = mlflow.pyfunc.load_model(uri)
+    assert [c.name for c in model.metadata.get_input_schema().inputs] == ["question", "chunks"]
+    chunks = ["Paris is the capital of France.", "The Seine flows through Paris.", "Bananas are yellow.", "Berlin is in Germany."]
+    out = model.predict([{"question": "Which river flows through the capital of France?", "chunks": chunks}], params={"max_steps": 2})
+    steps = out[0]["steps"]
+    assert len(steps) == 2 and len({s["chunk"] for s in steps}) == 2 and all(s["text"] == chunks[s["chunk"]] for s in steps)
+    # What `qrag serve --checkpoint models:/qrag-local@champion` (and the RayService) loads.
+    source = resolve_source(uri, cache_dir=tmp_path / "models", tracking_uri=url)
+    served = load_embedding_model(source, "cpu")
+    assert served.info()["trained"] and served.model_cfg.encoder == tiny_encoder
