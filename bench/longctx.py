@@ -122,7 +122,7 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     from qrag.config import load_config
     from qrag.data.haystack import Measure
     from qrag.longcontext import ChunkTokens
-    from qrag.train import EpochSampler, TrainingRun
+    from qrag.train import TrainingRun
 
     overrides = [f"model.encoder={paths['encoder']}", f"out_dir={args.runs}", f"name={task}",
                  f"data.context_tokens={args.train_tokens}", "checkpoint_every=0", "eval_every=0", *args.overrides]
@@ -141,13 +141,8 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         from qrag.data.babilong import generate_from_config
     measure = Measure.from_tokenizer(run.tokenizer)
     tokens = ChunkTokens(run.tokenizer, run.layout, cfg.data.chunk_tokens, cfg.data.question_tokens)
-    train_items = generate_from_config(cfg.data, "train", measure)
-    dev_items = generate_from_config(cfg.data, "dev", measure)
-    run.train_samples, run.train_tok = [g.sample for g in train_items], tokens(train_items)
-    run.dev_samples, run.dev_tok = [g.sample for g in dev_items], tokens(dev_items)
-    del train_items, dev_items
+    attach_data(run, generate_from_config(cfg.data, "train", measure), generate_from_config(cfg.data, "dev", measure), tokens)
     tokens.clear()
-    run.sampler = EpochSampler(len(run.train_tok), cfg.seed)
     data_s = time.perf_counter() - t0
     log(f"{task}: {len(run.train_tok)} train / {len(run.dev_tok)} dev samples in {data_s:.0f}s")
 
@@ -176,6 +171,21 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         "config": {"context_tokens": cfg.data.context_tokens, "positions": cfg.model.positions, "env.max_steps": cfg.env.max_steps,
                    "lr": cfg.learner.lr, "samples_per_task": cfg.data.samples_per_task},
     }, cfg
+
+
+def attach_data(run, train_items, dev_items, tokens) -> None:
+    """Generated samples into a TrainingRun: train minus its validation part (held out by bAbI
+    question, ``data.val_fraction``: periodic eval and keep_best look only at it), and dev."""
+    from qrag.data.splits import in_validation, validation_key
+    from qrag.train import EpochSampler
+
+    frac = run.cfg.data.val_fraction
+    val_items = [g for g in train_items if in_validation(validation_key(g.sample), frac)]
+    train_items = [g for g in train_items if not in_validation(validation_key(g.sample), frac)]
+    run.train_samples, run.train_tok = [g.sample for g in train_items], tokens(train_items)
+    run.val_samples, run.val_tok = [g.sample for g in val_items], tokens(val_items)
+    run.dev_samples, run.dev_tok = [g.sample for g in dev_items], tokens(dev_items)
+    run.sampler = EpochSampler(len(run.train_tok), run.cfg.seed)
 
 
 # -- evaluation ---------------------------------------------------------------------------------

@@ -71,7 +71,12 @@ def traces_from_records(records: Iterable[dict[str, Any]]) -> list[Trace]:
             raise ValueError(f"{where}: {len(rec['retrieved'])} picks but {len(rec['q_values'])} Q values")
         if rec.get("stopped_early"):
             raise ValueError(f"{where}: the run stopped on a Q threshold; analyse a full-length run (no --stop-threshold)")
-        traces.append(Trace(str(rec.get("id", i)), tuple(rec["gold"]), tuple(rec["retrieved"]), tuple(float(q) for q in rec["q_values"])))
+        if isinstance(rec.get("fact_picks"), list) and "n_facts" in rec:
+            # Fact space (qrag.credit): the record's credit rule decides what counts as found.
+            gold, picks = tuple(range(int(rec["n_facts"]))), tuple(rec["fact_picks"])
+        else:
+            gold, picks = tuple(rec["gold"]), tuple(rec["retrieved"])
+        traces.append(Trace(str(rec.get("id", i)), gold, picks, tuple(float(q) for q in rec["q_values"])))
     if not traces:
         raise ValueError("no records to analyse")
     return traces
@@ -154,3 +159,23 @@ def analyse(records: Iterable[dict[str, Any]], thresholds: Sequence[float] | Non
         "oracle": oracle(traces),
         "auc": roc_auc(traces),
     }
+
+
+def choose_threshold(traces: Sequence[Trace], max_candidates: int = 256) -> float:
+    """The Q threshold with the best mean Fact F1 on ``traces`` — validation data, never the
+    data the stop is reported on (ties: the lowest threshold, i.e. the longest searches)."""
+    qs = sorted({q for tr in traces for q in tr.q})
+    if not qs:
+        raise ValueError("no Q values to choose a threshold from")
+    if len(qs) > max_candidates:
+        qs = [qs[round(i * (len(qs) - 1) / (max_candidates - 1))] for i in range(max_candidates)]
+    # A threshold equal to a Q value takes that step; one above the largest stops at once.
+    candidates = [*qs, qs[-1] + 1.0]
+    return max(candidates, key=lambda th: (analyse_threshold(traces, th)["fact_f1"], -th))
+
+
+def learned_stop(val_records: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Fact EM/F1 of ``records`` stopped by the Q threshold chosen on ``val_records``."""
+    threshold = choose_threshold(traces_from_records(val_records))
+    row = analyse_threshold(traces_from_records(records), threshold)
+    return {"threshold": threshold, "fact_em": row["fact_em"], "fact_f1": row["fact_f1"], "episode_len": row["episode_len"]}

@@ -1,8 +1,9 @@
 """The retrieval MDP, batched over many episodes (paper §3.1).
 
 s_0 = [q]; an action selects one not-yet-selected chunk; s_{t+1} = ord([q, a_0..a_t]) in document
-order. The reward is 0 until the step at which every support chunk has been selected, where it is
-1 (or ``0.5 + 0.5·|gold|/|selected|`` with ``penalize_extra_steps``). The episode ends there, or
+order. The reward is 0 until the step at which every support fact has been found (under the
+credit rule ``env.credit``: its own chunk, or any chunk with its text; see :mod:`qrag.credit`),
+where it is 1 (or ``0.5 + 0.5·|gold|/|selected|`` with ``penalize_extra_steps``). The episode ends there, or
 at T steps; with ``never_terminate`` it goes on to T with reward 0 after the success, so that the
 learned Q of "extra" steps falls and a Q threshold can stop retrieval.
 """
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .config import EnvConfig
+from .credit import support_classes
 from .tokens import TokenizedSample, TokenLayout
 
 
@@ -28,10 +30,14 @@ class RetrievalEnv:
         self.n_chunks = np.array([s.n_chunks for s in self.samples], dtype=np.int64)
         width = int(self.n_chunks.max()) if n else 0
         self.valid = np.arange(width)[None, :] < self.n_chunks[:, None]
-        self.gold = np.zeros((n, width), dtype=bool)
+        # fact[i, j]: the support fact chunk j counts as (-1: none), under the credit rule.
+        self.fact = np.full((n, width), -1, dtype=np.int64)
+        self.n_gold = np.zeros(n, dtype=np.int64)
         for i, s in enumerate(self.samples):
-            self.gold[i, s.support] = True
-        self.n_gold = self.gold.sum(1)
+            classes, self.n_gold[i] = support_classes(s.chunks, s.support, cfg.credit)
+            self.fact[i, : len(classes)] = classes
+        self.gold = self.fact >= 0
+        self.found = np.zeros((n, max(1, int(self.n_gold.max()) if n else 1)), dtype=bool)
         self.selected = np.zeros((n, width), dtype=bool)
         self.order: list[list[int]] = [[] for _ in range(n)]  # actions in the order taken
         self.t = np.zeros(n, dtype=np.int64)
@@ -71,7 +77,10 @@ class RetrievalEnv:
         for r, a in zip(rows, actions):
             self.order[r].append(int(a))
         self.t[rows] += 1
-        covered = (self.gold[rows] & ~self.selected[rows]).sum(1) == 0
+        facts = self.fact[rows, actions]
+        hit = facts >= 0
+        self.found[rows[hit], facts[hit]] = True
+        covered = self.found[rows].sum(1) >= self.n_gold[rows]
         newly = covered & ~was_success
         self.succeeded[rows] |= covered
         rewards = np.zeros(len(rows), dtype=np.float64)

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import SearchConfig, to_dict
 from .data.sample import Sample
+from .credit import fact_picks, support_classes
 from .metrics import fact_em, fact_f1, mean
 from .search import Retrieval, Retriever
 from .tokens import TokenizedSample
@@ -32,10 +33,20 @@ class EvalResult:
                     fh.write(json.dumps(rec) + "\n")
 
 
-def score_retrievals(samples: Sequence[Sample], retrievals: Sequence[Retrieval]) -> list[dict[str, Any]]:
+def score_retrievals(samples: Sequence[Sample], retrievals: Sequence[Retrieval], credit: str = "chunk") -> list[dict[str, Any]]:
+    """Per-question records. ``fact_em``/``fact_f1``: every pick of the run (no oracle: the
+    headline); ``oracle_fact_*``: the picks up to the one that completes the support (a search
+    stopped by the answer key, as the reference's environment does; comparable with the paper's
+    tables). ``fact_picks``/``n_facts`` put the picks in fact space under the credit rule
+    (:mod:`qrag.credit`) for later re-scoring (learned Q-threshold stops)."""
     records = []
     for sample, ret in zip(samples, retrievals):
         selected = ret.selected
+        classes, n_facts = support_classes(sample.chunks, sample.support, credit)
+        picks = fact_picks(classes, selected)
+        facts = range(n_facts)
+        complete = next((t + 1 for t in range(len(picks)) if fact_em(facts, picks[: t + 1])), None)
+        oracle = picks[:complete] if complete is not None else picks
         records.append({
             "id": sample.id,
             "question": sample.question,
@@ -44,11 +55,25 @@ def score_retrievals(samples: Sequence[Sample], retrievals: Sequence[Retrieval])
             "q_values": [round(s.q, 5) for s in ret.steps],
             "steps": len(selected),
             "stopped_early": ret.stopped_early,
-            "fact_em": fact_em(sample.support, selected),
-            "fact_f1": fact_f1(sample.support, selected),
+            "credit": credit,
+            "n_facts": n_facts,
+            "fact_picks": picks,
+            "complete_at": complete,
+            "fact_em": fact_em(facts, picks),
+            "fact_f1": fact_f1(facts, picks),
+            "oracle_fact_em": fact_em(facts, oracle),
+            "oracle_fact_f1": fact_f1(facts, oracle),
             "answer": sample.answer,
         })
     return records
+
+
+PROTOCOL_KEYS = ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1")
+
+
+def protocol_means(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Means of the per-question metrics of every evaluation protocol."""
+    return {key: mean([r[key] for r in records]) for key in PROTOCOL_KEYS}
 
 
 def evaluate(
@@ -57,14 +82,16 @@ def evaluate(
     tokenized: Sequence[TokenizedSample],
     cfg: SearchConfig,
     extra: dict[str, Any] | None = None,
+    credit: str = "chunk",
 ) -> EvalResult:
     t0 = time.perf_counter()
     retrievals = retriever.retrieve(tokenized, cfg)
     seconds = time.perf_counter() - t0
-    records = score_retrievals(samples, retrievals)
+    records = score_retrievals(samples, retrievals, credit)
     summary = {
-        "fact_em": mean([r["fact_em"] for r in records]),
-        "fact_f1": mean([r["fact_f1"] for r in records]),
+        **protocol_means(records),
+        "credit": credit,
+        "stop": "threshold" if cfg.stop_threshold is not None else "none",
         "num_samples": len(records),
         "avg_steps": mean([r["steps"] for r in records]),
         "seconds": seconds,

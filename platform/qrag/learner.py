@@ -12,6 +12,13 @@ One update = a batch of episodes, rolled out in micro-batches. Per micro-batch:
 4. re-encode only the chosen chunks with gradients and regress both twin halves of Q onto G^λ.
 
 Then clip, step AdamW, and move the targets towards the online encoders by τ.
+
+Each update also reports diagnostics of the learning signal (:class:`UpdateMetrics`): the
+behaviour policy's success rate and entropy, Q of the transitions of successful and of failed
+episodes, the bootstrapped V(s_{t+1}), and the share of transitions with a non-zero return to go.
+When successes are rare these show the failure mode of a too-hot soft value: V is dominated by
+its entropy bonus (up to α·ln k), Q flattens towards it, the policy's entropy climbs to ln k and
+the success rate falls to zero.
 """
 
 from __future__ import annotations
@@ -86,6 +93,11 @@ class UpdateMetrics:
     episode_return: float
     success: float
     episode_length: float
+    policy_entropy: float  # nats, mean over acting steps (ln top_k = uniform)
+    value_next: float  # mean V(s_{t+1}) over the transitions that bootstrap
+    nonzero_return_share: float  # transitions with a reward still to come in their episode
+    q_success: float | None  # mean Q(s_t, a_t) over transitions of successful episodes
+    q_failure: float | None  # ... and of failed ones
     alpha: float
     lr: float
     grad_norm: float
@@ -97,7 +109,7 @@ class UpdateMetrics:
     seconds: float
 
     def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 class SoftPQNLearner:
@@ -140,18 +152,26 @@ class SoftPQNLearner:
 
     def sample_actions(self, q: torch.Tensor, available: torch.Tensor, alpha: float) -> np.ndarray:
         """Boltzmann policy over the top-k available chunks (greedy when α = 0)."""
+        return self.sample_actions_with_entropy(q, available, alpha)[0]
+
+    def sample_actions_with_entropy(self, q: torch.Tensor, available: torch.Tensor, alpha: float) -> tuple[np.ndarray, torch.Tensor]:
+        """Actions and the entropy (nats) of the distribution each was drawn from."""
         masked = q.masked_fill(~available, float("-inf"))
         k = min(self.cfg.top_k, masked.shape[1])
         vals, idx = masked.topk(k, dim=1)
         vals, idx = vals.float().cpu(), idx.cpu()
         if alpha > 0:
             logits = (vals - vals[:, :1]) / alpha
+            logp = torch.log_softmax(logits, dim=1)
+            probs = logp.exp()
+            entropy = -(probs * logp.masked_fill(probs == 0, 0.0)).sum(1)
             uniform = torch.rand(vals.shape, generator=self.generator).clamp_(1e-12, 1.0)
             logits = logits - torch.log(-torch.log(uniform))  # Gumbel-max sampling
             choice = logits.argmax(1)
         else:
             choice = torch.zeros(len(vals), dtype=torch.long)
-        return idx[torch.arange(len(idx)), choice].numpy()
+            entropy = torch.zeros(len(vals))
+        return idx[torch.arange(len(idx)), choice].numpy(), entropy
 
     def _embed(self, model, seqs, grad: bool = False, kind: str = "encode") -> torch.Tensor:
         pooled = encode(
@@ -180,6 +200,8 @@ class SoftPQNLearner:
         dones = np.ones((m, horizon), dtype=np.float32)
         next_values = torch.zeros(m, horizon, device=dev)
         state_vecs, chosen_seqs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
+        entropies: list[torch.Tensor] = []
+        value_top_k = cfg.value_top_k or cfg.top_k
 
         # Without dropout the acting forward pass equals the loss's forward pass: keep its graph
         # instead of encoding the states twice. With dropout, act without it and re-encode.
@@ -203,7 +225,8 @@ class SoftPQNLearner:
             with torch.no_grad():
                 pos = qnet.positions(selected, n_chunks[rows_t])
                 q = QNetwork.twin_scores(states.detach(), qnet.place(chunk_vecs[rows_t], pos)).mean(-1)
-            actions = self.sample_actions(q, available, alpha)
+            actions, entropy = self.sample_actions_with_entropy(q, available, alpha)
+            entropies.append(entropy)
             if pos is not None:
                 chosen_pos.append(pos[torch.arange(len(rows), device=dev), torch.from_numpy(actions).to(dev)])
             r, d = env.step(rows, actions)
@@ -223,7 +246,7 @@ class SoftPQNLearner:
                     qt = QNetwork.twin_scores(next_states, qnet.place(target_chunk_vecs[go_on_t], next_pos))
                     qt = qt.min(-1).values  # clipped double-Q over the twin halves
                     avail_next = torch.from_numpy(env.available(go_on)).to(dev)
-                    next_values[go_on_t, t] = soft_value(qt, avail_next, alpha, cfg.top_k, cfg.soft_q)
+                    next_values[go_on_t, t] = soft_value(qt, avail_next, alpha, value_top_k, cfg.soft_q)
 
         returns = lambda_returns(
             torch.from_numpy(rewards).to(dev), torch.from_numpy(dones).to(dev), next_values, cfg.gamma, cfg.lam
@@ -238,6 +261,7 @@ class SoftPQNLearner:
         if reuse_acting_pass:
             state_vecs_all = torch.cat(state_vecs)
         else:
+            qnet.state_encoder.train()  # the loss pass is regularised like the action encoder's
             state_vecs_all = self._embed(qnet.state_encoder, state_seqs, grad=True, kind="states_grad")
         q_taken = QNetwork.pair_scores(state_vecs_all, actions_vecs)  # [K, 2]
         loss = ((q_taken - targets.unsqueeze(1)) ** 2).mean(0).sum()
@@ -250,6 +274,8 @@ class SoftPQNLearner:
             "success": float(env.succeeded.mean()),
             "episode_length": float(env.t.mean()),
             "transitions": int(len(targets)),
+            **signal_diagnostics(q_taken.detach().mean(1), rows_all, steps_all, env, rewards, dones, next_values,
+                                 torch.cat(entropies)),
         }
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -280,9 +306,11 @@ class SoftPQNLearner:
         micro = max(1, self.cfg.micro_batch)
         parts = [episodes[i : i + micro] for i in range(0, len(episodes), micro)]
         sums: dict[str, float] = {}
+        diag = Diagnostics()
         for part in parts:
             weight = len(part) / len(episodes)
             out = self._rollout_and_backward(part, alpha, weight)
+            diag.add(out.pop("counts"))
             for key, value in out.items():
                 sums[key] = sums.get(key, 0.0) + (value if key == "transitions" else value * weight)
         params = self.qnet.online_parameters()
@@ -296,7 +324,7 @@ class SoftPQNLearner:
         return UpdateMetrics(
             loss=sums["loss"], q_taken=sums["q_taken"], target=sums["target"],
             episode_return=sums["episode_return"], success=sums["success"], episode_length=sums["episode_length"],
-            alpha=alpha, lr=lr, grad_norm=float(grad_norm), episodes=len(episodes), transitions=int(sums["transitions"]),
+            **diag.means(), alpha=alpha, lr=lr, grad_norm=float(grad_norm), episodes=len(episodes), transitions=int(sums["transitions"]),
             encoder_tokens=self.stats.tokens, encoder_padded_tokens=self.stats.padded_tokens,
             encoder_seconds=self.stats.seconds, seconds=time.perf_counter() - t0,
         )
@@ -308,3 +336,52 @@ class SoftPQNLearner:
 
     def load_scalar_state(self, state: dict) -> None:
         self.update = int(state["update"])
+
+
+# -- learning-signal diagnostics ---------------------------------------------------------------
+
+
+def signal_diagnostics(
+    q_taken: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, env: RetrievalEnv, rewards: np.ndarray,
+    dones: np.ndarray, next_values: torch.Tensor, entropies: torch.Tensor,
+) -> dict[str, dict[str, float]]:
+    """Sums and counts of one micro-batch's diagnostics (merged over micro-batches by
+    :class:`Diagnostics`); ``q_taken`` is the mean of the twin halves per transition."""
+    rows_np, steps_np = rows.cpu().numpy(), steps.cpu().numpy()
+    to_go = np.flip(np.cumsum(np.flip(rewards, 1), 1), 1)  # undiscounted reward still to come
+    success = torch.from_numpy(env.succeeded[rows_np]).to(q_taken.device)
+    boots = dones[rows_np, steps_np] == 0
+    q = q_taken.float()
+    return {"counts": {
+        "transitions": float(len(rows_np)),
+        "entropy_sum": float(entropies.sum()),
+        "value_sum": float(next_values[rows, steps].float()[torch.from_numpy(boots).to(q.device)].sum()),
+        "value_n": float(boots.sum()),
+        "nonzero_n": float((to_go[rows_np, steps_np] > 0).sum()),
+        "q_success_sum": float(q[success].sum()), "q_success_n": float(success.sum()),
+        "q_failure_sum": float(q[~success].sum()), "q_failure_n": float((~success).sum()),
+    }}
+
+
+class Diagnostics:
+    """Transition-weighted means of the diagnostics over an update's micro-batches."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def add(self, counts: dict[str, float]) -> None:
+        for key, value in counts.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def _ratio(self, num: str, den: str) -> float | None:
+        d = self.totals.get(den, 0.0)
+        return self.totals.get(num, 0.0) / d if d else None
+
+    def means(self) -> dict[str, float | None]:
+        return {
+            "policy_entropy": self._ratio("entropy_sum", "transitions") or 0.0,
+            "value_next": self._ratio("value_sum", "value_n") or 0.0,
+            "nonzero_return_share": self._ratio("nonzero_n", "transitions") or 0.0,
+            "q_success": self._ratio("q_success_sum", "q_success_n"),
+            "q_failure": self._ratio("q_failure_sum", "q_failure_n"),
+        }

@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,9 @@ import torch
 from .config import TrainConfig, to_dict
 from .data.haystack import Measure
 from .data.sample import DataError
-from .evaluate import score_retrievals
+from .data.splits import in_validation, validation_key
+from .early_stopping import analyse_threshold, choose_threshold, traces_from_records
+from .evaluate import protocol_means, score_retrievals
 from .longcontext import CachingRetriever, ChunkTokens, canonical_task, generate
 from .memory import memory_kind, peak_mb, reset_peak
 from .metrics import mean
@@ -90,57 +92,97 @@ def sweep_model(
     device: torch.device,
     cache: bool = True,
     max_batch_chunks: int = 65536,
+    val_samples: int = 0,
     log: Callable[[str], None] = lambda s: None,
 ) -> list[dict[str, Any]]:
-    """Rows of one model over tasks x lengths (see the module docstring)."""
+    """Rows of one model over tasks x lengths (see the module docstring). ``steps``: the search
+    budget T (None = ``cfg.search.max_steps``; 0 = each task's number of support facts, the
+    answer key's T: a labelled extra). With ``val_samples`` > 0 a Q-threshold stop is chosen per
+    task on that many validation questions (the held-out part of train, ``data.val_fraction``) at
+    the training length, and every row also reports it (``threshold_fact_*``)."""
     qnet, tokenizer, layout = load_model(checkpoint, cfg, device)
     measure = Measure.from_tokenizer(tokenizer)
     tokens = ChunkTokens(tokenizer, layout, cfg.data.chunk_tokens, cfg.data.question_tokens)
     retriever = CachingRetriever(qnet, layout, device, cfg.learner.encode_tokens, shared=tokens.shared if cache else {})
+    budget = cfg.search.max_steps if steps is None else steps
+
+    def run(task: str, which: str, length: int, n: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        gen_s = search_s = 0.0
+        records, ctx_tokens, n_chunks = [], [], []
+        t_steps = budget or None
+        stream = generate_split(task, which, length, n, measure, cfg.data)
+        while True:
+            t0 = time.perf_counter()
+            group = list(_take(stream, max_batch_chunks))
+            gen_s += time.perf_counter() - t0
+            if not group:
+                break
+            t0 = time.perf_counter()
+            tok = tokens(group)
+            if t_steps is None:
+                t_steps = max(len(g.sample.support) for g in group)
+            search = replace(cfg.search, max_steps=t_steps, stop_threshold=None)
+            retrievals = retriever.retrieve(tok, search, max_batch_chunks=max_batch_chunks)
+            search_s += time.perf_counter() - t0
+            records.extend(score_retrievals([g.sample for g in group], retrievals, cfg.env.credit))
+            ctx_tokens.extend(g.sample.meta["context_tokens"] for g in group)
+            n_chunks.extend(len(g.sample.chunks) for g in group)
+            del group, tok, retrievals
+        return records, {"steps": t_steps, "gen_s": gen_s, "search_s": search_s, "context_tokens": mean(ctx_tokens),
+                         "chunks": mean(n_chunks)}
+
     rows = []
     for task in [canonical_task(t) for t in tasks]:
+        threshold = None
+        if val_samples > 0:
+            val_records, _ = run(task, "val", cfg.data.context_tokens, val_samples)
+            threshold = choose_threshold(traces_from_records(val_records))
+            log(f"{label:>12} {task:>16}: Q threshold {threshold:.4f} chosen on {len(val_records)} validation questions")
         for length in sorted(lengths):
             n = samples(length)
             reset_peak(device)
-            gen_s = search_s = 0.0
-            records, ctx_tokens, n_chunks = [], [], []
-            t_steps = steps
             embedded0, cached0 = retriever.misses, retriever.hits
-            stream = generate(task, split, length, n, measure, cfg.data)
-            while True:
-                t0 = time.perf_counter()
-                group = list(_take(stream, max_batch_chunks))
-                gen_s += time.perf_counter() - t0
-                if not group:
-                    break
-                t0 = time.perf_counter()
-                tok = tokens(group)
-                if t_steps is None:
-                    t_steps = max(len(g.sample.support) for g in group)
-                search = replace(cfg.search, max_steps=t_steps)
-                retrievals = retriever.retrieve(tok, search, max_batch_chunks=max_batch_chunks)
-                search_s += time.perf_counter() - t0
-                records.extend(score_retrievals([g.sample for g in group], retrievals))
-                ctx_tokens.extend(g.sample.meta["context_tokens"] for g in group)
-                n_chunks.extend(len(g.sample.chunks) for g in group)
-                del group, tok, retrievals
+            records, info = run(task, split, length, n)
+            t_steps, gen_s, search_s = info["steps"], info["gen_s"], info["search_s"]
+            ctx_tokens, n_chunks = info["context_tokens"], info["chunks"]
             row = {
                 "model": label, "checkpoint": checkpoint, "task": task, "length": int(length),
-                "fact_em": mean([r["fact_em"] for r in records]), "fact_f1": mean([r["fact_f1"] for r in records]),
+                **protocol_means(records), "credit": cfg.env.credit,
                 "num_samples": len(records), "steps": t_steps,
                 "seconds_per_question": search_s / max(1, len(records)),
                 "generate_seconds_per_question": gen_s / max(1, len(records)),
                 "peak_memory_mb": round(peak_mb(device), 1),
-                "context_tokens": mean(ctx_tokens), "chunks": mean(n_chunks),
+                "context_tokens": ctx_tokens, "chunks": n_chunks,
                 "positions": qnet.cfg.positions,
                 "cached_chunks": retriever.hits - cached0, "embedded_chunks": retriever.misses - embedded0,
             }
+            if threshold is not None:
+                stopped = analyse_threshold(traces_from_records(records), threshold)
+                row.update(threshold=threshold, threshold_fact_em=stopped["fact_em"], threshold_fact_f1=stopped["fact_f1"],
+                           threshold_steps=stopped["episode_len"])
             rows.append(row)
             log(f"{label:>12} {task:>16} {length_label(length):>6}: fact_f1 {row['fact_f1']:.3f} fact_em {row['fact_em']:.3f} "
                 f"n={row['num_samples']} {row['seconds_per_question']:.3f}s/q peak {row['peak_memory_mb']:.0f}MB")
         tokens.clear()  # haystack chunk arrays of this task; the embedding cache goes with them
         retriever.clear()
     return rows
+
+
+def generate_split(task: str, split: str, length: int, n: int, measure: Measure, data) -> Iterator[Any]:
+    """``generate`` for train/dev/all, and "val": the held-out part of train (by the source
+    question, :func:`qrag.data.splits.validation_key`), never trained on."""
+    if split != "val":
+        yield from generate(task, split, length, n, measure, data)
+        return
+    if data.val_fraction <= 0:
+        raise DataError("a validation split needs data.val_fraction > 0")
+    taken = 0
+    for g in generate(task, "train", length, int(n / data.val_fraction * 3) + 100, measure, data):
+        if in_validation(validation_key(g.sample), data.val_fraction):
+            yield g
+            taken += 1
+            if taken >= n:
+                return
 
 
 def _take(stream, max_chunks: int, max_items: int = 64):
@@ -167,6 +209,7 @@ def run_sweep(
     steps: int | None = None,
     device: torch.device,
     cache: bool = True,
+    val_samples: int = 0,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """The whole table for several models (a checkpoint directory, or ``"none"``)."""
@@ -175,7 +218,7 @@ def run_sweep(
     rows = []
     for label, checkpoint in models:
         rows.extend(sweep_model(label, checkpoint, cfg, tasks, lengths, samples, split=split, steps=steps,
-                                device=device, cache=cache, log=log))
+                                device=device, cache=cache, val_samples=val_samples, log=log))
     return {
         "schema": SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -185,6 +228,12 @@ def run_sweep(
         "memory": memory_kind(device),
         "data": {"seed": cfg.data.seed, "chunk_tokens": cfg.data.chunk_tokens, **default_paths(cfg.data)},
         "search": to_dict(cfg.search),
+        # Every row names its protocol: fact_* = T picks, no oracle (the headline, within T);
+        # oracle_fact_* = stopped once the support is complete (the reference's, paper-comparable);
+        # threshold_fact_* = stopped by a Q threshold chosen on validation questions.
+        "protocols": {"fact": "all T picks, no oracle", "oracle_fact": "stop once the support is complete (answer key)",
+                      "threshold_fact": "learned Q-threshold stop chosen on validation questions"},
+        "credit": cfg.env.credit,
         "rows": rows,
     }
 

@@ -22,9 +22,7 @@ from .checkpoint import (
     is_checkpoint, load_qnet, load_training_state, numpy_state, save_checkpoint, set_numpy_state, untrained_qnet,
 )
 from .config import SearchConfig, TrainConfig
-from .data import load_samples
-from .data.chunking import tokenizer_counter
-from .data.splits import split_validation
+from .data.prepared import prepare_split
 from .data.sample import Sample
 from .encoder import load_tokenizer, pick_device, resolve_encoder
 from .evaluate import EvalResult, evaluate
@@ -139,13 +137,14 @@ class TrainingRun:
 
     def load_data(self) -> None:
         t0 = time.perf_counter()
-        count = tokenizer_counter(self.tokenizer)
-        self.train_samples, self.val_samples = split_validation(load_samples(self.cfg.data, "train", count),
-                                                                self.cfg.data.val_fraction)
-        self.dev_samples = load_samples(self.cfg.data, "dev", count)
-        self.train_tok = self.tokenize(self.train_samples)
-        self.val_tok = self.tokenize(self.val_samples)
-        self.dev_tok = self.tokenize(self.dev_samples)
+        # Chunked and tokenised once per data source, tokenizer and chunk settings, then read from
+        # the Arrow cache (qrag.data.prepared).
+        d = self.cfg.data
+        train, val = prepare_split(d, "train", self.tokenizer, self.layout).split_validation(d.val_fraction)
+        dev = prepare_split(d, "dev", self.tokenizer, self.layout)
+        self.train_samples, self.train_tok = train.samples(), train.tokenized()
+        self.val_samples, self.val_tok = val.samples(), val.tokenized()
+        self.dev_samples, self.dev_tok = dev.samples(), dev.tokenized()
         self.timings["data_s"] = time.perf_counter() - t0
 
     def tokenize(self, samples: Sequence[Sample]) -> list[TokenizedSample]:
@@ -174,7 +173,8 @@ class TrainingRun:
         n = len(tokenized) if limit is None else min(limit, len(tokenized))
         retriever = Retriever(self.qnet, self.layout, self.device, self.cfg.learner.encode_tokens)
         try:
-            return evaluate(retriever, samples[:n], tokenized[:n], search, extra={"update": self.learner.update, "split": split})
+            return evaluate(retriever, samples[:n], tokenized[:n], search, extra={"update": self.learner.update, "split": split},
+                            credit=self.cfg.env.credit)
         finally:
             self.qnet.train()
 
@@ -217,6 +217,10 @@ class TrainingRun:
                 "train/alpha": m.alpha, "train/lr": m.lr, "train/grad_norm": m.grad_norm,
                 "perf/episodes_per_s": m.episodes / seconds, "perf/encoder_tokens_per_s": m.encoder_tokens / seconds,
                 "perf/runner_wait_s": wait, "perf/update_s": seconds,
+                # The learning signal (qrag.learner): visible without a debugger.
+                "train/policy_entropy": m.policy_entropy, "train/value_next": m.value_next,
+                "train/nonzero_return_share": m.nonzero_return_share,
+                **{f"train/{k}": v for k, v in (("q_success", m.q_success), ("q_failure", m.q_failure)) if v is not None},
             }
             if m.encoder_seconds:
                 metrics["perf/encoder_share"] = m.encoder_seconds / m.seconds

@@ -25,8 +25,12 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-at", action="append", default=[], metavar="LENGTH=N",
                    help="fewer questions at some lengths, e.g. --samples-at 10m=20")
     p.add_argument("--split", default="dev", choices=["train", "dev", "all"], help="which split's questions and background (default dev)")
-    p.add_argument("--steps", default="auto", metavar="T|auto",
-                   help="retrieval steps; auto = each task's number of support chunks (qa1 1, qa2 2, qa3 3, MV/MQ 4)")
+    p.add_argument("--steps", default="config", metavar="T|config|gold",
+                   help="retrieval steps T; config (default) = the config's search.max_steps (4 for BabiLong and RULER, as in the paper); "
+                        "gold = each task's number of support facts (reads the answer key: a labelled extra)")
+    p.add_argument("--val-samples", type=int, default=0, metavar="N",
+                   help="also report a learned Q-threshold stop, chosen per model and task on N validation questions "
+                        "(held-out part of train, data.val_fraction) at the training length (default 0 = off)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no-cache", action="store_true", help="embed every chunk of every context (no reuse of book-chunk embeddings)")
     p.add_argument("--out", default="runs/lengths.json", metavar="FILE.json", help="the table; the plot goes beside it as FILE.png")
@@ -84,9 +88,12 @@ def cmd_sweep_lengths(args: argparse.Namespace) -> int:
             if not sep or not n.strip().isdigit():
                 raise ConfigError(f"bad --samples-at {spec!r}: expected LENGTH=N, e.g. 10m=20")
             per_length[parse_length(length)] = int(n)
-        steps = None if args.steps == "auto" else int(args.steps)
+        steps = {"config": None, "gold": 0}.get(args.steps)
+        if steps is None and args.steps != "config":
+            steps = int(args.steps)
         table = run_sweep(_models(args.checkpoint), cfg, tasks, lengths, lambda n: per_length.get(n, args.samples),
                           split=args.split, steps=steps, device=pick_device(args.device), cache=not args.no_cache,
+                          val_samples=args.val_samples,
                           log=lambda s: print(s, file=sys.stderr, flush=True))
         write_table(table, out)
     png = plot_table(table, out.with_suffix(".png"))

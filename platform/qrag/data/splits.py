@@ -51,11 +51,20 @@ def in_validation(record_id: str, val_fraction: float) -> bool:
     return val_fraction > 0 and dev_score("val:" + record_id) < val_fraction
 
 
+def validation_key(sample: Any) -> str:
+    """What decides a sample's side: its source record (``meta["source_id"]``: a generated
+    long-context sample's bAbI question, which reappears in other samples with other background)
+    when it has one, else its own id. So no validation question is ever trained on."""
+    meta = getattr(sample, "meta", None) or {}
+    return str(meta.get("source_id", sample.id))
+
+
 def split_validation(samples: Sequence[T], val_fraction: float) -> tuple[list[T], list[T]]:
-    """(train, validation) parts of the train split's samples (by :func:`in_validation` of ``.id``).
-    The learner evaluates on the second; training, local or in Ray runners, sees only the first."""
+    """(train, validation) parts of the train split's samples (by :func:`in_validation` of
+    :func:`validation_key`). The learner evaluates on the second; training, local or in Ray
+    runners, sees only the first."""
     train: list[T] = []
     val: list[T] = []
     for s in samples:
-        (val if in_validation(s.id, val_fraction) else train).append(s)
+        (val if in_validation(validation_key(s), val_fraction) else train).append(s)
     return train, val

@@ -1,0 +1,150 @@
+"""Choose long-context training settings on validation questions (never on dev).
+
+Trains each variant (a set of config overrides on a BabiLong/NIAH preset) for the same wall-clock
+budget on the same generated training data, then scores it on the *validation* part of train
+(bAbI questions held out of training, ``data.val_fraction``) at the training length, T = the
+preset's ``search.max_steps``. Records every variant's learning-signal diagnostics by update
+(success rate, policy entropy, Q of successful / failed transitions, V(s'), share of transitions
+with a return to come), so a pathology shows in the JSON. The untrained encoder is scored on the
+same questions. Writes ``<out>/longctx_select_<task>.json`` after every variant.
+
+    python bench/longctx.py --pack-assets .carry/longctx          # here, once
+    PYTHONPATH=platform python bench/longctx_select.py --assets .carry/longctx --task qa3 --minutes-each 1.5 \\
+        --variant preset: --variant cold:learner.alpha=0.005,learner.value_top_k=5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import machine_info  # noqa: E402
+from longctx import PRESETS, attach_data, resolve_paths  # noqa: E402
+
+DIAGNOSTICS = ("success", "policy_entropy", "q_taken", "q_success", "q_failure", "value_next", "nonzero_return_share",
+               "target", "loss", "alpha")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="qa3", help="qa1..qa5 or niah")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:k=v,k=v",
+                   help="a variant: a name and config overrides (repeat; 'NAME:' = the preset as it is)")
+    p.add_argument("--minutes-each", type=float, default=1.5, help="training time per variant")
+    p.add_argument("--val-questions", type=int, default=200, help="validation questions scored per variant")
+    p.add_argument("--assets", metavar="DIR", help="a folder made by bench/longctx.py --pack-assets")
+    p.add_argument("--encoder")
+    p.add_argument("--babi")
+    p.add_argument("--novels")
+    p.add_argument("--essays")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every variant")
+    return p.parse_args(argv)
+
+
+def variant_overrides(spec: str) -> tuple[str, list[str]]:
+    name, _, rest = spec.partition(":")
+    return name, [kv for kv in rest.split(",") if kv.strip()]
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from qrag.config import load_config
+    from qrag.data.haystack import Measure
+    from qrag.encoder import pick_device
+    from qrag.longcontext import ChunkTokens
+    from qrag.train import TrainingRun
+
+    if args.task == "niah":
+        from qrag.data.niah import generate_from_config
+    else:
+        from qrag.data.babilong import generate_from_config
+    device = pick_device(args.device)
+    paths = resolve_paths(args)
+    base = [f"model.encoder={paths['encoder']}", "checkpoint_every=0", "eval_every=0", "out_dir=/tmp/qrag-select"]
+    if args.task == "niah":
+        base += [f"data.path={paths['essays']}"] if paths["essays"] else []
+    else:
+        base += [f"data.path={paths['novels']}"] if paths["novels"] else []
+        base += [f"data.facts_path={paths['babi']}"] if paths["babi"] else []
+    variants = [variant_overrides(v) for v in (args.variant or ["preset:"])]
+
+    def log(text: str) -> None:
+        print(f"[select {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    cfg0 = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides)
+    first = TrainingRun(cfg0, device=device, load_data=False)
+    measure = Measure.from_tokenizer(first.tokenizer)
+    tokens = ChunkTokens(first.tokenizer, first.layout, cfg0.data.chunk_tokens, cfg0.data.question_tokens)
+    attach_data(first, generate_from_config(cfg0.data, "train", measure), [], tokens)
+    data = (first.train_samples, first.train_tok, first.val_samples, first.val_tok)
+    log(f"{len(data[1])} train / {len(data[3])} validation samples in {time.perf_counter() - t0:.0f}s")
+    n_val = min(args.val_questions, len(data[3]))
+    out_path = Path(args.out) / f"longctx_select_{args.task}.json"
+    result = {"bench": "longctx_select", "task": args.task, "machine": machine_info(), "selected_on": "validation (held-out bAbI train questions)",
+              "val_questions": n_val, "train_samples": len(data[1]), "minutes_each": args.minutes_each,
+              "common_overrides": args.overrides, "variants": []}
+
+    def score(run) -> dict:
+        ev = run.evaluate(n_val, split="val").summary
+        return {k: round(ev[k], 4) for k in ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1")} | {"steps": run.cfg.search.max_steps, "credit": ev["credit"]}
+
+    for label, how in (("untrained (full-vector cosine)", "cosine"), ("untrained (half-vector cosines)", "twin")):
+        cfg_b = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides + ["model.positions=none", f"model.similarity={how}"])
+        run = TrainingRun(cfg_b, device=device, load_data=False)
+        run.train_samples, run.train_tok, run.val_samples, run.val_tok = data
+        result["variants"].append({"name": label, "val": score(run)})
+        log(f"{label}: {result['variants'][-1]['val']}")
+        del run
+
+    for name, overrides in variants:
+        cfg = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides + overrides)
+        run = TrainingRun(cfg, device=device, load_data=False)
+        run.train_samples, run.train_tok, run.val_samples, run.val_tok = data
+        from qrag.train import EpochSampler
+
+        run.sampler = EpochSampler(len(run.train_tok), cfg.seed)
+        source = run.local_source()
+        started = time.perf_counter()
+        history, per_update = [], None
+        budget = args.minutes_each * 60
+        # The schedule's length (warm-up, decay, α annealing) is set from the measured speed.
+        while True:
+            t1 = time.perf_counter()
+            m = run.learner.train_update(source.next_batch())
+            if run.learner.update == 3:
+                per_update = (time.perf_counter() - started) / 3
+                run.learner.total_updates = max(4, int(budget / per_update))
+            if run.learner.update % 5 == 0 or run.learner.update == 1:
+                d = m.as_dict()
+                history.append({"update": run.learner.update, **{k: round(float(d[k]), 4) for k in DIAGNOSTICS if k in d}})
+            if run.learner.update >= run.learner.total_updates and per_update is not None:
+                break
+            del t1
+        train_s = time.perf_counter() - started
+        val = score(run)
+        entry = {"name": name, "overrides": overrides, "updates": run.learner.update,
+                 "episodes_per_s": round(run.learner.update * cfg.learner.episodes_per_update / train_s, 1),
+                 "train_seconds": round(train_s, 1), "val": val, "history": history}
+        result["variants"].append(entry)
+        log(f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; last {history[-1] if history else {}}")
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1) + "\n")
+        del run, source
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"written": str(out_path), "variants": [(v["name"], v["val"]) for v in result["variants"]]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
