@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Override on GPU machines, e.g. TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
+# The tested torch (pyproject.toml's range, the image and install.sh pin the same version).
+# Override on GPU machines, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.qrag-installed
 PYTEST_ARGS ?=

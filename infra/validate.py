@@ -554,6 +554,12 @@ def check_rayservice() -> list[str]:
             trained = {f"{j.run_dir}/{'best' if j.cfg.keep_best else 'final'}" for j in jobs}
             if c.checkpoint and c.checkpoint.startswith("/") and c.checkpoint not in trained:
                 problems.append(f"{where}: checkpoint {c.checkpoint} is not where a RayJob writes one ({sorted(trained)})")
+            if c.checkpoint and c.checkpoint.startswith("models:/") and "@" in c.checkpoint:
+                # models:/<name>@<alias>: some RayJob must register that name and point that alias at it.
+                registered = {f"models:/{j.cfg.distributed.mlflow_registered_model}@{j.cfg.distributed.mlflow_model_alias}"
+                              for j in jobs if j.cfg.distributed.mlflow_model and j.cfg.distributed.mlflow_registered_model}
+                if c.checkpoint not in registered:
+                    problems.append(f"{where}: checkpoint {c.checkpoint} is not a model a RayJob registers ({sorted(registered)})")
             for role in ("encoder", "shard"):
                 if getattr(c, f"{role}_device").startswith("cuda") and not getattr(c, f"{role}_gpus"):
                     problems.append(f"{where}: {role}_device is {getattr(c, f'{role}_device')} but {role}_gpus asks Ray for no GPU")
@@ -668,10 +674,53 @@ def check_dockerfiles() -> list[str]:
     version = ray_image_version(base)
     if version != ray.__version__:
         problems.append(f"infra/docker/Dockerfile: base {base} has Ray {version}, the project runs Ray {ray.__version__}")
+    problems += check_pins(base)
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     py = re.search(r"-py3(\d+)", base)
     if not py or int(py.group(1)) < int(re.search(r"3\.(\d+)", requires).group(1)):
         problems.append(f"infra/docker/Dockerfile: base {base} does not meet requires-python {requires}")
+    return problems
+
+
+TORCH_SPECS = {  # where a torch version is chosen, and how to read it there
+    "Makefile": r"^TORCH_SPEC \?= (torch\S*)",
+    "infra/docker/Dockerfile": r"^ARG TORCH_SPEC=(torch\S*)",
+    "infra/docker/install.sh": r'TORCH_SPEC:-(torch[^}"]*)',
+}
+FAISS_PACKAGES = ("faiss-cpu", "faiss-gpu")  # one `faiss` module: never two of them in one extra
+
+
+def check_pins(image: str) -> list[str]:
+    """One torch story (the Makefile, the image and install.sh pin the same version, inside
+    pyproject.toml's range), Ray pinned to the image's minor, FAISS extras that cannot clobber."""
+    from packaging.requirements import Requirement
+
+    problems = []
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = {requirement_name(r): Requirement(r) for r in project["dependencies"]}
+    pins = {}
+    for file, pattern in TORCH_SPECS.items():
+        found = re.search(pattern, (ROOT / file).read_text(), re.M)
+        spec = Requirement(found.group(1)) if found else None
+        pin = next((s.version for s in spec.specifier if s.operator == "=="), None) if spec else None
+        if pin is None:
+            problems.append(f"{file}: no pinned torch==X.Y.Z default (pattern {pattern})")
+            continue
+        pins[file] = pin
+        if pin not in reqs["torch"].specifier:
+            problems.append(f"{file}: torch {pin} is outside pyproject.toml's {reqs['torch']}")
+    if len(set(pins.values())) > 1:
+        problems.append(f"torch pins disagree: {pins}")
+    ray_req = next(Requirement(r) for r in project["optional-dependencies"]["ray"] if requirement_name(r) == "ray")
+    version = ray_image_version(image)
+    if version and version not in ray_req.specifier:
+        problems.append(f"pyproject.toml: {ray_req} does not admit the image's Ray {version}")
+    if not any(s.operator in ("<", "~=", "==") for s in ray_req.specifier):
+        problems.append(f"pyproject.toml: {ray_req} has no upper bound (pin the tested minor)")
+    for extra, items in project["optional-dependencies"].items():
+        faiss = [r for r in items if requirement_name(r).startswith(FAISS_PACKAGES)]
+        if len(faiss) > 1 or (faiss and extra == "ray"):
+            problems.append(f"pyproject.toml: extra {extra!r} pulls {faiss}: FAISS wheels overwrite each other; keep them in extras of their own")
     return problems
 
 
@@ -761,7 +810,8 @@ def check_runtime_env() -> list[str]:
     except (TypeError, ValueError) as exc:
         problems.append(f"infra/runtime_env.yaml: Ray rejects it: {exc}")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = [r for r in project["dependencies"] + project["optional-dependencies"]["ray"] if requirement_name(r) != "ray"]
+    extras = project["optional-dependencies"]
+    wanted = [r for r in project["dependencies"] + extras["ray"] + extras["faiss"] if requirement_name(r) != "ray"]
     packages = (data.get("pip") or {}).get("packages") or []
     if sorted(map(str.lower, packages)) != sorted(map(str.lower, wanted)):
         missing = sorted(set(wanted) - set(packages))

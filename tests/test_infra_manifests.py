@@ -105,6 +105,7 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
     (RAYJOB, lambda d: d["spec"].update(clusterSelector={"ray.io/cluster": "other"}), "names RayCluster 'other'"),
     # the RayService against the project and the GPUs
     (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=0.5)), "lets 2 shards share one GPU"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="models:/qrag-hotpot@staging")), "is not a model a RayJob registers"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(encoder_replicas=2)), "some placement order leaves a shard without a GPU"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=None)), "set shard_gpus and encoder_gpus"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(shardz=2)), "unknown config key shardz"),
@@ -145,15 +146,32 @@ def test_dockerfile_checks(infra):
     dockerfile = infra / "docker" / "Dockerfile"
     text = dockerfile.read_text()
     dockerfile.write_text(text.replace("rayproject/ray:2.60.0-py311-cu128", "rayproject/ray:latest")
-                          .replace("COPY --chown=ray:users serve/ serve/", "COPY --chown=ray:users serve/ serve/\nCOPY tune/ tune/")
+                          .replace("COPY --chown=ray:users serve/ serve/", "COPY --chown=ray:users serve/ serve/\nCOPY bench/ bench/")
                           .replace("USER ray\nWORKDIR", "WORKDIR"))
     report = "\n".join(validate.check_dockerfiles())
     assert "base image rayproject/ray:latest is not pinned" in report
-    assert "COPY source tune/ does not exist" in report or "COPY source tune/ is excluded" in report
+    assert "COPY source bench/ is excluded" in report
     ignore = infra / "docker" / "Dockerfile.dockerignore"
     ignore.write_text(ignore.read_text().replace("!platform/\n", ""))
     dockerfile.write_text(text)
     assert "COPY source platform/ is excluded" in "\n".join(validate.check_dockerfiles())
+
+
+def test_one_torch_pin_ray_pinned_and_faiss_extras_apart(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    for name in ("Makefile", "pyproject.toml", "infra/docker/Dockerfile", "infra/docker/install.sh"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, root / name)
+    monkeypatch.setattr(validate, "ROOT", root)
+    image = "rayproject/ray:2.60.0-py311-cu128"
+    assert validate.check_pins(image) == []
+    assert "does not admit the image's Ray 2.61.0" in "\n".join(validate.check_pins("rayproject/ray:2.61.0-py311-cu128"))
+    makefile = root / "Makefile"
+    makefile.write_text(makefile.read_text().replace("TORCH_SPEC ?= torch==2.13.0", "TORCH_SPEC ?= torch==2.12.0"))
+    assert "torch pins disagree" in "\n".join(validate.check_pins(image))
+    pyproject = root / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('gpu = ["faiss-gpu-cu12>=1.8"]', 'gpu = ["faiss-gpu-cu12>=1.8", "faiss-cpu>=1.8"]'))
+    assert "FAISS wheels overwrite each other" in "\n".join(validate.check_pins(image))
 
 
 def test_dockerignore_rules_follow_docker():

@@ -64,7 +64,7 @@ def test_sweep_stops_bad_trials_tracks_resumes_and_its_best_config_trains(cluste
     from mlflow import MlflowClient
 
     out = tmp_path / "runs"
-    overrides = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}"]
+    overrides = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "distributed.mlflow_registered_model=qrag-smoke"]
 
     # 1. plain `python tune/sweep.py` against the cluster, interrupted after its first trial
     code, log = _interrupt_after_first_trial(
@@ -117,6 +117,9 @@ def test_sweep_stops_bad_trials_tracks_resumes_and_its_best_config_trains(cluste
     assert parent.data.metrics["best/eval/fact_f1"] == max(
         m.value for m in client.get_metric_history(best_id, "eval/fact_f1"))
     assert {"results.csv", "fact_f1_vs_hparams.png", "best.yaml"} <= {a.path for a in client.list_artifacts(parent_id)}
+    # The best trial's model is the registered version behind the alias `champion` (trials register nothing).
+    assert client.get_model_version_by_alias("qrag-smoke", "champion").run_id == best_id
+    assert len(client.search_model_versions("name='qrag-smoke'")) == 1
 
     # 4. the table, the plot and the best config
     rows = list(csv.DictReader(open(summary["results_csv"])))

@@ -5,14 +5,14 @@
 #
 #   bash infra/docker/install.sh [SOURCE_DIR]      # default SOURCE_DIR: the repository root
 #
-# QRAG_EXTRAS (default "ray") picks the extras ("ray,gpu" adds FAISS for CUDA 12);
-# TORCH_SPEC (default "torch") is the PyTorch requirement, e.g. "torch==2.9.1". PyPI's Linux
-# wheels of torch are CUDA builds; PIP_EXTRA_INDEX_URL works as usual for another one.
+# QRAG_EXTRAS (default "ray,faiss") picks the extras ("ray,gpu": FAISS for CUDA 12 instead);
+# TORCH_SPEC (default: the tested torch, as in the Makefile and the Dockerfile) is the PyTorch
+# requirement. PyPI's Linux wheels of torch are CUDA builds; PIP_EXTRA_INDEX_URL works as usual.
 set -euo pipefail
 
 src="${1:-$(cd "$(dirname "$0")/../.." && pwd)}"
-extras="${QRAG_EXTRAS:-ray}"
-torch_spec="${TORCH_SPEC:-torch}"
+extras="${QRAG_EXTRAS:-ray,faiss}"
+torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 
 if [[ ! -f "$src/pyproject.toml" ]]; then
   echo "install.sh: $src has no pyproject.toml (pass the qrag source directory)" >&2

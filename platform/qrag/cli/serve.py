@@ -9,7 +9,7 @@ from ..config import ConfigError, apply_overrides, describe, from_dict, read_yam
 from ..service_config import ServeConfig
 from .commands import command
 
-REPO_STATIC = Path(__file__).resolve().parents[3] / "serve" / "static"
+REPO_STATIC = Path(__file__).resolve().parents[1] / "static"  # package data (serve/static links here)
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, metavar="N", help="index-shard deployments (default 2)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default serve/static)")
+    p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default: the one qrag ships)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="ServeConfig overrides, e.g. state_batch_size=64 max_steps=8")
     width = max(len(k) for k, _, _ in describe(ServeConfig))
     p.epilog = "serve keys:\n" + "\n".join(f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in describe(ServeConfig))

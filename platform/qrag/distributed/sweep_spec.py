@@ -292,8 +292,9 @@ class Sweep:
 
     def trial_config(self, params: dict[str, Any], run_name: str, mlflow_uri: str | None) -> TrainConfig:
         """The training config of one trial: base + its draws, stored under the sweep."""
+        # Trials log their model but do not register it: the sweep registers its best trial's.
         values = {**self.resource_values(), **params, "name": run_name, "out_dir": self.trials_dir(),
-                  "distributed.mlflow_uri": mlflow_uri or "none"}
+                  "distributed.mlflow_uri": mlflow_uri or "none", "distributed.mlflow_registered_model": None}
         return with_values(self.base, values)
 
     def best_config(self, params: dict[str, Any]) -> TrainConfig:

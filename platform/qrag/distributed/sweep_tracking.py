@@ -9,6 +9,8 @@
   behind; it is deleted, so that the parent holds exactly one run per trial.
 * At the end the parent records the best trial (params ``best.<key>``, metric ``best/<metric>``,
   tags with its run id and checkpoint) and gets the results CSV, the plot and the best config.
+  With ``distributed.mlflow_registered_model`` the best trial's model is registered under that
+  name and the alias (``distributed.mlflow_model_alias``, default ``champion``) points at it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .sweep_spec import Sweep
 from ..tracking import PARENT_TAG, RUN_KEY_TAG, _experiment_id, client_for
 
 SWEEP_KEY_TAG = "qrag.sweep_key"
+DEFAULT_ALIAS = "champion"  # the registered version of a sweep's best trial
 
 
 def sweep_params(sweep: Sweep) -> dict[str, str]:
@@ -126,5 +129,12 @@ def record_sweep(uri: str, parent_id: str, sweep: Sweep, report: SweepReport, ou
                  RunTag("qrag.best_checkpoint", best.checkpoint or ""), RunTag("qrag.best_config", str(report.best_yaml))]
         logged = client.get_run(parent_id).data.params
         params = [Param(f"best.{k}", str(v)) for k, v in best.params.items() if f"best.{k}" not in logged]
+        d = sweep.base.distributed
+        if d.mlflow_registered_model and best.mlflow_run_id and d.mlflow_model:
+            from ..mlflow_model import register
+
+            alias = d.mlflow_model_alias or DEFAULT_ALIAS
+            version = register(client, best.mlflow_run_id, d.mlflow_registered_model, alias)
+            tags.append(RunTag("qrag.best_model", f"models:/{d.mlflow_registered_model}@{alias} (version {version})"))
     client.log_batch(parent_id, metrics=metrics, params=params, tags=tags)
     client.set_terminated(parent_id, "FINISHED")
