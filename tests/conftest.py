@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "platform"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No Arrow data cache under ~/.cache from test runs; tests/test_data_cache.py sets its own folder.
+os.environ.setdefault("QRAG_DATA_CACHE", "none")
 
 
 def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:

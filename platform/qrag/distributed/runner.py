@@ -1,8 +1,8 @@
 """EnvRunner: the CPU side of training, one shard of the training split per runner.
 
-A runner loads the split (the dataset's loader builds contexts and chunks), keeps every
-``count``-th sample starting at ``index``, tokenises them with the model's tokenizer, and then
-answers ``episodes(k)``: its k-th batch of ready-to-step episodes, packed for the object store.
+A runner takes the prepared training split (chunked and tokenised once, then read from the
+Arrow cache: ``qrag.data.prepared``), keeps its ``.shard()``: every ``count``-th sample starting
+at ``index``, decodes only those, and then answers ``episodes(k)``: its k-th batch of ready-to-step episodes, packed for the object store.
 
 Batch k is a pure function of (seed, index, k): the runner walks shuffled epochs of its shard,
 each epoch's order drawn from ``seed``, ``index`` and the epoch number. So a request lost with a
@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 
 from ..config import TrainConfig
-from ..data import DataError, load_samples
-from ..data.chunking import tokenizer_counter
-from ..data.splits import split_validation
+from ..data import DataError
+from ..data.prepared import prepare_split
 from ..encoder import load_tokenizer
-from ..tokens import TokenLayout, tokenize_samples
+from ..tokens import TokenLayout
 from .episodes import EpisodeBatch
 from .faults import claim_once, hard_exit
 
@@ -73,12 +72,10 @@ class EnvRunner:
         if mine != layout:
             raise ValueError(f"runner {index}: tokenizer {tokenizer_path} gives {mine}, the learner's model uses {layout}")
         # The train split minus its validation part, as ``TrainingRun.load_data`` splits it.
-        samples = split_validation(load_samples(cfg.data, "train", tokenizer_counter(tokenizer)), cfg.data.val_fraction)[0]
-        shard = samples[index::count]
-        if not shard:
-            raise DataError(f"runner {index}: the training split has {len(samples)} samples, too few for {count} runners")
-        d = cfg.data
-        self.episodes = tokenize_samples(shard, tokenizer, layout, chunk_tokens=d.chunk_tokens, question_tokens=d.question_tokens)
+        train = prepare_split(cfg.data, "train", tokenizer, layout).split_validation(cfg.data.val_fraction)[0]
+        if len(train) < count:
+            raise DataError(f"runner {index}: the training split has {len(train)} samples, too few for {count} runners")
+        self.episodes = train.shard(count, index).tokenized()
         self.stream = ShardStream(len(self.episodes), cfg.seed, index)
         self.served = 0
         self.startup_s = time.perf_counter() - t0

@@ -30,9 +30,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..data import load_samples
-from ..data.chunking import tokenizer_counter
-from ..data.splits import split_validation
+from ..data.prepared import prepare_split
 from ..encoder import load_tokenizer, resolve_encoder
 from ..tokens import TokenizedSample, TokenLayout
 from ..train import EpisodeSource, TrainingRun
@@ -210,13 +208,12 @@ class _Reporter:
 def _load_eval_splits(run: TrainingRun, cfg: TrainConfig) -> None:
     """What the learner evaluates on: dev and the validation part of train (the runners hold
     the rest of train). Same split rule as ``TrainingRun.load_data``."""
-    count = tokenizer_counter(run.tokenizer)
-    if cfg.data.val_fraction > 0:
-        train = load_samples(cfg.data, "train", count)
-        run.val_samples = split_validation(train, cfg.data.val_fraction)[1]
-        run.val_tok = run.tokenize(run.val_samples)
-    run.dev_samples = load_samples(cfg.data, "dev", count)
-    run.dev_tok = run.tokenize(run.dev_samples)
+    d = cfg.data
+    if d.val_fraction > 0:
+        val = prepare_split(d, "train", run.tokenizer, run.layout).split_validation(d.val_fraction)[1]
+        run.val_samples, run.val_tok = val.samples(), val.tokenized()
+    dev = prepare_split(d, "dev", run.tokenizer, run.layout)
+    run.dev_samples, run.dev_tok = dev.samples(), dev.tokenized()
 
 
 def _restore_best(run_dir: str, scratch: Path) -> None:

@@ -1,0 +1,118 @@
+"""Start-up time of a training run: process start -> data ready (and optionally -> first update).
+
+Each measurement is a fresh Python process that builds ``TrainingRun`` for
+``configs/hotpot.yaml device=cpu updates=1`` (model and data load side by side, as ``qrag train``
+does). Three kinds of run:
+
+* ``before``: the code of ``--before`` (a commit without the data cache), extracted with
+  ``git archive`` and put first on ``PYTHONPATH``;
+* ``first``: this checkout with an empty data cache (parse, chunk, tokenise, write the cache);
+* ``cached``: this checkout again, reading the cache the ``first`` run wrote.
+
+Runs are interleaved (before, first, cached, before, cached, ...) so that the load of a shared
+machine falls on all of them alike; the machine's load average is recorded with every run.
+
+    python bench/startup.py --before 0a3f7b0 --out bench/results/startup_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import ROOT, machine_info, write_result  # noqa: E402
+
+CHILD = r"""
+import json, os, sys, time
+t0 = float(os.environ["QRAG_BENCH_T0"])
+import qrag, qrag.train
+from qrag.config import load_config
+imported = time.time() - t0
+cfg = load_config(sys.argv[1], sys.argv[3:])
+run = qrag.train.TrainingRun(cfg)
+ready = time.time() - t0
+out = {"qrag": qrag.__file__, "import_s": imported, "ready_s": ready, **run.timings,
+       "train": len(run.train_tok), "val": len(run.val_tok), "dev": len(run.dev_tok)}
+if sys.argv[2] == "update":
+    run.learner.train_update(run.local_source().next_batch())
+    out["first_update_s"] = time.time() - t0
+print("QRAG_BENCH " + json.dumps(out), flush=True)
+"""
+
+
+def measure(code_root: Path, overrides: list[str], cache: Path, update: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(code_root / "platform"), QRAG_DATA_CACHE=str(cache),
+               TOKENIZERS_PARALLELISM="false", QRAG_BENCH_T0=repr(time.time()))
+    cmd = [sys.executable, "-c", CHILD, str(ROOT / "configs" / "hotpot.yaml"), "update" if update else "ready", *overrides]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("QRAG_BENCH ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(lines[-1].removeprefix("QRAG_BENCH "))
+    result["load_average_1m"] = os.getloadavg()[0]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="commit whose code has no data cache")
+    ap.add_argument("--repeats", type=int, default=2, help="before / cached runs each (the first run is one)")
+    ap.add_argument("--update", action="store_true", help="also time the first optimiser update (minutes on CPU)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "startup_cpu.json"))
+    args = ap.parse_args()
+    overrides = ["device=cpu", "updates=1"]
+    with tempfile.TemporaryDirectory(prefix="qrag-startup-") as tmp:
+        before_root = Path(tmp) / "before"
+        archive = subprocess.run(["git", "archive", args.before, "platform"], cwd=ROOT, capture_output=True, check=True).stdout
+        before_root.mkdir()
+        (Path(tmp) / "before.tar").write_bytes(archive)
+        with tarfile.open(Path(tmp) / "before.tar") as tar:
+            tar.extractall(before_root, filter="data")
+        cache = Path(tmp) / "cache"
+        runs = []
+
+        def add(kind: str, root: Path) -> None:
+            r = {"kind": kind, **measure(root, overrides, cache, args.update)}
+            assert r["qrag"].startswith(str(root)), r["qrag"]  # the intended code ran
+            print(json.dumps(r), flush=True)
+            runs.append(r)
+
+        add("before", before_root)
+        add("first", ROOT)
+        for _ in range(args.repeats):
+            add("cached", ROOT)
+            if len([r for r in runs if r["kind"] == "before"]) < args.repeats:
+                add("before", before_root)
+
+    def med(kind: str, key: str) -> float | None:
+        values = [r[key] for r in runs if r["kind"] == kind and key in r]
+        return round(statistics.median(values), 2) if values else None
+
+    keys = ("ready_s", "data_s", "model_s", "first_update_s")
+    summary = {kind: {key: med(kind, key) for key in keys if med(kind, key) is not None} for kind in ("before", "first", "cached")}
+    result = {
+        "what": "start-up of `qrag train --config configs/hotpot.yaml device=cpu updates=1`: seconds from process start "
+                "to data ready (ready_s: TrainingRun built, model and data loaded side by side; data_s: the data "
+                "thread alone), median over runs",
+        "before_commit": args.before,
+        "machine": machine_info(),
+        "summary": summary,
+        "runs": runs,
+    }
+    write_result(args.out, result)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
