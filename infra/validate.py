@@ -514,6 +514,20 @@ def placement_problems(cfg: Any, cluster: dict) -> list[str]:
     return problems
 
 
+def serve_access_problems(body: dict, c: Any, where: str) -> list[str]:
+    """A RayService listens on 0.0.0.0: the app refuses to start there without API keys, which
+    come from a Secret as $QRAG_API_KEYS on every pod (never written into the manifest)."""
+    if c.api_keys:
+        return [f"{where}: args.api_keys writes keys into the manifest; give the pods QRAG_API_KEYS from a Secret instead"]
+    if c.allow_unauthenticated:
+        return []
+    lacking = [label for label, template in pod_templates(body)
+               if not any(e.get("name") == "QRAG_API_KEYS" and (e.get("valueFrom") or {}).get("secretKeyRef")
+                          for ct in (template.get("spec") or {}).get("containers") or [] for e in ct.get("env") or [])]
+    return [f"{where}: pods {', '.join(lacking)} have no QRAG_API_KEYS from a Secret: the app would refuse to start on 0.0.0.0 "
+            f"without API keys"] if lacking else []
+
+
 def check_rayservice() -> list[str]:
     from qrag.config import ConfigError, from_dict
     from qrag.distributed.placement import gpu_plan_problems
@@ -547,6 +561,7 @@ def check_rayservice() -> list[str]:
             except ConfigError as exc:
                 problems.append(f"{where}: args: {exc}")
                 continue
+            problems += serve_access_problems(doc.body, c, where)
             for key in ("storage", "model_cache") + (("checkpoint",) if c.checkpoint and "://" not in c.checkpoint and ":/" not in c.checkpoint else ()):
                 value = getattr(c, key)
                 if not value.startswith("/") or not under(value, mounts):

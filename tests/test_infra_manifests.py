@@ -114,6 +114,10 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
     (RAYSERVICE, serve_args(lambda a, c: a.update(storage="qrag_indexes")), "args.storage qrag_indexes is not on the shared volume"),
     (RAYSERVICE, serve_args(lambda a, c: c["applications"][0].update(import_path="serve.app:make")), "does not resolve to a function"),
     (RAYSERVICE, serve_args(lambda a, c: c["http_options"].update(host="127.0.0.1")), "http_options.host must be 0.0.0.0"),
+    (RAYSERVICE, lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(env=[]),
+     "pods gpu-workers have no QRAG_API_KEYS from a Secret"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(api_keys="k1:write")), "args.api_keys writes keys into the manifest"),
+    ("kuberay/serve/kustomization.yaml", lambda d: d["secretGenerator"][0].update(name="qrag-keys"), "reads secret 'qrag-serve-keys', which nothing defines"),
     # pods, images, versions, wiring
     (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"].update({"nvidia.com/gpu": "2"}),
      "nvidia.com/gpu limit 2 != num-gpus 1"),

@@ -12,8 +12,16 @@ function setStatus(text, isError = false) {
   $("status").className = isError ? "error" : "";
 }
 
+// The API key (servers with keys configured ask for one) lives only in this tab's session.
+function headers() {
+  const h = { "content-type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) h.authorization = `Bearer ${key}`;
+  return h;
+}
+
 async function api(path, options = {}) {
-  const res = await fetch(path, { headers: { "content-type": "application/json" }, ...options });
+  const res = await fetch(path, { headers: headers(), ...options });
   const body = await res.json().catch(() => ({}));
   if (!res.ok) {
     const e = body.error || {};
@@ -174,5 +182,10 @@ $("question").addEventListener("keydown", (e) => { if (e.key === "Enter") ask();
 $("file").addEventListener("change", async (e) => {
   const file = e.target.files[0];
   if (file) $("context").value = await file.text();
+});
+$("api-key").value = sessionStorage.getItem("qrag-api-key") || "";
+$("api-key").addEventListener("change", () => {
+  sessionStorage.setItem("qrag-api-key", $("api-key").value.trim());
+  if ($("use-corpus").checked) chooseSource();
 });
 loadHealth();
