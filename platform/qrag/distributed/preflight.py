@@ -27,7 +27,9 @@ from ..tracking import is_uri, tracking_uri
 
 MLFLOW_CHECKPOINT_MODES = ("inference", "full", "none")
 # Passed on to every runner and learner process when set on the driver.
-FORWARDED_ENV = ("QRAG_DATA_DIR", "QRAG_ENCODER", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")
+# QRAG_DATA_CACHE / QRAG_CACHE_DIR / HF_DATASETS_CACHE: runners read the same prepared splits and hub data.
+FORWARDED_ENV = ("QRAG_DATA_DIR", "QRAG_ENCODER", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE",
+                 "QRAG_DATA_CACHE", "QRAG_CACHE_DIR", "HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE")
 
 
 def storage_root() -> str:
