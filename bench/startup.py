@@ -9,8 +9,9 @@ does). Three kinds of run:
 * ``first``: this checkout with an empty data cache (parse, chunk, tokenise, write the cache);
 * ``cached``: this checkout again, reading the cache the ``first`` run wrote.
 
-Runs are interleaved (before, first, cached, before, cached, ...) so that the load of a shared
-machine falls on all of them alike; the machine's load average is recorded with every run.
+Runs are interleaved (before, first, cached; before, first, cached; ...: each round with a new,
+empty cache) so that the load of a shared machine falls on all of them alike; the machine's load
+average is recorded with every run.
 
     python bench/startup.py --before 0a3f7b0 --out bench/results/startup_cpu.json
 """
@@ -67,7 +68,7 @@ def measure(code_root: Path, overrides: list[str], cache: Path, update: bool) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="commit whose code has no data cache")
-    ap.add_argument("--repeats", type=int, default=2, help="before / cached runs each (the first run is one)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of (before, first, cached)")
     ap.add_argument("--update", action="store_true", help="also time the first optimiser update (minutes on CPU)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "startup_cpu.json"))
     args = ap.parse_args()
@@ -79,21 +80,19 @@ def main() -> None:
         (Path(tmp) / "before.tar").write_bytes(archive)
         with tarfile.open(Path(tmp) / "before.tar") as tar:
             tar.extractall(before_root, filter="data")
-        cache = Path(tmp) / "cache"
         runs = []
 
-        def add(kind: str, root: Path) -> None:
+        def add(kind: str, root: Path, cache: Path) -> None:
             r = {"kind": kind, **measure(root, overrides, cache, args.update)}
             assert r["qrag"].startswith(str(root)), r["qrag"]  # the intended code ran
             print(json.dumps(r), flush=True)
             runs.append(r)
 
-        add("before", before_root)
-        add("first", ROOT)
-        for _ in range(args.repeats):
-            add("cached", ROOT)
-            if len([r for r in runs if r["kind"] == "before"]) < args.repeats:
-                add("before", before_root)
+        for i in range(args.repeats):
+            cache = Path(tmp) / f"cache{i}"  # empty: the first run of this round builds it
+            add("before", before_root, cache)
+            add("first", ROOT, cache)
+            add("cached", ROOT, cache)
 
     def med(kind: str, key: str) -> float | None:
         values = [r[key] for r in runs if r["kind"] == kind and key in r]

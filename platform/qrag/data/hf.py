@@ -67,6 +67,11 @@ def _rows(dataset: Any, where: str, normalize: Callable[[Any, str], Any] | None)
 def hub_pairs(spec: str, split: str, normalize: Callable[[Any, str], Any] | None = None) -> tuple[Pairs, bool]:
     """(pairs, by_hash): the rows of our ``split`` and whether they still need the id-hash split."""
     splits = _load_hub(spec)
+    folder = Path(parse_hub(spec)[0])
+    if folder.is_dir():  # a local folder of data files: its files fingerprint it, not only datasets' copy
+        for file in sorted(folder.rglob("*")):
+            if file.is_file():
+                note_source(file)
     if "train" not in splits:
         raise DataError(f"data.hub={spec!r}: no train split (it has {', '.join(splits)})")
     dev = next((name for name in DEV_SPLITS if name in splits), None)
