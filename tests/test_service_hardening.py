@@ -418,11 +418,86 @@ def test_every_response_is_counted_with_its_route(model, tmp_path, loop):
     client("GET", "/v1/corpora/nope", headers=bearer(READ))  # 404
     client("GET", "/nowhere")
 
-    async def crash():
-        raise RuntimeError("bug")
-
     service.list_corpora = lambda: (_ for _ in ()).throw(RuntimeError("bug"))
     r = client("GET", "/v1/corpora", headers=bearer(READ))
     assert r.status_code == 500 and "bug" not in r.text
     assert seen == [("/v1/corpora", 401), ("/v1/corpora", 415), ("/v1/corpora", 413), ("/v1/corpora/{name}", 404),
                     ("unmatched", 404), ("/v1/corpora", 500)]
+
+
+# -- failures of the storage and of the backends ---------------------------------------------------
+
+
+def test_disk_full_and_delete_during_repair_are_not_500s(model, tmp_path, loop, monkeypatch):
+    import errno
+
+    import qrag.index.store
+
+    service = local_service(serve_cfg(tmp_path), model)
+    client = make_client(service, loop)
+    assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(3)}).status_code == 201
+    real = qrag.index.store.write_atomic
+
+    def full(path, data, durable=True):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(qrag.index.store, "write_atomic", full)
+    r = client("POST", "/v1/corpora/books/documents", json={"documents": docs_json(5)[3:]})
+    assert r.status_code == 507 and "full" in r.json()["error"]["message"] and str(tmp_path) not in r.text
+    job = client("GET", "/v1/corpora/books/jobs").json()["jobs"][0]
+    assert job["state"] == "failed" and job["error"]["status"] == 507
+    assert client("POST", "/v1/corpora", json={"name": "empty"}).status_code == 507
+    monkeypatch.setattr(qrag.index.store, "write_atomic", real)
+    assert client("GET", "/v1/corpora/books").json()["documents"] == 3
+
+    # A shard file is corrupt; while the request repairs it, the corpus is deleted.
+    store = service.store
+    m = store.read("books")
+    vec = store.path("books") / m.batches[0]["shards"][0]["vectors"]["file"]
+    vec.write_bytes(vec.read_bytes()[:-10])
+    repair = service._reembed_segment
+
+    async def deleted_meanwhile(m, shard, batch):
+        await asyncio.to_thread(store.delete, "books")
+        return await repair(m, shard, batch)
+
+    service._reembed_segment = deleted_meanwhile
+    r = client("POST", "/v1/retrieve", json={"corpus": "books", "question": "the painter"})
+    assert r.status_code == 404 and r.json()["error"]["field"] == "corpus", r.text
+
+
+def test_backend_failures_and_silence_are_503(loop):
+    pytest.importorskip("ray")
+    from ray.exceptions import RayActorError
+
+    from qrag.distributed.serving import call_backend
+
+    class Response:
+        def __init__(self, outcome):
+            self.outcome, self.cancelled = outcome, False
+
+        def __await__(self):
+            return self._run().__await__()
+
+        async def _run(self):
+            if self.outcome == "hang":
+                await asyncio.sleep(30)
+            raise self.outcome
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Method:
+        def __init__(self, outcome):
+            self.outcome, self.last = outcome, None
+
+        def remote(self, *args):
+            self.last = Response(self.outcome)
+            return self.last
+
+    for outcome, words in ((RayActorError(), "failed (RayActorError)"), ("hang", "did not answer within 0.2 s")):
+        method = Method(outcome)
+        with pytest.raises(ServiceError) as err:
+            loop.run(call_backend(method, (), "the encoder", 0.2, 3))
+        assert err.value.status == 503 and words in err.value.message and err.value.headers == {"Retry-After": "3"}
+    assert method.last.cancelled  # a call that timed out is cancelled, not left running

@@ -30,7 +30,7 @@ from starlette.routing import Match
 
 from .auth import allows, scope_of
 from .index.store import StoreError
-from .service import RetrievalService, RetrieveParams, ServiceError, store_error
+from .service import RetrievalService, RetrieveParams, ServiceError, os_error, store_error
 
 log = logging.getLogger("qrag.http")
 
@@ -300,6 +300,12 @@ def build_api(
     @api.exception_handler(StoreError)
     async def store_failure(request: Request, exc: StoreError):
         err = store_error(exc)
+        return _error(err.status, err.field, err.message, err.headers)
+
+    @api.exception_handler(OSError)
+    async def storage_failure(request: Request, exc: OSError):
+        log.warning("storage error on %s %s: %s", request.method, request.url.path, exc)
+        err = os_error(exc)
         return _error(err.status, err.field, err.message, err.headers)
 
     @api.exception_handler(RequestValidationError)

@@ -72,6 +72,18 @@ def store_error(exc: StoreError, corpus: str | None = None) -> ServiceError:
                         {"Retry-After": "5"})
 
 
+def os_error(exc: OSError) -> ServiceError:
+    """The storage failed under a request: full (507) or otherwise unavailable (503); the
+    message names the errno, not the server's paths."""
+    import errno
+
+    if isinstance(exc, TimeoutError):  # an OSError too, since Python 3.10
+        return ServiceError(503, None, "an operation timed out; retry", {"Retry-After": "5"})
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ServiceError(507, None, "the index storage is full; nothing of this request was stored")
+    return ServiceError(503, None, f"the index storage failed ({errno.errorcode.get(exc.errno, 'I/O error')}); retry", {"Retry-After": "5"})
+
+
 # The encoders' position embeddings of these model types start after the padding index.
 _OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet", "data2vec-text", "xmod")
 
@@ -435,6 +447,8 @@ class RetrievalService:
                 job.state, job.error = "failed", store_error(exc, job.corpus).body()["error"]
             except DataError as exc:
                 job.state, job.error = "failed", data_error(exc).body()["error"]
+            except OSError as exc:  # disk full, storage gone
+                job.state, job.error = "failed", os_error(exc).body()["error"]
             except asyncio.CancelledError:
                 job.state, job.error = "failed", ServiceError(503, None, "cancelled: the server is shutting down").body()["error"]
                 raise
@@ -553,6 +567,8 @@ class RetrievalService:
                 try:
                     await self._repair(m.name, exc)
                 except StoreError as err:  # deleted or damaged meanwhile
+                    if not (self.store.root / m.name / "corpus.json").exists():
+                        raise ServiceError(404, "corpus", f"corpus {m.name!r} was deleted") from None
                     raise store_error(err, m.name) from None
                 m = self._compatible(p.corpus)
         timings.total = time.perf_counter() - t0

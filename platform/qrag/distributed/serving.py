@@ -179,19 +179,13 @@ class RayMetrics:
         self.indexed.inc(n)
 
 
-# The ingress replica's FastAPI app. Its routes need the service that the (async) constructor
-# builds, so the constructor leaves the app here and the builder given to ``@serve.ingress``
-# (public API: Serve evaluates it on the replica, after the constructor) hands it to Serve.
-# One replica per process, so one slot.
-_REPLICA_APP: dict[str, Any] = {}
-
-
-def _replica_app():
-    return _REPLICA_APP.pop("app")
-
-
+# The ingress builds its ASGI app after its (async) constructor, through the late-bound form of
+# ``@serve.ingress()``: Serve calls ``__serve_build_asgi_app__`` on the replica once the
+# constructor has run (documented in ray.serve.ingress). A builder function that reads a module
+# global does not work: Serve pickles the decorated class by value, with its own copy of the
+# module's globals, so the constructor and the builder would see two different dicts.
 @serve.deployment(name="Ingress")
-@serve.ingress(_replica_app)
+@serve.ingress()
 class Ingress:
     async def __init__(self, cfg: dict[str, Any], encoder, shards: list, static: dict[str, bytes]):
         c = from_dict(ServeConfig, cfg)
@@ -212,9 +206,8 @@ class Ingress:
                                         RemoteEncoder(encoder, c.retry_after_s, c.handle_timeout_s),
                                         [RemoteShards(h, c.retry_after_s, c.handle_timeout_s) for h in shards], self.metrics)
         self.static = static
-        _REPLICA_APP["app"] = self._api()
 
-    def _api(self):
+    def __serve_build_asgi_app__(self):
         app = build_api(self.service, self.static, self.metrics.request, self.keys)
         cfg = self.service.cfg
 
