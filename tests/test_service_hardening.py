@@ -501,3 +501,34 @@ def test_backend_failures_and_silence_are_503(loop):
             loop.run(call_backend(method, (), "the encoder", 0.2, 3))
         assert err.value.status == 503 and words in err.value.message and err.value.headers == {"Retry-After": "3"}
     assert method.last.cancelled  # a call that timed out is cancelled, not left running
+
+
+def test_the_proxy_middleware_drops_timeout_headers(loop):
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.http_util import validate_http_proxy_callback_return
+
+    from qrag.distributed.proxy_guard import middlewares
+
+    [mw] = validate_http_proxy_callback_return(middlewares())  # what Serve's proxy does with the callback
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen.update(dict(scope["headers"]))
+
+    wrapped = mw.cls(app, *mw.args, **mw.kwargs)
+    headers = [(b"x-request-timeout-seconds", b"0"), (b"X-Request-Disconnect-Disabled", b"?1"), (b"host", b"127.0.0.1")]
+    loop.run(wrapped({"type": "http", "headers": headers}, None, None))
+    assert seen == {b"host": b"127.0.0.1"}
+
+
+def test_a_late_heartbeat_never_revives_an_ended_job(tmp_path):
+    board = JobBoard(tmp_path)
+    job = Job("c" * 16, "books", "reindex", state="running")
+    board.save(job)
+    running = Job(**{**job.__dict__})
+    job.state = "done"
+    board.save(job)
+    board.save(running)  # the heartbeat thread wrote its snapshot after the ending
+    (board.root / "active" / f"{job.id}.json").write_text(json.dumps(running.__dict__))  # or just before it
+    assert board.active() == [] and board.get(job.id).state == "done"
+    assert not (board.root / "active" / f"{job.id}.json").exists()

@@ -373,6 +373,9 @@ class RetrievalService:
         """Admit a job (429 past the bounds), start it, and with ``wait`` answer when it ends or
         after ``job_wait_s`` (then 202: it goes on). A client that goes away does not stop it."""
         job = await asyncio.to_thread(self._admit, corpus, kind, documents)
+        self.jobs[job.id] = job  # in the event loop: _beat iterates this dict there
+        while len(self.jobs) > self.cfg.jobs_kept and not next(iter(self.jobs.values())).active:
+            self.jobs.popitem(last=False)
         task = self._start(job, work(job))
         if wait:
             await asyncio.wait({task}, timeout=self.cfg.job_wait_s)  # never cancels the job
@@ -389,7 +392,7 @@ class RetrievalService:
         with self.board.admission():
             active = []
             for j in self.board.active():
-                if j.id not in self.jobs and self.board.stale(j):
+                if self.jobs.get(j.id) is None and self.board.stale(j):
                     self._settle(j)
                 else:
                     active.append(j)
@@ -405,13 +408,13 @@ class RetrievalService:
                                    {"Retry-After": str(c.retry_after_s)})
             job = Job(new_job_id(), corpus, kind, documents=documents)
             self.board.save(job)
-        self.jobs[job.id] = job
-        while len(self.jobs) > c.jobs_kept and not next(iter(self.jobs.values())).active:
-            self.jobs.popitem(last=False)
         return job
 
     def _settle(self, job: Job) -> Job:
         """A stale record (its server stopped): done if its batch reached the corpus, else failed."""
+        latest = self.board.get(job.id)
+        if latest is not None and not latest.active:
+            return latest  # it ended after all (the record read was a leftover)
         batch = None
         if job.kind in ("create", "append"):
             try:
@@ -474,9 +477,9 @@ class RetrievalService:
 
     async def _beat(self) -> None:
         """Rewrite this replica's active job records (progress, and proof that it is alive)."""
-        while any(j.active for j in self.jobs.values()):
+        while any(j.active for j in list(self.jobs.values())):
             await asyncio.sleep(self.cfg.job_heartbeat_s)
-            for job in [j for j in self.jobs.values() if j.active]:
+            for job in [j for j in list(self.jobs.values()) if j.active]:
                 await asyncio.to_thread(self.board.save, job)
 
     def job(self, job_id: str) -> dict[str, Any]:
@@ -492,7 +495,7 @@ class RetrievalService:
     def corpus_jobs(self, name: str) -> dict[str, Any]:
         self._corpus_path(name)
         jobs = {j.id: j for j in self.board.recent(name, self.cfg.jobs_kept)}
-        jobs.update({j.id: j for j in self.jobs.values() if j.corpus == name})
+        jobs.update({j.id: j for j in list(self.jobs.values()) if j.corpus == name})  # (a snapshot: this runs in a thread)
         out = [self._settle(j) if self.board.stale(j) and j.id not in self.jobs else j for j in jobs.values()]
         return {"corpus": name, "jobs": [j.as_dict() for j in sorted(out, key=lambda j: j.created, reverse=True)]}
 

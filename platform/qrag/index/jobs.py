@@ -98,7 +98,12 @@ class JobBoard:
         job.heartbeat = time.time()
         data = json.dumps(asdict(job)).encode("utf-8")
         if job.active:
+            done = self._path(job.id, False)
+            if done.exists():  # a late heartbeat of a job that has ended: the ending stands
+                return
             write_atomic(self._path(job.id, True), data, durable=False)  # progress: rewritten every few seconds
+            if done.exists():  # it ended while this was written
+                self._path(job.id, True).unlink(missing_ok=True)
         else:
             write_atomic(self._path(job.id, False), data)
             self._path(job.id, True).unlink(missing_ok=True)
@@ -122,6 +127,9 @@ class JobBoard:
     def active(self) -> list[Job]:
         out = []
         for path in (self.root / "active").glob("*.json"):
+            if (self.root / "done" / path.name).exists():  # ended: a leftover of a late heartbeat
+                path.unlink(missing_ok=True)
+                continue
             job = self._read(path)
             if job is not None and job.active:
                 out.append(job)
