@@ -41,27 +41,64 @@ def test_greedy_matches_step_by_step_argmax_and_batching_changes_nothing(setup):
         assert [st.q for st in b.steps] == pytest.approx([st.q for st in a.steps], abs=1e-5)
 
 
-def test_beam_search_finds_at_least_the_greedy_value(setup):
+RULES = {"min": lambda qs: min(qs), "last": lambda qs: qs[-1]}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_beam_search_never_scores_below_greedy(setup, rule):
+    """For T = 2 greedy's path is among beam search's final candidates, so under any rule the
+    returned path scores at least as high. Planted bug caught: the beam keeps the worst paths."""
     retriever, samples = setup
     greedy = retriever.retrieve(samples, SearchConfig(max_steps=2))
-    beam = retriever.retrieve(samples, SearchConfig(max_steps=2, beam_width=4))
+    beam = retriever.retrieve(samples, SearchConfig(max_steps=2, beam_width=4, beam_score=rule))
+    score = RULES[rule]
     for g, b in zip(greedy, beam):
         assert len(b.selected) == 2
-        assert b.steps[-1].q >= g.steps[-1].q - 1e-6
+        assert score([st.q for st in b.steps]) >= score([st.q for st in g.steps]) - 1e-6
 
 
-def test_stop_threshold(setup):
+def scripted(retriever, monkeypatch, levels):
+    """Q of chunk i after k selections = levels[k] - 0.01·i: the search logic alone, on real shapes."""
+    def score(states, chunk_vecs, selected, n_chunks, block=None, positions=None):
+        n = selected.shape[1]
+        k = selected.sum(1).clamp(max=len(levels) - 1)
+        return torch.tensor(levels, dtype=torch.float32)[k][:, None] - 0.01 * torch.arange(n, dtype=torch.float32)[None, :]
+
+    monkeypatch.setattr(retriever, "score", score)
+
+
+def test_min_rule_follows_greedy_when_later_steps_are_capped(setup, monkeypatch):
+    """Every second-step Q exceeds every first-step Q: all paths are capped by their first step, and
+    the tie goes to the child with the higher Q, i.e. greedy's path. Planted bug caught: ties
+    resolved against the last step's Q (or by the worst parent)."""
     retriever, samples = setup
-    never = retriever.retrieve(samples, SearchConfig(max_steps=3, stop_threshold=-10.0))
+    scripted(retriever, monkeypatch, [0.5, 0.9])
+    greedy = retriever.retrieve(samples[:1], SearchConfig(max_steps=2))[0]
+    beam = retriever.retrieve(samples[:1], SearchConfig(max_steps=2, beam_width=4, beam_score="min"))[0]
+    assert greedy.selected == [0, 1]
+    assert beam.selected == greedy.selected
+    with pytest.raises(ValueError, match="beam_score"):
+        retriever.retrieve(samples[:1], SearchConfig(max_steps=2, beam_width=2, beam_score="mean"))
+
+
+@pytest.mark.parametrize("beam_width", [1, 3])
+def test_stop_threshold(setup, monkeypatch, beam_width):
+    """Scripted Qs that fall step by step (0.9, 0.5, 0.2): every threshold case runs, whatever the
+    encoder's weights. Planted bugs caught: the threshold never checked after the first step, a
+    stop that drops the last chunk, stopped_early not set."""
+    retriever, samples = setup
+    cfg = lambda t: SearchConfig(max_steps=3, stop_threshold=t, beam_width=beam_width)  # noqa: E731
+    never = retriever.retrieve(samples, cfg(-10.0))
     assert all(len(r.selected) == 3 and not r.stopped_early for r in never)
-    always = retriever.retrieve(samples, SearchConfig(max_steps=3, stop_threshold=10.0))
+    always = retriever.retrieve(samples, cfg(10.0))
     assert all(r.selected == [] and r.stopped_early for r in always)
-    # a threshold between the first and second step's Q stops after one step
-    full = retriever.retrieve(samples[:1], SearchConfig(max_steps=3))[0]
-    qs = [s.q for s in full.steps]
-    if qs[1] < qs[0]:
-        mid = retriever.retrieve(samples[:1], SearchConfig(max_steps=3, stop_threshold=(qs[0] + qs[1]) / 2))[0]
-        assert mid.selected == full.selected[:1] and mid.stopped_early
+    scripted(retriever, monkeypatch, [0.9, 0.5, 0.2, 0.1])
+    after = {0.7: 1, 0.3: 2}
+    for threshold, steps in after.items():
+        [r] = retriever.retrieve(samples[:1], cfg(threshold))
+        assert sorted(r.selected) == list(range(steps)) and r.stopped_early, (threshold, r.selected)
+    [r] = retriever.retrieve(samples[:1], cfg(0.15))
+    assert sorted(r.selected) == [0, 1, 2] and not r.stopped_early
 
 
 def test_chunk_batch_does_not_change_embeddings(setup):

@@ -110,8 +110,9 @@ class SearchConfig:
 
     max_steps: int = opt(2, "Maximum retrieval steps T at inference.")
     beam_width: int = opt(1, "1 = greedy; >1 = beam search over Q (Plan Q-RAG).")
-    beam_score: str = opt("last", "How beam search ranks a path: last = the Q of its last step (Q estimates the whole episode's "
-                          "return from there, so the path's own value); min = the lowest Q along it (the former rule; lost to greedy).")
+    beam_score: str = opt("min", "How beam search ranks a path: min = the lowest Q along it (an exact Q satisfies Q_t >= γ·Q_{t+1}, "
+                          "so this is the last step's Q, capped where a later estimate exceeds what an earlier one allows); "
+                          "last = the Q of its last step only (measured below greedy; see qrag.search).")
     stop_threshold: float | None = opt(None, "Stop when the best available Q falls below this value.")
     chunk_batch: int = opt(4096, "Chunks embedded per encoder call (caps peak memory on long contexts).")
     alternatives: int = opt(3, "Top alternatives recorded per step (for inspection and the web page).")

@@ -2,8 +2,23 @@
 chunk (a dot product after the position rotation). Greedy, beam search over Q (Plan Q-RAG), and
 stopping when the best available Q falls below a threshold.
 
-Beam search keeps, per question, the ``beam_width`` best paths; a path's score is the minimum Q
-along it (see ``_advance``), and the best-scoring path is returned.
+Beam search keeps, per question, the ``beam_width`` best paths and returns the best-scoring one.
+How a path is scored (``search.beam_score``) follows from what Q estimates: Q(s_t, a_t) is the
+expected return of the whole episode from s_t (which holds the path's earlier picks) taking a_t,
+and the reward comes only at the end. So for an exact Q every Q along a path estimates the value
+of that same path, and the Bellman equation bounds the later ones by the earlier ones:
+Q(s_t, a_t) = γ·V(s_{t+1}) ≥ γ·Q(s_{t+1}, a_{t+1}) (the soft value is at least the max).
+
+* ``min`` (default): the lowest Q along the path. For an exact Q (γ ≈ 1) it is the Q of the last
+  step, the path's own value; where the learned Q breaks the bound — a later step, in a state
+  the policy rarely reaches (after a wrong pick), valued above what the earlier step promised —
+  the earlier, better-trained estimate caps it.
+* ``last``: the Q of the last step alone. It trusts exactly those off-policy over-estimates and
+  measured far below greedy (bench/results/beam_vs_greedy_cpu.json).
+
+Ties go to the path whose last step has the higher Q (then to the better parent), so beam search
+follows greedy's choice unless another path scores strictly higher. For T = 2 the greedy path is
+always among the final candidates, so the returned path never scores below it.
 """
 
 from __future__ import annotations
@@ -40,6 +55,24 @@ class Retrieval:
     @property
     def selected(self) -> list[int]:
         return [s.chunk for s in self.steps]
+
+
+# How a path's score follows from its parent's score and the Q of its new last step.
+BEAM_SCORES = {
+    "min": lambda parent, q: min(parent, q),
+    "last": lambda parent, q: q,
+}
+
+
+def _rank(beam: _Beam) -> tuple[float, float]:
+    """Sort key, best first: the path's score, then the Q of its last step."""
+    return (-beam.score, -(beam.steps[-1].q if beam.steps else float("inf")))
+
+
+def beam_rule(name: str):
+    if name not in BEAM_SCORES:
+        raise ValueError(f"search.beam_score must be one of {', '.join(BEAM_SCORES)}, got {name!r}")
+    return BEAM_SCORES[name]
 
 
 @dataclass
@@ -176,7 +209,7 @@ class Retriever:
         results = []
         seconds = (time.perf_counter() - t0) / len(samples)
         for i, sample in enumerate(samples):
-            best = max((b for b in beams if b.sample == i), key=lambda b: b.score)
+            best = min((b for b in beams if b.sample == i), key=_rank)
             stopped = best.finished and len(best.steps) < min(cfg.max_steps, sample.n_chunks)
             results.append(Retrieval(sample.id, best.steps, stopped_early=stopped, seconds=seconds))
         return results
@@ -187,6 +220,7 @@ class Retriever:
     @staticmethod
     def _advance(beams, live, top_q, top_i, pos_np, cfg: SearchConfig, width: int) -> list[_Beam]:
         """Expand live beams by their best actions; keep the ``width`` best per sample."""
+        rule = beam_rule(cfg.beam_score)
         candidates: dict[int, list[_Beam]] = {}
         for b in beams:
             if b.finished:
@@ -205,14 +239,11 @@ class Retriever:
                     break
                 alts = [(int(top_i[row][a]), float(top_q[row][a])) for a in range(len(top_i[row])) if a != j and np.isfinite(top_q[row][a])]
                 step = Step(int(top_i[row][j]), q, None if pos_np is None else float(pos_np[row][j]), alts[: cfg.alternatives])
-                # A path is scored by the lowest Q along it. Every Q on the path estimates the same
-                # episode return, and Q of states the policy rarely visits (after a wrong first
-                # pick) is over-estimated; ranking by the last Q alone prefers such paths.
-                candidates.setdefault(b.sample, []).append(_Beam(b.sample, [*b.steps, step], min(b.score, q)))
+                candidates.setdefault(b.sample, []).append(_Beam(b.sample, [*b.steps, step], rule(b.score, q)))
         kept: list[_Beam] = []
         for sample in sorted(candidates):
             seen: set[frozenset[int]] = set()
-            for cand in sorted(candidates[sample], key=lambda c: -c.score):
+            for cand in sorted(candidates[sample], key=_rank):  # stable: equal keys keep the parents' order
                 if cand.chosen in seen:
                     continue
                 seen.add(cand.chosen)
