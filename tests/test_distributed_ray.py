@@ -61,16 +61,20 @@ def _steps(client, run, key: str) -> list[int]:
 
 
 def test_ray_job_submit_trains_tracks_and_checkpoints(cluster, tiny_encoder, hotpot_file, tmp_path):
-    out = tmp_path / "runs"
+    out = tmp_path / "storage" / "runs"
+    # No --base-dir: the relative out_dir lands under Ray's storage root ($RAY_STORAGE, else
+    # ~/ray_results), not in Ray's temporary copy. The job's own runtime env sets a variable the
+    # driver forwards too (QRAG_DATA_DIR): the job's value stays, nothing clashes.
+    job_env = {"env_vars": {"RAY_STORAGE": str(tmp_path / "storage"), "QRAG_DATA_DIR": str(tmp_path)}}
     job = subprocess.run(
-        [RAY, "job", "submit", "--address", cluster["api"], "--working-dir", ".", "--",
-         "python", "jobs/train_hotpot.py", "--base-dir", str(tmp_path),
+        [RAY, "job", "submit", "--address", cluster["api"], "--working-dir", ".", "--runtime-env-json", json.dumps(job_env), "--",
+         "python", "jobs/train_hotpot.py",
          *_args(tiny_encoder, hotpot_file, "runs", "submitted", "updates=3", "eval_every=2", "keep_best=true", "data.val_fraction=0.2")],
         cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=420,
     )
     assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-4000:]
     summary = _summary(job.stdout)
-    assert summary["updates"] == 3 and summary["run_dir"] == str(out / "submitted")  # landed in --base-dir, not in Ray's copy
+    assert summary["updates"] == 3 and summary["run_dir"] == str(out / "submitted")  # Ray's storage root, not Ray's copy
     client, run = _mlflow_run(out, "submitted")
     assert run.info.status == "FINISHED" and run.info.run_id == summary["mlflow_run_id"]
     assert _steps(client, run, "train/loss") == [1, 2, 3]
@@ -79,6 +83,9 @@ def test_ray_job_submit_trains_tracks_and_checkpoints(cluster, tiny_encoder, hot
     assert run.data.params["distributed.runners"] == "2" and run.data.params["out_dir"] == str(out)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")}
     assert {"checkpoint/qrag.json", "checkpoint/state_encoder", "checkpoint/tokenizer"} <= artifacts
+    assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}  # the pyfunc model
+    # Ray's copy of the working dir has no .git: the sources' digest identifies the code.
+    assert run.data.tags.get("qrag.source_sha256") and run.inputs.dataset_inputs[0].dataset.name == "hotpotqa"
     assert (out / "submitted" / "checkpoints" / "update_0000002" / "trainer").is_dir()
     assert (out / "submitted" / "final" / "eval.json").is_file() and (out / "submitted" / "final" / "trainer").is_dir()
     assert summary["checkpoint"] == str(out / "submitted" / "best") and (out / "submitted" / "best" / "qrag.json").is_file()
@@ -103,6 +110,8 @@ def test_dead_runner_and_crashed_learner_do_not_stop_the_run(cluster, tiny_encod
     assert _summary(res.stdout)["updates"] == 5
     client, run = _mlflow_run(out, "faults")
     assert _steps(client, run, "train/loss") == [1, 2, 3, 4, 5]  # continuous: nothing twice, nothing missing
+    # Ray restarted the runner and re-ran its requests there (max_task_retries); the pool saw it.
+    assert max(m.value for m in client.get_metric_history(run.info.run_id, "perf/runner_restarts")) >= 1
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "perf/runner_requests_lost")) >= 1
     assert sorted(p.name for p in (out / "faults" / ".faults").iterdir()) == ["learner_after_3", "runner0_after_1"]
 

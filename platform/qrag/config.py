@@ -154,7 +154,7 @@ class DistributedConfig:
     learner_resources: dict[str, float] = opt({}, "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); every name must be declared by some node.")
     autoscale_to: dict[str, float] = opt({}, "What an autoscaling cluster can grow to, e.g. {CPU: 64, GPU: 8, qrag_cpu_node: 4000}: the run is checked against these, not only against the nodes up now ({} = $QRAG_AUTOSCALE_TO as JSON, else the nodes up now).")
     runner_max_restarts: int = opt(3, "Ray restarts a dead runner this many times (-1 = always).")
-    request_retries: int = opt(3, "A runner request lost to a dead runner is re-issued this many times.")
+    request_retries: int = opt(3, "Ray re-runs a request lost with a dead runner on its restarted copy this many times (max_task_retries); a hung runner's requests are re-issued as often.")
     request_timeout_s: float = opt(600.0, "A runner request unanswered for this long counts as lost.")
     max_failures: int = opt(2, "Learner crashes survived: Ray Train restarts it from the last checkpoint.")
     checkpoints_to_keep: int | None = opt(2, "Periodic checkpoints kept in storage (null = all; the final one is always kept).")

@@ -11,7 +11,9 @@ enough; nothing here imports Ray, and mlflow is imported only when tracking is o
 * Artifacts: the resolved config, the final eval JSON, the final checkpoint and, with
   ``distributed.mlflow_model``, the reported checkpoint as a pyfunc model (``model/``,
   ``qrag.mlflow_model``), registered under ``distributed.mlflow_registered_model`` when set.
-* Provenance: the git commit (``mlflow.source.git.commit``) and the data as dataset inputs.
+* Provenance: the git commit (``mlflow.source.git.commit``, where there is a checkout or
+  ``$QRAG_COMMIT``), a digest of qrag's sources (``qrag.source_sha256``) and the data as dataset
+  inputs.
 * Default store: ``sqlite:///<out_dir>/mlflow.db`` with artifacts in ``<out_dir>/mlruns``;
   ``distributed.mlflow_uri`` or ``$MLFLOW_TRACKING_URI`` point elsewhere; ``none`` switches it off.
 """
@@ -32,6 +34,7 @@ from .config import ConfigError, TrainConfig, flatten, to_dict
 RUN_KEY_TAG = "qrag.run_key"
 PARENT_TAG = "mlflow.parentRunId"
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
+SOURCE_TAG = "qrag.source_sha256"
 # Parts of the final checkpoint that `qrag eval` and serving need (no targets, no optimiser).
 INFERENCE_PARTS = ("config.yaml", "qrag.json", "state_encoder", "action_encoder", "tokenizer")
 
@@ -138,6 +141,15 @@ def data_sources(cfg: TrainConfig) -> list[tuple[str, str]]:
     return out
 
 
+def source_digest() -> str:
+    """sha256 of qrag's Python sources (paths and contents), first 16 hex digits."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for file in sorted(root.rglob("*.py")):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def log_provenance(client, run_id: str, cfg: TrainConfig) -> None:
     """The git commit and the data (as MLflow dataset inputs: name, source, a digest of the
     source and the chunking settings)."""
@@ -149,6 +161,9 @@ def log_provenance(client, run_id: str, cfg: TrainConfig) -> None:
     commit = git_commit()
     if commit:
         client.set_tag(run_id, GIT_COMMIT_TAG, commit)
+    # A `ray job submit` driver runs in a copy without .git ($QRAG_COMMIT names the commit there):
+    # the digest of the library's sources identifies the code whatever the checkout.
+    client.set_tag(run_id, SOURCE_TAG, source_digest())
     client.set_tag(run_id, "qrag.version", __version__)
     d = cfg.data
     inputs = []

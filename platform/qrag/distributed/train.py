@@ -164,6 +164,7 @@ class _Reporter:
         metrics = {**metrics, "perf/runner_wait_share": self.feed.wait_share}
         if self.pool is not None:
             metrics["perf/runner_requests_lost"] = float(self.pool.lost)
+            metrics["perf/runner_restarts"] = float(self.pool.restarts)
         _say(json.dumps({"update": update, **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}}))
         if self.logger is not None:
             self.logger.log(update, metrics)
@@ -277,6 +278,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             "runner_wait_s": feed.wait_s,
             "runner_wait_share": feed.wait_share,
             "runner_requests_lost": pool.lost if pool is not None else 0,
+            "runner_restarts": pool.restarts if pool is not None else 0,
             # Per update, for throughput figures (bench/train_throughput.py).
             "update_seconds": [h["perf/update_s"] for h in run.history],
             "wait_seconds": [h["perf/runner_wait_s"] for h in run.history],
