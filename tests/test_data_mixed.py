@@ -87,3 +87,10 @@ def test_mixed_preset_keeps_the_hotpot_dev_split(shared_data, monkeypatch):
     assert [s.id for s in load_samples(mixed_cfg.data, "dev", words)] == [s.id for s in load_samples(hotpot_cfg.data, "dev", words)]
     sources = {s.meta["source"] for s in load_samples(mixed_cfg.data, "train", words)}
     assert sources == {"hotpotqa", "musique", "2wiki"}
+
+
+def test_keys_a_loader_would_ignore_are_errors():
+    with pytest.raises(DataError, match="data.sources is read by data.dataset=mixed only"):
+        load_samples(DataConfig(sources=[{"dataset": "hotpotqa"}]), "train", words)
+    with pytest.raises(DataError, match="data.hub is read by hotpotqa, musique, 2wiki, jsonl only"):
+        load_samples(DataConfig(dataset="babilong", hub="x/y"), "train", words)

@@ -13,6 +13,7 @@ __all__ = ["DataError", "Sample", "load_samples", "register_loader", "LOADERS"]
 # name -> fn(cfg, split, count) -> list[Sample]
 Loader = Callable[[DataConfig, str, TokenCounter], list[Sample]]
 LOADERS: dict[str, Loader] = {}
+HUB_DATASETS = ("hotpotqa", "musique", "2wiki", "jsonl")  # the loaders that read data.hub (qrag.data.hf)
 
 
 def register_loader(name: str) -> Callable[[Loader], Loader]:
@@ -43,6 +44,11 @@ def load_samples(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sampl
     _register_optional_loaders()
     if cfg.dataset not in LOADERS:
         raise DataError(f"unknown dataset {cfg.dataset!r} (known: {', '.join(sorted(LOADERS))})")
+    # Keys a loader would ignore are errors, not silent no-ops.
+    if cfg.sources and cfg.dataset != "mixed":
+        raise DataError(f"data.sources is read by data.dataset=mixed only (dataset is {cfg.dataset!r})")
+    if cfg.hub and cfg.dataset not in HUB_DATASETS:
+        raise DataError(f"data.hub is read by {', '.join(HUB_DATASETS)} only (dataset is {cfg.dataset!r})")
     samples = LOADERS[cfg.dataset](cfg, split, count)
     if not samples:
         raise DataError(f"dataset {cfg.dataset!r} ({cfg.path or 'default path'}) has no records in split {split!r}")
