@@ -90,7 +90,9 @@ class Shard:
         ("over_budget", (corpus, need, budget)): plain data, so the ingress sees the reason
         whatever Ray does to exception types."""
         try:
-            cs = await asyncio.get_running_loop().run_in_executor(self.loader, self.holder.ensure, corpus, uid, version)
+            cs = self.holder.loaded(corpus, uid, version)
+            if cs is None:  # load (or catch up) in the loader threads, never in the queries' way
+                cs = await asyncio.get_running_loop().run_in_executor(self.loader, self.holder.ensure, corpus, uid, version)
             return "ok", await asyncio.to_thread(cs.topk, states, selected, n_total, k)
         except ShardUnhealthy as exc:
             return "unhealthy", [asdict(p) for p in exc.problems]

@@ -67,6 +67,15 @@ class ShardHolder:
     def _slots(self, shards: int) -> range:
         return range(self.slot, shards, self.holders)
 
+    def loaded(self, corpus: str, uid: str, version: int) -> CorpusShards | None:
+        """The corpus if it is in memory and current (no I/O: callers answer from here at once)."""
+        with self._lock:
+            cs = self.corpora.get(corpus)
+            if cs is None or cs.uid != uid or cs.version < version or cs.problems:
+                return None
+            self.corpora.move_to_end(corpus)
+            return cs
+
     def ensure(self, corpus: str, uid: str, version: int) -> CorpusShards:
         """The corpus loaded up to ``version`` (the caller's manifest), within the budget."""
         self._sweep()
