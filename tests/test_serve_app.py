@@ -1,7 +1,7 @@
 """The Ray Serve retriever end to end on 127.0.0.1: a relative-positions checkpoint, a
-multi-document corpus in 2 shards, answers identical to the offline search, a bounded mixed
-load of good and malformed requests, overload, a killed replica, Prometheus metrics, and the
-web page driven in headless Chromium."""
+multi-document corpus in 2 shards behind 2 ingress replicas with API keys, answers identical to
+the offline search, hostile traffic (malformed input, strangers, floods of indexing jobs),
+overload, a killed replica, Prometheus metrics, and the web page driven in headless Chromium."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ pytest.importorskip("ray.serve")
 from qrag.checkpoint import load_qnet, save_checkpoint, untrained_qnet  # noqa: E402
 from qrag.config import SearchConfig, load_config  # noqa: E402
 from qrag.data.sample import Sample  # noqa: E402
+from qrag.distributed.serving import PROXY_CALLBACK  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 from qrag.search import Retriever  # noqa: E402
 from qrag.service_config import ServeConfig  # noqa: E402
@@ -34,6 +35,8 @@ from test_index import make_documents  # noqa: E402
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 24
+READ_KEY, WRITE_KEY = "serve-test-read-" + "r" * 16, "serve-test-write-" + "w" * 16
+READ, WRITE = {"authorization": f"Bearer {READ_KEY}"}, {"authorization": f"Bearer {WRITE_KEY}"}
 QUESTIONS = [
     "who met the painter near the harbour", "where is the castle of the queen", "the ship and the lamp",
     "a film about the war", "the singer in the garden", "which king met the river", "novel of the forest", "the city lamp",
@@ -67,15 +70,20 @@ def app(checkpoint, tmp_path_factory):
     port, metrics_port = free_port(), free_port()
     storage = tmp_path_factory.mktemp("serve") / "indexes"
     args = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())["applications"][0]["args"]
-    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, chunk_tokens=CHUNK_TOKENS,
-                max_ongoing_requests=4, max_queued_requests=4, max_body_bytes=100_000, state_batch_wait_s=0.001)
+    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, chunk_tokens=CHUNK_TOKENS, ingress_replicas=2,
+                max_ongoing_requests=4, max_queued_requests=4, max_body_bytes=100_000, state_batch_wait_s=0.001,
+                max_jobs=6, max_jobs_per_corpus=3, shard_memory_bytes=64 * 2**20, max_documents=500)
     cfg = ServeConfig(**args)
+    # The keys reach the replicas the way a Kubernetes Secret does: in their environment.
+    saved = {k: os.environ.get(k) for k in ("QRAG_API_KEYS", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH")}
+    os.environ["QRAG_API_KEYS"] = f"{READ_KEY}:read,{WRITE_KEY}:write"
+    os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = PROXY_CALLBACK  # the proxy drops timeout-lifting headers
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, configure_logging=False,
              _metrics_export_port=metrics_port, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": 60})
         serve.run(build(args), name="qrag", route_prefix="/")
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=WRITE)
         docs = [{"id": d.id, "text": d.text} for d in make_documents(16)]
         assert client.post("/v1/corpora", json={"name": "books", "documents": docs[:10]}).status_code == 201
         r = client.post("/v1/corpora/books/documents", json={"documents": docs[10:], "wait": False})
@@ -92,6 +100,11 @@ def app(checkpoint, tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
@@ -159,44 +172,170 @@ def bad_requests() -> list[tuple[bytes, dict[str, str], int]]:
     return cases
 
 
-def test_mixed_load_of_good_and_malformed_requests(app, offline):
-    """>= 1000 requests, 4 at a time: every good answer is the offline answer, every bad one a 4xx."""
+def hostile_requests() -> list[tuple[str, str, bytes, dict[str, str], set[int]]]:
+    """(method, path, body, headers, allowed statuses) of the hostile classes of issue 13."""
+    j = {"content-type": "application/json"}
+    r, w = {**j, **READ}, {**j, **WRITE}
+
+    def post(path, payload, headers, *statuses):
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return ("POST", path, body, headers, set(statuses))
+
+    tiny_docs = {"documents": [{"id": str(i), "text": "a"} for i in range(1200)]}
+    cases = [post("/v1/retrieve", body, {**headers, **READ}, status) for body, headers, status in bad_requests()]
+    cases += [
+        post("/v1/retrieve", f'{{"corpus": "books", "question": "q", "stop_threshold": 1{"0" * 400}}}'.encode(), r, 422),
+        post("/v1/retrieve", b'{"corpus": "books", "question": "q", "stop_threshold": 1e400}', r, 422),
+        post("/v1/retrieve", {"context": "A short text. Another one.", "question": "q", "chunk_tokens": 512}, r, 422),
+        post("/v1/retrieve", {"context": "w" * 30_000, "question": "q"}, r, 422),
+        post("/v1/retrieve", {"corpus": "books\n", "question": "q"}, r, 422),
+        post("/v1/retrieve", {"corpus": "books", "question": "q"}, j, 401),
+        post("/v1/retrieve", {"corpus": "books", "question": "q"}, {**j, "authorization": "Bearer guessed-key"}, 401),
+        post("/v1/corpora", {"name": "intruder", "documents": [{"id": "x", "text": "Poison."}]}, j, 401),
+        post("/v1/corpora", {"name": "intruder", "documents": [{"id": "x", "text": "Poison."}]}, r, 403),
+        post("/v1/corpora", b'{"name": "intruder"}', WRITE, 415),
+        post("/v1/corpora", b"name=intruder", {**WRITE, "content-type": "application/x-www-form-urlencoded"}, 415),
+        post("/v1/corpora", b'{"name": "intruder"}', {**WRITE, "content-type": "text/plain"}, 415),
+        post("/v1/corpora", {"name": "intruder"}, {**w, "origin": "http://evil.example"}, 403),
+        post("/v1/corpora", {"name": "books\n"}, w, 422),
+        post("/v1/corpora", {"name": "c511", "chunk_tokens": 511}, w, 422),
+        post("/v1/corpora", {"name": "books"}, w, 409),
+        post("/v1/corpora/books/reindex", {}, r, 403),
+        post("/v1/corpora/books/reindex", b"", WRITE, 415),
+        post("/v1/corpora/flood/documents", b'{"documents": [{"id": "s\\ud800", "text": "A text."}]}', w, 422),
+        post("/v1/corpora/flood/documents", b'{"documents": [{"id": "n\\u0000", "text": "A text."}]}', w, 422),
+        post("/v1/corpora/flood/documents", {"documents": [{"id": "long", "text": "z" * 30_000}]}, w, 422),
+        post("/v1/corpora/flood/documents", tiny_docs, w, 413),
+        post("/v1/corpora/nope/documents", {"documents": [{"id": "d", "text": "A text."}]}, w, 404),
+        ("DELETE", "/v1/corpora/books", b"", {}, {401}),
+        ("DELETE", "/v1/corpora/books", b"", READ, {403}),
+        ("GET", "/v1/corpora", b"", {**READ, "host": "evil.example"}, {421}),
+        ("GET", "/v1/corpora/nope", b"", READ, {404}),
+        ("GET", "/v1/jobs/0123456789abcdef", b"", READ, {404}),
+        ("GET", "/v1/jobs/..%2F..%2Fetc", b"", READ, {404}),
+    ]
+    return cases
+
+
+def _replica_rss() -> int:
+    """Resident memory of the app's Serve replicas (ingress, encoder, shards)."""
+    import psutil
+
+    total = 0
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any("ServeReplica:qrag" in part for part in proc.info["cmdline"] or []):
+                total += proc.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def test_hostile_traffic_against_two_ingress_replicas(app, offline):
+    """>= 1000 requests, 6 at a time, against 2 ingress replicas: good retrievals (also with a
+    header that tries to lift the timeout) equal the offline answers; every hostile class of
+    issue 13 gets its 4xx; floods of wait:false appends, wait:true appends and re-indexes get
+    202/200 or 429/409; every job id answers on every replica and ends done or failed with a
+    reason; no 5xx but 503; replica memory stays bounded; both corpora are whole afterwards."""
+    client = app["client"]
+    assert client.post("/v1/corpora", json={"name": "flood", "documents": [{"id": "seed", "text": "The seed document. It is short."}]}).status_code == 201
     expected = {q: offline(q, SearchConfig(max_steps=2)).selected for q in QUESTIONS}
-    bad = bad_requests()
-    rng = random.Random(0)
-    plan = [("good", rng.choice(QUESTIONS)) for _ in range(450)] + [("bad", rng.randrange(len(bad))) for _ in range(560)]
+    hostile = hostile_requests()
+    rng = random.Random(13)
+    plan = ([("good", rng.choice(QUESTIONS)) for _ in range(420)] + [("hostile", rng.randrange(len(hostile))) for _ in range(430)]
+            + [("append", i) for i in range(110)] + [("append_wait", i) for i in range(30)] + [("reindex", i) for i in range(40)])
     rng.shuffle(plan)
-    outcomes = []
+    plan += [("poll", i) for i in range(60)]  # after the floods, jobs are asked for on any replica
+    rss_before = _replica_rss()
+    outcomes, jobs, acked = [], {}, set()
 
     async def main():
-        limit = asyncio.Semaphore(4)
-        async with httpx.AsyncClient(base_url=app["url"], timeout=120) as client:
+        limit = asyncio.Semaphore(6)
+        async with httpx.AsyncClient(base_url=app["url"], timeout=120) as c:
             async def one(kind, what):
                 async with limit:
+                    ok = False
                     if kind == "good":
-                        r = await client.post("/v1/retrieve", json={"corpus": "books", "question": what, "max_steps": 2})
-                        ok = r.status_code == 200 and [s["chunk_id"] for s in r.json()["steps"]] == expected[what]
-                    else:
-                        body, headers, status = bad[what]
-                        r = await client.post("/v1/retrieve", content=body, headers=headers)
-                        ok = r.status_code == status and r.json()["error"]["status"] == status
+                        headers = {**READ, "x-request-timeout-seconds": "0"} if what == QUESTIONS[0] else READ
+                        r = await c.post("/v1/retrieve", json={"corpus": "books", "question": what, "max_steps": 2}, headers=headers)
+                        ok = (r.status_code == 200 and [s["chunk_id"] for s in r.json()["steps"]] == expected[what]) or r.status_code == 503
+                    elif kind == "hostile":
+                        method, path, body, headers, allowed = hostile[what]
+                        r = await c.request(method, path, content=body or None, headers=headers)
+                        ok = r.status_code in allowed and r.json()["error"]["status"] == r.status_code
+                    elif kind in ("append", "append_wait"):
+                        docs = [{"id": f"{kind}-{what}-{k}", "text": f"Flood document {what} part {k}. The {QUESTIONS[k % 8]}."} for k in range(2)]
+                        r = await c.post("/v1/corpora/flood/documents", json={"documents": docs, "wait": kind == "append_wait"}, headers=WRITE)
+                        ok = r.status_code in (200, 202, 429, 503)
+                        if r.status_code in (200, 202):
+                            jobs[r.json()["job"]["id"]] = [d["id"] for d in docs]
+                        if r.status_code == 200:
+                            acked.update(d["id"] for d in docs)
+                    elif kind == "reindex":
+                        r = await c.post("/v1/corpora/flood/reindex", json={}, headers=WRITE)
+                        ok = r.status_code in (202, 409, 429, 503)
+                        if r.status_code == 202:
+                            jobs[r.json()["job"]["id"]] = []
+                    else:  # poll a job this test was given, whichever replica answers
+                        ids = sorted(jobs)
+                        r = await c.get(f"/v1/jobs/{ids[what % len(ids)]}", headers=READ)
+                        ok = (r.status_code == 200 and r.json()["state"] in ("queued", "running", "done", "failed")) or r.status_code == 503
+                    if r.status_code == 503:
+                        ok = ok and r.headers.get("retry-after") is not None
                     outcomes.append((kind, what, r.status_code, ok, r.text[:200]))
 
-            await asyncio.gather(*(one(k, w) for k, w in plan))
+            await asyncio.gather(*(one(k, w) for k, w in plan if k != "poll"))
+            await asyncio.gather(*(one(k, w) for k, w in plan if k == "poll"))
 
     t0 = time.perf_counter()
     asyncio.run(main())
     seconds = time.perf_counter() - t0
     failures = [o for o in outcomes if not o[3]]
     assert len(outcomes) >= 1000 and not failures, failures[:5]
-    print(f"mixed load: {len(outcomes)} requests in {seconds:.1f} s")
+    assert not [o for o in outcomes if o[2] >= 500 and o[2] != 503]
+    codes = {}
+    for kind, _, status, _, _ in outcomes:
+        codes.setdefault(kind, {}).setdefault(status, 0)
+        codes[kind][status] += 1
+    assert codes["good"].get(200, 0) >= 0.9 * sum(codes["good"].values()), codes["good"]
+    assert codes["append"].get(202) and codes["append"].get(429), codes["append"]  # admitted, then bounded
+    assert codes["poll"].get(200, 0) >= 0.8 * sum(codes["poll"].values()) and not codes["poll"].get(404), codes["poll"]
+
+    # Every job ends, with a reason when it failed; no job is stuck "running".
+    deadline, final = time.time() + 180, {}
+    while time.time() < deadline and len(final) < len(jobs):
+        for job_id in set(jobs) - set(final):
+            state = client.get(f"/v1/jobs/{job_id}").json()
+            if state["state"] in ("done", "failed"):
+                final[job_id] = state
+        time.sleep(0.2)
+    assert len(final) == len(jobs), f"{len(jobs) - len(final)} jobs never ended"
+    assert all(s["error"] and s["error"]["message"] for s in final.values() if s["state"] == "failed")
+    done_docs = {d for job_id, docs in jobs.items() if final[job_id]["state"] == "done" for d in docs}
+    failed_docs = {d for job_id, docs in jobs.items() if final[job_id]["state"] == "failed" for d in docs}
+    assert acked <= done_docs
+
+    # The corpora are whole: exactly the documents of finished jobs, every file intact.
+    store = CorpusStore(app["storage"])
+    m = store.read("flood")
+    ids = set(store.doc_ids(m))
+    assert ids == {"seed"} | done_docs and not ids & failed_docs
+    assert all(store.read_segment(m, s, b)[1] is None for b in m.batches for s in range(m.shards))
+    assert client.post("/v1/retrieve", json={"corpus": "flood", "question": QUESTIONS[1]}).status_code == 200
+    for q in QUESTIONS[:3]:
+        assert [s["chunk_id"] for s in retrieve(client, question=q, max_steps=2).json()["steps"]] == expected[q]
+    assert client.get("/v1/corpora/books").json()["documents"] == 16
+    growth = _replica_rss() - rss_before
+    assert growth < 600 * 2**20, f"replicas grew by {growth / 2**20:.0f} MiB"
+    print(f"hostile traffic: {len(outcomes)} requests in {seconds:.1f} s; {len(jobs)} jobs "
+          f"({sum(s['state'] == 'done' for s in final.values())} done); replica RSS {growth / 2**20:+.0f} MiB; codes {codes}")
 
 
 def test_overload_answers_503_with_retry_after_and_keeps_serving(app):
     context = " ".join(d.text for d in make_documents(40, seed=5))
 
     async def main():
-        async with httpx.AsyncClient(base_url=app["url"], timeout=120) as client:
+        async with httpx.AsyncClient(base_url=app["url"], timeout=120, headers=READ) as client:
             slow = {"context": context, "question": "the painter", "max_steps": 8, "beam_width": 4}
             return await asyncio.gather(*(client.post("/v1/retrieve", json=slow) for _ in range(24)))
 
@@ -234,19 +373,31 @@ def test_killed_shard_replica_recovers_without_reembedding(app, offline):
     assert holders[1]["loaded_rows"] == holders[1]["rows"] > 0  # the new replica read its rows from disk
 
 
+GUARDED = ("401", "403", "413", "415", "421")
+
+
 def test_prometheus_metrics(app):
     client = app["client"]
     retrieve(client, question=QUESTIONS[2])
+    client.post("/v1/retrieve", content=b"{}", headers={"content-type": "text/plain"})  # 415
+    client.post("/v1/corpora", json={"name": "x"}, headers={"authorization": "Bearer wrong"})  # 401
+    client.post("/v1/corpora", json={"name": "x"}, headers=READ)  # 403
+    client.get("/v1/corpora", headers={"host": "evil.example"})  # 421
+    client.post("/v1/retrieve", json={"context": "x " * 60_000, "question": "q"})  # 413 from BodyGuard
     deadline, text = time.time() + 60, ""
     while time.time() < deadline:
         try:
             text = httpx.get(app["metrics"], timeout=10).text
         except httpx.HTTPError:
             text = ""
-        if "qrag_requests_total" in text and "qrag_retrieve_stage_seconds" in text:
+        counted = [line for line in text.splitlines() if "qrag_requests_total{" in line]
+        if "qrag_retrieve_stage_seconds" in text and all(any(f'status="{s}"' in line for line in counted) for s in GUARDED):
             break
         time.sleep(2)
     assert "qrag_requests_total" in text and "qrag_retrieve_stage_seconds_bucket" in text and "qrag_chunks_indexed_total" in text
+    counted = [line for line in text.splitlines() if "qrag_requests_total{" in line]
+    for status in GUARDED:  # the guards' refusals are counted too
+        assert any(f'status="{status}"' in line for line in counted), status
 
 
 def chromium_driver(tmp_path):
@@ -274,11 +425,13 @@ def test_web_page_in_headless_chromium(app, tmp_path):
 
     context = " ".join(d.text for d in make_documents(5, seed=9))
     question = "who met the singer near the lamp"
-    api = httpx.post(f"{app['url']}/v1/retrieve", json={"context": context, "question": question, "max_steps": 3, "return_chunks": True}, timeout=60).json()
+    api = httpx.post(f"{app['url']}/v1/retrieve", json={"context": context, "question": question, "max_steps": 3, "return_chunks": True},
+                     headers=READ, timeout=60).json()
     driver = chromium_driver(tmp_path)
     try:
         driver.get(app["url"] + "/")
         wait = WebDriverWait(driver, 60)
+        driver.find_element(By.ID, "api-key").send_keys(READ_KEY)  # the server has keys: reads need one
         wait.until(lambda d: "positions relative" in d.find_element(By.ID, "model").text)
         driver.execute_script("document.getElementById('context').value = arguments[0];", context)
         driver.find_element(By.ID, "question").send_keys(question)
