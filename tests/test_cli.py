@@ -37,6 +37,8 @@ def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
     assert out.returncode == 0, out.stderr
     final = json.loads(out.stdout.strip().splitlines()[-1])
     assert final["updates"] == 2 and 0 <= final["fact_em"] <= 1
+    # MLflow by default, as on Ray: the SQLite store beside the run (distributed.mlflow_uri=none: off)
+    assert final["mlflow_run_id"] and final["tracking_uri"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
     ck = tmp_path / "cli" / "final"
     res = tmp_path / "eval.json"
     ev = run(["eval", "--checkpoint", str(ck), "--limit", "6", "--steps", "3", "--beam", "2", "--out", str(res), "--device", "cpu"])
