@@ -27,7 +27,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter, Histogram
 
-from ..auth import key_table, startup_problem
+from ..auth import ApiKeyError, key_table, startup_problem
 from ..config import ModelConfig, from_dict, to_dict
 from ..embedder import Tokenization, load_embedding_model, resolve_source, source_identity
 from ..encoder import pick_device
@@ -278,7 +278,11 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir) -> None:
 
     from ..http_api import static_files
 
-    problem = startup_problem(host, key_table(cfg.api_keys), cfg.allow_unauthenticated)
+    try:
+        keys = key_table(cfg.api_keys)
+    except ApiKeyError as exc:
+        raise SystemExit(f"qrag serve: {exc}") from None
+    problem = startup_problem(host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
 
