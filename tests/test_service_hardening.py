@@ -533,3 +533,14 @@ def test_a_late_heartbeat_never_revives_an_ended_job(tmp_path):
     (board.root / "active" / f"{job.id}.json").write_text(json.dumps(running.__dict__))  # or just before it
     assert board.active() == [] and board.get(job.id).state == "done"
     assert not (board.root / "active" / f"{job.id}.json").exists()
+
+
+def test_a_slow_wait_true_job_answers_202_before_the_deadline(model, tmp_path, loop):
+    service = local_service(serve_cfg(tmp_path, job_wait_s=30.0, request_timeout_s=1.0), model)
+    client = make_client(service, loop)
+    assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(1)}).status_code == 201
+    gated = service.encoder = GatedEncoder(service.encoder)
+    r = client("POST", "/v1/corpora/books/documents", json={"documents": docs_json(3)[1:]})  # wait: true
+    assert r.status_code == 202 and r.json()["job"]["state"] in ("queued", "running")  # not the deadline's 503
+    loop.loop.call_soon_threadsafe(gated.gate.set)
+    assert wait_job(client, r.json()["job"]["id"])["state"] == "done"

@@ -322,7 +322,7 @@ def build_api(
 
     @api.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, None, str(exc.detail))
+        return _error(exc.status_code, "body" if exc.status_code == 400 else None, str(exc.detail))
 
     @api.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):

@@ -378,7 +378,8 @@ class RetrievalService:
             self.jobs.popitem(last=False)
         task = self._start(job, work(job))
         if wait:
-            await asyncio.wait({task}, timeout=self.cfg.job_wait_s)  # never cancels the job
+            # Answer (202) before the request deadline does (503); waiting never cancels the job.
+            await asyncio.wait({task}, timeout=min(self.cfg.job_wait_s, 0.8 * self.cfg.request_timeout_s))
             if job.state == "failed":
                 raise ServiceError(job.error["status"], job.error["field"], job.error["message"])
         try:

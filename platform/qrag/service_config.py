@@ -50,7 +50,7 @@ class ServeConfig:
     max_jobs: int = opt(16, "Indexing jobs queued or running at once over all corpora and replicas; more get 429 + Retry-After.")
     max_jobs_per_corpus: int = opt(4, "Indexing jobs queued or running at once per corpus; more get 429 + Retry-After.")
     job_workers: int = opt(2, "Indexing jobs one ingress replica runs at once (the others wait, queued).")
-    job_wait_s: float = opt(60.0, "How long a wait:true request waits for its job; past it the answer is 202 with the job, which goes on.")
+    job_wait_s: float = opt(30.0, "How long a wait:true request waits for its job; past it the answer is 202 with the job, which goes on (at most 80% of request_timeout_s).")
     job_heartbeat_s: float = opt(5.0, "How often a replica rewrites its running jobs' records (progress, liveness).")
     job_stale_s: float = opt(30.0, "A job record not rewritten for this long belongs to a stopped server: it is reported failed (interrupted).")
     shard_memory_bytes: int | None = opt(None, "Memory budget of each index-shard replica for loaded corpora (least recently used ones are evicted; a corpus that cannot fit gets 507); none = no limit.")

@@ -223,7 +223,8 @@ class CorpusStore:
 
     def path(self, name: str) -> Path:
         if not valid_name(name):
-            raise StoreError(f"invalid corpus name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+            shown = name[:80] if isinstance(name, str) else name
+            raise StoreError(f"invalid corpus name {shown!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
         return self.root / name
 
     @contextmanager
