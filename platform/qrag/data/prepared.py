@@ -252,19 +252,37 @@ def _quietly(fn: Any, *args: Any) -> Any:
 
 
 def _to_table(samples: Sequence[Sample], tokenized: Sequence[TokenizedSample]) -> Any:
+    """Columns built as Arrow arrays from flat numpy buffers (row by row conversion of ~10K small
+    arrays would cost as much as the tokenisation it saves)."""
     import datasets
+    import pyarrow as pa
 
-    features = datasets.Features({
-        "id": datasets.Value("string"), "question": datasets.Value("string"),
-        "chunks": datasets.List(datasets.Value("string")), "support": datasets.List(datasets.Value("int64")),
-        "answer": datasets.Value("string"), "meta": datasets.Value("string"),
-        "question_ids": datasets.List(datasets.Value("int32")),
-        "chunk_ids": datasets.List(datasets.List(datasets.Value("int32"))),
-    })
+    questions = [t.question for t in tokenized]
+    chunks = [c for t in tokenized for c in t.chunks]
     columns = {
-        "id": [s.id for s in samples], "question": [s.question for s in samples], "chunks": [s.chunks for s in samples],
-        "support": [list(s.support) for s in samples], "answer": [s.answer for s in samples],
-        "meta": [json.dumps(s.meta) for s in samples],
-        "question_ids": [t.question for t in tokenized], "chunk_ids": [t.chunks for t in tokenized],
+        "id": pa.array([s.id for s in samples], pa.string()),
+        "question": pa.array([s.question for s in samples], pa.string()),
+        "chunks": pa.array([s.chunks for s in samples], pa.list_(pa.string())),
+        "support": pa.array([list(s.support) for s in samples], pa.list_(pa.int64())),
+        "answer": pa.array([s.answer for s in samples], pa.string()),
+        "meta": pa.array([json.dumps(s.meta) for s in samples], pa.string()),
+        "question_ids": _list_array(questions),
+        "chunk_ids": pa.ListArray.from_arrays(_offsets([len(t.chunks) for t in tokenized]), _list_array(chunks)),
     }
-    return datasets.Dataset.from_dict(columns, features=features)
+    return datasets.Dataset.from_dict(columns)
+
+
+def _offsets(lengths: Sequence[int]) -> Any:
+    import pyarrow as pa
+
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return pa.array(out)
+
+
+def _list_array(arrays: Sequence[np.ndarray]) -> Any:
+    """list<int32> from numpy arrays, in one copy."""
+    import pyarrow as pa
+
+    values = np.concatenate(arrays).astype(np.int32, copy=False) if len(arrays) else np.zeros(0, np.int32)
+    return pa.ListArray.from_arrays(_offsets([len(a) for a in arrays]), pa.array(values))
