@@ -1,6 +1,6 @@
 """Train a Q-RAG retriever on HotpotQA on Ray (EnvRunner actors + a Ray Train learner, MLflow).
 
-    ray job submit --working-dir . -- python jobs/train_hotpot.py --base-dir "$PWD" [--config YAML] [key=value ...]
+    ray job submit --working-dir . -- python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs land in ~/ray_results
     python jobs/train_hotpot.py [--config YAML] [key=value ...]     # starts a local Ray on 127.0.0.1
 
 Default preset: configs/hotpot.yaml. `--help` lists every option and config key.

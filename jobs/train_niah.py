@@ -1,6 +1,6 @@
 """Train a Q-RAG retriever on the RULER needle-in-a-haystack mix (S1-S3, MK1-MK3, MV, MQ) on Ray.
 
-    ray job submit --working-dir . -- python jobs/train_niah.py --base-dir "$PWD" [key=value ...]
+    ray job submit --working-dir . -- python jobs/train_niah.py [key=value ...]   # runs land in ~/ray_results
     python jobs/train_niah.py [--tasks S1,MK2] [--config YAML] [key=value ...]   # local Ray on 127.0.0.1
 
 Default preset: configs/niah.yaml (all eight tasks, relative chunk positions, 2K-token contexts).

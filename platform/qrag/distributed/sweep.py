@@ -1,7 +1,7 @@
 """Hyperparameter sweeps: what ``tune/sweep.py`` runs, on Ray Tune or (``--local``) without Ray.
 
     python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml [key=value ...]   # a local Ray on 127.0.0.1
-    ray job submit --working-dir . -- python tune/sweep.py --base-dir "$PWD" --config tune/hotpot_alpha_lambda_tau.yaml
+    ray job submit --working-dir . -- python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml   # lands in ~/ray_results
     python tune/sweep.py --local --config tune/smoke.yaml              # no Ray, no MLflow: trials one by one
 
 Order of work, as for training jobs: read and check the sweep file, the training config and its
