@@ -9,7 +9,7 @@ does). Three kinds of run:
 * ``first``: this checkout with an empty data cache (parse, chunk, tokenise, write the cache);
 * ``cached``: this checkout again, reading the cache the ``first`` run wrote.
 
-Runs are interleaved (before, first, cached; before, first, cached; ...: each round with a new,
+Runs are interleaved (before, first, cached; first, before, cached; ...: each round with a new,
 empty cache) so that the load of a shared machine falls on all of them alike; the machine's load
 average is recorded with every run.
 
@@ -90,8 +90,12 @@ def main() -> None:
 
         for i in range(args.repeats):
             cache = Path(tmp) / f"cache{i}"  # empty: the first run of this round builds it
-            add("before", before_root, cache)
-            add("first", ROOT, cache)
+            if i % 2:  # alternate which of before / first runs first in a round
+                add("first", ROOT, cache)
+                add("before", before_root, cache)
+            else:
+                add("before", before_root, cache)
+                add("first", ROOT, cache)
             add("cached", ROOT, cache)
 
     def med(kind: str, key: str) -> float | None:
