@@ -14,17 +14,21 @@ mlflow (skinny is enough) is imported by this module only.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import mlflow.pyfunc
+import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 
 ARTIFACT = "checkpoint"
 MODEL_PATH = "model"  # where a run keeps its model (runs:/<run_id>/model)
+ENTRY = Path(__file__).with_name("mlflow_pyfunc_entry.py")  # models from code: nothing pickled
 
 
 def signature(max_steps: int, beam_width: int) -> ModelSignature:
@@ -57,7 +61,9 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
         qnet, self.tokenizer, self.layout, self.cfg = load_qnet(context.artifacts[ARTIFACT], device, with_targets=False)
         self.retriever = Retriever(qnet, self.layout, device, self.cfg.learner.encode_tokens)
 
-    def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    # A DataFrame hint: what pyfunc hands over after checking the signature (and no second,
+    # type-hint-inferred schema).
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         import dataclasses
 
         from .data.sample import Sample
@@ -92,12 +98,16 @@ def save_model(checkpoint: str | Path, path: str | Path) -> Path:
                 shutil.copytree(part, Path(tmp) / name)
             elif part.is_file():
                 shutil.copy2(part, Path(tmp) / name)
-        mlflow.pyfunc.save_model(
-            path=str(path), python_model=RetrieverModel(), artifacts={ARTIFACT: tmp},
-            signature=signature(cfg.search.max_steps, cfg.search.beam_width),
-            # Explicit: inferring them would import and time the model in a subprocess.
-            pip_requirements=[f"qrag=={__version__}", "mlflow-skinny", "torch", "transformers"],
-        )
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a job log is no terminal
+        with warnings.catch_warnings():
+            # The signature is given (no input example to run) and predict's rows are dicts, not typed.
+            warnings.filterwarnings("ignore", message=".*(input_example|type hints).*")
+            mlflow.pyfunc.save_model(
+                path=str(path), python_model=str(ENTRY), artifacts={ARTIFACT: tmp},
+                signature=signature(cfg.search.max_steps, cfg.search.beam_width),
+                # Explicit: inferring them would import and time the model in a subprocess.
+                pip_requirements=[f"qrag=={__version__}", "mlflow-skinny", "torch", "transformers"],
+            )
     return Path(path)
 
 
