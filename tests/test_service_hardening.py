@@ -520,6 +520,12 @@ def test_the_proxy_middleware_drops_timeout_headers(loop):
     headers = [(b"x-request-timeout-seconds", b"0"), (b"X-Request-Disconnect-Disabled", b"?1"), (b"host", b"127.0.0.1")]
     loop.run(wrapped({"type": "http", "headers": headers}, None, None))
     assert seen == {b"host": b"127.0.0.1"}
+    # The proxy loads it at start: without torch (seconds under load, and Serve kills a slow proxy).
+    import subprocess
+    import sys
+
+    probe = "import sys, qrag.distributed.proxy_guard; sys.exit('torch' in sys.modules or 'ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
 
 
 def test_a_late_heartbeat_never_revives_an_ended_job(tmp_path):

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from .auth import allows, scope_of
+from .http_headers import PAGE_HEADERS, strip_headers
 from .index.store import StoreError
 from .service import RetrievalService, RetrieveParams, ServiceError, os_error, store_error
 
@@ -87,15 +88,6 @@ def _error(status: int, field: str | None, message: str, headers: dict[str, str]
     return JSONResponse(ServiceError(status, field, message).body(), status_code=status, headers=headers)
 
 
-# Headers with which a client could lift Serve's request timeout or its disconnect handling.
-STRIPPED_HEADERS = (b"x-request-timeout-seconds", b"x-request-disconnect-disabled")
-# The web page loads only its own script and style, and may not be framed.
-PAGE_HEADERS = {
-    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
-    "x-frame-options": "DENY", "referrer-policy": "no-referrer", "cross-origin-opener-policy": "same-origin",
-}
-PUBLIC_PATHS = ("/", "/healthz", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
 # Posts that create documents: their document count is taken from the raw body first.
 DOCUMENT_POSTS = re.compile(r"^/v1/corpora(/[^/]+/documents)?/?$")
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -165,7 +157,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        scope["headers"] = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in STRIPPED_HEADERS]
+        scope["headers"] = strip_headers(scope.get("headers"))
         refusal = self._refusal(scope)
         if refusal is not None:
             return await refusal(scope, receive, send)

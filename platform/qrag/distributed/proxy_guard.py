@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from starlette.middleware import Middleware
 
-from ..http_api import STRIPPED_HEADERS
+from ..http_headers import strip_headers  # light: the proxy must not import torch
 
 
 class StripTimeoutHeaders:
@@ -20,7 +20,7 @@ class StripTimeoutHeaders:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            scope["headers"] = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in STRIPPED_HEADERS]
+            scope["headers"] = strip_headers(scope.get("headers"))
         await self.app(scope, receive, send)
 
 
