@@ -150,6 +150,13 @@ def test_served_answers_equal_offline_search(app, offline, search):
     assert stats["documents"] == 16 and stats["shards"] == 2 and stats["chunks"] == len(offline.chunks) and stats["bytes"] > 0
 
 
+def test_the_ingress_reads_the_address_it_is_served_on(app):
+    """What the refusal to serve a public address without keys is based on."""
+    from qrag.distributed.serving import _proxy_host
+
+    assert asyncio.run(_proxy_host()) == "127.0.0.1"
+
+
 def bad_requests() -> list[tuple[bytes, dict[str, str], int]]:
     """(body, headers, expected status) of malformed requests."""
     j = {"content-type": "application/json"}
