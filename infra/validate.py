@@ -373,6 +373,40 @@ def resources_at_min(cluster: dict) -> dict[str, float]:
     return total
 
 
+def resources_at_max(cluster: dict) -> dict[str, float]:
+    """What an autoscaling cluster can grow to: the head and every worker group at maxReplicas."""
+    head, workers = ray_groups(cluster)
+    total: dict[str, float] = {}
+    for g, count in [(head, 1)] + [(w, w.max) for w in workers]:
+        for k, v in g.resources().items():
+            total[k] = total.get(k, 0.0) + v * count
+    return total
+
+
+def check_autoscale_limits() -> list[str]:
+    """An autoscaling RayCluster tells job drivers its maximum (QRAG_AUTOSCALE_TO on the head,
+    read by qrag.distributed.placement.cluster_capacity); the cluster launcher says the same."""
+    problems = []
+    for doc in docs_of("RayCluster"):
+        spec = doc.body["spec"]
+        if not spec.get("enableInTreeAutoscaling"):
+            continue
+        want = resources_at_max(spec)
+        head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in head.get("env") or []}
+        try:
+            have = {k: float(v) for k, v in json.loads(env.get("QRAG_AUTOSCALE_TO") or "null").items()}
+        except (ValueError, AttributeError):
+            have = None
+        if have != want:
+            problems.append(f"{doc.where}: the head's QRAG_AUTOSCALE_TO {env.get('QRAG_AUTOSCALE_TO')} != the groups at maxReplicas {want}")
+        options = " ".join(yaml.safe_load((INFRA / "cluster.yaml").read_text())["docker"].get("run_options") or [])
+        found = re.search(r"QRAG_AUTOSCALE_TO='([^']*)'", options)
+        if not found or {k: float(v) for k, v in json.loads(found.group(1)).items()} != want:
+            problems.append(f"infra/cluster.yaml: docker.run_options QRAG_AUTOSCALE_TO != the RayCluster's maximum {want}")
+    return problems
+
+
 def ray_cluster_specs() -> list[tuple[str, dict]]:
     out = [(d.where, d.body["spec"]) for d in docs_of("RayCluster")]
     out += [(d.where, d.body["spec"]["rayClusterConfig"]) for d in docs_of("RayService")]
@@ -901,7 +935,7 @@ def check_scripts() -> list[str]:
 
 
 CHECKS = (check_schemas, check_kustomizations, check_references, check_ray_groups, check_rayjob, check_rayservice,
-          check_dockerfiles, check_images_and_versions, check_cluster_launcher, check_runtime_env, check_compose,
+          check_dockerfiles, check_images_and_versions, check_cluster_launcher, check_autoscale_limits, check_runtime_env, check_compose,
           check_mlflow_wiring, check_scripts)
 
 

@@ -106,6 +106,7 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
     # the RayService against the project and the GPUs
     (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=0.5)), "lets 2 shards share one GPU"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="models:/qrag-hotpot@staging")), "is not a model a RayJob registers"),
+    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(maxReplicas=9), "QRAG_AUTOSCALE_TO"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(encoder_replicas=2)), "some placement order leaves a shard without a GPU"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=None)), "set shard_gpus and encoder_gpus"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(shardz=2)), "unknown config key shardz"),

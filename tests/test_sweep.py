@@ -66,7 +66,7 @@ def with_(**changes) -> dict:
     (with_(space={"distributed.runners": {"choice": [1, 2]}}), "cannot vary distributed.runners"),
     (with_(space={}), "space: empty"),
     (with_(overrides={"eval_every": 0, "updates": 6, "data.val_fraction": 0.2}), "eval_every=0"),
-    (with_(overrides={"eval_every": 2, "updates": 6}), "never on dev"),
+    (with_(overrides={"eval_every": 2, "updates": 6, "data.val_fraction": 0.0}), "never on dev"),
     (with_(overrides={"eval_every": 2, "updates": 6, "data.val_fraction": 0.2, "checkpoint_every": 3}), "multiple of eval_every"),
     (with_(overrides={"eval_every": 2, "data.val_fraction": 0.2, "learner.alhpa": 1}), "overrides: unknown config key learner.alhpa"),
     (with_(scheduler={"reduction_factor": 1}), "scheduler.reduction_factor must be above 1"),

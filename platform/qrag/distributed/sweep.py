@@ -160,12 +160,13 @@ def run_on_ray(sweep: Sweep, address: str | None) -> tuple[list[TrialOutcome] | 
     from ray import tune
 
     from .sweep_tracking import mark_interrupted, open_parent, record_trials
-    from .sweep_tune import ASHA_STATE, TrialSetup, make_tuner, outcome_of, stopped_trials
+    from .sweep_tune import ASHA_STATE, TrialSetup, make_tuner, outcome_of, stopped_file, stopped_trials
 
     resuming = tune.Tuner.can_restore(sweep.tune_dir())
     check_same_sweep(sweep, resuming)
     if not resuming:
         Path(sweep.sweep_dir(), ASHA_STATE).unlink(missing_ok=True)  # left by a start that never got going
+        Path(stopped_file(str(Path(sweep.sweep_dir(), ASHA_STATE)))).unlink(missing_ok=True)
     started = connect(sweep, address)
     try:
         cluster = ray.cluster_resources()

@@ -8,7 +8,7 @@
   part of train) and checkpoints. The learner and its EnvRunners get their resources from
   Ray Train, so the trial itself reserves only a sliver of a CPU (``resources.trial_cpus``).
 * **Scheduler.** Ray's ASHA on ``update`` (time) and the sweep metric, with two additions: its
-  rungs are saved in ``<sweep>/asha_state.pkl`` after every decision (``Tuner.restore`` would
+  rungs are saved in ``<sweep>/asha_state.pkl`` (Tune's public ``TrialScheduler.save``) after every decision (``Tuner.restore`` would
   otherwise start them empty), and it never stops a trial at its last update, which would cut
   off the final checkpoint and the trial's MLflow record.
 * **Resume.** The trial's Train run lives at a path that depends on the trial id only; a
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray.tune as tune
@@ -92,18 +92,24 @@ class ResumableASHA(AsyncHyperBandScheduler):
         self.stopped: list[str] = []  # trials this scheduler stopped (saved with the rungs)
 
     def _restore_once(self) -> None:
+        """Tune's public scheduler checkpoint (``TrialScheduler.restore``), keeping our own settings."""
         if self._restored:
             return
-        self._restored = True
+        own = {k: getattr(self, k) for k in self._OWN}
         if os.path.isfile(self._state_file):
-            with open(self._state_file, "rb") as fh:
-                self.__dict__.update(pickle.load(fh))
+            self.restore(self._state_file)
+        for key, value in own.items():
+            setattr(self, key, value)
+        self._restored = True
 
     def _persist(self) -> None:
         tmp = f"{self._state_file}.tmp"
-        with open(tmp, "wb") as fh:
-            pickle.dump({k: v for k, v in self.__dict__.items() if k not in self._OWN}, fh)
+        self.save(tmp)  # TrialScheduler.save: public, and whatever ASHA needs to resume
         os.replace(tmp, self._state_file)
+        # What the sweep's report needs, in a file of our own (not inside Tune's checkpoint).
+        stopped = stopped_file(self._state_file)
+        Path(f"{stopped}.tmp").write_text(json.dumps(self.stopped))
+        os.replace(f"{stopped}.tmp", stopped)
 
     def on_trial_add(self, tune_controller, trial) -> None:
         self._restore_once()
@@ -125,13 +131,14 @@ class ResumableASHA(AsyncHyperBandScheduler):
         self._persist()
 
 
+def stopped_file(state_file: str) -> str:
+    return os.path.join(os.path.dirname(state_file), "asha_stopped.json")
+
+
 def stopped_trials(sweep: Sweep) -> set[str]:
-    """Ids of the trials the scheduler stopped (from its saved state)."""
-    path = os.path.join(sweep.sweep_dir(), ASHA_STATE)
-    if not os.path.isfile(path):
-        return set()
-    with open(path, "rb") as fh:
-        return set(pickle.load(fh).get("stopped", []))
+    """Ids of the trials the scheduler stopped."""
+    path = stopped_file(os.path.join(sweep.sweep_dir(), ASHA_STATE))
+    return set(json.loads(Path(path).read_text())) if os.path.isfile(path) else set()
 
 
 def tune_domain(dim: Dimension) -> Any:
