@@ -21,8 +21,10 @@ enough; nothing here imports Ray, and mlflow is imported only when tracking is o
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -254,6 +256,12 @@ class RunTracker:
         """``resuming`` (``--resume``) continues the MLflow run of ``run_dir``, as a resubmitted Ray run does."""
         uri = tracking_uri(cfg)
         if uri is None:
+            return cls(cfg, None, None)
+        if importlib.util.find_spec("mlflow") is None:  # the core install has no MLflow
+            if cfg.distributed.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+                raise ConfigError(f"MLflow tracking to {uri} needs mlflow-skinny (pip install 'qrag[ray]'), "
+                                  "or switch it off with distributed.mlflow_uri=none")
+            sys.stderr.write("train: no MLflow tracking (mlflow-skinny is not installed)\n")
             return cls(cfg, None, None)
         return cls(cfg, uri, open_run(cfg, uri, run_dir, cfg.name, resuming=resuming))
 
