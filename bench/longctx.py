@@ -36,7 +36,7 @@ from bench_common import machine_info  # noqa: E402
 
 PRESETS = {"qa1": "babilong-qa1.yaml", "qa2": "babilong-qa2.yaml", "qa3": "babilong-qa3.yaml",
            "qa4": "babilong-qa4.yaml", "qa5": "babilong-qa5.yaml", "niah": "niah.yaml"}
-BABILONG_LENGTHS = "4k,32k,128k,1m,10m"
+BABILONG_LENGTHS = "1k,4k,32k,128k,1m,10m"
 NIAH_LENGTHS = "4k,32k,128k,1m"
 # What --pack-assets copies (sizes stored): bAbI qa1-qa5 (<1 MB), training books that hold the
 # 2M-token training haystack, evaluation books (a 10M-token context wraps around them).
@@ -58,6 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--questions-10m", type=int, default=20, help="BabiLong questions at 10M tokens (default 20)")
     p.add_argument("--niah-questions", type=int, default=25, help="questions per NIAH task and length (default 25)")
     p.add_argument("--train-tokens", type=int, default=2048, help="training context length (default 2048)")
+    p.add_argument("--val-questions", type=int, default=100,
+                   help="validation questions (held out of train) that choose the learned Q-threshold stop (default 100; 0 = off)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
     p.add_argument("--runs", default=str(ROOT / "runs" / "bench-longctx"), help="checkpoints folder")
@@ -165,11 +167,14 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     return {
         "checkpoint": out["checkpoint"], "updates": out["updates"], "seconds": round(train_s, 1),
         "data_seconds": round(data_s, 1), "seconds_per_update": round(per_update, 3),
+        "episodes_per_s": round(cfg.learner.episodes_per_update / per_update, 1),
         "episodes_per_update": cfg.learner.episodes_per_update,
         "train_return_last": sum(h["train/return"] for h in last) / max(1, len(last)),
         "dev_fact_f1": out["eval"]["fact_f1"], "dev_fact_em": out["eval"]["fact_em"],
         "config": {"context_tokens": cfg.data.context_tokens, "positions": cfg.model.positions, "env.max_steps": cfg.env.max_steps,
-                   "lr": cfg.learner.lr, "samples_per_task": cfg.data.samples_per_task},
+                   "lr": cfg.learner.lr, "alpha": cfg.learner.alpha, "value_top_k": cfg.learner.value_top_k,
+                   "credit": cfg.env.credit, "samples_per_task": cfg.data.samples_per_task, "overrides": list(args.overrides)},
+        "selected_on": "settings chosen on validation questions (bench/results/longctx_select_qa3_h100.json); final weights, no checkpoint selection",
     }, cfg
 
 
@@ -207,7 +212,7 @@ def evaluate(task: str, checkpoint: str, cfg, args: argparse.Namespace, device, 
             return args.niah_questions
         return args.questions_10m if length >= 10 * 2**20 else args.questions
 
-    return run_sweep(models, cfg, tasks, lengths, samples, split="dev", device=device, log=log)
+    return run_sweep(models, cfg, tasks, lengths, samples, split="dev", device=device, val_samples=args.val_questions, log=log)
 
 
 def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
