@@ -69,6 +69,11 @@ def _rank(beam: _Beam) -> tuple[float, float]:
     return (-beam.score, -(beam.steps[-1].q if beam.steps else float("inf")))
 
 
+def best_path(beams: Sequence[_Beam]) -> _Beam:
+    """The path search returns: the best by :func:`_rank` (offline search and the sharded index alike)."""
+    return min(beams, key=_rank)
+
+
 def beam_rule(name: str):
     if name not in BEAM_SCORES:
         raise ValueError(f"search.beam_score must be one of {', '.join(BEAM_SCORES)}, got {name!r}")
@@ -209,7 +214,7 @@ class Retriever:
         results = []
         seconds = (time.perf_counter() - t0) / len(samples)
         for i, sample in enumerate(samples):
-            best = min((b for b in beams if b.sample == i), key=_rank)
+            best = best_path([b for b in beams if b.sample == i])
             stopped = best.finished and len(best.steps) < min(cfg.max_steps, sample.n_chunks)
             results.append(Retrieval(sample.id, best.steps, stopped_early=stopped, seconds=seconds))
         return results

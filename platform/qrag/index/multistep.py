@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..config import SearchConfig
-from ..search import Retrieval, Retriever, _Beam
+from ..search import Retrieval, Retriever, _Beam, best_path
 from ..tokens import TokenLayout
 from .shards import ShardHits, merge_hits
 from .store import ChunkRecord, StoreError
@@ -58,7 +58,7 @@ class SearchRun:
         self.steps_done += 1
 
     def result(self, sample_id: str = "", seconds: float = 0.0) -> Retrieval:
-        best = max(self.beams, key=lambda b: b.score)
+        best = best_path(self.beams)  # the offline search's rule and tie-break
         stopped = best.finished and len(best.steps) < min(self.cfg.max_steps, self.n_total)
         return Retrieval(sample_id, best.steps, stopped_early=stopped, seconds=seconds)
 
