@@ -38,7 +38,7 @@ class DataConfig:
     sources: list[dict[str, Any]] = opt([], "dataset=mixed: the datasets mixed into one, each {dataset, path?, hub?, train: train|all|none, dev: dev|none, max_support?}. "
                                            "'train' = which of the source's own splits goes into the mixed train split (default train), 'dev' likewise for dev (default dev); "
                                            "relative paths are under $QRAG_DATA_DIR; max_support leaves out records with more support chunks (e.g. more hops than env.max_steps). See configs/hotpot-mixed.yaml.")
-    cache_dir: str | None = opt(None, "Arrow cache of chunked, tokenised splits (keyed by tokenizer, chunking settings and the source files): null = $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.")
+    cache_dir: str | None = opt(None, "Arrow cache of chunked, tokenised splits (keyed by tokenizer, chunking settings and the source files): null = $QRAG_DATA_CACHE, else $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.")
     dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
     val_fraction: float = opt(0.0, "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = periodic evaluation on dev (then keep_best is an error).")
     chunk_tokens: int = opt(220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64).")
