@@ -219,8 +219,9 @@ def test_training_logs_to_a_real_mlflow_server(cluster, mlflow_server, tiny_enco
     # Artifacts went through the server (proxied) into its artifact store, not onto the client's disk.
     files = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")}
     assert {"checkpoint/qrag.json", "checkpoint/state_encoder", "checkpoint/action_encoder", "checkpoint/tokenizer"} <= files
-    stored = list(mlflow_server["artifacts"].rglob("qrag.json"))
-    assert len(stored) == 1 and run.info.run_id in str(stored[0])
+    stored = list(mlflow_server["artifacts"].rglob("qrag.json"))  # checkpoint/ and the pyfunc model's copy
+    assert len(stored) == 2 and all(run.info.run_id in str(p) for p in stored)
+    assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert not (out / "mlflow.db").exists() and not (out / "mlruns").exists()
     # What Serve does with `checkpoint: runs:/<run>/checkpoint`: download it and load the model.
     source = resolve_source(f"runs:/{run.info.run_id}/checkpoint", cache_dir=tmp_path / "models", tracking_uri=url)

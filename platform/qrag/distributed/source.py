@@ -28,7 +28,7 @@ from ..tokens import TokenizedSample, TokenLayout
 from .faults import FaultPlan
 from .placement import runner_resources
 from .episodes import EpisodeBatch
-from .runner import EnvRunner
+from . import runner as runner_impl
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,9 @@ def episodes_per_request(cfg: TrainConfig) -> int:
     return d.envs_per_runner or -(-cfg.learner.episodes_per_update // max(1, d.runners))
 
 
-class _Runner(EnvRunner):
-    """The actor: an EnvRunner whose answers name the process that computed them."""
+class EnvRunner(runner_impl.EnvRunner):
+    """The actor (named EnvRunner in Ray's dashboard and state API): a runner whose answers name
+    the process that computed them."""
 
     def episodes_for_pid(self, k: int) -> tuple[int, EpisodeBatch]:
         return os.getpid(), self.episodes_for(k)
@@ -53,7 +54,7 @@ class RunnerPool:
         self.batch_size = cfg.learner.episodes_per_update
         self.per_request = episodes_per_request(cfg)
         self.depth = self.n * max(1, d.prefetch)
-        actor = ray.remote(_Runner).options(
+        actor = ray.remote(EnvRunner).options(
             num_cpus=d.runner_cpus, num_gpus=0, max_restarts=d.runner_max_restarts, max_task_retries=d.request_retries,
             resources=runner_resources(cfg),  # e.g. pinned to the CPU worker group (qrag.distributed.placement)
         )
