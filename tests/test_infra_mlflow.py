@@ -319,3 +319,9 @@ def test_local_train_registers_a_model_that_serves_by_alias(mlflow_server, tiny_
     source = resolve_source(uri, cache_dir=tmp_path / "models", tracking_uri=url)
     served = load_embedding_model(source, "cpu")
     assert served.info()["trained"] and served.model_cfg.encoder == tiny_encoder
+    # The alias moves to a new version: the next load follows it (the cache is per version).
+    from qrag.mlflow_model import register
+
+    assert register(client, run.info.run_id, "qrag-local", "champion") == "2"
+    moved = resolve_source(uri, cache_dir=tmp_path / "models", tracking_uri=url)
+    assert moved.directory != source.directory and (moved.directory / "qrag.json").is_file()

@@ -1,7 +1,8 @@
 """The retriever's encoders behind a token interface for indexing and serving.
 
 A model comes from a checkpoint directory, an MLflow URI (``runs:/<run_id>/<path>``,
-``models:/<name>/<version>``; downloaded once into a cache folder) or, with none given, the
+``models:/<name>/<version>``, ``models:/<name>@<alias>``; downloaded once per version into a
+cache folder) or, with none given, the
 bundled untrained encoder (positions off: a pretrained encoder knows nothing of rotations).
 """
 
@@ -57,11 +58,28 @@ def resolve_source(spec: str | None, encoder: str = "minilm", cache_dir: str | P
     return ModelSource(spec, path, encoder)
 
 
+def _pin_alias(uri: str, tracking_uri: str | None) -> str:
+    """``models:/<name>@<alias>`` -> ``models:/<name>/<version>`` the alias points at now, so that
+    the download cache follows the alias when it moves (a restart then serves the new version)."""
+    if not uri.startswith("models:/") or "@" not in uri:
+        return uri
+    from mlflow import MlflowClient  # noqa: PLC0415
+
+    name, _, rest = uri[len("models:/"):].partition("@")
+    alias, slash, path = rest.partition("/")
+    try:
+        version = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri).get_model_version_by_alias(name, alias).version
+    except Exception as exc:  # mlflow raises many types (MlflowException, OSError, ...)
+        raise CheckpointError(f"{uri}: cannot resolve the alias in the model registry: {exc}") from None
+    return f"models:/{name}/{version}{slash}{path}"
+
+
 def _download_mlflow(uri: str, cache_dir: Path, tracking_uri: str | None) -> Path:
     try:
         import mlflow.artifacts  # noqa: PLC0415 (heavy; only for MLflow URIs)
     except ImportError:
         raise CheckpointError(f"{uri}: loading MLflow URIs needs mlflow (pip install mlflow-skinny)") from None
+    uri = _pin_alias(uri, tracking_uri)
     target = cache_dir / hashlib.sha256(f"{tracking_uri}|{uri}".encode()).hexdigest()[:16]
     if not _find_checkpoint(target):
         target.mkdir(parents=True, exist_ok=True)
