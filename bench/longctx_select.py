@@ -37,13 +37,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--task", default="qa3", help="qa1..qa5 or niah")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:k=v,k=v",
                    help="a variant: a name and config overrides (repeat; 'NAME:' = the preset as it is)")
-    p.add_argument("--minutes-each", type=float, default=1.5, help="training time per variant")
+    p.add_argument("--minutes-each", type=float, default=1.5, help="training time per variant (its schedule is sized from the speed of updates 3-5)")
+    p.add_argument("--updates", type=int, default=0, help="train every variant for exactly this many updates instead (equal episodes: a fair ablation)")
     p.add_argument("--val-questions", type=int, default=200, help="validation questions scored per variant")
     p.add_argument("--assets", metavar="DIR", help="a folder made by bench/longctx.py --pack-assets")
     p.add_argument("--encoder")
     p.add_argument("--babi")
     p.add_argument("--novels")
     p.add_argument("--essays")
+    p.add_argument("--lengths", default="", help="also evaluate each trained variant on dev at these lengths "
+                   "(e.g. 4k,128k,1m; T = search.max_steps; reported once, never used for choosing)")
+    p.add_argument("--dev-questions", type=int, default=100, help="dev questions per length with --lengths")
+    p.add_argument("--table-out", help="with --lengths: also write the variants' length table here (qrag report reads it)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every variant")
@@ -106,6 +111,7 @@ def main(argv: list[str]) -> int:
         log(f"{label}: {result['variants'][-1]['val']}")
         del run
 
+    table_rows: list[dict] = []
     for name, overrides in variants:
         cfg = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides + overrides)
         run = TrainingRun(cfg, device=device, load_data=False)
@@ -118,30 +124,47 @@ def main(argv: list[str]) -> int:
         history, per_update = [], None
         budget = args.minutes_each * 60
         # The schedule's length (warm-up, decay, α annealing) is set from the measured speed.
+        if args.updates:
+            run.learner.total_updates = per_update = args.updates
         while True:
-            t1 = time.perf_counter()
             m = run.learner.train_update(source.next_batch())
-            if run.learner.update == 3:
-                per_update = (time.perf_counter() - started) / 3
-                run.learner.total_updates = max(4, int(budget / per_update))
+            if run.learner.update == 2:
+                timed = time.perf_counter()  # the first updates warm up kernels: time from here
+            if run.learner.update == 5 and not args.updates:
+                per_update = (time.perf_counter() - timed) / 3
+                run.learner.total_updates = max(6, int((budget - (time.perf_counter() - started)) / per_update) + 5)
             if run.learner.update % 5 == 0 or run.learner.update == 1:
                 d = m.as_dict()
                 history.append({"update": run.learner.update, **{k: round(float(d[k]), 4) for k in DIAGNOSTICS if k in d}})
             if run.learner.update >= run.learner.total_updates and per_update is not None:
                 break
-            del t1
         train_s = time.perf_counter() - started
         val = score(run)
+        if args.lengths:
+            from qrag.lengths import parse_length, sweep_model
+
+            ckpt = run.save(Path("/tmp/qrag-select") / name, resumable=False)
+            lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
+            rows = sweep_model(name, str(ckpt), run.cfg, [args.task] if args.task != "niah" else list(run.cfg.data.tasks),
+                               lengths, lambda n: args.dev_questions, split="dev", device=device, log=log)
+            table_rows.extend(rows)
         entry = {"name": name, "overrides": overrides, "updates": run.learner.update,
                  "episodes_per_s": round(run.learner.update * cfg.learner.episodes_per_update / train_s, 1),
                  "train_seconds": round(train_s, 1), "val": val, "history": history}
         result["variants"].append(entry)
         log(f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; last {history[-1] if history else {}}")
+        if table_rows:
+            result["dev_lengths"] = [{k: r[k] for k in ("model", "task", "length", "fact_em", "fact_f1", "oracle_fact_em",
+                                                         "oracle_fact_f1", "num_samples", "steps", "credit")} for r in table_rows]
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1) + "\n")
         del run, source
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
+    if args.table_out and table_rows:
+        from qrag.lengths import run_sweep_table, write_table
+
+        write_table(run_sweep_table(table_rows, cfg0, device), args.table_out)
     print(json.dumps({"written": str(out_path), "variants": [(v["name"], v["val"]) for v in result["variants"]]}))
     return 0
 

@@ -103,3 +103,28 @@ def test_sampling_respects_availability_and_top_k(tiny_encoder):
     assert set(actions.tolist()) == {1, 2}  # never the selected chunk 0, never outside the top-2
     greedy = learner.sample_actions(q, available, alpha=0.0)
     assert set(greedy.tolist()) == {1}
+
+
+def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatch):
+    """With model.dropout > 0: acting and V see deterministic encoders, the loss passes (states
+    and chosen chunks, with gradients) run in train mode, so dropout regularises both encoders.
+    (The state encoder used to stay in eval mode for its loss pass.)"""
+    import qrag.learner as learner_mod
+    from qrag.checkpoint import untrained_qnet
+
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1),
+                                       torch.device("cpu"), use_target=True)
+    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-3)
+    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu"))
+    modes: dict[str, set[bool]] = {}
+    real_encode = learner_mod.encode
+
+    def spy(model, seqs, **kw):
+        modes.setdefault(kw["kind"], set()).add(model.training)
+        return real_encode(model, seqs, **kw)
+
+    monkeypatch.setattr(learner_mod, "encode", spy)
+    learner.train_update(_episodes(tok, layout))
+    assert modes["states_grad"] == {True} and modes["chosen_chunks"] == {True}
+    assert modes["states"] == {False} and modes["chunks"] == {False}
+    assert modes["target_states"] == {False} and modes["target_chunks"] == {False}

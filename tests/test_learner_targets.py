@@ -215,8 +215,6 @@ def test_without_targets_v_uses_the_online_encoders(tiny_encoder, monkeypatch):
     _check_values(spy, _expected_next_q(learner, spy, *before), True, 0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="learner.py reads qnet.use_target only: with learner.use_target=false and a Q-network "
-                   "that has targets (e.g. resuming a checkpoint trained with them) V still comes from the targets")
 def test_use_target_false_in_the_config_uses_the_online_encoders(tiny_encoder, monkeypatch):
     learner, episodes, _ = make_learner(tiny_encoder, ENVS["never_terminate"], use_target=True, alpha=0.05)
     learner.cfg.use_target = False
@@ -258,9 +256,6 @@ def test_micro_batches_accumulate_the_gradient_of_one_batch(tiny_encoder):
     _assert_same_gradient(tiny_encoder, ENVS["never_terminate"])
 
 
-@pytest.mark.xfail(strict=True, reason="learner.py weights each micro-batch's mean over its transitions by its share of "
-                   "episodes: when episodes end at different steps the accumulated gradient is not that of the mean over "
-                   "all transitions of the batch")
 def test_micro_batches_accumulate_the_gradient_of_one_batch_when_episodes_differ_in_length(tiny_encoder):
     _assert_same_gradient(tiny_encoder, ENVS["terminate"])
 

@@ -96,6 +96,8 @@ class LearnerConfig:
     lam: float = opt(0.5, "λ of the λ-returns.")
     tau: float = opt(0.02, "EMA rate of the target encoders.")
     top_k: int = opt(32, "The Boltzmann policy considers the top-k available chunks.")
+    objective: str = opt("pqn", "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q (the paper's 'Multi-step RAG w. SFT' baseline).")
+    sft_temperature: float = opt(0.05, "objective=sft: softmax temperature over the chunks' Q.")
     value_top_k: int | None = opt(None, "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). Its entropy bonus is up to α·ln k.")
     episodes_per_update: int = opt(96, "Episodes per optimiser update (paper: 12 x 8 accumulation).")
     micro_batch: int = opt(12, "Episodes per forward/backward; gradients are accumulated over the update.")

@@ -180,17 +180,21 @@ class SoftPQNLearner:
         )
         return self.qnet.finish(pooled)
 
-    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float, weight: float) -> dict[str, float]:
+    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict[str, float]:
+        """Roll out one micro-batch and back-propagate the *sum* of its transitions' losses
+        (``train_update`` divides by the update's transition count: the mean over the batch)."""
         cfg, qnet, dev = self.cfg, self.qnet, self.device
         env = RetrievalEnv(episodes, self.env_cfg, self.layout)
         m, horizon = len(episodes), self.env_cfg.max_steps
-        target_state_enc, target_action_enc = qnet.target_encoders()
+        use_target = cfg.use_target and qnet.use_target  # the config can ablate targets a checkpoint has
+        target_state_enc, target_action_enc = (
+            qnet.target_encoders() if use_target else (qnet.state_encoder, qnet.action_encoder))
 
         flat_chunks = [c for s in episodes for c in s.chunks]
         qnet.action_encoder.eval()  # acting sees the deterministic encoder
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat_chunks, kind="chunks"), env.n_chunks)
         qnet.action_encoder.train()
-        if qnet.use_target:
+        if use_target:
             target_chunk_vecs = pad_rows(self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks)
         else:
             target_chunk_vecs = chunk_vecs
@@ -264,10 +268,10 @@ class SoftPQNLearner:
             qnet.state_encoder.train()  # the loss pass is regularised like the action encoder's
             state_vecs_all = self._embed(qnet.state_encoder, state_seqs, grad=True, kind="states_grad")
         q_taken = QNetwork.pair_scores(state_vecs_all, actions_vecs)  # [K, 2]
-        loss = ((q_taken - targets.unsqueeze(1)) ** 2).mean(0).sum()
-        self._backward(loss * weight)
+        loss_sum = ((q_taken - targets.unsqueeze(1)) ** 2).sum()
+        self._backward(loss_sum)
         return {
-            "loss": float(loss.detach()),
+            "loss_sum": float(loss_sum.detach()),
             "q_taken": float(q_taken.detach().mean()),
             "target": float(targets.mean()),
             "episode_return": float(env.episode_return.mean()),
@@ -309,11 +313,16 @@ class SoftPQNLearner:
         diag = Diagnostics()
         for part in parts:
             weight = len(part) / len(episodes)
-            out = self._rollout_and_backward(part, alpha, weight)
+            out = self._rollout_and_backward(part, alpha)
             diag.add(out.pop("counts"))
             for key, value in out.items():
-                sums[key] = sums.get(key, 0.0) + (value if key == "transitions" else value * weight)
+                summed = key in ("transitions", "loss_sum")
+                sums[key] = sums.get(key, 0.0) + (value if summed else value * weight)
         params = self.qnet.online_parameters()
+        # The loss is the mean over every transition of the update, however micro-batches split it.
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(max(1.0, sums["transitions"]))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -322,7 +331,7 @@ class SoftPQNLearner:
         if self.device.type == "cuda" and self.stats.timed:
             torch.cuda.synchronize(self.device)
         return UpdateMetrics(
-            loss=sums["loss"], q_taken=sums["q_taken"], target=sums["target"],
+            loss=sums["loss_sum"] / max(1.0, sums["transitions"]), q_taken=sums["q_taken"], target=sums["target"],
             episode_return=sums["episode_return"], success=sums["success"], episode_length=sums["episode_length"],
             **diag.means(), alpha=alpha, lr=lr, grad_norm=float(grad_norm), episodes=len(episodes), transitions=int(sums["transitions"]),
             encoder_tokens=self.stats.tokens, encoder_padded_tokens=self.stats.padded_tokens,

@@ -213,12 +213,17 @@ def run_sweep(
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """The whole table for several models (a checkpoint directory, or ``"none"``)."""
-    from .longcontext import default_paths
-
     rows = []
     for label, checkpoint in models:
         rows.extend(sweep_model(label, checkpoint, cfg, tasks, lengths, samples, split=split, steps=steps,
                                 device=device, cache=cache, val_samples=val_samples, log=log))
+    return run_sweep_table(rows, cfg, device, split)
+
+
+def run_sweep_table(rows: list[dict[str, Any]], cfg: TrainConfig, device: torch.device, split: str = "dev") -> dict[str, Any]:
+    """The table (module docstring) around rows of :func:`sweep_model`."""
+    from .longcontext import default_paths
+
     return {
         "schema": SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

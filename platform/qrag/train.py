@@ -21,13 +21,14 @@ import torch
 from .checkpoint import (
     is_checkpoint, load_qnet, load_training_state, numpy_state, save_checkpoint, set_numpy_state, untrained_qnet,
 )
-from .config import SearchConfig, TrainConfig
+from .config import ConfigError, SearchConfig, TrainConfig
 from .data.prepared import prepare_split
 from .data.sample import Sample
 from .encoder import load_tokenizer, pick_device, resolve_encoder
 from .evaluate import EvalResult, evaluate
 from .learner import SoftPQNLearner
 from .search import Retriever
+from .sft import SupervisedLearner
 from .tokens import TokenizedSample, TokenLayout, tokenize_samples
 
 Reporter = Callable[[int, dict[str, float]], None]
@@ -123,7 +124,10 @@ class TrainingRun:
             if loading is not None:
                 loading.result()
             self.timings["model_and_data_s"] = time.perf_counter() - t0
-        self.learner = SoftPQNLearner(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
+        if cfg.learner.objective not in ("pqn", "sft"):
+            raise ConfigError(f"learner.objective: expected pqn or sft, got {cfg.learner.objective!r}")
+        learner_cls = SupervisedLearner if cfg.learner.objective == "sft" else SoftPQNLearner
+        self.learner = learner_cls(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []
         if resume is not None:

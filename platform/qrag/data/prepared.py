@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -122,10 +123,11 @@ def _int_lists(column: Any, dtype: Any = np.int32) -> list[np.ndarray]:
 
 def prepare_split(cfg: DataConfig, split: str, tokenizer: Any, layout: TokenLayout) -> PreparedSplit:
     """``split`` of the configured data, chunked and tokenised: from the cache when it holds it."""
-    if cfg.dataset not in CACHED_DATASETS:
+    folder = cache_folder(cfg)
+    # No cache wanted, or no `datasets` installed (a bare GPU image): plain lists, same samples.
+    if cfg.dataset not in CACHED_DATASETS or folder is None or importlib.util.find_spec("datasets") is None:
         samples = load_samples(cfg, split, tokenizer_counter(tokenizer))
         return PreparedSplit(None, samples, _tokenize(samples, cfg, tokenizer, layout))
-    folder = cache_folder(cfg)
     key = cache_key(cfg, split, tokenizer, layout) if folder is not None else None
     if folder is not None:
         hit = _load_entry(folder / key)
