@@ -39,7 +39,15 @@ PAPER_TABLE2: dict[str, dict[str, tuple[float | None, ...]]] = {
     "Single-step RAG": {"hotpotqa": (None, None, 0.53, 0.39), "musique (OOD)": (None, None, 0.28, 0.17)},
 }
 METRICS = ("fact_f1", "fact_em", "ans_f1", "ans_em")
-METRIC_TITLES = {"fact_f1": "Fact F1", "fact_em": "Fact EM", "ans_f1": "Ans F1", "ans_em": "Ans EM"}
+METRIC_TITLES = {"fact_f1": "Fact F1", "fact_em": "Fact EM", "ans_f1": "Ans F1", "ans_em": "Ans EM",
+                 "oracle_fact_f1": "Fact F1, oracle stop (paper-comparable)",
+                 "threshold_fact_f1": "Fact F1, learned Q-threshold stop (chosen on validation)"}
+# What each length-sweep metric's search did (qrag.lengths): said under every table.
+PROTOCOL_NOTES = {
+    "fact_f1": "all T picks, no oracle", "fact_em": "all T picks, no oracle: every support fact among them",
+    "oracle_fact_f1": "search stopped once the support is complete (the answer key decides: the reference's protocol)",
+    "threshold_fact_f1": "search stopped when the best Q falls below a threshold chosen on validation questions",
+}
 DATASET_TITLES = {"hotpotqa": "HotPotQA", "musique": "MuSiQue", "2wiki": "2WikiMultihopQA", "babilong": "BabiLong", "niah": "RULER NIAH"}
 COLUMN_ORDER = ("hotpotqa", "musique", "musique (OOD)", "2wiki", "2wiki (OOD)")
 
@@ -208,7 +216,7 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, dict[str, di
         if not isinstance(row, dict) or "task" not in row or "length" not in row:
             raise ReportError(f"{name}: rows[{i}] needs 'task' and 'length'")
         label = str(row["task"]) if len(models) <= 1 else f"{row['task']} · {row.get('model', '')}"
-        for key in ("fact_f1", "fact_em", "ans_f1", "ans_em", "ans_acc", "accuracy"):
+        for key in ("fact_em", "fact_f1", "oracle_fact_f1", "threshold_fact_f1", "ans_f1", "ans_em", "ans_acc", "accuracy"):
             value = row.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 series.setdefault(key, {}).setdefault(label, {})[int(row["length"])] = float(value)
@@ -223,7 +231,11 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, dict[str, di
             members = [v for label, v in by_label.items() if len(models) <= 1 or label.endswith(f" · {model}")]
             if len(members) > 1:
                 body.append([f"mean · {model}" if len(models) > 1 else "mean", *(_mean([v.get(n) for v in members]) for n in lengths)])
-        rep.markdown += [f"## {METRIC_TITLES.get(metric, metric)} by context length ({name})", ""] + md_table(header, body) + [""]
+        steps = sorted({r.get("steps") for r in rows if isinstance(r, dict) and r.get("steps") is not None})
+        credit = sorted({str(r.get("credit", data.get("credit", "chunk"))) for r in rows if isinstance(r, dict)})
+        note = [f"Protocol: {PROTOCOL_NOTES[metric]}; T = {', '.join(map(str, steps)) or '?'}; credit: {', '.join(credit)}.", ""] \
+            if metric in PROTOCOL_NOTES else []
+        rep.markdown += [f"## {METRIC_TITLES.get(metric, metric)} by context length ({name})", ""] + md_table(header, body) + [""] + note
     return rep, series
 
 
