@@ -40,6 +40,9 @@ class CheckpointError(ValueError):
     """A checkpoint directory that is missing, incomplete or inconsistent."""
 
 
+# The parts of a checkpoint that inference needs (what MLflow logs as the model and Serve loads).
+INFERENCE_PARTS = ("config.yaml", "qrag.json", "state_encoder", "action_encoder", "tokenizer")
+
 def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     sd = optimizer.state_dict()
     tensors = {}

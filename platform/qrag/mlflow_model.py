@@ -88,7 +88,7 @@ def save_model(checkpoint: str | Path, path: str | Path) -> Path:
     inference part goes in (no targets, no optimiser)."""
     from . import __version__
     from .checkpoint import load_run_config
-    from .tracking import INFERENCE_PARTS
+    from .checkpoint import INFERENCE_PARTS
 
     cfg = load_run_config(checkpoint)
     with tempfile.TemporaryDirectory(prefix="qrag-inference-") as tmp:

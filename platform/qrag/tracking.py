@@ -37,8 +37,6 @@ RUN_KEY_TAG = "qrag.run_key"
 PARENT_TAG = "mlflow.parentRunId"
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
 SOURCE_TAG = "qrag.source_sha256"
-# Parts of the final checkpoint that `qrag eval` and serving need (no targets, no optimiser).
-INFERENCE_PARTS = ("config.yaml", "qrag.json", "state_encoder", "action_encoder", "tokenizer")
 
 
 def is_uri(path: str) -> bool:
@@ -208,6 +206,8 @@ def log_final_checkpoint(uri: str, run_id: str, final: Path, checkpoint: Path, m
     if mode == "full":
         client.log_artifacts(run_id, str(checkpoint), "checkpoint")
     elif mode == "inference":
+        from .checkpoint import INFERENCE_PARTS  # torch only where a checkpoint is logged
+
         for name in INFERENCE_PARTS:
             part = checkpoint / name
             if part.is_dir():
