@@ -150,11 +150,13 @@ def test_served_answers_equal_offline_search(app, offline, search):
     assert stats["documents"] == 16 and stats["shards"] == 2 and stats["chunks"] == len(offline.chunks) and stats["bytes"] > 0
 
 
-def test_the_ingress_reads_the_address_it_is_served_on(app):
-    """What the refusal to serve a public address without keys is based on."""
-    from qrag.distributed.serving import _proxy_host
+def test_serve_config_records_the_address_it_is_served_on():
+    """What the refusal to serve a public address without keys is based on: the app's http_host
+    must be Serve's http_options.host (Ray has no public API for the proxy's host)."""
+    import yaml
 
-    assert asyncio.run(_proxy_host()) == "127.0.0.1"
+    data = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    assert data["applications"][0]["args"]["http_host"] == data["http_options"]["host"]
 
 
 def bad_requests() -> list[tuple[bytes, dict[str, str], int]]:

@@ -55,6 +55,7 @@ class ServeConfig:
     job_stale_s: float = opt(30.0, "A job record not rewritten for this long belongs to a stopped server: it is reported failed (interrupted).")
     shard_memory_bytes: int | None = opt(None, "Memory budget of each index-shard replica for loaded corpora (least recently used ones are evicted; a corpus that cannot fit gets 507); none = no limit.")
     api_keys: str | None = opt(None, "API keys, 'key:scope,key:scope' with scope read or write (write implies read), added to $QRAG_API_KEYS. Prefer the environment variable or a Kubernetes Secret to this field.")
+    http_host: str | None = opt(None, "The address Serve's HTTP proxies bind (http_options.host; `qrag serve` sets it from --host): without API keys the app starts only when it is loopback, unless allow_unauthenticated. null = unknown, taken as public.")
     allow_unauthenticated: bool = opt(False, "Serve without API keys on a non-loopback address (by default the app refuses to start).")
     allowed_hosts: list[str] = opt(["localhost", "127.0.0.1", "[::1]"], "Host header values accepted (421 otherwise; protects a loopback server from DNS rebinding); '*' accepts any.")
     cors_origins: list[str] = opt([], "Origins whose web pages may call the API (CORS); empty = none, and cross-origin writes are refused.")

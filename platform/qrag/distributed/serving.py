@@ -15,6 +15,7 @@ replica, a CUDA out-of-memory) answers 503 with Retry-After, never a 500.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -192,7 +193,9 @@ class Ingress:
     async def __init__(self, cfg: dict[str, Any], encoder, shards: list, static: dict[str, bytes]):
         c = from_dict(ServeConfig, cfg)
         self.keys = key_table(c.api_keys)  # $QRAG_API_KEYS of this replica (a Kubernetes Secret) + the config
-        problem = startup_problem(await _proxy_host(), self.keys, c.allow_unauthenticated)
+        # The bind address comes from the config (our own record of http_options.host): Ray has no
+        # public API for the proxy's host; unknown counts as public, so keys are then required.
+        problem = startup_problem(c.http_host or "0.0.0.0", self.keys, c.allow_unauthenticated)
         if problem:
             raise RuntimeError(problem)
         info = await encoder.info.remote()
@@ -218,19 +221,6 @@ class Ingress:
             return await call_backend(self.encoder.stats, (), "the encoder", cfg.handle_timeout_s, cfg.retry_after_s)
 
         return app
-
-
-async def _proxy_host() -> str:
-    """The address Serve's HTTP proxies listen on (from the controller's HTTP options)."""
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    try:
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        options = await controller.get_http_config.remote()
-        return str(options.host)
-    except Exception as exc:  # unknown: assume reachable from anywhere (keys then required)
-        log.warning("cannot read Serve's HTTP host (%s); assuming a public address", exc)
-        return "0.0.0.0"
 
 
 def _cluster_has_gpu() -> bool:
@@ -285,6 +275,7 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir) -> None:
     problem = startup_problem(host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
+    cfg = dataclasses.replace(cfg, http_host=host)  # what the ingress checks again on each replica
 
     def stop(signum, frame):  # SIGTERM (a service manager, `kill`) shuts down like Ctrl-C
         raise KeyboardInterrupt
