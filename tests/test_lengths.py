@@ -115,7 +115,7 @@ def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monke
     out = tmp_path / "sweep.json"
     assert main(["sweep-lengths", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--checkpoint", f"Q-RAG={ckpt}",
                  "--checkpoint", "none", "--tasks", "qa1,S1", "--lengths", "512,4k", "--samples", "3", "--samples-at", "4k=2",
-                 "--val-samples", "2", "--out", str(out), *common, "data.context_tokens=512"]) == 0
+                 "--val-samples", "2", "--out", str(out), *common, "data.context_tokens=512", "data.val_fraction=0.5"]) == 0
     table = json.loads(out.read_text())
     assert table["schema"] == "qrag.length_sweep/1" and table["memory"] == "rss_peak"
     rows = table["rows"]

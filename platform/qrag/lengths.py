@@ -136,8 +136,11 @@ def sweep_model(
         threshold = None
         if val_samples > 0:
             val_records, _ = run(task, "val", cfg.data.context_tokens, val_samples)
-            threshold = choose_threshold(traces_from_records(val_records))
-            log(f"{label:>12} {task:>16}: Q threshold {threshold:.4f} chosen on {len(val_records)} validation questions")
+            if val_records:
+                threshold = choose_threshold(traces_from_records(val_records))
+                log(f"{label:>12} {task:>16}: Q threshold {threshold:.4f} chosen on {len(val_records)} validation questions")
+            else:  # too few training questions for data.val_fraction to hold any out
+                log(f"{label:>12} {task:>16}: no validation questions (data.val_fraction); no learned stop")
         for length in sorted(lengths):
             n = samples(length)
             reset_peak(device)
