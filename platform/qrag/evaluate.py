@@ -12,6 +12,7 @@ from typing import Any
 from .config import SearchConfig, to_dict
 from .data.sample import Sample
 from .credit import fact_picks, support_classes
+from .early_stopping import Trace
 from .metrics import fact_em, fact_f1, mean
 from .search import Retrieval, Retriever
 from .tokens import TokenizedSample
@@ -45,7 +46,7 @@ def score_retrievals(samples: Sequence[Sample], retrievals: Sequence[Retrieval],
         classes, n_facts = support_classes(sample.chunks, sample.support, credit)
         picks = fact_picks(classes, selected)
         facts = range(n_facts)
-        complete = next((t + 1 for t in range(len(picks)) if fact_em(facts, picks[: t + 1])), None)
+        complete = Trace(sample.id, tuple(facts), tuple(picks), ()).t_earliest  # picks that complete the support
         oracle = picks[:complete] if complete is not None else picks
         records.append({
             "id": sample.id,
