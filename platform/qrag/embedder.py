@@ -23,6 +23,7 @@ from .config import ModelConfig, from_dict, to_dict
 from .data.chunking import tokenizer_counter
 from .encoder import load_tokenizer, pick_device, resolve_encoder
 from .search import Retriever
+from .state_graphs import StateEncoder
 from .tokens import TokenLayout
 
 MLFLOW_SCHEMES = ("runs:/", "models:/", "mlflow-artifacts:/")
@@ -157,6 +158,9 @@ class EmbeddingModel(Tokenization):
         super().__init__(tokenizer, layout, question_tokens)
         self.qnet, self.device, self.fingerprint, self.source = qnet, device, fingerprint, source
         self.retriever = Retriever(qnet, layout, device, encode_tokens)
+        # On GPU, states go through fixed shapes replayed from CUDA graphs (qrag.state_graphs):
+        # one short state eagerly is launch overhead, not compute. CPU keeps the exact-width path.
+        self.state_encoder = StateEncoder(qnet, layout.pad_id, device) if device.type == "cuda" else None
         self.chunk_batch = chunk_batch
         self.chunks_embedded = 0  # chunk sequences encoded since start (re-embedding shows here)
         self.states_embedded = 0
@@ -175,6 +179,8 @@ class EmbeddingModel(Tokenization):
 
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
         self.states_embedded += len(seqs)
+        if self.state_encoder is not None and all(len(s) <= self.state_encoder.length_buckets[-1] for s in seqs):
+            return self.state_encoder(list(seqs)).cpu().numpy()
         return self.retriever.embed_states(list(seqs)).cpu().numpy()
 
     def info(self) -> dict[str, Any]:
