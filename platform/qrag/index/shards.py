@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..search import score_chunks
+from ..positions import rope_frequencies
+from ..scoring import score_chunks
 from .store import (
     ChunkRecord,
     CorpusNotFound,
@@ -43,6 +44,39 @@ def positions_at(mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total:
     nxt = torch.minimum(bounds.gather(1, j), m)
     width = (nxt - prev).clamp(min=1).to(torch.float32)
     return j.to(torch.float32) * delta + ell * (idx - prev).to(torch.float32) / width
+
+
+def relative_scores(states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Tensor, sel: torch.Tensor, n_total: int,
+                    delta: float, ell: float, freqs: torch.Tensor) -> torch.Tensor:
+    """Q of every chunk of a shard for each state row, chunks rotated to their relative positions,
+    selected chunks at -inf: :func:`positions_at` + :func:`qrag.search.score_chunks` + the
+    exclusion, written as one expression so that ``torch.compile`` fuses it into a few kernels
+    that never materialise the [rows, chunks, d/4] temporaries (GPU only; see ``_fused``)."""
+    pos = positions_at("relative", gpos, sel, n_total, delta, ell)
+    rows, d = states.shape
+    q4 = d // 4
+    st = states.reshape(rows, 1, 2, q4, 2)
+    v = vectors.reshape(1, -1, 2, q4, 2)
+    u, w, x, y = st[..., 0], st[..., 1], v[..., 0], v[..., 1]
+    along = (u * x).sum(-2) + (w * y).sum(-2)
+    across = (w * x).sum(-2) - (u * y).sum(-2)
+    angles = pos.unsqueeze(-1) * freqs
+    q = 0.5 * (angles.cos() * along + angles.sin() * across).sum(-1)
+    banned = (gpos[None, :, None] == sel[:, None, :]).any(-1)
+    return q.masked_fill(banned, float("-inf"))
+
+
+_FUSED: dict[str, Any] = {}
+
+
+def _fused():
+    """``relative_scores`` compiled once per process (None where compiling failed: eager blocks)."""
+    if "fn" not in _FUSED:
+        try:
+            _FUSED["fn"] = torch.compile(relative_scores, dynamic=True)
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the blocked eager path serves
+            _FUSED["fn"], _FUSED["error"] = None, f"{type(exc).__name__}: {exc}"
+    return _FUSED["fn"]
 
 
 @dataclass
@@ -99,6 +133,7 @@ class ShardOptions:
     hnsw_m: int = 32
     hnsw_ef_search: int = 128
     score_block: int = 1 << 18  # (state row x chunk) pairs rotated at once: bounds temporary memory
+    fused: bool = True  # GPU + relative positions: score with the compiled relative_scores (no temporaries)
 
 
 def row_bytes(text_chars: int, doc_id_chars: int, n_tokens: int) -> int:
@@ -217,6 +252,10 @@ class ShardIndex:
         dev = self.device
         vectors = self.vectors[:n]
         c = self.model
+        if c.positions == "relative" and dev.type == "cuda" and self.options.fused:
+            hits = self._fused_topk(states, selected, vectors, n, n_total, k)
+            if hits is not None:
+                return hits
         pos = None
         if c.positions != "none":  # the selected set only matters through the chunks' positions
             gpos = self.shard + self.n_shards * torch.arange(n, device=dev)
@@ -234,6 +273,28 @@ class ShardIndex:
         top_q, top_i = q.topk(kk, dim=1)
         top_pos = None if pos is None else pos.gather(1, top_i).cpu().numpy()
         top_q, top_i = top_q.cpu().numpy(), top_i.cpu().numpy()
+        top_i = np.where(np.isfinite(top_q), top_i, -1)
+        return top_q, top_i, top_pos
+
+    def _fused_topk(self, states, selected, vectors, n, n_total, k):
+        fn = _fused()
+        if fn is None:
+            return None
+        c, dev = self.model, self.device
+        gpos = self.shard + self.n_shards * torch.arange(n, device=dev)
+        width = max(1, max((len(s) for s in selected), default=0))
+        sel = torch.full((len(states), width), n_total, dtype=torch.long, device=dev)
+        for r, s in enumerate(selected):
+            if len(s):
+                sel[r, : len(s)] = torch.as_tensor(sorted(s), dtype=torch.long, device=dev)
+        try:
+            q = fn(states, vectors, gpos, sel, n_total, c.relative_delta, c.relative_ell, rope_frequencies(self.dim, c.rope_base, dev))
+        except Exception as exc:  # noqa: BLE001 - a compile failure on this machine: eager from now on
+            _FUSED["fn"], _FUSED["error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+            return None
+        top_q, top_i = q.topk(min(k, n), dim=1)
+        top_pos = positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell)
+        top_q, top_i, top_pos = top_q.cpu().numpy(), top_i.cpu().numpy(), top_pos.cpu().numpy()
         top_i = np.where(np.isfinite(top_q), top_i, -1)
         return top_q, top_i, top_pos
 
