@@ -38,27 +38,34 @@ def parse_documents(records: Any, where: str = "documents") -> list[Document]:
     docs, seen = [], set()
     for i, rec in enumerate(records):
         at = f"{where}[{i}]"
-        if not isinstance(rec, dict):
-            raise DataError(f"{at}: a document must be an object with 'id' and 'text'")
-        unknown = sorted(set(rec) - {"id", "text"})
-        if unknown:
-            raise DataError(f"{at}.{unknown[0]}: unknown field (a document has 'id' and 'text')")
-        doc_id, text = rec.get("id"), rec.get("text")
-        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
-            raise DataError(f"{at}.id: must be a non-empty string")
-        doc_id = str(doc_id)
-        if len(doc_id) > DOC_ID_MAX_CHARS:
-            raise DataError(f"{at}.id: longer than {DOC_ID_MAX_CHARS} characters")
-        if not isinstance(text, str):
-            raise DataError(f"{at}.text: must be a string")
-        check_text(text, f"{at}.text")
-        if not text.strip():
-            raise DataError(f"{at}.text: empty document (id={doc_id})")
-        if doc_id in seen:
-            raise DataError(f"{at}.id: duplicate document id {doc_id!r}")
-        seen.add(doc_id)
-        docs.append(Document(doc_id, text))
+        doc = parse_document(rec, at)
+        if doc.id in seen:
+            raise DataError(f"{at}.id: duplicate document id {doc.id!r}")
+        seen.add(doc.id)
+        docs.append(doc)
     return docs
+
+
+def parse_document(rec: Any, at: str, extra_fields: bool = False) -> Document:
+    """One ``{"id", "text"}`` record (``at`` names it in errors); with ``extra_fields`` other keys
+    (a JSONL dump's title, url, ...) are ignored instead of refused."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{at}: a document must be an object with 'id' and 'text'")
+    unknown = sorted(set(rec) - {"id", "text"})
+    if unknown and not extra_fields:
+        raise DataError(f"{at}.{unknown[0]}: unknown field (a document has 'id' and 'text')")
+    doc_id, text = rec.get("id"), rec.get("text")
+    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
+        raise DataError(f"{at}.id: must be a non-empty string")
+    doc_id = str(doc_id)
+    if len(doc_id) > DOC_ID_MAX_CHARS:
+        raise DataError(f"{at}.id: longer than {DOC_ID_MAX_CHARS} characters")
+    if not isinstance(text, str):
+        raise DataError(f"{at}.text: must be a string")
+    check_text(text, f"{at}.text")
+    if not text.strip():
+        raise DataError(f"{at}.text: empty document (id={doc_id})")
+    return Document(doc_id, text)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
