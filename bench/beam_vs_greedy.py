@@ -2,7 +2,7 @@
 
 Takes a trained checkpoint and evaluates, on the questions its run held out of training
 (``data.val_fraction`` of the train split: never trained on, never the reported dev split),
-greedy search and beam search with every path-scoring rule of ``qrag.search.BEAM_SCORES`` at each
+greedy search and beam search with every path-scoring rule of ``qrag.multistep.BEAM_SCORES`` at each
 width. All searches embed the same chunks; only the search differs.
 
     python bench/beam_vs_greedy.py --checkpoint /tmp/beamrun/smoke/final --out bench/results/beam_vs_greedy_cpu.json
@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a trained checkpoint directory")
     ap.add_argument("--widths", default="2,4", help="beam widths, comma-separated (default 2,4)")
-    ap.add_argument("--rules", default="", help="path-scoring rules (default: every rule in qrag.search.BEAM_SCORES)")
+    ap.add_argument("--rules", default="", help="path-scoring rules (default: every rule in qrag.multistep.BEAM_SCORES)")
     ap.add_argument("--steps", type=int, help="retrieval steps T (default: the run's search.max_steps)")
     ap.add_argument("--limit", type=int, help="use the first N validation questions")
     ap.add_argument("--device", default="auto")
@@ -74,7 +74,7 @@ def compare(checkpoint: str, widths: list[int], rules: list[str], steps: int | N
     from qrag.checkpoint import load_qnet
     from qrag.encoder import pick_device
     from qrag.evaluate import evaluate
-    from qrag.search import BEAM_SCORES
+    from qrag.multistep import BEAM_SCORES
     from qrag.tokens import tokenize_samples
 
     dev = pick_device(device)

@@ -14,7 +14,8 @@ from .data.sample import Sample
 from .credit import fact_picks, support_classes
 from .early_stopping import Trace
 from .metrics import fact_em, fact_f1, mean
-from .search import Retrieval, Retriever
+from .multistep import Retrieval
+from .search import Retriever
 from .tokens import TokenizedSample
 
 

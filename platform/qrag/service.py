@@ -31,9 +31,10 @@ from .data.sample import DataError
 from .embedder import EmbeddingModel, Tokenization
 from .index.holder import ShardHolder, ShardOverBudget, corpus_bytes_per_holder
 from .index.jobs import Job, JobBoard, new_job_id
-from .index.multistep import SearchRun, Timings
+from .index.local import HeldShards
 from .index.shards import ShardHits, ShardIndex, ShardOptions, ShardUnhealthy
 from .index.store import ChunkRecord, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, Segment, StoreError
+from .multistep import AsyncScoringBackend, ScoringBackend, SearchRun, Timings, search_async
 from .service_config import ServeConfig
 
 log = logging.getLogger("qrag.service")
@@ -563,7 +564,7 @@ class RetrievalService:
         timings = Timings(tokenize=time.perf_counter() - t0)
         for attempt in range(2 + len(m.batches) * m.shards):
             try:
-                run = await self._search(question, search, m, timings)
+                run = await self._search(question, search, m.chunks, ShardClients(self.shards, m), timings)
                 break
             except ShardUnhealthy as exc:
                 if attempt > len(m.batches) * m.shards or not all(pr.repairable for pr in exc.problems):
@@ -578,19 +579,10 @@ class RetrievalService:
         timings.total = time.perf_counter() - t0
         return self._response(p, run, timings, m.chunks)
 
-    async def _search(self, question: np.ndarray, search: SearchConfig, m: Manifest, timings: Timings) -> SearchRun:
-        run = SearchRun(question, self.tok.layout, search, m.chunks)
-        while live := run.live():
-            t = time.perf_counter()
-            states = await self.encoder.embed_states(run.states(live))
-            t1 = time.perf_counter()
-            selected = run.selected(live)
-            hits = await asyncio.gather(*(s.topk(m.name, m.uid, m.version, states, selected, m.chunks, run.k) for s in self.shards))
-            t2 = time.perf_counter()
-            run.advance(live, hits)
-            timings.encode += t1 - t
-            timings.score += t2 - t1
-            timings.merge += time.perf_counter() - t2
+    async def _search(self, question: np.ndarray, search: SearchConfig, n_total: int, backend: AsyncScoringBackend,
+                      timings: Timings) -> SearchRun:
+        run = SearchRun(question, self.tok.layout, search, n_total)
+        await search_async([run], self.encoder.embed_states, backend, timings)
         return run
 
     async def _repair(self, name: str, exc: ShardUnhealthy) -> None:
@@ -624,26 +616,12 @@ class RetrievalService:
         shard = ShardIndex("context", 0, 1, self.model.model_cfg, self.model.dim, torch.device("cpu"), ShardOptions(faiss="never"))
         shard.add(Segment(0, np.arange(len(chunks)), vectors, ids, [c.doc_id for c in chunks], [c.text for c in chunks]))
 
-        run = await self._search_local(question, search, len(chunks), shard, timings)
+        run = await self._search(question, search, len(chunks), InThread(HeldShards([shard], len(chunks))), timings)
         timings.total = time.perf_counter() - t0
         out = self._response(p, run, timings, len(chunks))
         if p.return_chunks:
             out["chunks"] = [c.text for c in chunks]
         return out
-
-    async def _search_local(self, question, search: SearchConfig, n: int, shard: ShardIndex, timings: Timings) -> SearchRun:
-        run = SearchRun(question, self.tok.layout, search, n)
-        while live := run.live():
-            t = time.perf_counter()
-            states = await self.encoder.embed_states(run.states(live))
-            t1 = time.perf_counter()
-            hits = await asyncio.to_thread(shard.topk, states, run.selected(live), n, run.k)
-            t2 = time.perf_counter()
-            run.advance(live, [hits])
-            timings.encode += t1 - t
-            timings.score += t2 - t1
-            timings.merge += time.perf_counter() - t2
-        return run
 
     def _response(self, p: RetrieveParams, run: SearchRun, timings: Timings, n_chunks: int) -> dict[str, Any]:
         if self.metrics:
@@ -702,6 +680,28 @@ class LocalEncoder:
 
     async def embed_chunks(self, seqs: list[np.ndarray]) -> np.ndarray:
         return await self._call(self.model.embed_chunks, seqs)
+
+
+class ShardClients:
+    """Scoring backend over the shard holders of a corpus version (Serve handles or
+    :class:`LocalShards`), asked all at once."""
+
+    def __init__(self, clients: Sequence[ShardClient], m: Manifest):
+        self.clients, self.m = list(clients), m
+
+    async def topk(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        m = self.m
+        return list(await asyncio.gather(*(c.topk(m.name, m.uid, m.version, states, selected, m.chunks, k) for c in self.clients)))
+
+
+class InThread:
+    """A backend of this process scored in a worker thread, so the event loop keeps serving."""
+
+    def __init__(self, backend: ScoringBackend):
+        self.backend = backend
+
+    async def topk(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return list(await asyncio.to_thread(self.backend.topk, states, rows, selected, k))
 
 
 class LocalShards:

@@ -1,2 +1,2 @@
 """Chunk-embedding corpora: ``store`` (on disk), ``shards`` (scoring one shard, FAISS, merging),
-``multistep`` (the search over shards), ``local`` (indexing and search in one process)."""
+``local`` (indexing and search in one process; the search itself is :mod:`qrag.multistep`)."""

@@ -11,11 +11,10 @@ import torch
 
 from ..config import ModelConfig, SearchConfig
 from ..data.documents import Document
-from ..search import Retrieval
+from ..multistep import Retrieval, SearchRun, Timings, search
 from ..tokens import TokenLayout
-from .multistep import SearchRun, Timings
-from .shards import CorpusShards, ShardOptions
-from .store import ChunkRecord, CorpusConflict, CorpusStore, Manifest
+from .shards import CorpusShards, ShardHits, ShardIndex, ShardOptions
+from .store import ChunkRecord, CorpusConflict, CorpusStore, Manifest, StoreError
 
 
 class Embedder(Protocol):
@@ -31,6 +30,17 @@ class Embedder(Protocol):
     def tokenize_question(self, text: str) -> np.ndarray: ...
     def embed_chunks(self, seqs: Sequence[np.ndarray]) -> np.ndarray: ...
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray: ...
+
+
+class HeldShards:
+    """Scoring backend over shards held by this process (the library index, an inline context):
+    every state row is scored against the first ``n_total`` chunks of one corpus."""
+
+    def __init__(self, shards: Sequence[ShardIndex], n_total: int):
+        self.shards, self.n_total = list(shards), n_total
+
+    def topk(self, states, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return [shard.topk(states, selected, self.n_total, k) for shard in self.shards]
 
 
 class LocalIndex:
@@ -79,17 +89,7 @@ class LocalIndex:
         q_ids = self.model.tokenize_question(question)
         timings.tokenize = time.perf_counter() - t0
         run = SearchRun(q_ids, self.model.layout, cfg, m.chunks)
-        while live := run.live():
-            t = time.perf_counter()
-            states = self.model.embed_states(run.states(live))
-            t1 = time.perf_counter()
-            hits = [cs.shards[s].topk(states, run.selected(live), m.chunks, run.k) for s in range(m.shards)]
-            t2 = time.perf_counter()
-            run.advance(live, hits)
-            t3 = time.perf_counter()
-            timings.encode += t1 - t
-            timings.score += t2 - t1
-            timings.merge += t3 - t2
+        search([run], self.model.embed_states, self._backend(cs, m), timings)
         timings.total = time.perf_counter() - t0
         return run.result(seconds=timings.total), run.records, timings
 
@@ -100,18 +100,12 @@ class LocalIndex:
         m = self.store.read(name)
         cs = self.shards(name)
         runs = [SearchRun(self.model.tokenize_question(q), self.model.layout, cfg, m.chunks) for q in questions]
-        while True:
-            live = [(run, run.live()) for run in runs]
-            live = [(run, beams) for run, beams in live if beams]
-            if not live:
-                break
-            seqs = [s for run, beams in live for s in run.states(beams)]
-            selected = [sel for run, beams in live for sel in run.selected(beams)]
-            states = self.model.embed_states(seqs)
-            hits = [cs.shards[s].topk(states, selected, m.chunks, max(run.k for run, _ in live)) for s in range(m.shards)]
-            lo = 0
-            for run, beams in live:
-                run.advance(beams, [h.rows(lo, lo + len(beams)) for h in hits])
-                lo += len(beams)
+        search(runs, self.model.embed_states, self._backend(cs, m))
         seconds = (time.perf_counter() - t0) / max(1, len(runs))
         return [run.result(seconds=seconds) for run in runs]
+
+    @staticmethod
+    def _backend(cs: CorpusShards, m: Manifest) -> HeldShards:
+        if m.chunks < 1:
+            raise StoreError(f"corpus {m.name!r} has no chunks")
+        return HeldShards([cs.shards[s] for s in range(m.shards)], m.chunks)

@@ -49,7 +49,7 @@ def positions_at(mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total:
 def relative_scores(states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Tensor, sel: torch.Tensor, n_total: int,
                     delta: float, ell: float, freqs: torch.Tensor) -> torch.Tensor:
     """Q of every chunk of a shard for each state row, chunks rotated to their relative positions,
-    selected chunks at -inf: :func:`positions_at` + :func:`qrag.search.score_chunks` + the
+    selected chunks at -inf: :func:`positions_at` + :func:`qrag.scoring.score_chunks` + the
     exclusion, written as one expression so that ``torch.compile`` fuses it into a few kernels
     that never materialise the [rows, chunks, d/4] temporaries (GPU only; see ``_fused``)."""
     pos = positions_at("relative", gpos, sel, n_total, delta, ell)
