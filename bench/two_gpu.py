@@ -286,10 +286,13 @@ def deploy(args, shards: int, port: int, gpu_count: int) -> str:
         if problems:
             raise SystemExit(f"two_gpu.py: the GPU plan does not spread: {problems}")
     device = "cuda" if gpu_count else "cpu"
-    cfg = ServeConfig(checkpoint=args.checkpoint, storage=args.storage, shards=shards, encoder_gpus=args.encoder_gpus if gpu_count else 0.0,
-                      shard_gpus=shard_gpus, encoder_device=device, shard_device=device, faiss="never", chunk_tokens=args.chunk_tokens,
-                      max_ongoing_requests=64, max_queued_requests=256)
-    serve.run(build_app(cfg, {}), name="qrag", route_prefix="/")
+    cfg = ServeConfig(checkpoint=args.checkpoint, storage=args.storage, shards=shards, encoder_device=device, shard_device=device,
+                      faiss="never", chunk_tokens=args.chunk_tokens)
+    # Serve's per-deployment options (what serve/config.yaml's deployments: section sets).
+    deployments = [{"name": "Ingress", "max_ongoing_requests": 64, "max_queued_requests": 256},
+                   {"name": "Encoder", "ray_actor_options": {"num_cpus": 0, "num_gpus": args.encoder_gpus if gpu_count else 0.0}},
+                   *({"name": f"Shard{i}", "ray_actor_options": {"num_cpus": 0, "num_gpus": shard_gpus}} for i in range(shards))]
+    serve.run(build_app(cfg, {}, deployments), name="qrag", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while True:

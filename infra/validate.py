@@ -184,6 +184,7 @@ def serve_config_errors(config: Any, where: str) -> list[str]:
     problems = [f"{where}: unknown key {k!r}" for k in sorted(set(config) - set(ServeDeploySchema.model_fields))]
     for i, app in enumerate(config.get("applications") or []):
         problems += [f"{where}: applications[{i}]: unknown key {k!r}" for k in sorted(set(app) - set(ServeApplicationSchema.model_fields))]
+        problems += deployment_options(app, f"{where}: applications[{i}]")[1]
     return problems
 
 
@@ -562,9 +563,76 @@ def serve_access_problems(body: dict, c: Any, where: str) -> list[str]:
             f"without API keys"] if lacking else []
 
 
+def deployment_options(app: dict, where: str) -> tuple[dict[str, dict], list[str]]:
+    """An application's ``deployments:`` as {name: options}, and its problems: a name the app
+    does not have (with the shards of its args), keys or values Serve's schemas refuse
+    (qrag.distributed.serving.deployment_overrides, what `qrag serve --config` checks too)."""
+    from qrag.config import ConfigError
+    from qrag.distributed.serving import deployment_overrides
+    from qrag.service_config import ServeConfig
+
+    shards = (app.get("args") or {}).get("shards", ServeConfig.shards)
+    try:
+        return deployment_overrides(app.get("deployments"), shards if isinstance(shards, int) else ServeConfig.shards), []
+    except ConfigError as exc:
+        return {}, [f"{where}: {p}" for p in str(exc).split("; ")]
+
+
+def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str) -> list[str]:
+    """GPUs (deployments: ray_actor_options) for the roles that run on CUDA, and shards spread one
+    per GPU in every start order, with the encoder at its autoscaling minimum and maximum."""
+    from qrag.distributed.placement import gpu_plan_problems
+    from qrag.distributed.serving import ENCODER, shard_name
+
+    options, invalid = deployment_options(app, where)
+    if invalid:
+        return []  # check_schemas reports them
+    problems: list[str] = []
+
+    def gpus_of(name: str) -> float | None:
+        actor = options.get(name, {}).get("ray_actor_options")
+        return None if actor is None else float(actor.get("num_gpus", 0) or 0)
+
+    def replicas(name: str, at: str) -> int:
+        opts = options.get(name, {})
+        auto = opts.get("autoscaling_config")
+        if auto:
+            return int(auto.get(f"{at}_replicas", 1))
+        return int(opts.get("num_replicas") or 1)
+
+    shards = [shard_name(i) for i in range(c.shards)]
+    for role, names in (("encoder", [ENCODER]), ("shard", shards)):
+        device = getattr(c, f"{role}_device")
+        if device.startswith("cuda") and any(not gpus_of(n) for n in names):
+            problems.append(f"{where}: {role}_device is {device} but {', '.join(n for n in names if not gpus_of(n))} ask Ray for no GPU "
+                            "(deployments: ray_actor_options.num_gpus)")
+    if not gpus:
+        return problems
+    unset = [n for n in [ENCODER, *shards] if gpus_of(n) is None]
+    if unset:
+        return problems + [f"{where}: set ray_actor_options.num_gpus of {', '.join(unset)} under deployments: "
+                           "(the defaults pack every shard on one GPU)"]
+    shard_gpus = {gpus_of(n) for n in shards}
+    if len(shard_gpus) > 1:
+        return problems + [f"{where}: give every shard deployment the same num_gpus (got {sorted(shard_gpus)})"]
+    per_shard = shard_gpus.pop()
+    shard_replicas = sum(replicas(n, "min") for n in shards)
+    # Every start order at the minimum (shards and the encoder's min_replicas on the GPU workers'
+    # minReplicas); scaled up, the encoder's extra replicas take the GPU the shards leave, and the
+    # autoscaler adds GPU workers up to maxReplicas for anything left pending.
+    others = {"encoder": gpus_of(ENCODER) * replicas(ENCODER, "min")}
+    problems += [f"{where}: {p}" for p in gpu_plan_problems(shard_replicas, per_shard, gpus, others)]
+    if shard_replicas * per_shard + others["encoder"] > gpus + 1e-9:
+        problems.append(f"{where}: deployments ask for more GPUs than the {gpus} of the GPU workers at minReplicas")
+    at_max = shard_replicas * per_shard + gpus_of(ENCODER) * replicas(ENCODER, "max")
+    if at_max > gpus_max + 1e-9:
+        problems.append(f"{where}: at {ENCODER} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
+                        "of the GPU workers at maxReplicas")
+    return problems
+
+
 def check_rayservice() -> list[str]:
     from qrag.config import ConfigError, from_dict
-    from qrag.distributed.placement import gpu_plan_problems
     from qrag.service_config import ServeConfig
 
     problems = []
@@ -576,6 +644,7 @@ def check_rayservice() -> list[str]:
         mounts = set.intersection(*(shared_mounts(t) for _, t in pod_templates(doc.body)))
         _, workers = ray_groups(cluster)
         gpus = int(sum(w.gpus * w.min for w in workers))
+        gpus_max = int(sum(w.gpus * w.max for w in workers))
         serve_ports = {p["containerPort"] for c in containers(doc.body) for p in c.get("ports") or [] if p.get("name") == "serve"}
         http = serve_cfg.get("http_options") or {}
         if http.get("host") != "0.0.0.0":
@@ -609,17 +678,7 @@ def check_rayservice() -> list[str]:
                               for j in jobs if j.cfg.distributed.mlflow_model and j.cfg.distributed.mlflow_registered_model}
                 if c.checkpoint not in registered:
                     problems.append(f"{where}: checkpoint {c.checkpoint} is not a model a RayJob registers ({sorted(registered)})")
-            for role in ("encoder", "shard"):
-                if getattr(c, f"{role}_device").startswith("cuda") and not getattr(c, f"{role}_gpus"):
-                    problems.append(f"{where}: {role}_device is {getattr(c, f'{role}_device')} but {role}_gpus asks Ray for no GPU")
-            if gpus:
-                if c.shard_gpus is None or c.encoder_gpus is None:
-                    problems.append(f"{where}: set shard_gpus and encoder_gpus (the defaults pack every shard on one GPU)")
-                    continue
-                others = {"encoder": c.encoder_gpus * c.encoder_replicas}
-                problems += [f"{where}: {p}" for p in gpu_plan_problems(c.shards * c.shard_replicas, c.shard_gpus, gpus, others)]
-                if c.shards * c.shard_replicas * c.shard_gpus + others["encoder"] > gpus + 1e-9:
-                    problems.append(f"{where}: deployments ask for more GPUs than the {gpus} of the GPU workers at minReplicas")
+            problems += deployment_problems(app, c, gpus, gpus_max, where)
     return problems
 
 

@@ -77,6 +77,14 @@ def serve_args(change):
     return apply
 
 
+def serve_deployment(name: str, change):
+    """Apply ``change(options)`` to deployment ``name`` of the RayService's application."""
+    def apply(a, c):
+        entry = next(d for d in c["applications"][0]["deployments"] if d["name"] == name)
+        change(entry)
+    return serve_args(apply)
+
+
 def entrypoint(old: str, new: str):
     def apply(doc):
         assert old in doc["spec"]["entrypoint"]
@@ -104,13 +112,19 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
     (RAYJOB, entrypoint("distributed.learner_cpus=4", "distributed.learner_cpus=12"), "no worker group can hold the learner"),
     (RAYJOB, lambda d: d["spec"].update(clusterSelector={"ray.io/cluster": "other"}), "names RayCluster 'other'"),
     # the RayService against the project and the GPUs
-    (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=0.5)), "lets 2 shards share one GPU"),
+    (RAYSERVICE, serve_args(lambda a, c: [d["ray_actor_options"].update(num_gpus=0.5) for d in c["applications"][0]["deployments"]
+                                          if d["name"].startswith("Shard")]), "lets 2 shards share one GPU"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="models:/qrag-hotpot@staging")), "is not a model a RayJob registers"),
     (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(maxReplicas=9), "QRAG_AUTOSCALE_TO"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(encoder_replicas=2)), "some placement order leaves a shard without a GPU"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(shard_gpus=None)), "set shard_gpus and encoder_gpus"),
+    (RAYSERVICE, serve_deployment("Encoder", lambda d: d["autoscaling_config"].update(min_replicas=2)), "some placement order leaves a shard without a GPU"),
+    (RAYSERVICE, serve_deployment("Encoder", lambda d: d["autoscaling_config"].update(max_replicas=9)), "at Encoder max_replicas the deployments ask for"),
+    (RAYSERVICE, serve_deployment("Shard1", lambda d: d.update(name="Shard2")), "(Shard2): no deployment 'Shard2' in the app with 2 shard(s)"),
+    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(target_ongoing_request=4)), "autoscaling_config.target_ongoing_request: unknown key"),
+    (RAYSERVICE, serve_deployment("Ingress", lambda d: d.update(max_ongoing_request=4)), "unknown key 'max_ongoing_request'"),
+    (RAYSERVICE, serve_args(lambda a, c: a.update(shard_replicas=2)), "unknown config key shard_replicas"),
+    (RAYSERVICE, serve_deployment("Shard1", lambda d: d.pop("ray_actor_options")), "set ray_actor_options.num_gpus of Shard1"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(shardz=2)), "unknown config key shardz"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(encoder_gpus=0)), "encoder_device is cuda but encoder_gpus asks Ray for no GPU"),
+    (RAYSERVICE, serve_deployment("Encoder", lambda d: d["ray_actor_options"].update(num_gpus=0)), "encoder_device is cuda but Encoder ask Ray for no GPU"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="/mnt/qrag/runs/other/final")), "is not where a RayJob writes one"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(storage="qrag_indexes")), "args.storage qrag_indexes is not on the shared volume"),
     (RAYSERVICE, serve_args(lambda a, c: c["applications"][0].update(import_path="serve.app:make")), "does not resolve to a function"),

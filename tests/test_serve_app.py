@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -64,14 +63,19 @@ def app(checkpoint, tmp_path_factory):
 
     import yaml
 
-    sys.path.insert(0, str(ROOT))
-    from serve.app import build  # what `serve run serve/config.yaml` imports
+    from qrag.distributed.serving import build_app
+    from qrag.http_api import static_files
 
     port, metrics_port = free_port(), free_port()
     storage = tmp_path_factory.mktemp("serve") / "indexes"
-    args = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())["applications"][0]["args"]
-    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, chunk_tokens=CHUNK_TOKENS, ingress_replicas=2,
-                max_ongoing_requests=4, max_queued_requests=4, max_body_bytes=100_000, state_batch_wait_s=0.001,
+    config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())["applications"][0]
+    args = config["args"]
+    # serve/config.yaml's deployments, as `serve run` applies them, with two fixed ingress replicas
+    # and small request limits (the overload tests), one encoder (no autoscaling on a 2-CPU box).
+    deployments = {d["name"]: d for d in config["deployments"]}
+    deployments["Ingress"] = {"name": "Ingress", "num_replicas": 2, "max_ongoing_requests": 4, "max_queued_requests": 4}
+    deployments["Encoder"] = {**{k: v for k, v in deployments["Encoder"].items() if k != "autoscaling_config"}, "num_replicas": 1}
+    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, chunk_tokens=CHUNK_TOKENS, max_body_bytes=100_000, state_batch_wait_s=0.001,
                 max_jobs=6, max_jobs_per_corpus=3, shard_memory_bytes=64 * 2**20, max_documents=500)
     cfg = ServeConfig(**args)
     # The keys reach the replicas the way a Kubernetes Secret does: in their environment.
@@ -82,7 +86,7 @@ def app(checkpoint, tmp_path_factory):
              _metrics_export_port=metrics_port, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": 60})
-        serve.run(build(args), name="qrag", route_prefix="/")
+        serve.run(build_app(cfg, static_files(ROOT / "serve" / "static"), list(deployments.values())), name="qrag", route_prefix="/")
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=WRITE)
         docs = [{"id": d.id, "text": d.text} for d in make_documents(16)]
         assert client.post("/v1/corpora", json={"name": "books", "documents": docs[:10]}).status_code == 201
@@ -157,6 +161,36 @@ def test_serve_config_records_the_address_it_is_served_on():
 
     data = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     assert data["applications"][0]["args"]["http_host"] == data["http_options"]["host"]
+
+
+def test_serve_config_deployments_are_the_apps_and_valid_for_serve():
+    """Replicas, autoscaling, GPUs and request limits are Serve's per-deployment options in
+    serve/config.yaml's deployments: section: Serve's own schema accepts them, every name is a
+    deployment of the app, and `qrag serve --config` builds the app with the same options."""
+    import argparse
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from qrag.cli.serve import serve_deployments
+    from qrag.config import ConfigError
+    from qrag.distributed.serving import build_app, deployment_names
+
+    data = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(data)  # autoscaling_config fields included
+    app = data["applications"][0]
+    cfg = ServeConfig(**app["args"])
+    names = [d["name"] for d in app["deployments"]]
+    assert sorted(names) == sorted(deployment_names(cfg.shards))
+    autoscaled = {d.name: d.autoscaling_config for d in schema.applications[0].deployments}
+    assert autoscaled["Ingress"]["max_replicas"] > autoscaled["Ingress"]["min_replicas"] >= 1 and autoscaled["Encoder"]["max_replicas"] >= 1
+    args = argparse.Namespace(config=str(ROOT / "serve" / "config.yaml"))
+    assert serve_deployments(args) == app["deployments"]
+    build_app(cfg, {}, app["deployments"])  # Deployment.options accepts every option (Serve validates them there)
+    with pytest.raises(ConfigError, match="no deployment 'Shard2' in the app with 2 shard"):
+        build_app(cfg, {}, [{"name": "Shard2", "num_replicas": 1}])
+    with pytest.raises(Exception, match="target_ongoing_request"):
+        build_app(cfg, {}, [{"name": "Ingress", "autoscaling_config": {"target_ongoing_request": 2}}])
 
 
 def bad_requests() -> list[tuple[bytes, dict[str, str], int]]:

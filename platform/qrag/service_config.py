@@ -9,7 +9,9 @@ from .config import opt
 
 @dataclass
 class ServeConfig:
-    """The model, the storage, the deployments and the limits of one retrieval service."""
+    """The model, the storage and the limits of one retrieval service: the app's ``args``.
+    Replicas, autoscaling, GPUs and per-replica request limits are Serve deployment options, set
+    in the config's ``deployments:`` section (qrag.distributed.serving.build_app)."""
 
     checkpoint: str | None = opt(None, "Checkpoint directory or MLflow URI (runs:/<run>/<path>, models:/<name>/<version>); none = the bundled untrained encoder.")
     encoder: str = opt("minilm", "Encoder used when no checkpoint is configured.")
@@ -19,12 +21,7 @@ class ServeConfig:
     dtype: str = opt("float32", "Vectors on disk: float32 | float16 (half the bytes; scores then differ slightly from offline search).")
     chunk_tokens: int = opt(64, "Default token budget per chunk of new corpora and inline contexts.")
     question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
-    shards: int = opt(2, "Index-shard deployments; a corpus is split into this many shards when created.")
-    shard_replicas: int = opt(1, "Replicas of each shard deployment.")
-    encoder_replicas: int = opt(1, "Replicas of the encoder deployment.")
-    ingress_replicas: int = opt(1, "Replicas of the HTTP ingress.")
-    encoder_gpus: float | None = opt(None, "GPUs per encoder replica; None = 0.5 when the cluster has a GPU, else 0.")
-    shard_gpus: float | None = opt(None, "GPUs per shard replica; None = 0.5/shards when the cluster has a GPU, else 0.")
+    shards: int = opt(2, "Index-shard deployments (Shard0..Shard{N-1}); a corpus is split into this many shards when created.")
     encoder_device: str = opt("auto", "Device of the encoder replicas: auto | cpu | cuda.")
     shard_device: str = opt("auto", "Device of the shard replicas (exact rotated scoring): auto | cpu | cuda.")
     state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch).")
@@ -33,10 +30,6 @@ class ServeConfig:
     encode_tokens: int = opt(32768, "Padded tokens per encoder forward pass.")
     faiss: str = opt("auto", "FAISS for shards when positions are off: auto (CPU shards) | always | never.")
     approx_above: int = opt(2_000_000, "Chunks per shard above which FAISS uses an approximate (HNSW) index.")
-    max_ongoing_requests: int = opt(32, "Requests one ingress replica works on at once.")
-    max_queued_requests: int = opt(64, "Requests queued per ingress replica beyond that; more get 503 + Retry-After.")
-    backend_max_ongoing_requests: int = opt(64, "Requests one encoder or shard replica works on at once.")
-    backend_max_queued_requests: int = opt(512, "Requests queued per encoder or shard deployment handle.")
     retry_after_s: int = opt(1, "Retry-After seconds sent with 503 on overload.")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     max_documents: int = opt(10000, "Documents per create/append request; send more in several requests.")

@@ -14,7 +14,8 @@ REPO_STATIC = Path(__file__).resolve().parents[1] / "static"  # package data (se
 
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="DIR|URI", help="checkpoint directory or MLflow URI (runs:/..., models:/...); default: the untrained bundled encoder")
-    p.add_argument("--config", metavar="YAML", help="a Serve config such as serve/config.yaml: its first application's args are the defaults")
+    p.add_argument("--config", metavar="YAML", help="a Serve config such as serve/config.yaml: its first application's args are the defaults, "
+                                                    "its deployments: section sets replicas, autoscaling, GPUs and request limits")
     p.add_argument("--storage", metavar="DIR", help="where corpora are persisted (default qrag_indexes)")
     p.add_argument("--shards", type=int, metavar="N", help="index-shard deployments (default 2)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1: loopback only)")
@@ -41,14 +42,27 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"serve config: {exc}") from None
 
 
+def serve_deployments(args: argparse.Namespace) -> list[dict]:
+    """The ``deployments:`` section of the --config file's first application (Serve's options
+    per deployment name), applied as ``serve run`` would."""
+    if not args.config:
+        return []
+    apps = read_yaml(args.config).get("applications") or [{}]
+    deployments = apps[0].get("deployments") or []
+    if not isinstance(deployments, list):
+        raise ConfigError(f"serve config {args.config}: deployments must be a list of {{name: ..., options}}")
+    return deployments
+
+
 @command("serve", "serve a retriever over HTTP with Ray Serve (local Ray, loopback)")(_args)
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
+    deployments = serve_deployments(args)
     from ..embedder import resolve_source  # noqa: PLC0415
 
     resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri)  # a bad checkpoint fails here, before Ray starts
     from ..distributed.serving import serve_locally  # noqa: PLC0415 (Ray lives under qrag.distributed)
 
-    serve_locally(cfg, args.host, args.port, args.static)
+    serve_locally(cfg, args.host, args.port, args.static, deployments)
     return 0
 

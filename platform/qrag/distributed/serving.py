@@ -7,6 +7,11 @@
 * ``Ingress``  FastAPI (``qrag.http_api``) around ``qrag.service.RetrievalService``; fans a
                query step out to the shards and merges their top-k.
 
+Replicas, autoscaling, GPUs and request limits are deployment options, set the Serve way: the
+``deployments:`` section of ``serve/config.yaml`` (or a RayService's serveConfigV2) overrides the
+defaults below per deployment name (``Ingress``, ``Encoder``, ``Shard0``..); ``qrag serve
+--config`` applies the same section through :func:`build_app`.
+
 Metrics go through ``ray.serve.metrics`` to Ray's Prometheus exporter (``qrag_*``). Every call
 to the encoder or a shard has a deadline; any failure of theirs (overload, a restarting
 replica, a CUDA out-of-memory) answers 503 with Retry-After, never a 500.
@@ -18,6 +23,7 @@ import asyncio
 import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -29,7 +35,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter, Histogram
 
 from ..auth import ApiKeyError, key_table, startup_problem
-from ..config import ModelConfig, from_dict, to_dict
+from ..config import ConfigError, ModelConfig, from_dict, to_dict
 from ..embedder import Tokenization, load_embedding_model, resolve_source, source_identity
 from ..encoder import pick_device
 from ..http_api import build_api
@@ -45,7 +51,20 @@ PROXY_CALLBACK = "qrag.distributed.proxy_guard:middlewares"
 LATENCY_BOUNDS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
 
-@serve.deployment(name="Encoder")
+INGRESS, ENCODER = "Ingress", "Encoder"
+BACKEND_LIMITS = {"max_ongoing_requests": 64, "max_queued_requests": 512}  # per encoder / shard replica
+
+
+def shard_name(slot: int) -> str:
+    return f"Shard{slot}"
+
+
+def deployment_names(shards: int) -> list[str]:
+    """The deployments of the app with ``shards`` shard slots: the names ``deployments:`` uses."""
+    return [INGRESS, ENCODER, *(shard_name(i) for i in range(shards))]
+
+
+@serve.deployment(name=ENCODER, ray_actor_options={"num_cpus": 0}, **BACKEND_LIMITS)
 class Encoder:
     def __init__(self, cfg: dict[str, Any]):
         c = from_dict(ServeConfig, cfg)
@@ -76,7 +95,7 @@ class Encoder:
         return {"chunks_embedded": self.model.chunks_embedded, "states_embedded": self.model.states_embedded, "device": str(self.model.device)}
 
 
-@serve.deployment(name="Shard")
+@serve.deployment(name="Shard", ray_actor_options={"num_cpus": 0}, **BACKEND_LIMITS)
 class Shard:
     def __init__(self, cfg: dict[str, Any], slot: int):
         c = from_dict(ServeConfig, cfg)
@@ -187,7 +206,7 @@ class RayMetrics:
 # constructor has run (documented in ray.serve.ingress). A builder function that reads a module
 # global does not work: Serve pickles the decorated class by value, with its own copy of the
 # module's globals, so the constructor and the builder would see two different dicts.
-@serve.deployment(name="Ingress")
+@serve.deployment(name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=32, max_queued_requests=64)
 @serve.ingress()
 class Ingress:
     async def __init__(self, cfg: dict[str, Any], encoder, shards: list, static: dict[str, bytes]):
@@ -231,25 +250,68 @@ def _cluster_has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None):
-    """The Serve application: Ingress -> Encoder + Shard0..Shard{N-1}, sized by ``cfg``."""
+def deployment_overrides(deployments: Sequence[Mapping[str, Any]] | None, shards: int) -> dict[str, dict[str, Any]]:
+    """A Serve config's ``deployments:`` list -> {name: options}, checked: names of the app's
+    deployments, keys and values Serve's DeploymentSchema and AutoscalingConfig accept (Serve
+    itself ignores unknown keys, so a misspelt option would silently keep its default)."""
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import DeploymentSchema
+
+    names = deployment_names(shards)
+    out: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for i, entry in enumerate(deployments or []):
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+            raise ConfigError(f"deployments[{i}]: an entry needs a 'name' (one of {', '.join(names)})")
+        at = f"deployments[{i}] ({entry['name']})"
+        if entry["name"] not in names:
+            raise ConfigError(f"{at}: no deployment {entry['name']!r} in the app with {shards} shard(s) (it has {', '.join(names)})")
+        if entry["name"] in out:
+            raise ConfigError(f"{at}: listed twice")
+        problems += [f"{at}: unknown key {k!r}" for k in sorted(set(entry) - set(DeploymentSchema.model_fields))]
+        auto = entry.get("autoscaling_config")
+        if isinstance(auto, Mapping):
+            problems += [f"{at}: autoscaling_config.{k}: unknown key" for k in sorted(set(auto) - set(AutoscalingConfig.model_fields))]
+        try:
+            DeploymentSchema.model_validate(dict(entry))
+            if isinstance(auto, Mapping):
+                AutoscalingConfig.model_validate(dict(auto))
+        except ValidationError as exc:
+            problems += [f"{at}: {'.'.join(map(str, e['loc'])) or 'autoscaling_config'}: {e['msg']}" for e in exc.errors()]
+        out[entry["name"]] = {k: v for k, v in entry.items() if k != "name"}
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return out
+
+
+def default_gpus(shards: int) -> dict[str, float]:
+    """GPUs per replica when ``deployments:`` sets no ray_actor_options: half a GPU for the
+    encoder and half shared by the shards when the cluster has a GPU, else none."""
+    gpu = _cluster_has_gpu()
+    return {ENCODER: 0.5 if gpu else 0.0, **{shard_name(i): (0.5 / shards if gpu else 0.0) for i in range(shards)}}
+
+
+def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployments: Sequence[Mapping[str, Any]] | None = None):
+    """The Serve application: Ingress -> Encoder + Shard0..Shard{N-1}. ``deployments`` (a Serve
+    config's ``deployments:`` section) overrides each deployment's options, as Serve does when it
+    deploys a config file: an entry's ``ray_actor_options`` replaces the default as a whole."""
     if cfg.shards < 1:
         raise ValueError(f"shards must be at least 1, got {cfg.shards}")
-    gpu = _cluster_has_gpu()
-    enc_gpus = cfg.encoder_gpus if cfg.encoder_gpus is not None else (0.5 if gpu else 0.0)
-    shard_gpus = cfg.shard_gpus if cfg.shard_gpus is not None else (0.5 / cfg.shards if gpu else 0.0)
+    overrides = deployment_overrides(deployments, cfg.shards)
+    gpus = default_gpus(cfg.shards)
+
+    def options(deployment: str, **code: Any) -> dict[str, Any]:
+        return {**code, **overrides.get(deployment, {})}
+
     args = to_dict(cfg)
-    backend = {"max_ongoing_requests": cfg.backend_max_ongoing_requests, "max_queued_requests": cfg.backend_max_queued_requests}
-    encoder = Encoder.options(num_replicas=cfg.encoder_replicas, ray_actor_options={"num_gpus": enc_gpus, "num_cpus": 0}, **backend).bind(args)
+    encoder = Encoder.options(**options(ENCODER, ray_actor_options={"num_gpus": gpus[ENCODER], "num_cpus": 0})).bind(args)
     shards = [
-        Shard.options(name=f"Shard{i}", num_replicas=cfg.shard_replicas, ray_actor_options={"num_gpus": shard_gpus, "num_cpus": 0}, **backend).bind(args, i)
+        Shard.options(**options(shard_name(i), name=shard_name(i), ray_actor_options={"num_gpus": gpus[shard_name(i)], "num_cpus": 0})).bind(args, i)
         for i in range(cfg.shards)
     ]
-    return Ingress.options(
-        num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=cfg.max_ongoing_requests, max_queued_requests=cfg.max_queued_requests,
-        backpressure_config={"status_code": 503, "retry_after_s": cfg.retry_after_s},
-    ).bind(args, encoder, shards, static or {})
+    backpressure = {"status_code": 503, "retry_after_s": cfg.retry_after_s}
+    return Ingress.options(**options(INGRESS, backpressure_config=backpressure)).bind(args, encoder, shards, static or {})
 
 
 def build_app_from_args(args: dict[str, Any] | None, static_dir) -> Any:
@@ -259,7 +321,7 @@ def build_app_from_args(args: dict[str, Any] | None, static_dir) -> Any:
     return build_app(from_dict(ServeConfig, dict(args or {})), static_files(static_dir))
 
 
-def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir) -> None:
+def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir, deployments: Sequence[Mapping[str, Any]] | None = None) -> None:
     """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C."""
     import os
     import signal
@@ -275,6 +337,7 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir) -> None:
     problem = startup_problem(host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
+    deployment_overrides(deployments, cfg.shards)  # unknown deployment names fail before Ray starts
     cfg = dataclasses.replace(cfg, http_host=host)  # what the ingress checks again on each replica
 
     def stop(signum, frame):  # SIGTERM (a service manager, `kill`) shuts down like Ctrl-C
@@ -291,7 +354,7 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir) -> None:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": host, "port": port, "request_timeout_s": cfg.request_timeout_s + 10})
-        serve.run(build_app(cfg, static_files(static_dir)), name="qrag", route_prefix="/")
+        serve.run(build_app(cfg, static_files(static_dir), deployments), name="qrag", route_prefix="/")
         url = f"http://{host}:{port}"
         print(f"qrag serve: {url}/ (page)  {url}/docs (API)  {url}/healthz; model: {cfg.checkpoint or 'untrained ' + cfg.encoder}; "
               f"storage: {cfg.storage}; Ctrl-C stops", file=sys.stderr)
