@@ -144,3 +144,32 @@ def test_bad_input_names_the_file_and_the_record(ray_local, tiny_encoder, tmp_pa
     assert not (tmp_path / "indexes" / "c" / "corpus.json").exists()
     with pytest.raises(DataError, match=r"no such file or directory"):
         bulk_index(config(tiny_encoder, tmp_path / "indexes", [str(tmp_path / "nope.jsonl")]))
+
+
+def test_inputs_through_fsspec_and_parquet(tmp_path):
+    """Any fsspec URL (here memory://) is listed and read alike; parquet rows by id/text columns."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/bulk/a.jsonl", b'{"id": "x", "text": "One sentence."}\n')
+    fs.pipe("/bulk/b.txt", "Book text.".encode())
+    found = expand_inputs(["memory://bulk"])
+    assert found == [("memory:///bulk/a.jsonl", "jsonl"), ("memory:///bulk/b.txt", "text")]
+    assert [(r, d.id, d.text) for r, d in read_records(*found[1])] == [("file", "b", "Book text.")]
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": ["p1", "p2"], "text": ["First.", ""], "url": ["u", "v"]}), path)
+    assert expand_inputs([str(tmp_path / "*.parquet")]) == [(str(path), "parquet")]
+    with pytest.raises(DataError, match=rf"{path}: row 1\.text: empty document \(id=p2\)"):
+        list(read_records(str(path), "parquet"))
+    pq.write_table(pa.table({"id": ["p1"]}), path)
+    with pytest.raises(DataError, match="no column 'text'"):
+        list(read_records(str(path), "parquet"))
+
+
+def test_qrag_index_refuses_a_missing_input_before_ray_starts(tmp_path, capsys):
+    from qrag.cli import main
+
+    assert main(["index", "--corpus", "c", "--input", str(tmp_path / "missing.jsonl"), "--storage", str(tmp_path / "s")]) == 2
+    assert f"qrag index: error: {tmp_path / 'missing.jsonl'}: no such file or directory" in capsys.readouterr().err
