@@ -98,7 +98,7 @@ def test_jsonl_interrupted_after_a_commit_resumes_without_reembedding(ray_local,
 
     stats = bulk_index(config(tiny_encoder, storage, [str(source)]))
     total = CorpusStore(storage).read("c").chunks
-    assert stats["skipped_documents"] == first.documents and stats["documents"] == len(docs) - first.documents
+    assert stats["already_committed"] == first.documents and stats["documents"] == len(docs) - first.documents
     assert stats["chunks_embedded"] == stats["chunks"] == total - first.chunks  # nothing committed was embedded again
     assert stats["commits"] > 1 and stats["corpus_documents"] == len(docs)
     assert {"seconds", "tokens_per_s", "prep_seconds", "embed_seconds", "write_seconds"} <= set(stats)

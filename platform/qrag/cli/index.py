@@ -21,7 +21,7 @@ def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default="qrag_indexes", metavar="DIR", help="corpora folder, the one the server uses (default qrag_indexes)")
     p.add_argument("--chunk-tokens", type=int, help="token budget per chunk of a new corpus (default 64)")
     p.add_argument("--shards", type=int, help="shards of a new corpus (default 2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="vectors on disk of a new corpus")
+    p.add_argument("--dtype", choices=["float32", "float16"], help="vectors on disk of a new corpus (default float32)")
     p.add_argument("--encoder-actors", type=int, default=1, help="encoder actors (a GPU each when the cluster has GPUs)")
     p.add_argument("--encoder-gpus", type=float, help="GPUs per encoder actor (default 1 when the cluster has a GPU, else 0)")
     p.add_argument("--tokenize-actors", type=int, help="most read+tokenise actors (default: the CPUs the encoder actors leave)")

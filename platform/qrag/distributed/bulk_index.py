@@ -64,13 +64,13 @@ class BulkIndexConfig:
     storage: str = "qrag_indexes"
     chunk_tokens: int | None = None  # None: the corpus's own, 64 for a new corpus
     shards: int | None = None  # None: the corpus's own, 2 for a new corpus
-    dtype: str = "float32"
+    dtype: str | None = None  # None: the corpus's own, float32 for a new corpus
     encoder_actors: int = 1
     encoder_gpus: float | None = None  # per actor; None = 1 when the cluster has a GPU, else 0
     encoder_cpus: float = 1.0
     tokenize_cpus: float = 1.0
     tokenize_actors: int | None = None  # most read+tokenise actors; None = the CPUs the encoder actors leave (autoscaled from 1)
-    docs_per_block: int = 64  # documents chunked and tokenised per output block of a read task
+    docs_per_block: int = 256  # documents chunked and tokenised per tokenizer call (one file's blocks)
     encode_batch: int = 4096  # chunks per encoder-actor call
     encode_tokens: int = 32768  # padded tokens per forward pass
     commit_chunks: int = 65536  # chunks per committed group (whole documents)
@@ -306,7 +306,7 @@ class BulkStats:
     corpus: str
     files: int = 0
     documents: int = 0  # committed by this run
-    skipped_documents: int = 0  # already in the corpus before this run
+    already_committed: int = 0  # documents in the corpus before this run (skipped where the input has them)
     chunks: int = 0
     tokens: int = 0  # text tokens of the chunks (no special tokens)
     encoder_tokens: int = 0  # token ids embedded ([CLS] chunk [SEP])
@@ -362,7 +362,7 @@ def ensure_ray(address: str | None = None) -> None:
 def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] | None = None,
                on_commit: Callable[[Manifest], None] | None = None) -> dict[str, Any]:
     """Index ``cfg.inputs`` into corpus ``cfg.corpus`` (created when missing) on the running Ray
-    (see :func:`ensure_ray`). Returns the run's figures (:class:`BulkStats`). ``progress`` gets
+    (started by :func:`ensure_ray` when there is none). Returns the run's figures (:class:`BulkStats`). ``progress`` gets
     them after every commit; ``on_commit`` gets the manifest (tests interrupt the run there)."""
     import ray
     from ray.data import ActorPoolStrategy, DataContext
@@ -384,7 +384,7 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
             raise CorpusConflict(f"corpus {cfg.corpus!r} was indexed with model {manifest.fingerprint}; {source.describe()} is {fingerprint}")
         for key in ("chunk_tokens", "shards", "dtype"):
             asked = getattr(cfg, key)
-            if asked is not None and asked != getattr(manifest, key) and not (key == "dtype" and asked == "float32"):
+            if asked is not None and asked != getattr(manifest, key):
                 raise CorpusConflict(f"corpus {cfg.corpus!r} has {key} {getattr(manifest, key)}, not {asked}")
         committed = frozenset(store.doc_ids(manifest))
         chunk_tokens = manifest.chunk_tokens
@@ -392,8 +392,9 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
         store.path(cfg.corpus)  # a bad name fails before any work
         committed = frozenset()
         chunk_tokens = cfg.chunk_tokens or 64
-    stats.skipped_documents = len(committed)
+    stats.already_committed = len(committed)
 
+    ensure_ray()  # after the checks above: a bad input or corpus fails before Ray starts
     gpus = cfg.encoder_gpus if cfg.encoder_gpus is not None else (1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)
     stats.encoder_actors, stats.encoder_gpus = cfg.encoder_actors, gpus
     model = cfg.model_spec()
@@ -454,7 +455,7 @@ def _drain(ds, store: CorpusStore, cfg: BulkIndexConfig, manifest: Manifest | No
         vecs = np.stack(vectors).astype(np.float32, copy=False)
         if manifest is None:
             manifest = store.create(cfg.corpus, fingerprint=fingerprint, model=model_cfg, dim=vecs.shape[1], chunk_tokens=chunk_tokens,
-                                    shards=cfg.shards or 2, dtype=cfg.dtype, first=(docs, chunks, token_ids, vecs))
+                                    shards=cfg.shards or 2, dtype=cfg.dtype or "float32", first=(docs, chunks, token_ids, vecs))
         else:
             manifest = store.append(cfg.corpus, docs, chunks, token_ids, vecs, fingerprint)
         stats.write_seconds += time.perf_counter() - t0
