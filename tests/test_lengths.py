@@ -43,10 +43,24 @@ def model(tiny_encoder):
 
 def test_length_parsing():
     assert [parse_length(x) for x in ("4096", "4k", "1m", "10M", "0.5k")] == [4096, 4096, 2**20, 10 * 2**20, 512]
-    assert [length_label(n) for n in (1024, 32768, 2**20, 10 * 2**20, 1000)] == ["1K", "32K", "1M", "10M", "1000"]
     assert canonical_task("S1") == "niah_single_1" and canonical_task("QA3") == "qa3"
     with pytest.raises(ValueError):
         parse_length("lots")
+
+
+def test_one_length_label_for_sweeps_and_reports():
+    """qrag sweep-lengths and qrag report label lengths with one function: binary multiples
+    with K/M, any other size as its number (so no label names two lengths)."""
+    from qrag import report
+    from qrag.data import contexts
+
+    assert report.length_label is length_label is contexts.length_label
+    assert parse_length is contexts.parse_length
+    labels = {1024: "1K", 4096: "4K", 32768: "32K", 131072: "128K", 2**20: "1M", 10 * 2**20: "10M",
+              2048: "2K", 1536: "1536", 1000: "1000", 10**6: "1000000", 512: "512", 2**30: "1024M", 0: "0"}
+    assert {n: length_label(n) for n in labels} == labels
+    assert all(parse_length(label) == n for n, label in labels.items())
+    assert length_label(4096.0) == "4K"  # a float length from JSON
 
 
 @pytest.mark.parametrize("positions", ["relative", "absolute", "none"])
@@ -85,6 +99,36 @@ def test_chunk_tokens_equal_plain_tokenisation(data, model):
     slow = tokenize_samples([g.sample for g in items], tokenizer, layout, chunk_tokens=32, question_tokens=48)
     for a, b in zip(fast, slow):
         assert np.array_equal(a.question, b.question) and np.array_equal(a.support, b.support)
+        assert len(a.chunks) == len(b.chunks) and all(np.array_equal(x, y) for x, y in zip(a.chunks, b.chunks))
+
+
+@pytest.mark.parametrize("task", ["qa1", "niah_single_1"])
+def test_generated_sentences_are_tokenised_once(data, model, task):
+    """The generator measures each fact / needle once to fit the length and keeps the ids;
+    ChunkTokens builds the token arrays from them (and from the haystack's segment ids) without
+    tokenising any chunk text again, and gets what plain tokenisation gets."""
+    _, tokenizer, layout = model
+    seen: list[str] = []
+
+    class Recording:  # the tokenizer, recording every text it is asked to tokenise
+        def __call__(self, texts, **kw):
+            seen.extend(texts)
+            return tokenizer(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    measure = Measure.from_tokenizer(Recording())
+    items = generated(data, measure, task=task, length=4096)
+    fresh = [g.sample.chunks[i] for g in items for i in np.flatnonzero(g.refs < 0)]
+    assert fresh and all(g.fresh_ids is not None for g in items)
+    # Stories share facts and samples share fill text: at most once per sample that holds it.
+    assert all(seen.count(t) <= fresh.count(t) for t in set(fresh)), "a fact or needle was tokenised twice in one sample"
+    seen.clear()
+    fast = ChunkTokens(Recording(), layout, 32, 48)(items)
+    assert seen == [g.sample.question for g in items]  # only the questions are tokenised now
+    slow = tokenize_samples([g.sample for g in items], tokenizer, layout, chunk_tokens=32, question_tokens=48)
+    for a, b in zip(fast, slow):
         assert len(a.chunks) == len(b.chunks) and all(np.array_equal(x, y) for x, y in zip(a.chunks, b.chunks))
 
 

@@ -84,6 +84,14 @@ def test_lengths_with_several_models(tmp_path):
     assert "| qa3 · Q-RAG | 0.900 | 0.900 |" in text and "| qa3 · untrained | 0.400 | 0.400 |" in text
 
 
+def test_length_columns_use_the_sweeps_labels(tmp_path):
+    rows = [{"model": "Q-RAG", "task": "qa3", "length": n, "fact_f1": 0.5} for n in (1000, 4096, 2**20)]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"rows": rows}))
+    text = build_report([path], tmp_path / "r").text()
+    assert "| Task | 1000 | 4K | 1M |" in text  # qrag.data.contexts.length_label, as qrag sweep-lengths prints
+
+
 def test_cli_report_with_early_stopping_from_records(tmp_path, capsys):
     from qrag.cli import main
 

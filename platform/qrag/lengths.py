@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .config import TrainConfig, to_dict
+from .data.contexts import length_label, parse_length  # noqa: F401 - one definition, used by qrag report too
 from .data.haystack import Measure
 from .data.sample import DataError
 from .data.splits import in_validation, validation_key
@@ -41,27 +42,6 @@ from .metrics import mean
 from .provenance import git_commit, write_json
 
 SCHEMA = "qrag.length_sweep/1"
-_SUFFIX = {"k": 1024, "m": 1024**2}
-
-
-def parse_length(text: str) -> int:
-    """``4k`` -> 4096, ``1m`` -> 1048576, ``10M`` -> 10485760, ``5000`` -> 5000."""
-    t = str(text).strip().lower()
-    try:
-        if t and t[-1] in _SUFFIX:
-            return int(round(float(t[:-1]) * _SUFFIX[t[-1]]))
-        return int(t)
-    except ValueError:
-        raise DataError(f"bad context length {text!r} (e.g. 4096, 4k, 1m, 10m)") from None
-
-
-def length_label(n: int) -> str:
-    for suffix, size in (("M", 1024**2), ("K", 1024)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{suffix}"
-    return str(n)
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -92,8 +92,17 @@ class ChunkTokens:
                                                    chunk_tokens=self.chunk_tokens, question_tokens=self.question_tokens)):
                 out[id(g)] = t
         if fast:
-            fresh_text = [g.sample.chunks[i] for g in fast for i in np.flatnonzero(g.refs < 0)]
-            fresh = self.tokenizer(fresh_text, add_special_tokens=False, truncation=True, max_length=self.chunk_tokens)["input_ids"] if fresh_text else []
+            # Facts, needles and fill chunks: the ids the generator measured (each sentence is
+            # tokenised once per context), else their text tokenised here.
+            fresh_text = [g.sample.chunks[i] for g in fast if g.fresh_ids is None for i in np.flatnonzero(g.refs < 0)]
+            told = iter(self.tokenizer(fresh_text, add_special_tokens=False, truncation=True, max_length=self.chunk_tokens)["input_ids"]
+                        if fresh_text else [])
+            fresh: list = []
+            for g in fast:
+                if g.fresh_ids is not None:
+                    fresh.extend(ids[: self.chunk_tokens] for ids in g.fresh_ids)
+                else:
+                    fresh.extend(next(told) for _ in range(int((g.refs < 0).sum())))
             questions = self.tokenizer([g.sample.question for g in fast], add_special_tokens=False, truncation=True,
                                        max_length=self.question_tokens)["input_ids"]
             k = 0

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .data.contexts import length_label
+
 # The paper's Table 2 (HotPotQA, MuSiQue OOD) and its appendix table (MuSiQue in-distribution):
 # (Fact F1, Fact EM, Ans F1, Ans EM); None = not reported. Reader: QwQ-32B for Q-RAG and Beam
 # Retriever. Reference numbers to print beside ours, not results of this code.
@@ -196,16 +198,6 @@ def _avg_answers(per_metric: Sequence[Sequence[float | None]]) -> list[float | N
 # -- length sweeps -----------------------------------------------------------------------------------
 
 
-def _length_label(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    for unit, size in (("M", 10**6), ("K", 10**3)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
 def length_tables(data: dict[str, Any], name: str) -> tuple[Report, dict[str, dict[str, dict[int, float]]]]:
     """Tables (rows: task, or task and model when the sweep compares several; columns: lengths)
     for each metric the rows carry: Fact F1/EM and any answer score."""
@@ -225,7 +217,7 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, dict[str, di
     rep = Report()
     for metric, by_label in series.items():
         lengths = sorted({n for vals in by_label.values() for n in vals})
-        header = ["Task"] + [_length_label(n) for n in lengths]
+        header = ["Task"] + [length_label(n) for n in lengths]
         body = [[label, *(vals.get(n) for n in lengths)] for label, vals in sorted(by_label.items())]
         for model in models:
             members = [v for label, v in by_label.items() if len(models) <= 1 or label.endswith(f" · {model}")]
@@ -293,7 +285,7 @@ def plot_lengths(series: dict[str, dict[str, dict[int, float]]], path: Path, tit
             ax.plot(xs, [vals[x] for x in xs], marker="o", label=task)
         ax.set_xscale("log", base=2)
         ticks = sorted({x for vals in series[metric].values() for x in vals})
-        ax.set_xticks(ticks, [_length_label(x) for x in ticks])
+        ax.set_xticks(ticks, [length_label(x) for x in ticks])
         ax.minorticks_off()
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("context length (tokens)")

@@ -30,8 +30,8 @@ from ..config import DataConfig
 from . import register_loader
 from .babi import BabiQuestion, load_babi
 from .chunking import TokenCounter
-from .contexts import Generated, assemble, interleave, rng_for
-from .haystack import MIN_BACKGROUND_TOKENS, NOVELS_DIR, Haystack, Measure, files_haystack, split_files
+from .contexts import Generated, assemble, fresh_ids, interleave, rng_for
+from .haystack import MIN_BACKGROUND_TOKENS, NOVELS_DIR, Haystack, Measure, book_files, files_haystack
 from .paths import data_root
 from .sample import DataError, Sample
 
@@ -44,7 +44,7 @@ def default_background() -> Path:
 
 def book_haystack(path: str | Path | None, split: str, budget: int, measure: Measure, min_tokens: int = 0) -> Haystack:
     """The chunked background books of ``split``, as many as hold ``min_tokens`` (0 = all)."""
-    files = split_files(path or default_background(), split)
+    files = book_files(path or default_background(), split)
     return files_haystack(f"books-{split}", files, budget, measure, min_tokens)
 
 
@@ -85,7 +85,7 @@ def generate_babilong(
                             f"that fit in {length} tokens; raise data.context_tokens")
         q = questions[order[draws % len(questions)]]
         draws += 1
-        counts = np.asarray(measure.count(list(q.facts)), dtype=np.int64)
+        counts, ids = measure.measure(list(q.facts))  # each fact tokenised once: counts fit it, ids feed evaluation
         first = fit_facts(q, counts, length)
         if first is None:
             continue
@@ -94,6 +94,7 @@ def generate_babilong(
         fact_tokens = int(counts[first:].sum())
         window = hay.window(rng, length - fact_tokens)
         chunks, refs, fact_pos = assemble(hay, window, facts, rng)
+        fresh = fresh_ids(hay, window, refs, None if ids is None else ids[first:])
         support = sorted(int(fact_pos[i - first]) for i in q.support)
         sample = Sample(
             id=f"babilong-{task}-{split}-{length}-{draws - 1}",
@@ -107,7 +108,7 @@ def generate_babilong(
             },
         )
         produced += 1
-        yield Generated(sample, hay, refs)
+        yield Generated(sample, hay, refs, fresh)
 
 
 def _tasks(cfg: DataConfig) -> list[str]:

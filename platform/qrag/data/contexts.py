@@ -15,7 +15,33 @@ from dataclasses import dataclass
 import numpy as np
 
 from .haystack import Haystack, Window
-from .sample import Sample
+from .sample import DataError, Sample
+
+_SUFFIX = {"k": 1024, "m": 1024**2}
+
+
+def parse_length(text: str) -> int:
+    """A context length: ``4k`` -> 4096, ``1m`` -> 1048576, ``10M`` -> 10485760, ``5000`` -> 5000."""
+    t = str(text).strip().lower()
+    try:
+        if t and t[-1] in _SUFFIX:
+            return int(round(float(t[:-1]) * _SUFFIX[t[-1]]))
+        return int(t)
+    except ValueError:
+        raise DataError(f"bad context length {text!r} (e.g. 4096, 4k, 1m, 10m)") from None
+
+
+def length_label(n: int) -> str:
+    """The label of a context length in tables, plots and logs (``qrag sweep-lengths`` and
+    ``qrag report`` alike): binary multiples as ``1K``, ``32K``, ``1M``, ``10M``; any other size as
+    its number (``1000``, ``1536``), so that a label never stands for two lengths and
+    ``parse_length(length_label(n)) == n``."""
+    n = int(n)
+    for suffix, size in (("M", 1024**2), ("K", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{suffix}"
+    return str(n)
+
 
 SPECIAL = -1  # refs value of an inserted fact or needle
 FILL = -2  # refs value of a window's loose-segment chunk
@@ -28,6 +54,9 @@ class Generated:
     sample: Sample
     haystack: Haystack
     refs: np.ndarray  # per chunk: haystack chunk index (>= 0), SPECIAL or FILL
+    # Token ids (no special tokens) of the chunks with refs < 0, in chunk order, when the
+    # generator measured them with a tokenizer (see fresh_ids); None: tokenise their text.
+    fresh_ids: list[np.ndarray] | None = None
 
 
 def seed_for(*parts: object) -> int:
@@ -67,6 +96,19 @@ def assemble(hay: Haystack, window: Window, specials: Sequence[str], rng: np.ran
         else:
             chunks.append(next(fill_iter))
     return chunks, refs, special_pos
+
+
+def fresh_ids(hay: Haystack, window: Window, refs: np.ndarray, special_ids: Sequence[np.ndarray] | None) -> list[np.ndarray] | None:
+    """Token ids of the chunks that are not whole haystack chunks (refs < 0), in chunk order,
+    from ids measured already: the special sentences' own (``special_ids``, as the generator
+    measured them to fit the length) and the fill chunks' segment ids. So a generated context
+    is tokenised once: evaluation (qrag.longcontext.ChunkTokens) does not tokenise them again.
+    None when the ids are unknown (a count-only measure, or segment ids that do not compose)."""
+    if special_ids is None or (window.fill and not hay.additive):
+        return None
+    specials = iter(special_ids)
+    fills = iter([hay.fill_ids(group) for group in window.fill])
+    return [next(specials) if r == SPECIAL else next(fills) for r in refs.tolist() if r < 0]
 
 
 def interleave(per_task: Sequence[Sequence[Generated]]) -> list[Generated]:

@@ -169,6 +169,11 @@ class Haystack:
     def fill_text(self, segs: Sequence[int]) -> str:
         return " ".join(self.segments[i] for i in segs)
 
+    def fill_ids(self, segs: Sequence[int]) -> np.ndarray:
+        """Token ids of :meth:`fill_text` from the segments' ids (only when ``additive``)."""
+        parts = [self._seg_ids[i] for i in segs]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def _concat_ids(self, k: int) -> np.ndarray:
         parts = self._seg_ids[self.bounds[k] : self.bounds[k + 1]]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -328,16 +333,33 @@ def split_files(path: str | Path, split: str) -> list[Path]:
     return chosen
 
 
-def read_documents(files: Sequence[Path]) -> Iterable[str]:
-    """Each file's text, one at a time (a leading BOM dropped)."""
+def book_files(path: str | Path | None = None, split: str = "all") -> list[Path]:
+    """The background books (``.txt``/``.txt.gz``) of ``split`` under ``path`` (a folder, file or
+    glob; default ``$QRAG_DATA_DIR/gutenberg_novels``), as BabiLong reads them; ``all`` = every
+    book, in path order. The benchmarks that index books (bench/serve_scale.py, bench/two_gpu.py)
+    read their corpus with this and :func:`read_document` too."""
+    if path is None:
+        from .paths import data_root
+
+        path = data_root() / NOVELS_DIR
+    return split_files(path, split)
+
+
+def read_document(path: Path) -> str:
+    """One file's text (``.gz`` too; strict UTF-8, a leading BOM dropped)."""
     from .paths import open_text
 
+    try:
+        with open_text(path) as fh:
+            return fh.read().lstrip("\ufeff")
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise DataError(f"{path}: cannot read: {exc}") from None
+
+
+def read_documents(files: Sequence[Path]) -> Iterable[str]:
+    """Each file's text, one at a time (:func:`read_document`)."""
     for f in files:
-        try:
-            with open_text(f) as fh:
-                yield fh.read().lstrip("\ufeff")
-        except (OSError, UnicodeDecodeError, EOFError) as exc:
-            raise DataError(f"{f}: cannot read: {exc}") from None
+        yield read_document(f)
 
 
 # ---------------------------------------------------------------------------------------------

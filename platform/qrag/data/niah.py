@@ -41,7 +41,7 @@ import numpy as np
 from ..config import DataConfig
 from . import register_loader
 from .chunking import TokenCounter
-from .contexts import Generated, assemble, interleave, rng_for
+from .contexts import Generated, assemble, fresh_ids, interleave, rng_for
 from .haystack import Haystack, Measure, cached_haystack
 from .niah_words import ADJECTIVES, NOUNS
 from .paths import data_root, open_text
@@ -213,11 +213,13 @@ def generate_niah(
         order = rng.permutation(len(needles))
         needles = [needles[j] for j in order]
         texts = [t for _, t in needles]
-        needle_tokens = int(sum(measure.count(texts)))
+        counts, ids = measure.measure(texts)  # each needle tokenised once: counts fit it, ids feed evaluation
+        needle_tokens = int(counts.sum())
         if needle_tokens > length:
             raise DataError(f"niah {name}: the needles alone ({needle_tokens} tokens) exceed {length} tokens")
         window = hay.window(rng, length - needle_tokens)
         chunks, refs, pos = assemble(hay, window, texts, rng)
+        fresh = fresh_ids(hay, window, refs, ids)
         support = sorted(int(pos[j]) for j, (key, _) in enumerate(needles) if key in asked)
         sample = Sample(
             id=f"niah-{name}-{split}-{length}-{i}",
@@ -228,7 +230,7 @@ def generate_niah(
             meta={"task": name, "context_tokens": window.tokens + needle_tokens, "target_tokens": length,
                   "needles": len(needles), "background": hay.name, "answers": answers},
         )
-        yield Generated(sample, hay, refs)
+        yield Generated(sample, hay, refs, fresh)
 
 
 def _tasks(cfg: DataConfig) -> list[str]:
