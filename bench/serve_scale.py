@@ -18,8 +18,6 @@ GPU (lead): see the report; needs only torch, transformers, numpy, safetensors o
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import sys
@@ -38,6 +36,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_common import machine_info, write_result  # noqa: E402
 from qrag.config import SearchConfig  # noqa: E402
 from qrag.data.documents import Document, chunk_documents  # noqa: E402
+from qrag.data.haystack import book_files, read_document  # noqa: E402 - the books BabiLong reads, read alike
+from qrag.data.sample import DataError  # noqa: E402
 from qrag.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
 from qrag.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
@@ -106,25 +106,6 @@ def random_weights_model(source, args) -> EmbeddingModel:
                           source, args.encode_tokens, 64, args.chunk_batch)
 
 
-def book_files(corpus: str | None) -> list[Path]:
-    if corpus is None:
-        from qrag.data.paths import data_root
-
-        corpus = str(data_root() / "gutenberg_novels")
-    if os.path.isdir(corpus):
-        files = sorted(p for p in Path(corpus).rglob("*") if p.name.endswith((".txt", ".txt.gz")) and p.name != "overview.txt")
-    else:
-        files = sorted(Path(p) for p in glob.glob(corpus))
-    if not files:
-        raise SystemExit(f"no .txt/.txt.gz books under {corpus}")
-    return files
-
-
-def read_book(path: Path) -> str:
-    raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
-    return raw.decode("utf-8", errors="replace")
-
-
 # -- worker processes: text -> chunks -> token ids ------------------------------------------------
 
 _TOK: Tokenization | None = None
@@ -140,7 +121,7 @@ def _init_worker(tokenizer_dir: str, layout, question_tokens: int) -> None:
 
 def _prepare(job: tuple[str, str, int]):
     path, doc_id, budget = job
-    chunks = chunk_documents([Document(doc_id, read_book(Path(path)))], _TOK.count_tokens, budget)
+    chunks = chunk_documents([Document(doc_id, read_document(Path(path)))], _TOK.count_tokens, budget)
     return doc_id, chunks, _TOK.tokenize_chunks([c.text for c in chunks], budget)
 
 
@@ -246,7 +227,10 @@ def main() -> None:
     tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder(args.encoder)
     storage = args.storage or tempfile.mkdtemp(prefix="qrag_serve_scale_")
     index = LocalIndex(CorpusStore(storage), model, dev, ShardOptions(faiss="never"), chunk_batch=args.chunk_batch)
-    files = book_files(args.corpus)
+    try:
+        files = book_files(args.corpus)
+    except DataError as exc:
+        raise SystemExit(f"serve_scale: {exc}") from None
 
     built = index_corpus(index, model, files, args, tokenizer_dir)
     ids = built.pop("ids")

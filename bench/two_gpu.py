@@ -145,7 +145,8 @@ def build_corpus(args) -> dict:
     from qrag.index.local import LocalIndex
     from qrag.index.shards import ShardOptions
     from qrag.index.store import CorpusStore
-    from serve_scale import _init_worker, _prepare, book_files
+    from qrag.data.haystack import book_files
+    from serve_scale import _init_worker, _prepare
 
     store = CorpusStore(args.storage)
     if CORPUS in store.names():

@@ -122,17 +122,19 @@ def test_the_stopping_rule_is_rays_asha():
             self.trial_id = trial_id
 
     rng = np.random.default_rng(0)
-    for rf, grace, max_t in [(2, 2, 16), (3, 10, 160), (4, 1, 64)]:
-        ours = RungRule(grace, rf, max_t, "max", last_update=10**9)
-        ray = async_hyperband._Bracket(grace, max_t, rf, 0)
-        assert [float(m) for m, _ in reversed(ray._rungs)] == [float(r) for r in ours.rungs]
-        trials = [Trial(str(i)) for i in range(12)]
-        for step in range(200):
-            trial = trials[int(rng.integers(len(trials)))]
-            update = int(rng.integers(1, max_t + 1))
-            value = float(rng.random())
-            stop_ray = ray.on_result(trial, update, value) == "STOP"
-            assert ours.decide(trial.trial_id, update, value) == stop_ray, (rf, step)
+    for mode in ("max", "min"):
+        sign = 1.0 if mode == "max" else -1.0  # Tune's AsyncHyperBandScheduler hands its bracket metric * sign
+        for rf, grace, max_t in [(2, 2, 16), (3, 10, 160), (4, 1, 64)]:
+            ours = RungRule(grace, rf, max_t, mode, last_update=10**9)
+            ray = async_hyperband._Bracket(grace, max_t, rf, 0)
+            assert [float(m) for m, _ in reversed(ray._rungs)] == [float(r) for r in ours.rungs]
+            trials = [Trial(str(i)) for i in range(12)]
+            for step in range(200):
+                trial = trials[int(rng.integers(len(trials)))]
+                update = int(rng.integers(1, max_t + 1))
+                value = float(rng.random())
+                stop_ray = ray.on_result(trial, update, sign * value) == "STOP"
+                assert ours.decide(trial.trial_id, update, value) == stop_ray, (mode, rf, step)
 
 
 def test_the_stopping_rule_never_stops_a_trial_at_its_last_update():

@@ -26,7 +26,16 @@ class RungRule:
     """Asynchronous successive halving, one bracket (the rule of Ray Tune's ASHA): rungs at
     grace * rf^k updates up to max_t; the first evaluation of a trial at or past a rung is
     recorded there, and the trial stops if it is below the (1 - 1/rf) quantile of what the rung
-    recorded before it. A trial is never stopped at its last update (it is finishing anyway)."""
+    recorded before it. A trial is never stopped at its last update (it is finishing anyway).
+
+    Why a rule of our own and not Tune's scheduler run in-process: ``--local`` is the sweep for
+    machines that have torch but no Ray (``bench/sweep_gpu.py`` runs on them), so it cannot
+    import ``ray.tune``. It must still stop the same trials as the Ray sweep, so that a local
+    sweep and a Ray sweep of one file are comparable: ``tests/test_sweep.py::
+    test_the_stopping_rule_is_rays_asha`` feeds both this rule and Ray's own ASHA bracket the same
+    random evaluations (both modes, several grace periods and reduction factors) and checks every
+    decision, wherever Ray is installed (its CI is). Rungs are recorded under ``str(rung)`` so
+    that ``local_state.json`` restores them on resume."""
 
     def __init__(self, grace: int, reduction_factor: float, max_t: int, mode: str, last_update: int):
         count = int(np.log(max_t / grace) / np.log(reduction_factor) + 1)  # as Ray's _Bracket
