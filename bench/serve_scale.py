@@ -129,7 +129,10 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
     """Chunk + tokenise books in worker processes while the main process embeds and stores."""
     name = "bench"
     m = index.create(name, chunk_tokens=args.chunk_tokens, shards=args.shards)
-    jobs = [(str(p), p.name.split(".")[0], args.chunk_tokens) for p in files]
+    # Books are cycled until --tokens (100M tokens is more text than the shipped books): each pass
+    # gets its own document ids.
+    passes = 1000
+    jobs = [(str(p), p.name.split(".")[0] + (f"~{r}" if r else ""), args.chunk_tokens) for r in range(passes) for p in files]
     t0 = time.perf_counter()
     tokens = enc_tokens = chunks_total = 0
     embed_s = store_s = 0.0
@@ -207,6 +210,37 @@ def questions_from(index: LocalIndex, n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def measure_queries(index: LocalIndex, questions: list[str], cfg: SearchConfig, args, dev) -> tuple[dict, list[list[int]]]:
+    """Latency at concurrency 1 (per-stage means) and the lockstep throughput curve; the chunks
+    each timed question got (to check that the variants agree)."""
+    for q in questions[:10]:  # warm-up (kernels, graphs, compilation, allocator)
+        index.retrieve("bench", q, cfg)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    lat, stages, chosen = [], {"tokenize": [], "encode": [], "score": [], "merge": []}, []
+    for q in questions[10:]:
+        r, _, t = index.retrieve("bench", q, cfg)
+        lat.append(t.total)
+        chosen.append([s.chunk for s in r.steps])
+        for k in stages:
+            stages[k].append(getattr(t, k))
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    curve = []
+    for b in (int(x) for x in args.batches.split(",")):
+        times = []
+        for r in range(args.rounds + 1):
+            qs = [questions[(r * b + i) % len(questions)] for i in range(b)]
+            t = time.perf_counter()
+            index.retrieve_many("bench", qs, cfg)
+            if r:  # the first round warms up this batch shape
+                times.append(time.perf_counter() - t)
+        curve.append({"concurrency": b, "p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
+                      "queries_per_s": round(b / float(np.mean(times)), 2)})
+    latency = {"steps": args.steps, "queries": len(lat), "p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99),
+               "mean_stage_ms": {k: round(1000 * float(np.mean(v)), 3) for k, v in stages.items()}, "peak_gpu_bytes": peak}
+    return {"latency_concurrency_1": latency, "throughput_curve": curve}, chosen
+
+
 def percentile_ms(values: list[float], p: float) -> float:
     return round(float(np.percentile(np.asarray(values) * 1000.0, p)), 3)
 
@@ -250,30 +284,24 @@ def main() -> None:
 
     cfg = SearchConfig(max_steps=args.steps)
     questions = questions_from(index, args.queries + 10)
-    for q in questions[:10]:  # warm-up (kernels, allocator)
-        index.retrieve("bench", q, cfg)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    lat, stages = [], {"tokenize": [], "encode": [], "score": [], "merge": []}
-    for q in questions[10:]:
-        _, _, t = index.retrieve("bench", q, cfg)
-        lat.append(t.total)
-        for k in stages:
-            stages[k].append(getattr(t, k))
-    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-
-    curve = []
-    for b in (int(x) for x in args.batches.split(",")):
-        times = []
-        for r in range(args.rounds + 1):
-            qs = [questions[(r * b + i) % len(questions)] for i in range(b)]
-            t = time.perf_counter()
-            index.retrieve_many("bench", qs, cfg)
-            if r:  # the first round warms up this batch shape
-                times.append(time.perf_counter() - t)
-        curve.append({"concurrency": b, "p50_ms": percentile_ms(times, 50), "p99_ms": percentile_ms(times, 99),
-                      "queries_per_s": round(b / float(np.mean(times)), 2)})
+    # The baseline (eager state encoder, blocked eager scoring) and the serving path (CUDA-graph
+    # states, fused scoring) on the same corpus, questions and process, one after the other.
+    graphs = model.state_encoder
+    variants = {}
+    answers = {}
+    for variant in ("baseline", "optimized"):
+        model.state_encoder = graphs if variant == "optimized" else None
+        index.options.fused = variant == "optimized"
+        variants[variant], answers[variant] = measure_queries(index, questions, cfg, args, dev)
+    same = [a == b for a, b in zip(answers["baseline"], answers["optimized"])]
+    lat_row = variants["optimized"]["latency_concurrency_1"]
+    curve = variants["optimized"]["throughput_curve"]
     ok = [c for c in curve if c["p99_ms"] < args.p99_ms]
+    from qrag.index.shards import _FUSED
+
+    serving_path = {"state_graphs": graphs is not None, "graph_replays": getattr(graphs, "replays", 0),
+                    "graph_fallbacks": getattr(graphs, "fallbacks", {}), "fused_scoring": _FUSED.get("fn") is not None,
+                    "fused_error": _FUSED.get("error"), "same_chunks_as_baseline": round(float(np.mean(same)), 4) if same else None}
 
     result = {
         "bench": "serve_scale", **machine_info(), "device": str(dev),
@@ -286,9 +314,9 @@ def main() -> None:
                      "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
                      "workers": args.workers},
-        "latency_concurrency_1": {"steps": args.steps, "queries": len(lat), "p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99),
-                                  "mean_stage_ms": {k: round(1000 * float(np.mean(v)), 3) for k, v in stages.items()},
-                                  "peak_gpu_bytes": peak},
+        "latency_concurrency_1": lat_row,
+        "baseline": variants["baseline"],
+        "serving_path": serving_path,
         "throughput": {"method": "in-process lockstep batches of B concurrent questions (one state-encoder call and one scoring pass per shard per step)",
                        "curve": curve, "p99_limit_ms": args.p99_ms,
                        "max_queries_per_s_with_p99_under_limit": max((c["queries_per_s"] for c in ok), default=None)},

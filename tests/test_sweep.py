@@ -216,3 +216,23 @@ def test_local_sweep_stops_the_bad_trials_and_resumes(tiny_encoder, hotpot_file,
     assert sum("sweep: trial" in line and "{" in line for line in second.err.splitlines()) == 1  # only that trial ran
     again = json.loads(second.out.strip().splitlines()[-1])
     assert again["trials"] == summary["trials"] and math.isclose(again["best"]["score"], summary["best"]["score"])
+
+
+def test_a_sweep_that_stops_trials_needs_rays_state_api(monkeypatch, tiny_encoder, hotpot_file, tmp_path):
+    """Without the state API, Ray Train never frees a stopped trial's resources: fail at once."""
+    import ray.util.state
+
+    from qrag.config import ConfigError
+    from qrag.distributed.sweep import require_state_api
+    from qrag.distributed.sweep_spec import load_sweep
+
+    sweep = load_sweep(ROOT / "tune" / "smoke.yaml", [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path}"])
+
+    def no_dashboard(**kwargs):
+        raise ConnectionError("no dashboard at 127.0.0.1:8265")
+
+    monkeypatch.setattr(ray.util.state, "list_actors", no_dashboard)
+    with pytest.raises(ConfigError, match="state API"):
+        require_state_api(sweep)
+    monkeypatch.setattr(ray.util.state, "list_actors", lambda **kwargs: [])
+    require_state_api(sweep)  # answers: fine
