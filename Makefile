@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) jobs/demo.py
 
-# A hyperparameter sweep on a local Ray (README "Hyperparameter sweeps"), e.g. SWEEP=tune/hotpot_alpha_lambda_tau.yaml
+# A hyperparameter sweep on a local Ray (docs/sweeps.md), e.g. SWEEP=tune/hotpot_alpha_lambda_tau.yaml
 SWEEP ?= tune/smoke.yaml
 sweep: install
 	$(PY) tune/sweep.py --config $(SWEEP)

@@ -5,7 +5,7 @@
     python tune/sweep.py --local --config tune/smoke.yaml                              # no Ray: trials one by one
 
 Starting the same sweep again resumes it. `--help` lists the options; the sweep file's keys are
-described in platform/qrag/distributed/sweep_spec.py and the README ("Hyperparameter sweeps").
+described in platform/qrag/distributed/sweep_spec.py and docs/sweeps.md.
 """
 
 import sys
