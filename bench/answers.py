@@ -61,15 +61,15 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
     import torch
 
     from qrag.answers.reader import attach_reader_inputs
-    from qrag.checkpoint import baseline_label, baseline_qnet, is_untrained, load_qnet
+    from qrag.model.checkpoint import baseline_label, baseline_qnet, is_untrained, load_qnet
     from qrag.config import TrainConfig, apply_overrides, from_dict, load_config, to_dict
     from qrag.data import load_samples
     from qrag.data.chunking import tokenizer_counter
-    from qrag.early_stopping import analyse
-    from qrag.encoder import pick_device
-    from qrag.evaluate import evaluate
-    from qrag.search import Retriever
-    from qrag.tokens import tokenize_samples
+    from qrag.evaluation.early_stopping import analyse
+    from qrag.model.encoder import pick_device
+    from qrag.evaluation.evaluate import evaluate
+    from qrag.retrieval.search import Retriever
+    from qrag.data.tokens import tokenize_samples
 
     device = pick_device(args.device)
     if is_untrained(args.checkpoint):  # the untrained encoder ("multi-step RAG w/o FT"), for smoke tests and the baseline row
@@ -114,7 +114,7 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
 def answer_stage(args: argparse.Namespace, out: Path) -> dict:
     from qrag.answers.reader import answer_records, load_prompt
     from qrag.answers.local import LocalAnswerer
-    from qrag.report import build_report
+    from qrag.evaluation.report import build_report
 
     reader = LocalAnswerer(args.reader, device=args.reader_device, batch_size=args.batch_size, max_tokens=args.max_tokens)
     files, headline = [], {}

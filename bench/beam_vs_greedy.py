@@ -2,7 +2,7 @@
 
 Takes a trained checkpoint and evaluates, on the questions its run held out of training
 (``data.val_fraction`` of the train split: never trained on, never the reported dev split),
-greedy search and beam search with every path-scoring rule of ``qrag.multistep.BEAM_SCORES`` at each
+greedy search and beam search with every path-scoring rule of ``qrag.retrieval.multistep.BEAM_SCORES`` at each
 width. All searches embed the same chunks; only the search differs.
 
     python bench/beam_vs_greedy.py --checkpoint /tmp/beamrun/smoke/final --out bench/results/beam_vs_greedy_cpu.json
@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a trained checkpoint directory")
     ap.add_argument("--widths", default="2,4", help="beam widths, comma-separated (default 2,4)")
-    ap.add_argument("--rules", default="", help="path-scoring rules (default: every rule in qrag.multistep.BEAM_SCORES)")
+    ap.add_argument("--rules", default="", help="path-scoring rules (default: every rule in qrag.retrieval.multistep.BEAM_SCORES)")
     ap.add_argument("--steps", type=int, help="retrieval steps T (default: the run's search.max_steps)")
     ap.add_argument("--limit", type=int, help="use the first N validation questions")
     ap.add_argument("--device", default="auto")
@@ -52,7 +52,7 @@ def memo_retriever(qnet, layout, dev, encode_tokens: int):
     (they differ only in which paths they follow): the comparison costs little more than one run."""
     import torch
 
-    from qrag.search import Retriever
+    from qrag.retrieval.search import Retriever
 
     class MemoRetriever(Retriever):
         cache: dict[tuple[str, bytes], torch.Tensor] = {}
@@ -71,11 +71,11 @@ def memo_retriever(qnet, layout, dev, encode_tokens: int):
 
 
 def compare(checkpoint: str, widths: list[int], rules: list[str], steps: int | None, limit: int | None, device: str) -> dict:
-    from qrag.checkpoint import load_qnet
-    from qrag.encoder import pick_device
-    from qrag.evaluate import evaluate
-    from qrag.multistep import BEAM_SCORES
-    from qrag.tokens import tokenize_samples
+    from qrag.model.checkpoint import load_qnet
+    from qrag.model.encoder import pick_device
+    from qrag.evaluation.evaluate import evaluate
+    from qrag.retrieval.multistep import BEAM_SCORES
+    from qrag.data.tokens import tokenize_samples
 
     dev = pick_device(device)
     qnet, tokenizer, layout, cfg = load_qnet(checkpoint, dev, with_targets=False)

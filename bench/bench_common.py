@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qrag.provenance import git_commit, machine_info
-from qrag.provenance import write_json as write_result
+from qrag.integrations.provenance import git_commit, machine_info
+from qrag.integrations.provenance import write_json as write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "platform"))
 from bench_common import machine_info, write_result  # noqa: E402
 
 from qrag.config import load_config, to_dict  # noqa: E402
-from qrag.evaluate import evaluate_checkpoint  # noqa: E402
-from qrag.train import TrainingRun  # noqa: E402
+from qrag.evaluation.evaluate import evaluate_checkpoint  # noqa: E402
+from qrag.rl.train import TrainingRun  # noqa: E402
 
 PAPER = {
     "source": "Q-RAG paper, Table 2 (multilingual-e5-large, 560M parameters, ~12 h on one A100, 90K training questions)",

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_common import machine_info, write_result  # noqa: E402
 from qrag.data.sample import DataError  # noqa: E402
 from qrag.distributed.bulk_index import BulkIndexConfig, bulk_index, ensure_ray  # noqa: E402
-from qrag.embedder import load_embedding_model, resolve_source, source_identity  # noqa: E402
+from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 
 try:  # the books reader of the library (BabiLong's background text)

@@ -87,7 +87,7 @@ def pack_assets(dest: Path) -> dict:
     from qrag.data.babilong import default_background
     from qrag.data.haystack import NOVEL_SPLIT, _text_files
     from qrag.data.niah import default_essays
-    from qrag.encoder import resolve_encoder
+    from qrag.model.encoder import resolve_encoder
 
     dest.mkdir(parents=True, exist_ok=True)
     src = resolve_encoder("minilm")
@@ -126,8 +126,8 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     """Train for ``args.minutes``: a few timed updates set the total so the schedule completes."""
     from qrag.config import load_config
     from qrag.data.haystack import Measure
-    from qrag.longcontext import ChunkTokens
-    from qrag.train import TrainingRun
+    from qrag.evaluation.longcontext import ChunkTokens
+    from qrag.rl.train import TrainingRun
 
     overrides = [f"model.encoder={paths['encoder']}", f"out_dir={args.runs}", f"name={task}",
                  f"data.context_tokens={args.train_tokens}", "checkpoint_every=0", "eval_every=0", *args.overrides]
@@ -189,7 +189,7 @@ def attach_data(run, train_items, dev_items, tokens) -> None:
     """Generated samples into a TrainingRun: train minus its validation part (held out by bAbI
     question, ``data.val_fraction``: periodic eval and keep_best look only at it), and dev."""
     from qrag.data.splits import in_validation, validation_key
-    from qrag.train import EpochSampler
+    from qrag.rl.train import EpochSampler
 
     frac = run.cfg.data.val_fraction
     val_items = [g for g in train_items if in_validation(validation_key(g.sample), frac)]
@@ -205,7 +205,7 @@ def attach_data(run, train_items, dev_items, tokens) -> None:
 
 def evaluate(task: str, checkpoint: str, cfg, args: argparse.Namespace, device, log) -> dict:
     from qrag.data.niah import TASKS
-    from qrag.lengths import parse_length, run_sweep
+    from qrag.evaluation.lengths import parse_length, run_sweep
 
     is_niah = task == "niah"
     lengths = [parse_length(x) for x in (args.lengths or (NIAH_LENGTHS if is_niah else BABILONG_LENGTHS)).split(",")]
@@ -227,11 +227,11 @@ def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
     the background books are measured (timed separately: once per process and tokenizer)."""
     from qrag.data.babilong import book_haystack, generate_babilong
     from qrag.data.haystack import MIN_BACKGROUND_TOKENS, Measure
-    from qrag.encoder import load_tokenizer, resolve_encoder
-    from qrag.lengths import length_label, parse_length
-    from qrag.longcontext import ChunkTokens
-    from qrag.memory import peak_mb, reset_peak
-    from qrag.tokens import TokenLayout
+    from qrag.model.encoder import load_tokenizer, resolve_encoder
+    from qrag.evaluation.lengths import length_label, parse_length
+    from qrag.evaluation.longcontext import ChunkTokens
+    from qrag.evaluation.memory import peak_mb, reset_peak
+    from qrag.data.tokens import TokenLayout
 
     import torch
 
@@ -258,7 +258,7 @@ def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
 
 
 def summary_line(task: str, training: dict, table: dict) -> dict:
-    from qrag.lengths import length_label
+    from qrag.evaluation.lengths import length_label
 
     f1: dict[str, dict[str, float]] = {}
     for r in table["rows"]:
@@ -270,7 +270,7 @@ def summary_line(task: str, training: dict, table: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from qrag.lengths import format_table, merge_tables, plot_table, read_table, write_table
+    from qrag.evaluation.lengths import format_table, merge_tables, plot_table, read_table, write_table
 
     out_dir = Path(args.out)
     if args.pack_assets:
@@ -284,7 +284,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"table": str(path), "plot": str(png) if png else None}))
         return 0
 
-    from qrag.encoder import pick_device
+    from qrag.model.encoder import pick_device
 
     device = pick_device(args.device)
     paths = resolve_paths(args)

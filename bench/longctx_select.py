@@ -64,9 +64,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     from qrag.config import load_config
     from qrag.data.haystack import Measure
-    from qrag.encoder import pick_device
-    from qrag.longcontext import ChunkTokens
-    from qrag.train import TrainingRun
+    from qrag.model.encoder import pick_device
+    from qrag.evaluation.longcontext import ChunkTokens
+    from qrag.rl.train import TrainingRun
 
     if args.task == "niah":
         from qrag.data.niah import generate_from_config
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides + overrides)
         run = TrainingRun(cfg, device=device, load_data=False)
         run.train_samples, run.train_tok, run.val_samples, run.val_tok = data
-        from qrag.train import EpochSampler
+        from qrag.rl.train import EpochSampler
 
         run.sampler = EpochSampler(len(run.train_tok), cfg.seed)
         source = run.local_source()
@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
         train_s = time.perf_counter() - started
         val = score(run)
         if args.lengths:
-            from qrag.lengths import parse_length, sweep_model
+            from qrag.evaluation.lengths import parse_length, sweep_model
 
             ckpt = run.save(Path("/tmp/qrag-select") / name, resumable=False)
             lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     if args.table_out and table_rows:
-        from qrag.lengths import run_sweep_table, write_table
+        from qrag.evaluation.lengths import run_sweep_table, write_table
 
         write_table(run_sweep_table(table_rows, cfg0, device), args.table_out)
     print(json.dumps({"written": str(out_path), "variants": [(v["name"], v["val"]) for v in result["variants"]]}))

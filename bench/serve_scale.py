@@ -38,8 +38,8 @@ from qrag.config import SearchConfig  # noqa: E402
 from qrag.data.documents import Document, chunk_documents  # noqa: E402
 from qrag.data.haystack import book_files, read_document  # noqa: E402 - the books BabiLong reads, read alike
 from qrag.data.sample import DataError  # noqa: E402
-from qrag.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
-from qrag.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
+from qrag.retrieval.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
+from qrag.model.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
 from qrag.index.shards import ShardOptions  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
@@ -90,10 +90,10 @@ def random_weights_model(source, args) -> EmbeddingModel:
     """The encoder's architecture with random weights: same shapes, same speed."""
     from transformers import AutoConfig, AutoModel
 
-    from qrag.embedder import untrained_model_cfg
-    from qrag.encoder import load_tokenizer, pick_device
-    from qrag.qnet import QNetwork
-    from qrag.tokens import TokenLayout
+    from qrag.retrieval.embedder import untrained_model_cfg
+    from qrag.model.encoder import load_tokenizer, pick_device
+    from qrag.model.qnet import QNetwork
+    from qrag.data.tokens import TokenLayout
 
     path = resolve_encoder(args.encoder)
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ _TOK: Tokenization | None = None
 
 def _init_worker(tokenizer_dir: str, layout, question_tokens: int) -> None:
     global _TOK
-    from qrag.encoder import load_tokenizer
+    from qrag.model.encoder import load_tokenizer
 
     torch.set_num_threads(1)
     _TOK = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)

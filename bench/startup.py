@@ -37,20 +37,20 @@ from bench_common import ROOT, machine_info, write_result  # noqa: E402
 CHILD = r"""
 import json, os, sys, time
 t0 = float(os.environ["QRAG_BENCH_T0"])
-import qrag, qrag.train
+import qrag, qrag.rl.train
 from qrag.config import load_config
 imported = time.time() - t0
 cfg = load_config(sys.argv[1], sys.argv[3:])
 if sys.argv[2] == "data":  # the data path alone: tokenizer, then TrainingRun.load_data, no model
-    from qrag.encoder import load_tokenizer, resolve_encoder
-    from qrag.tokens import TokenLayout
-    run = object.__new__(qrag.train.TrainingRun)
+    from qrag.model.encoder import load_tokenizer, resolve_encoder
+    from qrag.data.tokens import TokenLayout
+    run = object.__new__(qrag.rl.train.TrainingRun)
     run.cfg, run.timings = cfg, {}
     run.tokenizer = load_tokenizer(resolve_encoder(cfg.model.encoder))
     run.layout = TokenLayout.from_tokenizer(run.tokenizer, cfg.model.max_state_tokens)
     run.load_data()
 else:
-    run = qrag.train.TrainingRun(cfg)
+    run = qrag.rl.train.TrainingRun(cfg)
 ready = time.time() - t0
 out = {"qrag": qrag.__file__, "import_s": imported, "ready_s": ready, **run.timings,
        "train": len(run.train_tok), "val": len(run.val_tok), "dev": len(run.dev_tok)}

@@ -1,7 +1,7 @@
 """A real sweep over α, λ, τ (and learning rate, batch size) on HotpotQA on one GPU (issue 4).
 
 Runs tune/hotpot_alpha_lambda_tau.yaml with the sweep library's sequential fallback
-(`qrag.distributed.sweep_local`: the same space, seed, validation metric and ASHA rule as the Ray
+(`qrag.distributed.sweep.local`: the same space, seed, validation metric and ASHA rule as the Ray
 Tune sweep, trials one after another on the whole GPU; no Ray, no MLflow, so it needs only torch,
 transformers, numpy and pyyaml). Progress is kept under --work after every evaluation, so a run
 cut by --minutes (or killed) goes on where it stopped when started again on the same machine.
@@ -99,7 +99,7 @@ def sensitivity(sweep, outcomes) -> dict:
 
 def write_files(sweep, outcomes, out: Path) -> dict:
     """<out>.csv, <out>.best.yaml and <out>.png (when matplotlib is installed) beside the JSON."""
-    from qrag.distributed.sweep_results import write_report
+    from qrag.distributed.sweep.results import write_report
 
     tmp = out.parent / f".{out.stem}_report"
     report = write_report(outcomes, sweep, tmp)
@@ -116,8 +116,8 @@ def write_files(sweep, outcomes, out: Path) -> dict:
 
 def plot_only(result_path: Path) -> int:
     """Render the table, plot and best config of a result JSON here (its sweep file must exist)."""
-    from qrag.distributed.sweep_results import TrialOutcome
-    from qrag.distributed.sweep_spec import load_sweep
+    from qrag.distributed.sweep.results import TrialOutcome
+    from qrag.distributed.sweep.spec import load_sweep
 
     result = json.loads(result_path.read_text())
     sweep = load_sweep(ROOT / result["config"], result["overrides"], trials=result["trials_per_grid_point"])
@@ -140,8 +140,8 @@ def main() -> int:
         return plot_only(Path(args.plot))
 
     from bench_common import machine_info, write_result
-    from qrag.distributed.sweep import check_same_sweep, prepare
-    from qrag.distributed.sweep_local import LocalSweep
+    from qrag.distributed.sweep.driver import check_same_sweep, prepare
+    from qrag.distributed.sweep.local import LocalSweep
 
     t0 = time.monotonic()
     work = Path(args.work).resolve()
@@ -168,7 +168,7 @@ def main() -> int:
     }
     if complete:
         result["files"] = write_files(sweep, outcomes, out)
-        from qrag.distributed.sweep_results import best_outcome
+        from qrag.distributed.sweep.results import best_outcome
 
         best = best_outcome(outcomes, sweep)
         result["best"] = None if best is None else {

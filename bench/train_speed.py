@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "platform"))
 from bench_common import machine_info, write_result  # noqa: E402
 
 from qrag.config import load_config  # noqa: E402
-from qrag.train import TrainingRun  # noqa: E402
+from qrag.rl.train import TrainingRun  # noqa: E402
 
 
 def main() -> int:

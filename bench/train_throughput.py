@@ -1,5 +1,5 @@
 """Training throughput through Ray: the learner fed by 1, 2, 4 EnvRunner actors, against the
-same learner alone (``qrag.train.TrainingRun`` with its own in-process sampling, no Ray).
+same learner alone (``qrag.rl.train.TrainingRun`` with its own in-process sampling, no Ray).
 
     python bench/train_throughput.py --mode cpu --out bench/results/train_throughput_cpu.json
     python bench/train_throughput.py --mode gpu --out bench/results/train_throughput_gpu.json
@@ -60,7 +60,7 @@ def steady_state(update_s: list[float], wait_s: list[float], episodes: int, skip
 
 
 def learner_alone(cfg, skip: int) -> dict:
-    from qrag.train import TrainingRun
+    from qrag.rl.train import TrainingRun
 
     t0 = time.perf_counter()
     run = TrainingRun(cfg)

@@ -140,8 +140,8 @@ def build_corpus(args) -> dict:
     import torch
 
     from qrag.data.documents import Document
-    from qrag.embedder import load_embedding_model, resolve_source
-    from qrag.encoder import resolve_encoder
+    from qrag.retrieval.embedder import load_embedding_model, resolve_source
+    from qrag.model.encoder import resolve_encoder
     from qrag.index.local import LocalIndex
     from qrag.index.shards import ShardOptions
     from qrag.index.store import CorpusStore
@@ -277,7 +277,7 @@ def deploy(args, shards: int, port: int, gpu_count: int) -> str:
     from ray import serve
 
     from qrag.distributed.placement import gpu_plan_problems, shard_gpu_fraction
-    from qrag.service_config import ServeConfig
+    from qrag.serving.service_config import ServeConfig
     from qrag.distributed.serving import build_app
 
     reserved = args.learner_gpus + args.encoder_gpus

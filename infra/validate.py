@@ -569,7 +569,7 @@ def deployment_options(app: dict, where: str) -> tuple[dict[str, dict], list[str
     (qrag.distributed.serving.deployment_overrides, what `qrag serve --config` checks too)."""
     from qrag.config import ConfigError
     from qrag.distributed.serving import deployment_overrides
-    from qrag.service_config import ServeConfig
+    from qrag.serving.service_config import ServeConfig
 
     shards = (app.get("args") or {}).get("shards", ServeConfig.shards)
     try:
@@ -633,7 +633,7 @@ def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str)
 
 def check_rayservice() -> list[str]:
     from qrag.config import ConfigError, from_dict
-    from qrag.service_config import ServeConfig
+    from qrag.serving.service_config import ServeConfig
 
     problems = []
     reference = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())["applications"][0]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 
 from qrag.distributed.job import USER_ERRORS, launch, prepare  # noqa: E402
-from qrag.evaluate import evaluate_checkpoint  # noqa: E402
+from qrag.evaluation.evaluate import evaluate_checkpoint  # noqa: E402
 
 SMOKE = str(ROOT / "configs" / "smoke.yaml")
 

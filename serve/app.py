@@ -1,6 +1,6 @@
 """The Ray Serve retrieval app, for `serve run serve/config.yaml` and `serve deploy`.
 
-Thin on purpose: the config's `args` (keys of qrag.service_config.ServeConfig) go to
+Thin on purpose: the config's `args` (keys of qrag.serving.service_config.ServeConfig) go to
 qrag.distributed.serving.build_app together with the web page's files beside this module.
 """
 

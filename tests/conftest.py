@@ -27,7 +27,7 @@ def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from qrag.encoder import bundled_minilm_dir
+    from qrag.model.encoder import bundled_minilm_dir
 
     torch.manual_seed(seed)
     src = bundled_minilm_dir()

@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qrag.checkpoint import baseline_label, baseline_qnet, untrained_qnet
+from qrag.model.checkpoint import baseline_label, baseline_qnet, untrained_qnet
 from qrag.config import ModelConfig, SearchConfig
 from qrag.data.sample import Sample
-from qrag.encoder import encode
-from qrag.search import Retriever
-from qrag.tokens import tokenize_samples
+from qrag.model.encoder import encode
+from qrag.retrieval.search import Retriever
+from qrag.data.tokens import tokenize_samples
 
 CPU = torch.device("cpu")
 
@@ -60,8 +60,8 @@ def test_half_vector_variant_is_kept_apart_and_labelled(tiny_encoder, sample_and
 
 
 def test_eval_of_none_records_the_paper_baseline(tiny_cfg):
-    from qrag.evaluate import evaluate_checkpoint
-    from qrag.report import method_label
+    from qrag.evaluation.evaluate import evaluate_checkpoint
+    from qrag.evaluation.report import method_label
 
     paper = evaluate_checkpoint("none", tiny_cfg, split="dev", limit=4)
     extra = evaluate_checkpoint("none:twin", tiny_cfg, split="dev", limit=4)

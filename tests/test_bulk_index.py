@@ -12,7 +12,7 @@ import pytest
 from qrag.config import SearchConfig
 from qrag.data.sample import DataError
 from qrag.distributed.bulk_index import BulkIndexConfig, bulk_index, expand_inputs, read_records
-from qrag.embedder import load_embedding_model, resolve_source
+from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.index.local import LocalIndex
 from qrag.index.store import CorpusStore
 from test_index import make_documents

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qrag.checkpoint import CheckpointError, fingerprint, load_qnet, read_meta
-from qrag.train import TrainingRun, latest_checkpoint
+from qrag.model.checkpoint import CheckpointError, fingerprint, load_qnet, read_meta
+from qrag.rl.train import TrainingRun, latest_checkpoint
 
 
 def params(qnet):

@@ -71,7 +71,7 @@ def test_keep_best_without_a_validation_part_is_an_error_naming_the_keys(tmp_pat
 
 def test_a_saved_run_config_loads_without_the_run_rules(tmp_path):
     """Checkpoints written before the rule existed must still evaluate."""
-    from qrag.checkpoint import load_run_config
+    from qrag.model.checkpoint import load_run_config
     from qrag.config import dump_yaml
 
     old = TrainConfig(keep_best=True)

@@ -15,14 +15,14 @@ from qrag.data import load_samples  # noqa: E402
 from qrag.data import prepared  # noqa: E402
 from qrag.data.chunking import tokenizer_counter  # noqa: E402
 from qrag.data.splits import split_validation  # noqa: E402
-from qrag.tokens import TokenLayout, tokenize_samples  # noqa: E402
+from qrag.data.tokens import TokenLayout, tokenize_samples  # noqa: E402
 
 from conftest import make_hotpot_records  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from qrag.encoder import bundled_minilm_dir, load_tokenizer
+    from qrag.model.encoder import bundled_minilm_dir, load_tokenizer
 
     return load_tokenizer(str(bundled_minilm_dir()))
 

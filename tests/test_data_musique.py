@@ -15,7 +15,7 @@ from qrag.data import DataError, load_samples
 @pytest.fixture(scope="module")
 def count():
     from qrag.data.chunking import tokenizer_counter
-    from qrag.encoder import bundled_minilm_dir, load_tokenizer
+    from qrag.model.encoder import bundled_minilm_dir, load_tokenizer
 
     return tokenizer_counter(load_tokenizer(str(bundled_minilm_dir())))
 

@@ -14,8 +14,8 @@ from qrag.config import ConfigError, load_config
 from qrag.distributed.episodes import EpisodeBatch
 from qrag.distributed.faults import FaultPlan, claim_once
 from qrag.distributed.runner import EnvRunner, ShardStream
-from qrag.encoder import load_tokenizer
-from qrag.tokens import TokenizedSample, TokenLayout
+from qrag.model.encoder import load_tokenizer
+from qrag.data.tokens import TokenizedSample, TokenLayout
 
 
 def _sample(i: int, n_chunks: int) -> TokenizedSample:
@@ -92,7 +92,7 @@ def test_fault_plan_fires_once(tmp_path):
 def test_metric_history_has_no_duplicates_after_a_restart(tmp_path, tiny_cfg):
     from mlflow import MlflowClient
 
-    from qrag.tracking import MetricLogger, open_run
+    from qrag.integrations.tracking import MetricLogger, open_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = open_run(tiny_cfg, uri, "/runs/a", "a", resuming=False, parent_run_id="parent123")
@@ -115,7 +115,7 @@ def test_metric_history_has_no_duplicates_after_a_restart(tmp_path, tiny_cfg):
 
 
 def test_resubmitted_run_reuses_its_mlflow_run_unless_the_storage_was_cleared(tmp_path, tiny_cfg):
-    from qrag.tracking import open_run
+    from qrag.integrations.tracking import open_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = open_run(tiny_cfg, uri, "/runs/a", "a", resuming=False)
@@ -129,7 +129,7 @@ def test_resubmitted_run_reuses_its_mlflow_run_unless_the_storage_was_cleared(tm
 
 
 def test_tracking_uri_defaults_beside_the_runs(tmp_path, monkeypatch):
-    from qrag.tracking import tracking_uri
+    from qrag.integrations.tracking import tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = load_config(None, [f"out_dir={tmp_path}"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qrag.early_stopping import analyse, analyse_threshold, roc_auc, traces_from_records
+from qrag.evaluation.early_stopping import analyse, analyse_threshold, roc_auc, traces_from_records
 
 
 def rec(id, gold, picks, q, **kw):
@@ -59,12 +59,12 @@ def test_refuses_thresholded_or_incomplete_records():
 def test_offline_analysis_equals_rerunning_the_search(tiny_encoder, hotpot_file):
     """Thresholding the full-length run's Q values gives what a search with that threshold gives."""
     from qrag.config import ModelConfig, SearchConfig, load_config
-    from qrag.checkpoint import untrained_qnet
+    from qrag.model.checkpoint import untrained_qnet
     from qrag.data import load_samples
     from qrag.data.chunking import tokenizer_counter
-    from qrag.evaluate import evaluate
-    from qrag.search import Retriever
-    from qrag.tokens import tokenize_samples
+    from qrag.evaluation.evaluate import evaluate
+    from qrag.retrieval.search import Retriever
+    from qrag.data.tokens import tokenize_samples
     import torch
 
     cfg = load_config(None, [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "data.chunk_tokens=48"])

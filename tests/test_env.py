@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from qrag.config import EnvConfig
-from qrag.env import RetrievalEnv
-from qrag.tokens import TokenizedSample, TokenLayout
+from qrag.rl.env import RetrievalEnv
+from qrag.data.tokens import TokenizedSample, TokenLayout
 
 LAYOUT = TokenLayout(cls_id=101, sep_id=102, pad_id=0, max_state_tokens=64)
 

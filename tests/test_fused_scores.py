@@ -6,8 +6,8 @@ import torch
 from qrag.config import ModelConfig
 from qrag.index import shards as shards_mod
 from qrag.index.shards import ShardIndex, ShardOptions, positions_at, relative_scores
-from qrag.positions import rope_frequencies
-from qrag.scoring import score_chunks
+from qrag.model.positions import rope_frequencies
+from qrag.retrieval.scoring import score_chunks
 
 
 def test_relative_scores_equal_positions_then_score_chunks_with_the_selected_excluded():

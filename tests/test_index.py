@@ -12,13 +12,13 @@ import torch
 from qrag.config import SearchConfig
 from qrag.data.documents import Document, chunk_documents, parse_documents
 from qrag.data.sample import DataError, Sample
-from qrag.embedder import load_embedding_model, resolve_source
+from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.index.local import LocalIndex
 from qrag.index.shards import CorpusShards, ShardOptions, ShardUnhealthy, positions_at
 from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, StoreError
-from qrag.positions import relative_positions
-from qrag.search import Retriever
-from qrag.tokens import tokenize_samples
+from qrag.model.positions import relative_positions
+from qrag.retrieval.search import Retriever
+from qrag.data.tokens import tokenize_samples
 
 WORDS = "the river castle forest painter singer city novel film war king queen ship harbour lamp garden".split()
 
@@ -39,7 +39,7 @@ def model(request, tiny_encoder):
 
 
 def offline(model, chunks: list[str], question: str, cfg: SearchConfig):
-    """qrag.search.Retriever over the corpus as one sample (document order = corpus order)."""
+    """qrag.retrieval.search.Retriever over the corpus as one sample (document order = corpus order)."""
     sample = Sample("corpus", question, chunks, [])
     tok = tokenize_samples([sample], model.tokenizer, model.layout, chunk_tokens=24, question_tokens=model.question_tokens)
     return Retriever(model.qnet, model.layout, torch.device("cpu")).retrieve(tok, cfg)[0]
@@ -231,7 +231,7 @@ def test_merge_hits_keeps_positions_when_an_empty_holder_answers_first():
     rotated shard's hits must keep their positions (it used to drop them, or fail)."""
     import numpy as np
 
-    from qrag.index.shards import ShardHits, merge_hits
+    from qrag.retrieval.hits import ShardHits, merge_hits
 
     full = ShardHits(np.array([[0.9, 0.5], [0.2, 0.7]], np.float32), np.array([[3, 5], [4, 6]], np.int64),
                      np.array([[1.5, 2.5], [11.0, 12.0]], np.float32))

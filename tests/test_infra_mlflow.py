@@ -200,8 +200,8 @@ print(json.dumps([a.required_resources for a in actors]))
 def test_training_logs_to_a_real_mlflow_server(cluster, mlflow_server, tiny_encoder, hotpot_file, tmp_path):
     from mlflow import MlflowClient
 
-    from qrag.checkpoint import load_qnet
-    from qrag.embedder import resolve_source
+    from qrag.model.checkpoint import load_qnet
+    from qrag.retrieval.embedder import resolve_source
 
     url, out = mlflow_server["url"], tmp_path / "runs"
     name = f"infra-{'pg' if mlflow_server['pg'] else 'sqlite'}"
@@ -288,7 +288,7 @@ def test_local_train_registers_a_model_that_serves_by_alias(mlflow_server, tiny_
     import mlflow.pyfunc
     from mlflow import MlflowClient
 
-    from qrag.embedder import load_embedding_model, resolve_source
+    from qrag.retrieval.embedder import load_embedding_model, resolve_source
 
     url = mlflow_server["url"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -320,7 +320,7 @@ def test_local_train_registers_a_model_that_serves_by_alias(mlflow_server, tiny_
     served = load_embedding_model(source, "cpu")
     assert served.info()["trained"] and served.model_cfg.encoder == tiny_encoder
     # The alias moves to a new version: the next load follows it (the cache is per version).
-    from qrag.mlflow_model import register
+    from qrag.integrations.mlflow_model import register
 
     assert register(client, run.info.run_id, "qrag-local", "champion") == "2"
     moved = resolve_source(uri, cache_dir=tmp_path / "models", tracking_uri=url)

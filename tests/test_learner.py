@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from qrag.config import EnvConfig, LearnerConfig, ModelConfig
-from qrag.learner import SoftPQNLearner, alpha_at, lambda_returns, lr_factor, soft_value
+from qrag.rl.learner import SoftPQNLearner, alpha_at, lambda_returns, lr_factor, soft_value
 
 
 def test_lambda_returns_hand_computed():
@@ -54,7 +54,7 @@ def test_lr_schedule_and_alpha_never_rises():
 
 
 def _learner(tiny_encoder, **learner_kw):
-    from qrag.checkpoint import untrained_qnet
+    from qrag.model.checkpoint import untrained_qnet
 
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative"), torch.device("cpu"), use_target=True)
     cfg = LearnerConfig(**{"episodes_per_update": 4, "micro_batch": 2, "warmup_updates": 1, "lr": 1e-3, **learner_kw})
@@ -63,7 +63,7 @@ def _learner(tiny_encoder, **learner_kw):
 
 def _episodes(tok, layout, n=4):
     from qrag.data.sample import Sample
-    from qrag.tokens import tokenize_samples
+    from qrag.data.tokens import tokenize_samples
 
     samples = [Sample(f"s{i}", f"question {i}", [f"chunk {j} of {i}" for j in range(6)], [1, 4]) for i in range(n)]
     return tokenize_samples(samples, tok, layout, chunk_tokens=16, question_tokens=16)
@@ -109,8 +109,8 @@ def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatc
     """With model.dropout > 0: acting and V see deterministic encoders, the loss passes (states
     and chosen chunks, with gradients) run in train mode, so dropout regularises both encoders.
     (The state encoder used to stay in eval mode for its loss pass.)"""
-    import qrag.learner as learner_mod
-    from qrag.checkpoint import untrained_qnet
+    import qrag.rl.learner as learner_mod
+    from qrag.model.checkpoint import untrained_qnet
 
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1),
                                        torch.device("cpu"), use_target=True)

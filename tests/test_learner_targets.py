@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-import qrag.learner as learner_mod
-from qrag.checkpoint import untrained_qnet
+import qrag.rl.learner as learner_mod
+from qrag.model.checkpoint import untrained_qnet
 from qrag.config import EnvConfig, LearnerConfig, ModelConfig
 from qrag.data.sample import Sample
-from qrag.env import RetrievalEnv
-from qrag.learner import SoftPQNLearner
-from qrag.qnet import QNetwork
-from qrag.search import Retriever
-from qrag.tokens import tokenize_samples
+from qrag.rl.env import RetrievalEnv
+from qrag.rl.learner import SoftPQNLearner
+from qrag.model.qnet import QNetwork
+from qrag.retrieval.search import Retriever
+from qrag.data.tokens import tokenize_samples
 
 CPU = torch.device("cpu")
 GAMMA, LAM = 0.9, 0.5
@@ -93,7 +93,7 @@ class Spy:
 
 def expected_returns(transitions: list[tuple[float, bool]], v: float) -> list[float]:
     """G_t = r_t + γ(1 − d_t)[(1 − λ)V + λ G_{t+1}] with V(s_{t+1}) = v everywhere; written out
-    per episode, independently of qrag.learner.lambda_returns."""
+    per episode, independently of qrag.rl.learner.lambda_returns."""
     out = [0.0] * len(transitions)
     g_next = 0.0
     for t in range(len(transitions) - 1, -1, -1):

@@ -54,8 +54,8 @@ def toy_samples(n: int, seed: int, facts: int = 3, decoys: int = 2, filler: int 
 
 
 def _fact_f1(qnet, layout, samples, tokenized) -> float:
-    from qrag.evaluate import evaluate
-    from qrag.search import Retriever
+    from qrag.evaluation.evaluate import evaluate
+    from qrag.retrieval.search import Retriever
 
     retriever = Retriever(qnet, layout, torch.device("cpu"))
     return evaluate(retriever, samples, tokenized, SearchConfig(max_steps=3)).summary["fact_f1"]
@@ -64,7 +64,7 @@ def _fact_f1(qnet, layout, samples, tokenized) -> float:
 def test_preset_soft_value_bonus_is_below_a_rare_return():
     """V over flat Q exceeds max Q by α·ln k: that bonus must stay small against the ~1% returns
     of a task whose successes are rare, or it, not the reward, is what Q learns."""
-    from qrag.learner import soft_value
+    from qrag.rl.learner import soft_value
 
     for name in ("babilong-qa1", "babilong-qa2", "babilong-qa3", "babilong-qa4", "babilong-qa5", "niah"):
         cfg = load_config(ROOT / "configs" / f"{name}.yaml").learner
@@ -87,9 +87,9 @@ def test_rare_terminal_reward_is_learned(tmp_path):
 
 def _train_toy(tmp_path) -> None:
     from conftest import build_tiny_encoder
-    from qrag.checkpoint import untrained_qnet
-    from qrag.learner import SoftPQNLearner
-    from qrag.tokens import tokenize_samples
+    from qrag.model.checkpoint import untrained_qnet
+    from qrag.rl.learner import SoftPQNLearner
+    from qrag.data.tokens import tokenize_samples
 
     torch.manual_seed(0)
     # No transformer layer: mean-pooled token embeddings, i.e. a word-overlap prior to start from.
@@ -121,10 +121,10 @@ def test_supervised_baseline_learns_the_toy(tmp_path):
     """learner.objective=sft (Table 3's "Multi-step RAG w. SFT"): teacher forcing on the support
     facts trains the same encoders; it must find the support of held-out toy questions."""
     from conftest import build_tiny_encoder
-    from qrag.checkpoint import untrained_qnet
+    from qrag.model.checkpoint import untrained_qnet
     from qrag.config import LearnerConfig
-    from qrag.sft import SupervisedLearner
-    from qrag.tokens import tokenize_samples
+    from qrag.rl.sft import SupervisedLearner
+    from qrag.data.tokens import tokenize_samples
 
     torch.manual_seed(0)
     encoder = build_tiny_encoder(tmp_path / "enc", hidden=64, layers=0, seed=1)

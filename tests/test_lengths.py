@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from qrag.checkpoint import untrained_qnet
+from qrag.model.checkpoint import untrained_qnet
 from qrag.config import DataConfig, ModelConfig, SearchConfig
 from qrag.data.haystack import Measure
-from qrag.lengths import length_label, parse_length
-from qrag.longcontext import CachingRetriever, ChunkTokens, canonical_task, generate
-from qrag.qnet import QNetwork
-from qrag.search import Retriever
-from qrag.tokens import tokenize_samples
+from qrag.evaluation.lengths import length_label, parse_length
+from qrag.evaluation.longcontext import CachingRetriever, ChunkTokens, canonical_task, generate
+from qrag.model.qnet import QNetwork
+from qrag.retrieval.search import Retriever
+from qrag.data.tokens import tokenize_samples
 
 from test_longctx_data import BABI_STORY, write_background
 
@@ -51,7 +51,7 @@ def test_length_parsing():
 def test_one_length_label_for_sweeps_and_reports():
     """qrag sweep-lengths and qrag report label lengths with one function: binary multiples
     with K/M, any other size as its number (so no label names two lengths)."""
-    from qrag import report
+    from qrag.evaluation import report
     from qrag.data import contexts
 
     assert report.length_label is length_label is contexts.length_label

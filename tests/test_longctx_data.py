@@ -47,7 +47,7 @@ def write_background(folder, seed: int, sentences: int = 1500) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_encoder):
-    from qrag.encoder import load_tokenizer
+    from qrag.model.encoder import load_tokenizer
 
     return load_tokenizer(tiny_encoder)
 

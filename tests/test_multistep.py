@@ -10,12 +10,12 @@ import asyncio
 import pytest
 
 from qrag.config import SearchConfig
-from qrag.embedder import load_embedding_model, resolve_source
+from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.index.local import LocalIndex
 from qrag.index.shards import ShardOptions
 from qrag.index.store import CorpusStore
-from qrag.service import RetrieveParams, local_service
-from qrag.service_config import ServeConfig
+from qrag.serving.service import RetrieveParams, local_service
+from qrag.serving.service_config import ServeConfig
 
 from test_index import make_documents, offline
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from qrag.positions import chunk_positions, relative_positions, rope_frequencies, rotate
+from qrag.model.positions import chunk_positions, relative_positions, rope_frequencies, rotate
 
 
 def test_rope_equals_complex_multiplication_per_half():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qrag.report import ReportError, build_report, table2
+from qrag.evaluation.report import ReportError, build_report, table2
 
 
 def summary(dataset, trained, fact_f1, fact_em, ans_f1=None, ans_em=None, checkpoint="runs/hotpot/final", beam=1, **kw):
@@ -60,7 +60,7 @@ def test_report_files_lengths_and_early_stopping(tmp_path):
         {"model": "Q-RAG", "task": t, "length": n, "fact_f1": f, "fact_em": f - 0.1}
         for t in ("qa1", "qa2") for n, f in ((4096, 0.9), (131072, 0.8), (1048576, 0.7))]}
     (tmp_path / "lengths.json").write_text(json.dumps(sweep))
-    from qrag.early_stopping import analyse
+    from qrag.evaluation.early_stopping import analyse
 
     records = [{"id": str(i), "gold": [1], "retrieved": [i % 3, 1, 5], "q_values": [0.9, 0.5 - 0.1 * (i % 3), -0.1]} for i in range(9)]
     (tmp_path / "es.json").write_text(json.dumps(analyse(records)))

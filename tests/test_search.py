@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from qrag.checkpoint import untrained_qnet
+from qrag.model.checkpoint import untrained_qnet
 from qrag.config import ModelConfig, SearchConfig
 from qrag.data.sample import Sample
-from qrag.search import Retriever
-from qrag.tokens import tokenize_samples
+from qrag.retrieval.search import Retriever
+from qrag.data.tokens import tokenize_samples
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,14 @@ import torch
 
 pytest.importorskip("ray.serve")
 
-from qrag.checkpoint import load_qnet, save_checkpoint, untrained_qnet  # noqa: E402
+from qrag.model.checkpoint import load_qnet, save_checkpoint, untrained_qnet  # noqa: E402
 from qrag.config import SearchConfig, load_config  # noqa: E402
 from qrag.data.sample import Sample  # noqa: E402
 from qrag.distributed.serving import PROXY_CALLBACK  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
-from qrag.search import Retriever  # noqa: E402
-from qrag.service_config import ServeConfig  # noqa: E402
-from qrag.tokens import tokenize_samples  # noqa: E402
+from qrag.retrieval.search import Retriever  # noqa: E402
+from qrag.serving.service_config import ServeConfig  # noqa: E402
+from qrag.data.tokens import tokenize_samples  # noqa: E402
 
 from test_index import make_documents  # noqa: E402
 
@@ -64,7 +64,7 @@ def app(checkpoint, tmp_path_factory):
     import yaml
 
     from qrag.distributed.serving import build_app
-    from qrag.http_api import static_files
+    from qrag.serving.http_api import static_files
 
     port, metrics_port = free_port(), free_port()
     storage = tmp_path_factory.mktemp("serve") / "indexes"

@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from qrag.config import SearchConfig
-from qrag.embedder import load_embedding_model, resolve_source
-from qrag.http_api import build_api
+from qrag.retrieval.embedder import load_embedding_model, resolve_source
+from qrag.serving.http_api import build_api
 from qrag.index.local import LocalIndex
-from qrag.service import local_service
-from qrag.service_config import ServeConfig
+from qrag.serving.service import local_service
+from qrag.serving.service_config import ServeConfig
 
 from test_index import make_documents
 
@@ -243,7 +243,7 @@ def test_checkpoint_from_an_mlflow_run_uri(tiny_encoder, tmp_path):
     import torch
     from mlflow import MlflowClient
 
-    from qrag.checkpoint import fingerprint, save_checkpoint, untrained_qnet
+    from qrag.model.checkpoint import fingerprint, save_checkpoint, untrained_qnet
     from qrag.config import load_config
 
     cfg = load_config(None, [f"model.encoder={tiny_encoder}", "model.positions=absolute"])

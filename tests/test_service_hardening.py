@@ -13,12 +13,12 @@ import httpx
 import pytest
 import torch
 
-from qrag.auth import digest, key_table, parse_keys, startup_problem
-from qrag.embedder import load_embedding_model, resolve_source
+from qrag.serving.auth import digest, key_table, parse_keys, startup_problem
+from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.index.holder import ShardHolder, ShardOverBudget
 from qrag.index.jobs import Job, JobBoard
 from qrag.index.store import CorpusStore
-from qrag.service import ServiceError, local_service
+from qrag.serving.service import ServiceError, local_service
 
 from test_index import make_documents
 from test_service_api import LoopThread, docs_json, make_client, serve_cfg
@@ -123,7 +123,7 @@ def test_cors_only_for_configured_origins(model, tmp_path, loop):
 
 
 def test_timeout_headers_are_stripped_and_the_deadline_holds(model, tmp_path, loop):
-    from qrag.http_api import Guard
+    from qrag.serving.http_api import Guard
 
     seen = {}
 
@@ -171,11 +171,11 @@ def test_inputs_that_were_500s_answer_4xx_naming_the_field(model, tmp_path, loop
 
 
 def test_too_many_documents_are_counted_before_parsing(model, tmp_path, loop, monkeypatch):
-    import qrag.http_api
+    import qrag.serving.http_api
 
     client = make_client(local_service(serve_cfg(tmp_path, max_body_bytes=2_000_000), model), loop)
     parsed = []
-    monkeypatch.setattr(qrag.http_api.CreateCorpus, "model_validate", classmethod(lambda cls, *a, **k: parsed.append(1)))
+    monkeypatch.setattr(qrag.serving.http_api.CreateCorpus, "model_validate", classmethod(lambda cls, *a, **k: parsed.append(1)))
     tiny = {"name": "many", "documents": [{"id": str(i), "text": "a"} for i in range(3000)]}
     r = client("POST", "/v1/corpora", json=tiny)
     assert r.status_code == 413 and r.json()["error"]["field"] == "documents" and "before parsing" in r.json()["error"]["message"]
@@ -202,7 +202,7 @@ def test_corrupt_manifest_is_503_without_paths_and_can_be_deleted(model, tmp_pat
 
 
 def test_model_source_in_health_hides_server_paths():
-    from qrag.service import public_source
+    from qrag.serving.service import public_source
 
     assert public_source("/srv/secret/runs/hotpot/best") == ".../hotpot/best"
     assert public_source("runs:/abc/checkpoint") == "runs:/abc/checkpoint" and public_source("minilm") == "minilm"
@@ -324,7 +324,7 @@ def test_every_job_ends_with_a_reason_and_create_is_atomic(model, tmp_path, loop
 
 
 def test_local_encoder_failures_are_503(model, tmp_path, loop):
-    from qrag.service import LocalEncoder
+    from qrag.serving.service import LocalEncoder
 
     class Boom:
         def embed_chunks(self, seqs):

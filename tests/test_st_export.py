@@ -20,7 +20,7 @@ CHUNKS = ["Paris is the capital of France.", "The Seine flows through Paris and 
 
 
 def make_checkpoint(tmp_path, tiny_encoder, overrides: list[str]):
-    from qrag.checkpoint import save_checkpoint, untrained_qnet
+    from qrag.model.checkpoint import save_checkpoint, untrained_qnet
     from qrag.config import load_config
 
     cfg = load_config(None, [f"model.encoder={tiny_encoder}", "data.question_tokens=12", "data.chunk_tokens=24", *overrides])
@@ -34,9 +34,9 @@ def make_checkpoint(tmp_path, tiny_encoder, overrides: list[str]):
 
 
 def qrag_vectors(checkpoint, cfg):
-    from qrag.checkpoint import load_qnet
-    from qrag.embedder import Tokenization
-    from qrag.search import Retriever
+    from qrag.model.checkpoint import load_qnet
+    from qrag.retrieval.embedder import Tokenization
+    from qrag.retrieval.search import Retriever
 
     qnet, tokenizer, layout, _ = load_qnet(checkpoint, torch.device("cpu"), with_targets=False)
     tok = Tokenization(tokenizer, layout, cfg.data.question_tokens)
@@ -70,8 +70,8 @@ def test_export_gives_our_vectors(tmp_path, tiny_encoder, overrides, remote_code
 
 
 def test_export_refuses_positions(tmp_path, tiny_encoder):
-    from qrag.checkpoint import CheckpointError
-    from qrag.st_export import export_sentence_transformers
+    from qrag.model.checkpoint import CheckpointError
+    from qrag.integrations.st_export import export_sentence_transformers
 
     checkpoint, _ = make_checkpoint(tmp_path, tiny_encoder, ["model.positions=relative"])
     with pytest.raises(CheckpointError, match="no chunk positions"):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from qrag.checkpoint import untrained_qnet
+from qrag.model.checkpoint import untrained_qnet
 from qrag.config import ModelConfig
-from qrag.encoder import encode
-from qrag.state_graphs import StateEncoder, bucket_of
+from qrag.model.encoder import encode
+from qrag.model.state_graphs import StateEncoder, bucket_of
 
 CPU = torch.device("cpu")
 

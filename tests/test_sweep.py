@@ -16,10 +16,10 @@ import yaml
 from conftest import ROOT
 
 from qrag.config import ConfigError, load_config
-from qrag.distributed.sweep import check_same_sweep, main
-from qrag.distributed.sweep_local import RungRule
-from qrag.distributed.sweep_results import TrialOutcome, best_outcome, table_rows, write_report
-from qrag.distributed.sweep_spec import load_sweep
+from qrag.distributed.sweep.driver import check_same_sweep, main
+from qrag.distributed.sweep.local import RungRule
+from qrag.distributed.sweep.results import TrialOutcome, best_outcome, table_rows, write_report
+from qrag.distributed.sweep.spec import load_sweep
 
 PRESET = str(ROOT / "configs" / "smoke.yaml")
 GOOD = {
@@ -223,8 +223,8 @@ def test_a_sweep_that_stops_trials_needs_rays_state_api(monkeypatch, tiny_encode
     import ray.util.state
 
     from qrag.config import ConfigError
-    from qrag.distributed.sweep import require_state_api
-    from qrag.distributed.sweep_spec import load_sweep
+    from qrag.distributed.sweep.driver import require_state_api
+    from qrag.distributed.sweep.spec import load_sweep
 
     sweep = load_sweep(ROOT / "tune" / "smoke.yaml", [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path}"])
 

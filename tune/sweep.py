@@ -5,7 +5,7 @@
     python tune/sweep.py --local --config tune/smoke.yaml                              # no Ray: trials one by one
 
 Starting the same sweep again resumes it. `--help` lists the options; the sweep file's keys are
-described in platform/qrag/distributed/sweep_spec.py and docs/sweeps.md.
+described in platform/qrag/distributed/sweep/spec.py and docs/sweeps.md.
 """
 
 import sys
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 
-from qrag.distributed.sweep import main  # noqa: E402
+from qrag.distributed.sweep.driver import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -26,7 +26,7 @@ python -m pip install --no-cache-dir --disable-pip-version-check \
   "$torch_spec" "${src}[${extras}]" "ray[train,tune,serve]==${ray_version}"
 
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 python - <<'EOF'
-from qrag.encoder import load_encoder, load_tokenizer, resolve_encoder
+from qrag.model.encoder import load_encoder, load_tokenizer, resolve_encoder
 
 path = resolve_encoder("minilm")
 model, tokenizer = load_encoder(path), load_tokenizer(path)

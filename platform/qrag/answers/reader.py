@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import AnswerConfig, ConfigError, to_dict
-from ..data.sample import Sample
-from ..metrics import mean, score_answer
+from qrag.config import AnswerConfig, ConfigError, to_dict
+from qrag.data.sample import Sample
+from qrag.metrics import mean, score_answer
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 BACKENDS = ("none", "local", "openai")

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from ..config import ConfigError, config_keys_epilog
+from qrag.config import ConfigError, config_keys_epilog
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
@@ -41,10 +41,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 @command("train", "train a Q-RAG retriever on one machine (no Ray)")(_train_args)
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..config import load_config
-    from ..train import TrainingRun, print_reporter
+    from qrag.config import load_config
+    from qrag.rl.train import TrainingRun, print_reporter
 
-    from ..tracking import RunTracker
+    from qrag.integrations.tracking import RunTracker
 
     cfg = load_config(args.config, args.overrides)
     run = TrainingRun(cfg, resume=args.resume)
@@ -93,8 +93,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 @command("eval", "evaluate a checkpoint (or the untrained encoder) on a dataset split")(_eval_args)
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..config import load_config
-    from ..evaluate import evaluate_checkpoint
+    from qrag.config import load_config
+    from qrag.evaluation.evaluate import evaluate_checkpoint
 
     overrides = list(args.overrides)
     if args.data:
@@ -138,9 +138,9 @@ def _load_extra_commands() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..checkpoint import CheckpointError
-    from ..data.sample import DataError
-    from ..encoder import ModelPathError
+    from qrag.model.checkpoint import CheckpointError
+    from qrag.data.sample import DataError
+    from qrag.model.encoder import ModelPathError
 
     parser = build_parser()
     # argparse stops collecting positionals after an option; accept key=value overrides anywhere.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .commands import command
+from qrag.cli.commands import command
 
 FORMATS = ("sentence-transformers", "mlflow")
 
@@ -22,13 +22,13 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "sentence-transformers":
         try:
-            from ..st_export import export_sentence_transformers
+            from qrag.integrations.st_export import export_sentence_transformers
         except ImportError as exc:
             raise FileNotFoundError(f"--format sentence-transformers needs sentence-transformers (pip install 'qrag[st]'): {exc}") from None
         out = export_sentence_transformers(args.checkpoint, args.out)
     else:
-        from ..checkpoint import read_meta
-        from ..mlflow_model import save_model
+        from qrag.model.checkpoint import read_meta
+        from qrag.integrations.mlflow_model import save_model
 
         read_meta(args.checkpoint)  # a clear error when it is not a checkpoint
         out = save_model(args.checkpoint, args.out)

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from .commands import command
+from qrag.cli.commands import command
 
 
 def index_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def index_args(p: argparse.ArgumentParser) -> None:
 
 
 def index_config(args: argparse.Namespace):
-    from ..distributed.bulk_index import BulkIndexConfig  # noqa: PLC0415 (Ray lives under qrag.distributed)
+    from qrag.distributed.bulk_index import BulkIndexConfig  # noqa: PLC0415 (Ray lives under qrag.distributed)
 
     return BulkIndexConfig(corpus=args.corpus, inputs=args.inputs, format=args.format, checkpoint=args.checkpoint, encoder=args.encoder,
                            model_cache=args.model_cache, storage=args.storage, chunk_tokens=args.chunk_tokens, shards=args.shards,
@@ -44,8 +44,8 @@ def index_config(args: argparse.Namespace):
 
 def run_index(args: argparse.Namespace) -> int:
     """Check the input and the model, start or join Ray, index; the last stdout line is JSON."""
-    from ..distributed.bulk_index import USER_ERRORS, bulk_index, ensure_ray, expand_inputs, print_progress  # noqa: PLC0415
-    from ..embedder import resolve_source  # noqa: PLC0415
+    from qrag.distributed.bulk_index import USER_ERRORS, bulk_index, ensure_ray, expand_inputs, print_progress  # noqa: PLC0415
+    from qrag.retrieval.embedder import resolve_source  # noqa: PLC0415
 
     try:
         cfg = index_config(args)

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .commands import _config_args, command
+from qrag.cli.commands import _config_args, command
 
 DEFAULT_LENGTHS = "1k,4k,16k,32k,128k"
 
@@ -57,9 +57,9 @@ def _models(specs: list[str]) -> list[tuple[str, str]]:
 
 @command("sweep-lengths", "evaluate retrievers on generated long contexts (BabiLong, RULER NIAH) at several lengths")(_args)
 def cmd_sweep_lengths(args: argparse.Namespace) -> int:
-    from ..config import ConfigError, load_config
-    from ..encoder import pick_device
-    from ..lengths import format_table, merge_tables, parse_length, plot_table, read_table, run_sweep, write_table
+    from qrag.config import ConfigError, load_config
+    from qrag.model.encoder import pick_device
+    from qrag.evaluation.lengths import format_table, merge_tables, parse_length, plot_table, read_table, run_sweep, write_table
 
     out = Path(args.out)
     if args.plot_only:
@@ -74,11 +74,11 @@ def cmd_sweep_lengths(args: argparse.Namespace) -> int:
         elif cfg.data.tasks:
             tasks = list(cfg.data.tasks)
         elif cfg.data.dataset == "niah":
-            from ..data.niah import TASKS
+            from qrag.data.niah import TASKS
 
             tasks = list(TASKS)
         else:
-            from ..data.babilong import DEFAULT_TASKS
+            from qrag.data.babilong import DEFAULT_TASKS
 
             tasks = list(DEFAULT_TASKS)
         lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .commands import command
+from qrag.cli.commands import command
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -41,8 +41,8 @@ def _records_of(path: Path) -> Path:
 
 
 def _early_stopping_file(records: Path, out: Path, thresholds: list[float] | None) -> Path:
-    from ..data.paths import read_jsonl
-    from ..early_stopping import analyse
+    from qrag.data.paths import read_jsonl
+    from qrag.evaluation.early_stopping import analyse
 
     if not records.is_file():
         raise ValueError(f"{records}: no such records file (qrag eval --out FILE.json writes FILE.records.jsonl)")
@@ -58,7 +58,7 @@ def _early_stopping_file(records: Path, out: Path, thresholds: list[float] | Non
 
 @command("report", "render paper-style tables (Markdown) and plots (PNG) from eval / length-sweep results")(_report_args)
 def cmd_report(args: argparse.Namespace) -> int:
-    from ..report import ReportError, build_report
+    from qrag.evaluation.report import ReportError, build_report
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                 continue
             files.append(path)
             if args.early_stopping:
-                from ..report import read_result, result_kind
+                from qrag.evaluation.report import read_result, result_kind
 
                 if result_kind(read_result(path)) == "eval":
                     files.append(_early_stopping_file(_records_of(path), out, thresholds))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import ConfigError, apply_overrides, describe, from_dict, read_yaml
-from ..service_config import ServeConfig
-from .commands import command
+from qrag.config import ConfigError, apply_overrides, describe, from_dict, read_yaml
+from qrag.serving.service_config import ServeConfig
+from qrag.cli.commands import command
 
 REPO_STATIC = Path(__file__).resolve().parents[1] / "static"  # package data (serve/static links here)
 
@@ -58,10 +58,10 @@ def serve_deployments(args: argparse.Namespace) -> list[dict]:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
     deployments = serve_deployments(args)
-    from ..embedder import resolve_source  # noqa: PLC0415
+    from qrag.retrieval.embedder import resolve_source  # noqa: PLC0415
 
     resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri)  # a bad checkpoint fails here, before Ray starts
-    from ..distributed.serving import serve_locally  # noqa: PLC0415 (Ray lives under qrag.distributed)
+    from qrag.distributed.serving import serve_locally  # noqa: PLC0415 (Ray lives under qrag.distributed)
 
     serve_locally(cfg, args.host, args.port, args.static, deployments)
     return 0

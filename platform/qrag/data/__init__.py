@@ -1,12 +1,12 @@
-"""Benchmark sources -> :class:`Sample` lists. One module per benchmark."""
+"""Benchmark sources -> :class:`Sample` lists (one module per benchmark), their token layout and the credit rule for support facts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..config import DataConfig
-from .chunking import TokenCounter
-from .sample import DataError, Sample
+from qrag.config import DataConfig
+from qrag.data.chunking import TokenCounter
+from qrag.data.sample import DataError, Sample
 
 __all__ = ["DataError", "Sample", "load_samples", "register_loader", "LOADERS"]
 
@@ -26,7 +26,7 @@ def register_loader(name: str) -> Callable[[Loader], Loader]:
 
 @register_loader("hotpotqa")
 def _hotpotqa(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
-    from .hotpotqa import load_hotpotqa
+    from qrag.data.hotpotqa import load_hotpotqa
 
     return load_hotpotqa(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit,
                          hub=cfg.hub)
@@ -34,7 +34,7 @@ def _hotpotqa(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
 
 @register_loader("jsonl")
 def _jsonl(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
-    from .jsonl import load_jsonl
+    from qrag.data.jsonl import load_jsonl
 
     return load_jsonl(cfg.path, split=split, dev_fraction=cfg.dev_fraction, limit=cfg.limit, hub=cfg.hub)
 

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import data_root, open_text
-from .sample import DataError
+from qrag.data.paths import data_root, open_text
+from qrag.data.sample import DataError
 
 DEFAULT_DIR = "babi/tasks_1-20_v1-2"
 # Prefer the 10k version; fall back to the 1k one (en-10k lacks qa3 train in shared/data).

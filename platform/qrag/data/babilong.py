@@ -26,14 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
-from . import register_loader
-from .babi import BabiQuestion, load_babi
-from .chunking import TokenCounter
-from .contexts import Generated, assemble, fresh_ids, interleave, rng_for
-from .haystack import MIN_BACKGROUND_TOKENS, NOVELS_DIR, Haystack, Measure, book_files, files_haystack
-from .paths import data_root
-from .sample import DataError, Sample
+from qrag.config import DataConfig
+from qrag.data import register_loader
+from qrag.data.babi import BabiQuestion, load_babi
+from qrag.data.chunking import TokenCounter
+from qrag.data.contexts import Generated, assemble, fresh_ids, interleave, rng_for
+from qrag.data.haystack import MIN_BACKGROUND_TOKENS, NOVELS_DIR, Haystack, Measure, book_files, files_haystack
+from qrag.data.paths import data_root
+from qrag.data.sample import DataError, Sample
 
 DEFAULT_TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
 

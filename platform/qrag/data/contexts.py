@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .haystack import Haystack, Window
-from .sample import DataError, Sample
+from qrag.data.haystack import Haystack, Window
+from qrag.data.sample import DataError, Sample
 
 _SUFFIX = {"k": 1024, "m": 1024**2}
 
@@ -102,7 +102,7 @@ def fresh_ids(hay: Haystack, window: Window, refs: np.ndarray, special_ids: Sequ
     """Token ids of the chunks that are not whole haystack chunks (refs < 0), in chunk order,
     from ids measured already: the special sentences' own (``special_ids``, as the generator
     measured them to fit the length) and the fill chunks' segment ids. So a generated context
-    is tokenised once: evaluation (qrag.longcontext.ChunkTokens) does not tokenise them again.
+    is tokenised once: evaluation (qrag.evaluation.longcontext.ChunkTokens) does not tokenise them again.
     None when the ids are unknown (a count-only measure, or segment ids that do not compose)."""
     if special_ids is None or (window.fill and not hay.additive):
         return None

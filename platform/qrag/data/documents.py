@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .chunking import TokenCounter, pack_sentences, split_sentences
-from .sample import DataError
+from qrag.data.chunking import TokenCounter, pack_sentences, split_sentences
+from qrag.data.sample import DataError
 
 DOC_ID_MAX_CHARS = 256
 

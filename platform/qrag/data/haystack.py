@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .chunking import TokenCounter, pack_sentences, split_sentences
-from .paths import resolve_files
-from .sample import DataError
-from .splits import in_split
+from qrag.data.chunking import TokenCounter, pack_sentences, split_sentences
+from qrag.data.paths import resolve_files
+from qrag.data.sample import DataError
+from qrag.data.splits import in_split
 
 Encoder = Callable[[list[str]], list[list[int]]]
 BATCH = 8192  # texts per tokenizer call: bounds the tokenizer's Python-list output
@@ -339,7 +339,7 @@ def book_files(path: str | Path | None = None, split: str = "all") -> list[Path]
     book, in path order. The benchmarks that index books (bench/serve_scale.py, bench/two_gpu.py)
     read their corpus with this and :func:`read_document` too."""
     if path is None:
-        from .paths import data_root
+        from qrag.data.paths import data_root
 
         path = data_root() / NOVELS_DIR
     return split_files(path, split)
@@ -347,7 +347,7 @@ def book_files(path: str | Path | None = None, split: str = "all") -> list[Path]
 
 def read_document(path: Path) -> str:
     """One file's text (``.gz`` too; strict UTF-8, a leading BOM dropped)."""
-    from .paths import open_text
+    from qrag.data.paths import open_text
 
     try:
         with open_text(path) as fh:

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .paths import note_source, resolve_files
-from .sample import DataError
+from qrag.data.paths import note_source, resolve_files
+from qrag.data.sample import DataError
 
 Pairs = Iterable[tuple[str, Any]]
 DEV_SPLITS = ("validation", "dev", "test")

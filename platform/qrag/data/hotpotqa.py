@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .chunking import TokenCounter, cap_paragraphs
-from .hf import hotpot_layout, record_pairs
-from .paths import data_root, read_json
-from .sample import DataError, Sample
-from .splits import records_in_split
+from qrag.data.chunking import TokenCounter, cap_paragraphs
+from qrag.data.hf import hotpot_layout, record_pairs
+from qrag.data.paths import data_root, read_json
+from qrag.data.sample import DataError, Sample
+from qrag.data.splits import records_in_split
 
 DEFAULT_FILE = "hotpotqa/hotpot_dev_distractor_v1.subset1368.json.gz"
 

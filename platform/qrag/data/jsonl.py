@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hf import record_pairs
-from .paths import read_jsonl
-from .sample import DataError, Sample
-from .splits import in_split
+from qrag.data.hf import record_pairs
+from qrag.data.paths import read_jsonl
+from qrag.data.sample import DataError, Sample
+from qrag.data.splits import in_split
 
 
 def _lines(file: Path):

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, DataConfig
-from . import LOADERS, register_loader
-from .chunking import TokenCounter
-from .paths import data_root
-from .sample import DataError, Sample
+from qrag.config import ConfigError, DataConfig
+from qrag.data import LOADERS, register_loader
+from qrag.data.chunking import TokenCounter
+from qrag.data.paths import data_root
+from qrag.data.sample import DataError, Sample
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from ..config import DataConfig
-from . import register_loader
-from .chunking import TokenCounter, cap_paragraphs, split_sentences
-from .hf import record_pairs
-from .paths import data_root, note_source, read_jsonl
-from .sample import DataError, Sample
-from .splits import SPLITS, records_in_split
+from qrag.config import DataConfig
+from qrag.data import register_loader
+from qrag.data.chunking import TokenCounter, cap_paragraphs, split_sentences
+from qrag.data.hf import record_pairs
+from qrag.data.paths import data_root, note_source, read_jsonl
+from qrag.data.sample import DataError, Sample
+from qrag.data.splits import SPLITS, records_in_split
 
 TRAIN_FILE = "musique/musique_ans_v1.0_train.subset150.jsonl.gz"
 DEV_FILE = "musique/musique_ans_v1.0.migres100_split_unstated.jsonl.gz"

@@ -38,14 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig
-from . import register_loader
-from .chunking import TokenCounter
-from .contexts import Generated, assemble, fresh_ids, interleave, rng_for
-from .haystack import Haystack, Measure, cached_haystack
-from .niah_words import ADJECTIVES, NOUNS
-from .paths import data_root, open_text
-from .sample import DataError, Sample
+from qrag.config import DataConfig
+from qrag.data import register_loader
+from qrag.data.chunking import TokenCounter
+from qrag.data.contexts import Generated, assemble, fresh_ids, interleave, rng_for
+from qrag.data.haystack import Haystack, Measure, cached_haystack
+from qrag.data.niah_words import ADJECTIVES, NOUNS
+from qrag.data.paths import data_root, open_text
+from qrag.data.sample import DataError, Sample
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -238,7 +238,7 @@ def _tasks(cfg: DataConfig) -> list[str]:
 
 
 def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: int | None = None, n: int | None = None) -> list[Generated]:
-    from .babilong import samples_for_split
+    from qrag.data.babilong import samples_for_split
 
     count = n if n is not None else samples_for_split(cfg, split)
     per_task = [list(generate_niah(t, split, length or cfg.context_tokens, count, measure, seed=cfg.seed,

@@ -13,7 +13,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from .sample import DataError
+from qrag.data.sample import DataError
 
 _HERE = Path(__file__).resolve()
 

@@ -9,7 +9,7 @@ ids), saved under the cache directory and memory-mapped by later starts. Runners
 
 The cache key covers the tokenizer (a hash of its full serialisation), the token layout, every
 data setting that changes the samples (``val_fraction`` does not: the validation part is drawn
-afterwards), the data root, the split and the code of ``qrag.data`` and ``qrag.tokens``. The
+afterwards), the data root, the split and the code of ``qrag.data`` and ``qrag.data.tokens``. The
 entry also lists the files the load read (size, mtime): a changed or missing file rebuilds it.
 Generated long-context datasets (babilong, niah) are not cached: they are drawn per seed and
 their meta is not plain JSON.
@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from ..config import DataConfig
-from ..tokens import TokenizedSample, TokenLayout, tokenize_samples
-from . import load_samples
-from .chunking import tokenizer_counter
-from .paths import data_root, recording_sources
-from .sample import DataError, Sample
-from .splits import split_validation
+from qrag.config import DataConfig
+from qrag.data.tokens import TokenizedSample, TokenLayout, tokenize_samples
+from qrag.data import load_samples
+from qrag.data.chunking import tokenizer_counter
+from qrag.data.paths import data_root, recording_sources
+from qrag.data.sample import DataError, Sample
+from qrag.data.splits import split_validation
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def _code_fingerprint() -> str:
     here = Path(__file__).resolve().parent
-    files = sorted(here.glob("*.py")) + [here.parent / "tokens.py"]
+    files = sorted(here.glob("*.py"))  # the loaders and the token layout (data/tokens.py)
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + b"\0" + file.read_bytes())

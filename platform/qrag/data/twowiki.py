@@ -18,14 +18,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..config import DataConfig
-from . import register_loader
-from .chunking import TokenCounter
-from .hf import hotpot_layout, record_pairs
-from .hotpotqa import parse_record
-from .paths import data_root, read_json, read_jsonl
-from .sample import DataError, Sample
-from .splits import records_in_split
+from qrag.config import DataConfig
+from qrag.data import register_loader
+from qrag.data.chunking import TokenCounter
+from qrag.data.hf import hotpot_layout, record_pairs
+from qrag.data.hotpotqa import parse_record
+from qrag.data.paths import data_root, read_json, read_jsonl
+from qrag.data.sample import DataError, Sample
+from qrag.data.splits import records_in_split
 
 log = logging.getLogger(__name__)
 

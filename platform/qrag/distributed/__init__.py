@@ -6,7 +6,7 @@ The only place in the library that imports Ray (and MLflow). Modules:
 * ``runner``    ``EnvRunner``: one shard of the training split, served as ready-to-step episodes
 * ``source``    ``RunnerPool``: the learner's episode source over the runners (prefetch, re-issue)
 * ``tracking``  MLflow runs: params, metrics by update (no duplicates after restarts), artifacts
-* ``train``     ``train_with_ray``: the Ray Train ``TorchTrainer`` around ``qrag.train.TrainingRun``
+* ``train``     ``train_with_ray``: the Ray Train ``TorchTrainer`` around ``qrag.rl.train.TrainingRun``
 * ``job``       ``run_job``: parse, validate before any actor starts, connect, train, print
 * ``sweep``     ``tune/sweep.py``: Ray Tune sweeps (``sweep_spec`` the sweep file, ``sweep_tune`` the
                 trainable and ASHA, ``sweep_tracking`` the MLflow parent run, ``sweep_results`` table,

@@ -8,7 +8,7 @@
          and tokenise
       -> map_batches (actor pool, ``encoder_actors`` actors with a GPU each when the cluster has
          one): the chunk encoder, loaded once per actor, embeds length-bucketed batches (bf16
-         autocast on GPU; qrag.encoder.encode sorts a batch by length and pads per bucket)
+         autocast on GPU; qrag.model.encoder.encode sorts a batch by length and pads per bucket)
       -> the driver streams the rows (iter_batches) and appends whole documents to the corpus in
          committed groups of about ``commit_chunks`` chunks with CorpusStore.append, the one
          writer the HTTP path uses too (same files, same atomic manifest commit).
@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint import CheckpointError
-from ..data.documents import Document, DocumentChunk, chunk_documents, parse_document
-from ..data.sample import DataError
-from ..embedder import load_embedding_model, resolve_source, source_identity
-from ..index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
+from qrag.model.checkpoint import CheckpointError
+from qrag.data.documents import Document, DocumentChunk, chunk_documents, parse_document
+from qrag.data.sample import DataError
+from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity
+from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 
 FORMATS = ("jsonl", "text", "parquet")
 SUFFIXES = {
@@ -231,7 +231,7 @@ class DocumentChunker:
     def __init__(self, model: dict[str, Any], chunk_tokens: int, skip, docs_per_block: int):
         import ray
 
-        from ..embedder import Tokenization
+        from qrag.retrieval.embedder import Tokenization
 
         source = resolve_source(model["checkpoint"], model["encoder"], model["model_cache"], model["mlflow_tracking_uri"])
         _, _, tokenizer, layout = source_identity(source)

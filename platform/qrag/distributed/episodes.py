@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tokens import TokenizedSample
+from qrag.data.tokens import TokenizedSample
 
 
 @dataclass

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import TrainConfig
+from qrag.config import TrainConfig
 
 
 def claim_once(marker: str | None) -> bool:

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointError
-from ..config import ConfigError, TrainConfig, load_config
-from ..data import DataError
-from ..encoder import ModelPathError
-from .preflight import base_directory, preflight, resolve_paths, worker_env
-from .train import cpu_need, finished_updates, storage_run_dir, train_with_ray
-from ..tracking import tracking_uri
+from qrag.model.checkpoint import CheckpointError
+from qrag.config import ConfigError, TrainConfig, load_config
+from qrag.data import DataError
+from qrag.model.encoder import ModelPathError
+from qrag.distributed.preflight import base_directory, preflight, resolve_paths, worker_env
+from qrag.distributed.train import cpu_need, finished_updates, storage_run_dir, train_with_ray
+from qrag.integrations.tracking import tracking_uri
 
 USER_ERRORS = (ConfigError, DataError, ModelPathError, CheckpointError)
 
@@ -47,7 +47,7 @@ class Job:
 
 
 def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
-    from ..config import config_keys_epilog
+    from qrag.config import config_keys_epilog
 
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_keys_epilog(),

@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import ConfigError, TrainConfig
+from qrag.config import ConfigError, TrainConfig
 
 # Ray's resource granularity: requests are rounded to 1/10000.
 RESOURCE_STEP = 1e-4

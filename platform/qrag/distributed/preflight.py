@@ -18,12 +18,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, TrainConfig
-from ..data import DataError, load_samples
-from ..data.chunking import tokenizer_counter
-from ..data.paths import data_root
-from ..encoder import load_tokenizer, resolve_encoder
-from ..tracking import is_uri, tracking_uri
+from qrag.config import ConfigError, TrainConfig
+from qrag.data import DataError, load_samples
+from qrag.data.chunking import tokenizer_counter
+from qrag.data.paths import data_root
+from qrag.model.encoder import load_tokenizer, resolve_encoder
+from qrag.integrations.tracking import is_uri, tracking_uri
 
 MLFLOW_CHECKPOINT_MODES = ("inference", "full", "none")
 # Passed on to every runner and learner process when set on the driver.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from starlette.middleware import Middleware
 
-from ..http_headers import strip_headers  # light: the proxy must not import torch
+from qrag.serving.http_headers import strip_headers  # light: the proxy must not import torch
 
 
 class StripTimeoutHeaders:

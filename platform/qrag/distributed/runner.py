@@ -9,7 +9,7 @@ each epoch's order drawn from ``seed``, ``index`` and the epoch number. So a req
 dead runner can be re-issued to its restarted copy and returns the same episodes, and a learner
 resumed at update u asks for exactly the episodes an uninterrupted run would have seen.
 
-Stepping the MDP stays in the learner (``qrag.env.RetrievalEnv``): it is index bookkeeping over
+Stepping the MDP stays in the learner (``qrag.rl.env.RetrievalEnv``): it is index bookkeeping over
 these arrays between two GPU encoder calls, and a round trip per step would only add latency.
 
 The class is plain Python; ``qrag.distributed.source`` runs it as a Ray actor.
@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from ..config import TrainConfig
-from ..data import DataError
-from ..data.prepared import prepare_split
-from ..encoder import load_tokenizer
-from ..tokens import TokenLayout
-from .episodes import EpisodeBatch
-from .faults import claim_once, hard_exit
+from qrag.config import TrainConfig
+from qrag.data import DataError
+from qrag.data.prepared import prepare_split
+from qrag.model.encoder import load_tokenizer
+from qrag.data.tokens import TokenLayout
+from qrag.distributed.episodes import EpisodeBatch
+from qrag.distributed.faults import claim_once, hard_exit
 
 
 class ShardStream:

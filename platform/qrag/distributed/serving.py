@@ -4,7 +4,7 @@
                states are batched into one forward pass with ``@serve.batch``.
 * ``Shard<i>`` one deployment per shard slot: holds shards i, i+N, ... of every corpus, loaded
                from the shared storage (never re-embedded), exact rotated scoring in torch.
-* ``Ingress``  FastAPI (``qrag.http_api``) around ``qrag.service.RetrievalService``; fans a
+* ``Ingress``  FastAPI (``qrag.serving.http_api``) around ``qrag.serving.service.RetrievalService``; fans a
                query step out to the shards and merges their top-k.
 
 Replicas, autoscaling, GPUs and request limits are deployment options, set the Serve way: the
@@ -34,16 +34,17 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter, Histogram
 
-from ..auth import ApiKeyError, key_table, startup_problem
-from ..config import ConfigError, ModelConfig, from_dict, to_dict
-from ..embedder import Tokenization, load_embedding_model, resolve_source, source_identity
-from ..encoder import pick_device
-from ..http_api import build_api
-from ..index.holder import ShardHolder, ShardOverBudget
-from ..index.shards import ShardHits, ShardOptions, ShardUnhealthy
-from ..index.store import CorpusNotFound, CorpusStore, SegmentProblem
-from ..service import ModelIdentity, RetrievalService, ServiceError, encoder_positions
-from ..service_config import ServeConfig
+from qrag.serving.auth import ApiKeyError, key_table, startup_problem
+from qrag.config import ConfigError, ModelConfig, from_dict, to_dict
+from qrag.retrieval.embedder import Tokenization, load_embedding_model, resolve_source, source_identity
+from qrag.model.encoder import pick_device
+from qrag.serving.http_api import build_api
+from qrag.index.holder import ShardHolder, ShardOverBudget
+from qrag.index.shards import ShardOptions, ShardUnhealthy
+from qrag.retrieval.hits import ShardHits
+from qrag.index.store import CorpusNotFound, CorpusStore, SegmentProblem
+from qrag.serving.service import ModelIdentity, RetrievalService, ServiceError, encoder_positions
+from qrag.serving.service_config import ServeConfig
 
 log = logging.getLogger("qrag.serving")
 PROXY_CALLBACK = "qrag.distributed.proxy_guard:middlewares"
@@ -316,7 +317,7 @@ def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployme
 
 def build_app_from_args(args: dict[str, Any] | None, static_dir) -> Any:
     """For ``serve run`` / ``serve deploy``: the config's ``args`` -> the application."""
-    from ..http_api import static_files
+    from qrag.serving.http_api import static_files
 
     return build_app(from_dict(ServeConfig, dict(args or {})), static_files(static_dir))
 
@@ -328,7 +329,7 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir, deployment
     import sys
     import time
 
-    from ..http_api import static_files
+    from qrag.serving.http_api import static_files
 
     try:
         keys = key_table(cfg.api_keys)

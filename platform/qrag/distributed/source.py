@@ -23,12 +23,12 @@ import time
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from ..config import TrainConfig
-from ..tokens import TokenizedSample, TokenLayout
-from .faults import FaultPlan
-from .placement import runner_resources
-from .episodes import EpisodeBatch
-from . import runner as runner_impl
+from qrag.config import TrainConfig
+from qrag.data.tokens import TokenizedSample, TokenLayout
+from qrag.distributed.faults import FaultPlan
+from qrag.distributed.placement import runner_resources
+from qrag.distributed.episodes import EpisodeBatch
+from qrag.distributed import runner as runner_impl
 
 log = logging.getLogger(__name__)
 

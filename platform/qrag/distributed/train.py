@@ -1,4 +1,4 @@
-"""The learner under Ray Train: one ``TorchTrainer`` worker runs ``qrag.train.TrainingRun``.
+"""The learner under Ray Train: one ``TorchTrainer`` worker runs ``qrag.rl.train.TrainingRun``.
 
 The worker runs the same ``TrainingRun.run()`` as ``qrag train``; only three things differ:
 
@@ -8,7 +8,7 @@ The worker runs the same ``TrainingRun.run()`` as ``qrag train``; only three thi
   in ``<storage>/<run name>/`` with the layout ``qrag train`` uses (``checkpoints/update_N``,
   ``final``) and hands the latest back through ``ray.train.get_checkpoint()`` after a crash or
   when the same run is submitted again;
-* metrics go to MLflow (``qrag.tracking``) by update, and evaluations and checkpoints
+* metrics go to MLflow (``qrag.integrations.tracking``) by update, and evaluations and checkpoints
   to ``ray.train.report`` (what Ray Tune sees when a sweep wraps this trainer).
 
 ``train_with_ray`` is the entry point of both ``jobs/`` and the Tune sweep.
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, TrainConfig
-from ..data.prepared import prepare_split
-from ..encoder import load_tokenizer, resolve_encoder
-from ..tokens import TokenizedSample, TokenLayout
-from ..train import EpisodeSource, TrainingRun
-from .faults import FaultPlan
-from .placement import check_cluster_has, cluster_capacity, learner_worker_resources
-from ..tracking import is_uri
+from qrag.config import ConfigError, TrainConfig
+from qrag.data.prepared import prepare_split
+from qrag.model.encoder import load_tokenizer, resolve_encoder
+from qrag.data.tokens import TokenizedSample, TokenLayout
+from qrag.rl.train import EpisodeSource, TrainingRun
+from qrag.distributed.faults import FaultPlan
+from qrag.distributed.placement import check_cluster_has, cluster_capacity, learner_worker_resources
+from qrag.integrations.tracking import is_uri
 
 EVAL_FILES = ("eval.json", "eval.records.jsonl")
 
@@ -230,7 +230,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """The Ray Train worker: the learner."""
     import ray.train
 
-    from .source import RunnerPool
+    from qrag.distributed.source import RunnerPool
 
     cfg: TrainConfig = config["cfg"]
     run_dir: str = config["run_dir"]
@@ -238,7 +238,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(max(1, int(d.learner_cpus)))
     logger = None
     if config.get("mlflow_run_id"):
-        from ..tracking import MetricLogger
+        from qrag.integrations.tracking import MetricLogger
 
         logger = MetricLogger(config["mlflow_uri"], config["mlflow_run_id"])
     # Ray Train runs the worker in a directory of Ray's session: what a crash leaves there goes
@@ -348,7 +348,7 @@ def train_with_ray(
 
     uri = run_id = None
     if tracking:
-        from ..tracking import finish_run, log_final_checkpoint, open_run, tracking_uri
+        from qrag.integrations.tracking import finish_run, log_final_checkpoint, open_run, tracking_uri
 
         uri = tracking_uri(cfg)
         if uri:

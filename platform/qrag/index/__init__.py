@@ -1,2 +1,2 @@
 """Chunk-embedding corpora: ``store`` (on disk), ``shards`` (scoring one shard, FAISS, merging),
-``local`` (indexing and search in one process; the search itself is :mod:`qrag.multistep`)."""
+``local`` (indexing and search in one process; the search itself is :mod:`qrag.retrieval.multistep`)."""

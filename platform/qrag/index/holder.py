@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .shards import CorpusShards, ShardHits, ShardOptions, row_bytes
-from .store import CorpusNotFound, CorpusStore, Manifest, StoreError, shard_rows
+from qrag.index.shards import CorpusShards, ShardOptions, row_bytes
+
+from qrag.retrieval.hits import ShardHits
+from qrag.index.store import CorpusNotFound, CorpusStore, Manifest, StoreError, shard_rows
 
 # A chunk's text is a few characters per token: what the budget assumes before the texts are read.
 CHARS_PER_TOKEN = 6

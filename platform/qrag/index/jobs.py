@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .store import write_atomic
+from qrag.index.store import write_atomic
 
 JOB_ID = re.compile(r"[0-9a-f]{16}")
 ACTIVE = ("queued", "running")

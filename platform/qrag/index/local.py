@@ -9,16 +9,18 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..config import ModelConfig, SearchConfig
-from ..data.documents import Document
-from ..multistep import Retrieval, SearchRun, Timings, search
-from ..tokens import TokenLayout
-from .shards import CorpusShards, ShardHits, ShardIndex, ShardOptions
-from .store import ChunkRecord, CorpusConflict, CorpusStore, Manifest, StoreError
+from qrag.config import ModelConfig, SearchConfig
+from qrag.data.documents import Document
+from qrag.retrieval.multistep import Retrieval, SearchRun, Timings, search
+from qrag.data.tokens import TokenLayout
+from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions
+from qrag.retrieval.hits import ShardHits
+from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
+from qrag.retrieval.hits import ChunkRecord
 
 
 class Embedder(Protocol):
-    """What indexing and search need of a model (see :class:`qrag.embedder.EmbeddingModel`)."""
+    """What indexing and search need of a model (see :class:`qrag.retrieval.embedder.EmbeddingModel`)."""
 
     fingerprint: str
     model_cfg: ModelConfig
@@ -58,7 +60,7 @@ class LocalIndex:
                                  chunk_tokens=chunk_tokens, shards=shards, dtype=dtype)
 
     def add_documents(self, name: str, docs: Sequence[Document], progress=None) -> Manifest:
-        from ..data.documents import chunk_documents
+        from qrag.data.documents import chunk_documents
 
         m = self.store.read(name)
         chunks = chunk_documents(docs, self.model.count_tokens, m.chunk_tokens)

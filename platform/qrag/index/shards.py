@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..config import ModelConfig
-from ..positions import rope_frequencies
-from ..scoring import score_chunks
-from .store import (
-    ChunkRecord,
+from qrag.config import ModelConfig
+from qrag.model.positions import rope_frequencies
+from qrag.retrieval.hits import ChunkRecord, ShardHits, merge_hits
+from qrag.retrieval.scoring import score_chunks
+from qrag.index.store import (
     CorpusNotFound,
     CorpusStore,
     Segment,
@@ -27,7 +27,7 @@ from .store import (
 
 def positions_at(mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total: int, delta: float, ell: float) -> torch.Tensor | None:
     """Positions of the chunks at global indices ``gpos`` [n] for each row of ``selected``
-    [B, k] (sorted global indices; pad with ``n_total``), as :func:`qrag.positions.chunk_positions`
+    [B, k] (sorted global indices; pad with ``n_total``), as :func:`qrag.model.positions.chunk_positions`
     computes them over the whole context — the same float32 arithmetic, for a subset of columns."""
     b = selected.shape[0]
     if mode == "none":
@@ -49,7 +49,7 @@ def positions_at(mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total:
 def relative_scores(states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Tensor, sel: torch.Tensor, n_total: int,
                     delta: float, ell: float, freqs: torch.Tensor) -> torch.Tensor:
     """Q of every chunk of a shard for each state row, chunks rotated to their relative positions,
-    selected chunks at -inf: :func:`positions_at` + :func:`qrag.scoring.score_chunks` + the
+    selected chunks at -inf: :func:`positions_at` + :func:`qrag.retrieval.scoring.score_chunks` + the
     exclusion, written as one expression so that ``torch.compile`` fuses it into a few kernels
     that never materialise the [rows, chunks, d/4] temporaries (GPU only; see ``_fused``)."""
     pos = positions_at("relative", gpos, sel, n_total, delta, ell)
@@ -77,51 +77,6 @@ def _fused():
         except Exception as exc:  # noqa: BLE001 - no compiler here: the blocked eager path serves
             _FUSED["fn"], _FUSED["error"] = None, f"{type(exc).__name__}: {exc}"
     return _FUSED["fn"]
-
-
-@dataclass
-class ShardHits:
-    """Top-k of one shard (or of several, merged) for each state row."""
-
-    q: np.ndarray  # [B, k] float32, best first; -inf pads rows with fewer candidates
-    ids: np.ndarray  # [B, k] int64 global positions (-1 for pads)
-    pos: np.ndarray | None  # [B, k] float32 positions used in the rotation (None: positions off)
-    records: dict[int, ChunkRecord] = field(default_factory=dict)
-
-    def rows(self, lo: int, hi: int) -> ShardHits:
-        """The hits of state rows [lo, hi) (records are shared, not filtered)."""
-        return ShardHits(self.q[lo:hi], self.ids[lo:hi], None if self.pos is None else self.pos[lo:hi], self.records)
-
-    @classmethod
-    def empty(cls, rows: int, with_pos: bool) -> ShardHits:
-        return cls(np.zeros((rows, 0), np.float32), np.zeros((rows, 0), np.int64), np.zeros((rows, 0), np.float32) if with_pos else None)
-
-
-def merge_hits(hits: Sequence[ShardHits], k: int) -> ShardHits:
-    """The best ``k`` of every row over all shards (ties broken by position), padded with -inf."""
-    # A shard (or holder) with nothing to score answers with zero columns and cannot know the
-    # positions mode: it adds nothing, so it must not decide whether positions are merged.
-    hits = [h for h in hits if h.q.shape[1]] or list(hits[:1])
-    q = np.concatenate([h.q for h in hits], axis=1)
-    ids = np.concatenate([h.ids for h in hits], axis=1)
-    with_pos = hits[0].pos is not None
-    pos = np.concatenate([h.pos for h in hits], axis=1) if with_pos else None
-    rows = q.shape[0]
-    out_q = np.full((rows, k), -np.inf, np.float32)
-    out_i = np.full((rows, k), -1, np.int64)
-    out_p = np.zeros((rows, k), np.float32) if with_pos else None
-    for r in range(rows):
-        order = np.lexsort((ids[r], -q[r]))[:k]
-        order = order[np.isfinite(q[r][order])]
-        out_q[r, : len(order)] = q[r][order]
-        out_i[r, : len(order)] = ids[r][order]
-        if with_pos:
-            out_p[r, : len(order)] = pos[r][order]
-    records: dict[int, ChunkRecord] = {}
-    keep = set(out_i[out_i >= 0].tolist())
-    for h in hits:
-        records.update({g: rec for g, rec in h.records.items() if g in keep})
-    return ShardHits(out_q, out_i, out_p, records)
 
 
 @dataclass

@@ -37,8 +37,8 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from ..config import ModelConfig, from_dict, to_dict
-from ..data.documents import Document, DocumentChunk
+from qrag.config import ModelConfig, from_dict, to_dict
+from qrag.data.documents import Document, DocumentChunk
 
 FORMAT_VERSION = 1
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would let "books\n" in
@@ -150,15 +150,6 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Reading one shard's segment (a batch's rows in one shard)
-
-
-@dataclass
-class ChunkRecord:
-    """What a caller needs of a chosen chunk: to show it and to put it into the next state."""
-
-    doc_id: str
-    text: str
-    tokens: np.ndarray  # [CLS] chunk [SEP], int32
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Numbers: evaluation of checkpoints, Q-threshold early stopping, long-context length sweeps, reports, memory."""

@@ -1,0 +1,181 @@
+"""Q-threshold early stopping, analysed offline (paper appendix "Early stopping experiments").
+
+From one full-length run (T steps, no threshold; records carry the picks ``retrieved`` in pick
+order and the chosen actions' ``q_values``) we simulate, for each threshold, the policy that keeps
+acting while Q_t >= threshold and stops at the first Q_t below it, without re-running the search:
+the picks of a thresholded greedy search are a prefix of the full-length picks.
+
+Per episode: ``t_stop`` = actions taken under the rule; ``t_earliest`` = the first t whose picks
+a_1..a_t contain every gold chunk. Episodes that never collect the gold set are left out of the
+early / perfect / late shares (as in the paper) but count everywhere else.
+
+* early:   t_stop <  t_earliest (stopped before the gold set was complete)
+* perfect: t_stop == t_earliest
+* late:    t_stop >  t_earliest (kept going after it was complete)
+* TPR / FPR: the rule as a per-step classifier over all episodes. Step t's decision is "take
+  a_t" (Q_t >= threshold); it should be taken when the gold set is not yet complete before it
+  (t <= t_earliest, or the episode never completes it). TPR = share of should-take steps taken,
+  FPR = share of should-stop steps taken. The oracle (stop exactly at t_earliest) has TPR 1, FPR 0.
+* episode length, Fact EM, Fact F1: over all episodes, from the truncated picks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qrag.metrics import fact_em, fact_f1, mean
+
+DEFAULT_THRESHOLDS = [round(-0.1 + 0.1 * i, 2) for i in range(13)]  # -0.1 .. 1.1, as in the paper
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One full-length episode: gold chunk ids, picks in order, Q of each pick."""
+
+    id: str
+    gold: tuple[int, ...]
+    picks: tuple[int, ...]
+    q: tuple[float, ...]
+
+    @property
+    def t_earliest(self) -> int | None:
+        need = set(self.gold)
+        if not need:
+            return 0
+        have: set[int] = set()
+        for t, chunk in enumerate(self.picks, 1):
+            have.add(chunk)
+            if need <= have:
+                return t
+        return None
+
+    def t_stop(self, threshold: float) -> int:
+        for t, q in enumerate(self.q):
+            if q < threshold:
+                return t
+        return len(self.q)
+
+
+def traces_from_records(records: Iterable[dict[str, Any]]) -> list[Trace]:
+    """Traces from eval records (``gold``, ``retrieved``, ``q_values``); refuses records of a run
+    that already stopped on a threshold, whose Q values past the stop are unknown."""
+    traces = []
+    for i, rec in enumerate(records):
+        where = f"record {i} (id={rec.get('id')})"
+        for key in ("gold", "retrieved", "q_values"):
+            if not isinstance(rec.get(key), list):
+                raise ValueError(f"{where}: no list field {key!r}; early stopping needs eval records of a full-length run")
+        if len(rec["retrieved"]) != len(rec["q_values"]):
+            raise ValueError(f"{where}: {len(rec['retrieved'])} picks but {len(rec['q_values'])} Q values")
+        if rec.get("stopped_early"):
+            raise ValueError(f"{where}: the run stopped on a Q threshold; analyse a full-length run (no --stop-threshold)")
+        if isinstance(rec.get("fact_picks"), list) and "n_facts" in rec:
+            # Fact space (qrag.data.credit): the record's credit rule decides what counts as found.
+            gold, picks = tuple(range(int(rec["n_facts"]))), tuple(rec["fact_picks"])
+        else:
+            gold, picks = tuple(rec["gold"]), tuple(rec["retrieved"])
+        traces.append(Trace(str(rec.get("id", i)), gold, picks, tuple(float(q) for q in rec["q_values"])))
+    if not traces:
+        raise ValueError("no records to analyse")
+    return traces
+
+
+def _should_take(trace: Trace) -> list[bool]:
+    earliest = trace.t_earliest
+    return [earliest is None or t <= earliest for t in range(1, len(trace.q) + 1)]
+
+
+def analyse_threshold(traces: Sequence[Trace], threshold: float) -> dict[str, Any]:
+    early = perfect = late = 0
+    tp = fn = fp = tn = 0
+    lengths, ems, f1s = [], [], []
+    for tr in traces:
+        stop = tr.t_stop(threshold)
+        picked = tr.picks[:stop]
+        lengths.append(stop)
+        ems.append(fact_em(tr.gold, picked))
+        f1s.append(fact_f1(tr.gold, picked))
+        earliest = tr.t_earliest
+        if earliest is not None:
+            early += stop < earliest
+            perfect += stop == earliest
+            late += stop > earliest
+        for q, should in zip(tr.q, _should_take(tr)):
+            took = q >= threshold
+            tp += should and took
+            fn += should and not took
+            fp += (not should) and took
+            tn += (not should) and not took
+    covered = early + perfect + late
+    return {
+        "threshold": threshold,
+        "early": early / covered if covered else None,
+        "perfect": perfect / covered if covered else None,
+        "late": late / covered if covered else None,
+        "tpr": tp / (tp + fn) if tp + fn else None,
+        "fpr": fp / (fp + tn) if fp + tn else None,
+        "episode_len": mean(lengths),
+        "fact_em": mean(ems),
+        "fact_f1": mean(f1s),
+    }
+
+
+def roc_auc(traces: Sequence[Trace]) -> float | None:
+    """Area under the ROC curve of Q_t as a score for "take a_t" (ties count half)."""
+    pos = sorted(q for tr in traces for q, s in zip(tr.q, _should_take(tr)) if s)
+    neg = [q for tr in traces for q, s in zip(tr.q, _should_take(tr)) if not s]
+    if not pos or not neg:
+        return None
+    import bisect
+
+    wins = sum(len(pos) - bisect.bisect_right(pos, q) + 0.5 * (bisect.bisect_right(pos, q) - bisect.bisect_left(pos, q)) for q in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def oracle(traces: Sequence[Trace]) -> dict[str, Any]:
+    """The policy that stops exactly at t_earliest (and runs to T when the gold set never completes)."""
+    lengths, ems, f1s = [], [], []
+    for tr in traces:
+        stop = tr.t_earliest if tr.t_earliest is not None else len(tr.picks)
+        lengths.append(stop)
+        ems.append(fact_em(tr.gold, tr.picks[:stop]))
+        f1s.append(fact_f1(tr.gold, tr.picks[:stop]))
+    return {"tpr": 1.0, "fpr": 0.0, "episode_len": mean(lengths), "fact_em": mean(ems), "fact_f1": mean(f1s)}
+
+
+def analyse(records: Iterable[dict[str, Any]], thresholds: Sequence[float] | None = None) -> dict[str, Any]:
+    """The early-stopping table for ``thresholds`` (default -0.1 .. 1.1 by 0.1) from full-length records."""
+    traces = traces_from_records(records)
+    thresholds = sorted(DEFAULT_THRESHOLDS if thresholds is None else thresholds)
+    covered = sum(1 for tr in traces if tr.t_earliest is not None)
+    return {
+        "kind": "early_stopping",
+        "episodes": len(traces),
+        "collected_gold": covered,
+        "max_steps": max(len(tr.q) for tr in traces),
+        "rows": [analyse_threshold(traces, t) for t in thresholds],
+        "oracle": oracle(traces),
+        "auc": roc_auc(traces),
+    }
+
+
+def choose_threshold(traces: Sequence[Trace], max_candidates: int = 256) -> float:
+    """The Q threshold with the best mean Fact F1 on ``traces`` — validation data, never the
+    data the stop is reported on (ties: the lowest threshold, i.e. the longest searches)."""
+    qs = sorted({q for tr in traces for q in tr.q})
+    if not qs:
+        raise ValueError("no Q values to choose a threshold from")
+    if len(qs) > max_candidates:
+        qs = [qs[round(i * (len(qs) - 1) / (max_candidates - 1))] for i in range(max_candidates)]
+    # A threshold equal to a Q value takes that step; one above the largest stops at once.
+    candidates = [*qs, qs[-1] + 1.0]
+    return max(candidates, key=lambda th: (analyse_threshold(traces, th)["fact_f1"], -th))
+
+
+def learned_stop(val_records: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Fact EM/F1 of ``records`` stopped by the Q threshold chosen on ``val_records``."""
+    threshold = choose_threshold(traces_from_records(val_records))
+    row = analyse_threshold(traces_from_records(records), threshold)
+    return {"threshold": threshold, "fact_em": row["fact_em"], "fact_f1": row["fact_f1"], "episode_len": row["episode_len"]}

@@ -1,0 +1,1 @@
+"""The ecosystem: MLflow tracking and models, provenance, sentence-transformers export."""

@@ -1,8 +1,0 @@
-"""The pyfunc model as MLflow's "models from code": logged as source (this file) and run at load
-time, so nothing is pickled (qrag.mlflow_model.RetrieverModel loads the checkpoint artifact)."""
-
-from mlflow.models import set_model
-
-from qrag.mlflow_model import RetrieverModel
-
-set_model(RetrieverModel())

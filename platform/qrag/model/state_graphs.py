@@ -1,0 +1,128 @@
+"""The state encoder at serving time: fixed (batch, length) shapes, replayed from CUDA graphs.
+
+One short state through a 6-layer encoder is ~100 kernel launches. Run eagerly, that costs
+milliseconds of Python and launch overhead while the GPU works for tens of microseconds. A CUDA
+graph per padded shape replays the same kernels with one launch.
+
+Padding a state to its bucket does not change its vector: padded positions are masked out of
+attention and of the mean pool (tests check it against :func:`qrag.model.encoder.encode`). The
+attention mask goes in as a 4-D boolean mask, which transformers passes through untouched: for a
+2-D mask it first asks the GPU whether any token is padded (``mask.all()``), a host sync that
+graph capture forbids and that costs a round trip per call even without graphs.
+
+On CPU (or with ``graphs=False``) the same padded forward runs eagerly, so the serving path is
+the same code everywhere; a shape whose capture fails falls back to eager once, and says why in
+:attr:`StateEncoder.fallbacks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from qrag.model.encoder import autocast_for, mean_pool
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+LENGTH_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
+
+
+def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``value`` (None past the largest)."""
+    for b in buckets:
+        if value <= b:
+            return b
+    return None
+
+
+class StateEncoder:
+    """E_s(s) for a list of token sequences, at bucketed shapes (CUDA graphs on GPU)."""
+
+    def __init__(self, qnet, pad_id: int, device: torch.device, *, graphs: bool | None = None,
+                 batch_buckets: Sequence[int] = BATCH_BUCKETS, length_buckets: Sequence[int] = LENGTH_BUCKETS):
+        self.qnet, self.pad_id, self.device = qnet, pad_id, torch.device(device)
+        self.encoder = qnet.state_encoder
+        limit = getattr(self.encoder.config, "max_position_embeddings", None) or max(length_buckets)
+        self.length_buckets = tuple(b for b in length_buckets if b <= limit) or (int(limit),)
+        self.batch_buckets = tuple(batch_buckets)
+        self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs and self.device.type == "cuda")
+        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None  # one memory pool shared by every captured shape
+        self.fallbacks: dict[tuple[int, int], str] = {}
+        self.replays = 0
+        self.eager_calls = 0
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with autocast_for(self.device):
+            hidden = self.encoder(input_ids=ids, attention_mask=mask[:, None, None, :]).last_hidden_state
+            pooled = mean_pool(hidden, mask).float()
+        return self.qnet.finish(pooled)
+
+    def _capture(self, batch: int, length: int):
+        ids = torch.full((batch, length), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(batch, length, dtype=torch.bool, device=self.device)
+        mask[:, 0] = True
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up off the default stream, as graph capture requires
+                self._forward(ids, mask)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(ids, mask)
+        return graph, ids, mask, out
+
+    def _graph(self, batch: int, length: int):
+        key = (batch, length)
+        if key in self.fallbacks:
+            return None
+        entry = self._captured.get(key)
+        if entry is None:
+            try:
+                entry = self._captured[key] = self._capture(batch, length)
+            except RuntimeError as exc:  # an op that cannot be captured: this shape runs eagerly
+                self.fallbacks[key] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.synchronize(self.device)
+                return None
+        return entry
+
+    def _padded(self, seqs: Sequence[np.ndarray], batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = np.full((batch, length), self.pad_id, dtype=np.int64)
+        mask = np.zeros((batch, length), dtype=bool)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)] = s
+            mask[row, : len(s)] = True
+        mask[len(seqs):, 0] = True  # rows beyond the request: one visible token keeps the pool finite
+        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+        if self.device.type == "cuda":
+            return ids_t.pin_memory().to(self.device, non_blocking=True), mask_t.pin_memory().to(self.device, non_blocking=True)
+        return ids_t, mask_t
+
+    @torch.no_grad()
+    def __call__(self, seqs: Sequence[np.ndarray]) -> torch.Tensor:
+        """[len(seqs), d] float32 vectors, in input order."""
+        if not seqs:
+            return torch.zeros(0, self.qnet.dim, device=self.device)
+        top = self.batch_buckets[-1]
+        if len(seqs) > top:
+            return torch.cat([self(seqs[i : i + top]) for i in range(0, len(seqs), top)])
+        longest = max(len(s) for s in seqs)
+        length = bucket_of(longest, self.length_buckets)
+        if length is None:
+            raise ValueError(f"a state of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}")
+        batch = bucket_of(len(seqs), self.batch_buckets) or len(seqs)
+        ids, mask = self._padded(seqs, batch, length)
+        entry = self._graph(batch, length) if self.graphs else None
+        if entry is None:
+            self.eager_calls += 1
+            return self._forward(ids, mask)[: len(seqs)]
+        graph, static_ids, static_mask, out = entry
+        static_ids.copy_(ids)
+        static_mask.copy_(mask)
+        graph.replay()
+        self.replays += 1
+        return out[: len(seqs)].clone()

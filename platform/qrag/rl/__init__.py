@@ -1,0 +1,1 @@
+"""Learning: the retrieval MDP, soft PQN (and the SFT baseline), the training loop."""

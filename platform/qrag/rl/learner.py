@@ -1,0 +1,396 @@
+"""Soft PQN (paper Alg. 1): on-policy value learning of the two encoders, no replay buffer.
+
+One update = a batch of episodes, rolled out in micro-batches. Per micro-batch:
+
+1. embed every chunk once with the online action encoder (to act) and the target action encoder
+   (for V), in length-bucketed no-grad batches; positions are a rotation of those cached vectors;
+2. act for T steps on the whole micro-batch: one online state-encoder call per step (its graph is
+   kept: that forward pass is reused by the loss), a Boltzmann policy with temperature α over the
+   top-k *available* chunks, and one target state-encoder call for V(s_{t+1}) of the episodes
+   that go on;
+3. λ-returns backwards over every transition, the last one included;
+4. re-encode only the chosen chunks with gradients and regress both twin halves of Q onto G^λ.
+
+Then clip, step AdamW, and move the targets towards the online encoders by τ.
+
+Each update also reports diagnostics of the learning signal (:class:`UpdateMetrics`): the
+behaviour policy's success rate and entropy, Q of the transitions of successful and of failed
+episodes, the bootstrapped V(s_{t+1}), and the share of transitions with a non-zero return to go.
+When successes are rare these show the failure mode of a too-hot soft value: V is dominated by
+its entropy bonus (up to α·ln k), Q flattens towards it, the policy's entropy climbs to ln k and
+the success rate falls to zero.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qrag.config import EnvConfig, LearnerConfig
+from qrag.model.encoder import EncodeStats, encode, pad_rows
+from qrag.rl.env import RetrievalEnv
+from qrag.model.qnet import QNetwork
+from qrag.data.tokens import TokenizedSample, TokenLayout
+
+
+def lr_factor(update: int, warmup: int, total: int, final_fraction: float) -> float:
+    """Linear warm-up to 1, then linear decay to ``final_fraction`` at ``total`` updates."""
+    if warmup > 0 and update < warmup:
+        return (update + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (update - warmup) / span)
+    return 1.0 - (1.0 - final_fraction) * progress
+
+
+def alpha_at(update: int, cfg: LearnerConfig, total: int) -> float:
+    """α follows the *decaying* part of the learning-rate schedule; it is flat during warm-up
+    (annealing it with a rising learning rate would make it grow)."""
+    if update < cfg.warmup_updates:
+        return cfg.alpha
+    return cfg.alpha * lr_factor(update, cfg.warmup_updates, total, cfg.final_lr_fraction)
+
+
+def lambda_returns(
+    rewards: torch.Tensor, dones: torch.Tensor, next_values: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """G_t = r_t + γ(1 − d_t)[(1 − λ) V(s_{t+1}) + λ G_{t+1}], computed backwards.
+
+    All inputs are [E, T]; ``next_values[:, t]`` is V(s_{t+1}) (the state *after* action t).
+    Steps after an episode's end must have ``dones`` = 1 and are ignored by the caller.
+    """
+    e, horizon = rewards.shape
+    returns = torch.zeros_like(rewards)
+    g_next = torch.zeros(e, dtype=rewards.dtype, device=rewards.device)
+    for t in range(horizon - 1, -1, -1):
+        boot = (1.0 - lam) * next_values[:, t] + lam * g_next
+        returns[:, t] = rewards[:, t] + gamma * (1.0 - dones[:, t]) * boot
+        g_next = returns[:, t]
+    return returns
+
+
+def soft_value(q: torch.Tensor, available: torch.Tensor, alpha: float, top_k: int, soft: bool) -> torch.Tensor:
+    """V(s) over the top-k *available* chunks: α·logsumexp(Q/α), or max Q when not soft.
+
+    Unavailable chunks are masked *before* the top-k, so a selected chunk never enters V.
+    """
+    masked = q.masked_fill(~available, float("-inf"))
+    k = min(top_k, masked.shape[1])
+    vals = masked.topk(k, dim=1).values
+    if not soft or alpha <= 0:
+        return vals[:, 0]
+    return alpha * torch.logsumexp(vals / alpha, dim=1)
+
+
+@dataclass
+class UpdateMetrics:
+    loss: float
+    q_taken: float
+    target: float
+    episode_return: float
+    success: float
+    episode_length: float
+    policy_entropy: float  # nats, mean over acting steps (ln top_k = uniform)
+    value_next: float  # mean V(s_{t+1}) over the transitions that bootstrap
+    nonzero_return_share: float  # transitions with a reward still to come in their episode
+    q_success: float | None  # mean Q(s_t, a_t) over transitions of successful episodes
+    q_failure: float | None  # ... and of failed ones
+    alpha: float
+    lr: float
+    grad_norm: float
+    episodes: int
+    transitions: int
+    encoder_tokens: int
+    encoder_padded_tokens: int
+    encoder_seconds: float
+    seconds: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class SoftPQNLearner:
+    def __init__(
+        self,
+        qnet: QNetwork,
+        layout: TokenLayout,
+        env_cfg: EnvConfig,
+        cfg: LearnerConfig,
+        total_updates: int,
+        device: torch.device,
+        seed: int = 0,
+    ):
+        self.qnet = qnet
+        self.layout = layout
+        self.env_cfg = env_cfg
+        self.cfg = cfg
+        self.total_updates = total_updates
+        self.device = device
+        self.optimizer = torch.optim.AdamW(
+            qnet.online_parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        self.update = 0
+        # Action sampling draws Gumbel noise on the CPU: reproducible on any device.
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stats = EncodeStats()
+
+    # -- schedule ------------------------------------------------------------------------------
+
+    @property
+    def alpha(self) -> float:
+        return alpha_at(self.update, self.cfg, self.total_updates)
+
+    @property
+    def lr(self) -> float:
+        c = self.cfg
+        return c.lr * lr_factor(self.update, c.warmup_updates, self.total_updates, c.final_lr_fraction)
+
+    # -- acting --------------------------------------------------------------------------------
+
+    def sample_actions(self, q: torch.Tensor, available: torch.Tensor, alpha: float) -> np.ndarray:
+        """Boltzmann policy over the top-k available chunks (greedy when α = 0)."""
+        return self.sample_actions_with_entropy(q, available, alpha)[0]
+
+    def sample_actions_with_entropy(self, q: torch.Tensor, available: torch.Tensor, alpha: float) -> tuple[np.ndarray, torch.Tensor]:
+        """Actions and the entropy (nats) of the distribution each was drawn from."""
+        masked = q.masked_fill(~available, float("-inf"))
+        k = min(self.cfg.top_k, masked.shape[1])
+        vals, idx = masked.topk(k, dim=1)
+        vals, idx = vals.float().cpu(), idx.cpu()
+        if alpha > 0:
+            logits = (vals - vals[:, :1]) / alpha
+            logp = torch.log_softmax(logits, dim=1)
+            probs = logp.exp()
+            entropy = -(probs * logp.masked_fill(probs == 0, 0.0)).sum(1)
+            uniform = torch.rand(vals.shape, generator=self.generator).clamp_(1e-12, 1.0)
+            logits = logits - torch.log(-torch.log(uniform))  # Gumbel-max sampling
+            choice = logits.argmax(1)
+        else:
+            choice = torch.zeros(len(vals), dtype=torch.long)
+            entropy = torch.zeros(len(vals))
+        return idx[torch.arange(len(idx)), choice].numpy(), entropy
+
+    def _embed(self, model, seqs, grad: bool = False, kind: str = "encode") -> torch.Tensor:
+        pooled = encode(
+            model, seqs, pad_id=self.layout.pad_id, device=self.device, max_tokens=self.cfg.encode_tokens,
+            grad=grad, stats=self.stats, kind=kind,
+        )
+        return self.qnet.finish(pooled)
+
+    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict[str, float]:
+        """Roll out one micro-batch and back-propagate the *sum* of its transitions' losses
+        (``train_update`` divides by the update's transition count: the mean over the batch)."""
+        cfg, qnet, dev = self.cfg, self.qnet, self.device
+        env = RetrievalEnv(episodes, self.env_cfg, self.layout)
+        m, horizon = len(episodes), self.env_cfg.max_steps
+        use_target = cfg.use_target and qnet.use_target  # the config can ablate targets a checkpoint has
+        target_state_enc, target_action_enc = (
+            qnet.target_encoders() if use_target else (qnet.state_encoder, qnet.action_encoder))
+
+        flat_chunks = [c for s in episodes for c in s.chunks]
+        qnet.action_encoder.eval()  # acting sees the deterministic encoder
+        chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat_chunks, kind="chunks"), env.n_chunks)
+        qnet.action_encoder.train()
+        if use_target:
+            target_chunk_vecs = pad_rows(self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks)
+        else:
+            target_chunk_vecs = chunk_vecs
+        n_chunks = torch.from_numpy(env.n_chunks).to(dev)
+
+        rewards = np.zeros((m, horizon), dtype=np.float32)
+        dones = np.ones((m, horizon), dtype=np.float32)
+        next_values = torch.zeros(m, horizon, device=dev)
+        state_vecs, chosen_seqs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
+        entropies: list[torch.Tensor] = []
+        value_top_k = cfg.value_top_k or cfg.top_k
+
+        # Without dropout the acting forward pass equals the loss's forward pass: keep its graph
+        # instead of encoding the states twice. With dropout, act without it and re-encode.
+        reuse_acting_pass = qnet.cfg.dropout == 0
+        state_seqs: list[np.ndarray] = []
+        if not reuse_acting_pass:
+            qnet.state_encoder.eval()  # act without dropout; the loss re-encodes in train mode below
+        for t in range(horizon):
+            rows = env.active
+            if len(rows) == 0:
+                break
+            rows_t = torch.from_numpy(rows).to(dev)
+            seqs = env.states(rows)
+            if reuse_acting_pass:
+                states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
+            else:
+                states = self._embed(qnet.state_encoder, seqs, kind="states")
+                state_seqs.extend(seqs)
+            selected = torch.from_numpy(env.selected[rows]).to(dev)
+            available = torch.from_numpy(env.available(rows)).to(dev)
+            with torch.no_grad():
+                pos = qnet.positions(selected, n_chunks[rows_t])
+                q = QNetwork.twin_scores(states.detach(), qnet.place(chunk_vecs[rows_t], pos)).mean(-1)
+            actions, entropy = self.sample_actions_with_entropy(q, available, alpha)
+            entropies.append(entropy)
+            if pos is not None:
+                chosen_pos.append(pos[torch.arange(len(rows), device=dev), torch.from_numpy(actions).to(dev)])
+            r, d = env.step(rows, actions)
+            rewards[rows, t], dones[rows, t] = r, d.astype(np.float32)
+            state_vecs.append(states)
+            chosen_seqs.extend(episodes[i].chunks[a] for i, a in zip(rows, actions))
+            trans_rows.append(rows)
+            trans_steps.append(np.full(len(rows), t))
+
+            go_on = rows[~d]
+            if len(go_on):
+                go_on_t = torch.from_numpy(go_on).to(dev)
+                with torch.no_grad():
+                    next_states = self._embed(target_state_enc, env.states(go_on), kind="target_states")
+                    next_sel = torch.from_numpy(env.selected[go_on]).to(dev)
+                    next_pos = qnet.positions(next_sel, n_chunks[go_on_t])
+                    qt = QNetwork.twin_scores(next_states, qnet.place(target_chunk_vecs[go_on_t], next_pos))
+                    qt = qt.min(-1).values  # clipped double-Q over the twin halves
+                    avail_next = torch.from_numpy(env.available(go_on)).to(dev)
+                    next_values[go_on_t, t] = soft_value(qt, avail_next, alpha, value_top_k, cfg.soft_q)
+
+        returns = lambda_returns(
+            torch.from_numpy(rewards).to(dev), torch.from_numpy(dones).to(dev), next_values, cfg.gamma, cfg.lam
+        )
+        rows_all = torch.from_numpy(np.concatenate(trans_rows)).to(dev)
+        steps_all = torch.from_numpy(np.concatenate(trans_steps)).to(dev)
+        targets = returns[rows_all, steps_all]
+
+        actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
+        if chosen_pos:
+            actions_vecs = qnet.place(actions_vecs, torch.cat(chosen_pos))
+        if reuse_acting_pass:
+            state_vecs_all = torch.cat(state_vecs)
+        else:
+            qnet.state_encoder.train()  # the loss pass is regularised like the action encoder's
+            state_vecs_all = self._embed(qnet.state_encoder, state_seqs, grad=True, kind="states_grad")
+        q_taken = QNetwork.pair_scores(state_vecs_all, actions_vecs)  # [K, 2]
+        loss_sum = ((q_taken - targets.unsqueeze(1)) ** 2).sum()
+        self._backward(loss_sum)
+        return {
+            "loss_sum": float(loss_sum.detach()),
+            "q_taken": float(q_taken.detach().mean()),
+            "target": float(targets.mean()),
+            "episode_return": float(env.episode_return.mean()),
+            "success": float(env.succeeded.mean()),
+            "episode_length": float(env.t.mean()),
+            "transitions": int(len(targets)),
+            **signal_diagnostics(q_taken.detach().mean(1), rows_all, steps_all, env, rewards, dones, next_values,
+                                 torch.cat(entropies)),
+        }
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward through both encoders; timed with the encoder passes when profiling."""
+        if not self.stats.timed:
+            loss.backward()
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        loss.backward()
+        sync()
+        dt = time.perf_counter() - t0
+        self.stats.seconds += dt
+        self.stats.by_kind["backward"] = self.stats.by_kind.get("backward", 0.0) + dt
+
+    # -- one update ----------------------------------------------------------------------------
+
+    def train_update(self, episodes: Sequence[TokenizedSample]) -> UpdateMetrics:
+        if not episodes:
+            raise ValueError("train_update() needs at least one episode")
+        t0 = time.perf_counter()
+        self.stats.reset()
+        alpha, lr = self.alpha, self.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.qnet.train()
+        micro = max(1, self.cfg.micro_batch)
+        parts = [episodes[i : i + micro] for i in range(0, len(episodes), micro)]
+        sums: dict[str, float] = {}
+        diag = Diagnostics()
+        for part in parts:
+            weight = len(part) / len(episodes)
+            out = self._rollout_and_backward(part, alpha)
+            diag.add(out.pop("counts"))
+            for key, value in out.items():
+                summed = key in ("transitions", "loss_sum")
+                sums[key] = sums.get(key, 0.0) + (value if summed else value * weight)
+        params = self.qnet.online_parameters()
+        # The loss is the mean over every transition of the update, however micro-batches split it.
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(max(1.0, sums["transitions"]))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.qnet.update_targets(self.cfg.tau)
+        self.update += 1
+        if self.device.type == "cuda" and self.stats.timed:
+            torch.cuda.synchronize(self.device)
+        return UpdateMetrics(
+            loss=sums["loss_sum"] / max(1.0, sums["transitions"]), q_taken=sums["q_taken"], target=sums["target"],
+            episode_return=sums["episode_return"], success=sums["success"], episode_length=sums["episode_length"],
+            **diag.means(), alpha=alpha, lr=lr, grad_norm=float(grad_norm), episodes=len(episodes), transitions=int(sums["transitions"]),
+            encoder_tokens=self.stats.tokens, encoder_padded_tokens=self.stats.padded_tokens,
+            encoder_seconds=self.stats.seconds, seconds=time.perf_counter() - t0,
+        )
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def scalar_state(self) -> dict:
+        return {"update": self.update, "total_updates": self.total_updates}
+
+    def load_scalar_state(self, state: dict) -> None:
+        self.update = int(state["update"])
+
+
+# -- learning-signal diagnostics ---------------------------------------------------------------
+
+
+def signal_diagnostics(
+    q_taken: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, env: RetrievalEnv, rewards: np.ndarray,
+    dones: np.ndarray, next_values: torch.Tensor, entropies: torch.Tensor,
+) -> dict[str, dict[str, float]]:
+    """Sums and counts of one micro-batch's diagnostics (merged over micro-batches by
+    :class:`Diagnostics`); ``q_taken`` is the mean of the twin halves per transition."""
+    rows_np, steps_np = rows.cpu().numpy(), steps.cpu().numpy()
+    to_go = np.flip(np.cumsum(np.flip(rewards, 1), 1), 1)  # undiscounted reward still to come
+    success = torch.from_numpy(env.succeeded[rows_np]).to(q_taken.device)
+    boots = dones[rows_np, steps_np] == 0
+    q = q_taken.float()
+    return {"counts": {
+        "transitions": float(len(rows_np)),
+        "entropy_sum": float(entropies.sum()),
+        "value_sum": float(next_values[rows, steps].float()[torch.from_numpy(boots).to(q.device)].sum()),
+        "value_n": float(boots.sum()),
+        "nonzero_n": float((to_go[rows_np, steps_np] > 0).sum()),
+        "q_success_sum": float(q[success].sum()), "q_success_n": float(success.sum()),
+        "q_failure_sum": float(q[~success].sum()), "q_failure_n": float((~success).sum()),
+    }}
+
+
+class Diagnostics:
+    """Transition-weighted means of the diagnostics over an update's micro-batches."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def add(self, counts: dict[str, float]) -> None:
+        for key, value in counts.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def _ratio(self, num: str, den: str) -> float | None:
+        d = self.totals.get(den, 0.0)
+        return self.totals.get(num, 0.0) / d if d else None
+
+    def means(self) -> dict[str, float | None]:
+        return {
+            "policy_entropy": self._ratio("entropy_sum", "transitions") or 0.0,
+            "value_next": self._ratio("value_sum", "value_n") or 0.0,
+            "nonzero_return_share": self._ratio("nonzero_n", "transitions") or 0.0,
+            "q_success": self._ratio("q_success_sum", "q_success_n"),
+            "q_failure": self._ratio("q_failure_sum", "q_failure_n"),
+        }

@@ -1,0 +1,61 @@
+"""Multi-step RAG w. SFT (paper Table 3's supervised baseline): the same two encoders and the same
+Q(s, a) = <E_s(s), R(pos) E_a(a)>, trained by teacher forcing on the support facts instead of RL.
+
+Per episode the support facts are taken in a random order; at step t the state holds the
+question and the facts taken so far (document order, as in the MDP), and the loss is the
+cross-entropy of a softmax over every available chunk (temperature ``learner.sft_temperature``)
+that puts its mass on the facts still missing. Search, checkpoints and evaluation are the
+Q-RAG ones, so the two rows of the table differ only in how the encoders were trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from qrag.model.encoder import pad_rows
+from qrag.rl.env import RetrievalEnv
+from qrag.rl.learner import SoftPQNLearner
+from qrag.model.qnet import QNetwork
+from qrag.data.tokens import TokenizedSample
+
+
+class SupervisedLearner(SoftPQNLearner):
+    """Drop-in for :class:`SoftPQNLearner` (same schedule, optimiser, checkpoints)."""
+
+    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict:
+        qnet, dev, layout = self.qnet, self.device, self.layout
+        env = RetrievalEnv(episodes, self.env_cfg, layout)  # fact classes and valid chunks under the credit rule
+        flat = [c for s in episodes for c in s.chunks]
+        chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat, grad=True, kind="chunks"), env.n_chunks)
+        n_chunks = torch.from_numpy(env.n_chunks).to(dev)
+        orders = []
+        for s in episodes:
+            facts = np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)
+            orders.append(facts[torch.randperm(len(facts), generator=self.generator).numpy()])
+        selected = np.zeros_like(env.selected)
+        losses, q_pos = [], []
+        for t in range(max(len(o) for o in orders)):
+            rows = np.array([i for i, o in enumerate(orders) if len(o) > t], dtype=np.int64)
+            rows_t = torch.from_numpy(rows).to(dev)
+            seqs = [layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])]) for i in rows]
+            states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
+            sel = torch.from_numpy(selected[rows]).to(dev)
+            q = QNetwork.twin_scores(states, qnet.place(chunk_vecs[rows_t], qnet.positions(sel, n_chunks[rows_t]))).mean(-1)
+            available = torch.from_numpy(env.valid[rows] & ~selected[rows]).to(dev)
+            missing = torch.from_numpy(env.gold[rows] & ~selected[rows]).to(dev) & available
+            logits = (q.float() / self.cfg.sft_temperature).masked_fill(~available, float("-inf"))
+            losses.append(torch.logsumexp(logits, 1) - torch.logsumexp(logits.masked_fill(~missing, float("-inf")), 1))
+            q_pos.append(q.detach()[missing])
+            for i in rows:
+                selected[i, orders[i][t]] = True
+        per_step = torch.cat(losses)
+        loss_sum = per_step.sum()  # train_update divides by the update's count of steps
+        self._backward(loss_sum)
+        return {
+            "loss_sum": float(loss_sum.detach()), "q_taken": float(torch.cat(q_pos).float().mean()), "target": 1.0,
+            "episode_return": 0.0, "success": 0.0, "episode_length": float(np.mean([len(o) for o in orders])),
+            "transitions": int(len(per_step)), "counts": {"transitions": float(len(per_step))},
+        }

@@ -1,0 +1,280 @@
+"""The training loop on one machine, without Ray.
+
+``TrainingRun`` owns the model, the learner and the data; ``run()`` takes episodes from any
+source (local sampling here, env-runner actors under Ray), updates, evaluates, checkpoints and
+reports metrics to a callback. ``qrag train`` and the Ray Train worker both call it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from qrag.model.checkpoint import (
+    is_checkpoint, load_qnet, load_training_state, numpy_state, save_checkpoint, set_numpy_state, untrained_qnet,
+)
+from qrag.config import ConfigError, SearchConfig, TrainConfig
+from qrag.data.prepared import prepare_split
+from qrag.data.sample import Sample
+from qrag.model.encoder import load_tokenizer, pick_device, resolve_encoder
+from qrag.evaluation.evaluate import EvalResult, evaluate
+from qrag.rl.learner import SoftPQNLearner
+from qrag.retrieval.search import Retriever
+from qrag.rl.sft import SupervisedLearner
+from qrag.data.tokens import TokenizedSample, TokenLayout, tokenize_samples
+
+Reporter = Callable[[int, dict[str, float]], None]
+
+
+class EpisodeSource(Protocol):
+    def next_batch(self) -> list[TokenizedSample]: ...
+
+
+class EpochSampler:
+    """Indices of an endless stream of shuffled epochs; its state goes into checkpoints."""
+
+    def __init__(self, n: int, seed: int):
+        if n <= 0:
+            raise ValueError("no training samples")
+        self.n = n
+        self.rng = np.random.default_rng(seed)
+        self.epoch = 0
+        self.perm = self.rng.permutation(n)
+        self.pos = 0
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos >= self.n:
+                self.perm, self.pos, self.epoch = self.rng.permutation(self.n), 0, self.epoch + 1
+            take = min(k - len(out), self.n - self.pos)
+            out.extend(int(i) for i in self.perm[self.pos : self.pos + take])
+            self.pos += take
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"rng": numpy_state(self.rng), "epoch": self.epoch, "perm": self.perm.tolist(), "pos": self.pos}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        set_numpy_state(self.rng, state["rng"])
+        self.epoch, self.perm, self.pos = state["epoch"], np.asarray(state["perm"]), state["pos"]
+
+
+class LocalEpisodeSource:
+    def __init__(self, samples: Sequence[TokenizedSample], batch_size: int, sampler: EpochSampler):
+        self.samples, self.batch_size, self.sampler = samples, batch_size, sampler
+
+    def next_batch(self) -> list[TokenizedSample]:
+        return [self.samples[i] for i in self.sampler.take(self.batch_size)]
+
+
+def _init_cuda(device: torch.device) -> None:
+    torch.empty(1, device=device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def print_reporter(step: int, metrics: dict[str, float]) -> None:
+    print(json.dumps({"update": step, **{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in metrics.items()}}), flush=True)
+
+
+class TrainingRun:
+    """Model + learner + data for one run; resumable from a checkpoint directory."""
+
+    def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, device: torch.device | None = None, load_data: bool = True):
+        self.cfg = cfg
+        self.device = device or pick_device(cfg.device)
+        seed_everything(cfg.seed)
+        self.train_samples: list[Sample] = []
+        self.dev_samples: list[Sample] = []
+        self.val_samples: list[Sample] = []
+        self.train_tok: list[TokenizedSample] = []
+        self.val_tok: list[TokenizedSample] = []
+        self.dev_tok: list[TokenizedSample] = []
+        self.best_f1 = float("-inf")
+        # Data loading (JSON parsing, tokenisation: mostly GIL-free Rust) overlaps with loading
+        # the encoders and initialising the GPU; it only needs the tokenizer.
+        self.timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.tokenizer = load_tokenizer(str(Path(resume) / "tokenizer") if resume is not None else resolve_encoder(cfg.model.encoder))
+        self.layout = TokenLayout.from_tokenizer(self.tokenizer, cfg.model.max_state_tokens)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            if self.device.type == "cuda":
+                pool.submit(_init_cuda, self.device)  # seconds of driver start-up, off the critical path
+            loading = pool.submit(self.load_data) if load_data else None
+            if resume is not None:
+                self.qnet, _, _, _ = load_qnet(resume, self.device, with_targets=True)
+                if cfg.learner.use_target and not self.qnet.use_target:
+                    raise ValueError(f"{resume} has no target encoders but learner.use_target is true")
+            else:
+                self.qnet, _, _ = untrained_qnet(cfg.model, self.device, cfg.learner.use_target)
+            self.timings["model_s"] = time.perf_counter() - t0
+            if loading is not None:
+                loading.result()
+            self.timings["model_and_data_s"] = time.perf_counter() - t0
+        if cfg.learner.objective not in ("pqn", "sft"):
+            raise ConfigError(f"learner.objective: expected pqn or sft, got {cfg.learner.objective!r}")
+        learner_cls = SupervisedLearner if cfg.learner.objective == "sft" else SoftPQNLearner
+        self.learner = learner_cls(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
+        self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
+        self.history: list[dict[str, float]] = []
+        if resume is not None:
+            extra = load_training_state(resume, self.learner)
+            if "sampler" in extra and self.train_tok:
+                self.sampler.load_state(extra["sampler"])
+            self.history = extra.get("history", [])
+            self.best_f1 = extra.get("best_f1", float("-inf"))
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def load_data(self) -> None:
+        t0 = time.perf_counter()
+        # Chunked and tokenised once per data source, tokenizer and chunk settings, then read from
+        # the Arrow cache (qrag.data.prepared).
+        d = self.cfg.data
+        train, val = prepare_split(d, "train", self.tokenizer, self.layout).split_validation(d.val_fraction)
+        dev = prepare_split(d, "dev", self.tokenizer, self.layout)
+        self.train_samples, self.train_tok = train.samples(), train.tokenized()
+        self.val_samples, self.val_tok = val.samples(), val.tokenized()
+        self.dev_samples, self.dev_tok = dev.samples(), dev.tokenized()
+        self.timings["data_s"] = time.perf_counter() - t0
+
+    def tokenize(self, samples: Sequence[Sample]) -> list[TokenizedSample]:
+        d = self.cfg.data
+        return tokenize_samples(samples, self.tokenizer, self.layout, chunk_tokens=d.chunk_tokens, question_tokens=d.question_tokens)
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.out_dir) / self.cfg.name
+
+    def checkpoint_dir(self, update: int) -> Path:
+        return self.run_dir / "checkpoints" / f"update_{update:07d}"
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def local_source(self) -> LocalEpisodeSource:
+        """Episodes sampled in this process from the training split (the default source)."""
+        return LocalEpisodeSource(self.train_tok, self.cfg.learner.episodes_per_update, self.sampler)
+
+    def evaluate(self, limit: int | None = None, search: SearchConfig | None = None, split: str = "dev") -> EvalResult:
+        """Search + metrics on ``split`` ("dev", or "val" — the held-out part of train)."""
+        samples, tokenized = (self.val_samples, self.val_tok) if split == "val" else (self.dev_samples, self.dev_tok)
+        search = search or self.cfg.search
+        n = len(tokenized) if limit is None else min(limit, len(tokenized))
+        retriever = Retriever(self.qnet, self.layout, self.device, self.cfg.learner.encode_tokens)
+        try:
+            return evaluate(retriever, samples[:n], tokenized[:n], search, extra={"update": self.learner.update, "split": split},
+                            credit=self.cfg.env.credit)
+        finally:
+            self.qnet.train()
+
+    @property
+    def periodic_split(self) -> str:
+        """Periodic evaluation (and best-checkpoint selection) never looks at dev when a
+        validation split exists, so the final dev figure stays unbiased."""
+        return "val" if self.val_tok else "dev"
+
+    def save(self, directory: Path, resumable: bool = True) -> Path:
+        extra = {"sampler": self.sampler.state(), "history": self.history[-10000:], "best_f1": self.best_f1}
+        return save_checkpoint(directory, self.qnet, self.tokenizer, self.cfg, self.learner if resumable else None, extra)
+
+    def run(
+        self,
+        source: EpisodeSource | None = None,
+        report: Reporter = print_reporter,
+        on_checkpoint: Callable[[Path, dict[str, float]], None] | None = None,
+        progress: bool = False,
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        source = source or self.local_source()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.updates, initial=self.learner.update, desc="train", unit="upd", dynamic_ncols=True)
+        last_eval: dict[str, float] = {}
+        started = time.perf_counter()
+        while self.learner.update < cfg.updates:
+            t0 = time.perf_counter()
+            batch = source.next_batch()
+            wait = time.perf_counter() - t0
+            m = self.learner.train_update(batch)
+            seconds = time.perf_counter() - t0
+            update = self.learner.update
+            metrics = {
+                "train/return": m.episode_return, "train/success": m.success, "train/loss": m.loss,
+                "train/q_taken": m.q_taken, "train/target": m.target, "train/episode_length": m.episode_length,
+                "train/alpha": m.alpha, "train/lr": m.lr, "train/grad_norm": m.grad_norm,
+                "perf/episodes_per_s": m.episodes / seconds, "perf/encoder_tokens_per_s": m.encoder_tokens / seconds,
+                "perf/runner_wait_s": wait, "perf/update_s": seconds,
+                # The learning signal (qrag.rl.learner): visible without a debugger.
+                "train/policy_entropy": m.policy_entropy, "train/value_next": m.value_next,
+                "train/nonzero_return_share": m.nonzero_return_share,
+                **{f"train/{k}": v for k, v in (("q_success", m.q_success), ("q_failure", m.q_failure)) if v is not None},
+            }
+            if m.encoder_seconds:
+                metrics["perf/encoder_share"] = m.encoder_seconds / m.seconds
+            self.history.append({"update": update, **metrics})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(ret=f"{m.episode_return:.3f}", loss=f"{m.loss:.4f}", eps=f"{metrics['perf/episodes_per_s']:.0f}")
+            if cfg.eval_every and (update % cfg.eval_every == 0 or update == cfg.updates):
+                ev = self.evaluate(cfg.eval_limit, split=self.periodic_split).summary
+                last_eval = {"eval/fact_em": ev["fact_em"], "eval/fact_f1": ev["fact_f1"]}
+                metrics.update(last_eval)
+                if cfg.keep_best and ev["fact_f1"] > self.best_f1:
+                    self.best_f1 = ev["fact_f1"]
+                    best = self.save(self.run_dir / "best", resumable=False)
+                    metrics["eval/best_fact_f1"] = self.best_f1
+                    if on_checkpoint is not None:
+                        on_checkpoint(best, metrics)
+            if update % max(1, cfg.log_every) == 0 or update == cfg.updates or "eval/fact_f1" in metrics:
+                report(update, metrics)
+            if cfg.checkpoint_every and update % cfg.checkpoint_every == 0 and update < cfg.updates:
+                path = self.save(self.checkpoint_dir(update))
+                if on_checkpoint is not None:
+                    on_checkpoint(path, metrics)
+        if bar is not None:
+            bar.close()
+        final = self.save(self.run_dir / "final")
+        reported = final
+        if cfg.keep_best and (self.run_dir / "best").is_dir():
+            # Report the selected checkpoint: load its weights into the live model.
+            best_qnet, *_ = load_qnet(self.run_dir / "best", self.device, with_targets=False)
+            self.qnet.state_encoder.load_state_dict(best_qnet.state_encoder.state_dict())
+            self.qnet.action_encoder.load_state_dict(best_qnet.action_encoder.state_dict())
+            reported = self.run_dir / "best"
+        result = self.evaluate(None)
+        result.summary["checkpoint"] = str(reported)
+        result.write(self.run_dir / "eval.json")
+        summary = {"final/dev_fact_em": result.summary["fact_em"], "final/dev_fact_f1": result.summary["fact_f1"]}
+        report(self.learner.update, summary)
+        if on_checkpoint is not None:
+            on_checkpoint(final, summary)
+        return {
+            "checkpoint": str(reported), "final_checkpoint": str(final), "eval": result.summary, "updates": self.learner.update,
+            "seconds": time.perf_counter() - started, "run_dir": str(self.run_dir),
+        }
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete periodic checkpoint of a run (``*.partial`` ones are ignored)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return None
+    done = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith(".partial") and is_checkpoint(p))
+    return done[-1] if done else None

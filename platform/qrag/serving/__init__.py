@@ -1,0 +1,1 @@
+"""The retrieval service behind HTTP: requests, limits, keys, the FastAPI app (Ray Serve wraps it in qrag.distributed)."""

@@ -1,0 +1,56 @@
+"""Configuration of the retrieval service (``serve/config.yaml`` args, ``qrag serve`` flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qrag.config import opt
+
+
+@dataclass
+class ServeConfig:
+    """The model, the storage and the limits of one retrieval service: the app's ``args``.
+    Replicas, autoscaling, GPUs and per-replica request limits are Serve deployment options, set
+    in the config's ``deployments:`` section (qrag.distributed.serving.build_app)."""
+
+    checkpoint: str | None = opt(None, "Checkpoint directory or MLflow URI (runs:/<run>/<path>, models:/<name>/<version>); none = the bundled untrained encoder.")
+    encoder: str = opt("minilm", "Encoder used when no checkpoint is configured.")
+    mlflow_tracking_uri: str | None = opt(None, "MLflow store that runs:/ and models:/ URIs refer to (default: $MLFLOW_TRACKING_URI).")
+    model_cache: str = opt(".qrag_models", "Where MLflow checkpoints are downloaded to (once per URI).")
+    storage: str = opt("qrag_indexes", "Directory of the persisted corpora (shared by every replica).")
+    dtype: str = opt("float32", "Vectors on disk: float32 | float16 (half the bytes; scores then differ slightly from offline search).")
+    chunk_tokens: int = opt(64, "Default token budget per chunk of new corpora and inline contexts.")
+    question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
+    shards: int = opt(2, "Index-shard deployments (Shard0..Shard{N-1}); a corpus is split into this many shards when created.")
+    encoder_device: str = opt("auto", "Device of the encoder replicas: auto | cpu | cuda.")
+    shard_device: str = opt("auto", "Device of the shard replicas (exact rotated scoring): auto | cpu | cuda.")
+    state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch).")
+    state_batch_wait_s: float = opt(0.002, "How long a state batch waits to fill.")
+    chunk_batch: int = opt(512, "Chunks per encoder call while indexing (progress is reported per call).")
+    encode_tokens: int = opt(32768, "Padded tokens per encoder forward pass.")
+    faiss: str = opt("auto", "FAISS for shards when positions are off: auto (CPU shards) | always | never.")
+    approx_above: int = opt(2_000_000, "Chunks per shard above which FAISS uses an approximate (HNSW) index.")
+    retry_after_s: int = opt(1, "Retry-After seconds sent with 503 on overload.")
+    max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (413 beyond).")
+    max_documents: int = opt(10000, "Documents per create/append request; send more in several requests.")
+    max_question_chars: int = opt(2000, "Longest question accepted.")
+    max_context_chars: int = opt(1_000_000, "Longest inline context accepted.")
+    max_steps: int = opt(16, "Upper bound of a request's max_steps.")
+    max_beam_width: int = opt(8, "Upper bound of a request's beam_width.")
+    max_alternatives: int = opt(10, "Upper bound of a request's alternatives.")
+    max_word_chars: int = opt(2000, "Longest run of characters without a space in a document or context (422 beyond): one such run becomes one chunk, copied into every answer that picks it.")
+    jobs_kept: int = opt(200, "Finished indexing jobs kept on disk (with their outcome) for GET /v1/jobs/{id}.")
+    max_jobs: int = opt(16, "Indexing jobs queued or running at once over all corpora and replicas; more get 429 + Retry-After.")
+    max_jobs_per_corpus: int = opt(4, "Indexing jobs queued or running at once per corpus; more get 429 + Retry-After.")
+    job_workers: int = opt(2, "Indexing jobs one ingress replica runs at once (the others wait, queued).")
+    job_wait_s: float = opt(30.0, "How long a wait:true request waits for its job; past it the answer is 202 with the job, which goes on (at most 80% of request_timeout_s).")
+    job_heartbeat_s: float = opt(5.0, "How often a replica rewrites its running jobs' records (progress, liveness).")
+    job_stale_s: float = opt(30.0, "A job record not rewritten for this long belongs to a stopped server: it is reported failed (interrupted).")
+    shard_memory_bytes: int | None = opt(None, "Memory budget of each index-shard replica for loaded corpora (least recently used ones are evicted; a corpus that cannot fit gets 507); none = no limit.")
+    api_keys: str | None = opt(None, "API keys, 'key:scope,key:scope' with scope read or write (write implies read), added to $QRAG_API_KEYS. Prefer the environment variable or a Kubernetes Secret to this field.")
+    http_host: str | None = opt(None, "The address Serve's HTTP proxies bind (http_options.host; `qrag serve` sets it from --host): without API keys the app starts only when it is loopback, unless allow_unauthenticated. null = unknown, taken as public.")
+    allow_unauthenticated: bool = opt(False, "Serve without API keys on a non-loopback address (by default the app refuses to start).")
+    allowed_hosts: list[str] = opt(["localhost", "127.0.0.1", "[::1]"], "Host header values accepted (421 otherwise; protects a loopback server from DNS rebinding); '*' accepts any.")
+    cors_origins: list[str] = opt([], "Origins whose web pages may call the API (CORS); empty = none, and cross-origin writes are refused.")
+    request_timeout_s: float = opt(60.0, "Longest time one request may take in the ingress (503 beyond); clients cannot lift it.")
+    handle_timeout_s: float = opt(30.0, "Longest wait for one call to the encoder or a shard (503 + Retry-After beyond).")
