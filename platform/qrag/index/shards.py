@@ -117,6 +117,7 @@ class ShardIndex:
         self.loaded: dict[int, str] = {}  # batch id -> sha256 of the vectors file loaded
         self._faiss = None
         self._faiss_n = 0
+        self._freqs: torch.Tensor | None = None  # RoPE frequencies for the fused scorer
         self._lock = threading.Lock()
         self._row_bytes = 0  # texts, token ids and their Python objects: what nbytes adds to the vectors
 
@@ -203,55 +204,55 @@ class ShardIndex:
         records = {int(g): self.record(int(g)) for g in np.unique(ids[ids >= 0])}
         return ShardHits(q, ids.astype(np.int64), pos, records)
 
+    def _selected_rows(self, selected: Sequence[Sequence[int]], n: int, n_total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global positions of this shard's first ``n`` rows, and each state row's selected set
+        [B, width] (sorted, padded with ``n_total``): built on the host, one copy to the device."""
+        gpos = self.shard + self.n_shards * torch.arange(n, device=self.device)
+        sel = np.full((len(selected), max(1, max((len(s) for s in selected), default=0))), n_total, dtype=np.int64)
+        for r, s in enumerate(selected):
+            sel[r, : len(s)] = sorted(s)
+        return gpos, torch.from_numpy(sel).to(self.device)
+
+    @staticmethod
+    def _top(q: torch.Tensor, k: int, n: int, positions_of) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Each row's best ``k`` of ``n`` on the host; -1 for rows with fewer finite scores.
+        ``positions_of(top_i)`` gives the chosen chunks' positions (None: positions off)."""
+        top_q, top_i = q.topk(min(k, n), dim=1)
+        top_pos = None if positions_of is None else positions_of(top_i).cpu().numpy()
+        top_q, top_i = top_q.cpu().numpy(), top_i.cpu().numpy()
+        return top_q, np.where(np.isfinite(top_q), top_i, -1), top_pos
+
     def _exact_topk(self, states, selected, mine, n, n_total, k):
-        dev = self.device
         vectors = self.vectors[:n]
         c = self.model
-        if c.positions == "relative" and dev.type == "cuda" and self.options.fused:
+        if c.positions == "relative" and self.device.type == "cuda" and self.options.fused:
             hits = self._fused_topk(states, selected, vectors, n, n_total, k)
             if hits is not None:
                 return hits
         pos = None
         if c.positions != "none":  # the selected set only matters through the chunks' positions
-            gpos = self.shard + self.n_shards * torch.arange(n, device=dev)
-            width = max(1, max((len(s) for s in selected), default=0))
-            sel = torch.full((len(states), width), n_total, dtype=torch.long, device=dev)
-            for r, s in enumerate(selected):
-                if len(s):
-                    sel[r, : len(s)] = torch.as_tensor(sorted(s), dtype=torch.long, device=dev)
+            gpos, sel = self._selected_rows(selected, n, n_total)
             pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
         q = score_chunks(states, vectors, pos, c.rope_base, block=max(1, self.options.score_block // max(1, len(states))))
         for r, rows in enumerate(mine):
             if rows:
                 q[r, rows] = float("-inf")
-        kk = min(k, n)
-        top_q, top_i = q.topk(kk, dim=1)
-        top_pos = None if pos is None else pos.gather(1, top_i).cpu().numpy()
-        top_q, top_i = top_q.cpu().numpy(), top_i.cpu().numpy()
-        top_i = np.where(np.isfinite(top_q), top_i, -1)
-        return top_q, top_i, top_pos
+        return self._top(q, k, n, None if pos is None else lambda top_i: pos.gather(1, top_i))
 
     def _fused_topk(self, states, selected, vectors, n, n_total, k):
         fn = _fused()
         if fn is None:
             return None
-        c, dev = self.model, self.device
-        gpos = self.shard + self.n_shards * torch.arange(n, device=dev)
-        width = max(1, max((len(s) for s in selected), default=0))
-        sel = torch.full((len(states), width), n_total, dtype=torch.long, device=dev)
-        for r, s in enumerate(selected):
-            if len(s):
-                sel[r, : len(s)] = torch.as_tensor(sorted(s), dtype=torch.long, device=dev)
+        c = self.model
+        gpos, sel = self._selected_rows(selected, n, n_total)
+        if self._freqs is None:  # constant per shard: not rebuilt on every step of every request
+            self._freqs = rope_frequencies(self.dim, c.rope_base, self.device)
         try:
-            q = fn(states, vectors, gpos, sel, n_total, c.relative_delta, c.relative_ell, rope_frequencies(self.dim, c.rope_base, dev))
+            q = fn(states, vectors, gpos, sel, n_total, c.relative_delta, c.relative_ell, self._freqs)
         except Exception as exc:  # noqa: BLE001 - a compile failure on this machine: eager from now on
             _FUSED["fn"], _FUSED["error"] = None, f"{type(exc).__name__}: {exc}"[:300]
             return None
-        top_q, top_i = q.topk(min(k, n), dim=1)
-        top_pos = positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell)
-        top_q, top_i, top_pos = top_q.cpu().numpy(), top_i.cpu().numpy(), top_pos.cpu().numpy()
-        top_i = np.where(np.isfinite(top_q), top_i, -1)
-        return top_q, top_i, top_pos
+        return self._top(q, k, n, lambda top_i: positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell))
 
     def _faiss_topk(self, states, mine, n, k):
         index = self._faiss_index()

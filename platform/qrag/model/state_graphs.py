@@ -98,8 +98,8 @@ class StateEncoder:
             mask[row, : len(s)] = True
         mask[len(seqs):, 0] = True  # rows beyond the request: one visible token keeps the pool finite
         ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
-        if self.device.type == "cuda":
-            return ids_t.pin_memory().to(self.device, non_blocking=True), mask_t.pin_memory().to(self.device, non_blocking=True)
+        if self.device.type == "cuda":  # pinned: the copies to the device (or the graph's inputs) run async
+            return ids_t.pin_memory(), mask_t.pin_memory()
         return ids_t, mask_t
 
     @torch.no_grad()
@@ -115,14 +115,14 @@ class StateEncoder:
         if length is None:
             raise ValueError(f"a state of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}")
         batch = bucket_of(len(seqs), self.batch_buckets) or len(seqs)
-        ids, mask = self._padded(seqs, batch, length)
+        ids, mask = self._padded(seqs, batch, length)  # on the host
         entry = self._graph(batch, length) if self.graphs else None
         if entry is None:
             self.eager_calls += 1
-            return self._forward(ids, mask)[: len(seqs)]
+            return self._forward(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True))[: len(seqs)]
         graph, static_ids, static_mask, out = entry
-        static_ids.copy_(ids)
-        static_mask.copy_(mask)
+        static_ids.copy_(ids, non_blocking=True)  # straight into the graph's inputs: no device-side copy
+        static_mask.copy_(mask, non_blocking=True)
         graph.replay()
         self.replays += 1
         return out[: len(seqs)].clone()

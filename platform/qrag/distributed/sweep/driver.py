@@ -158,7 +158,7 @@ def require_state_api(sweep: Sweep) -> None:
     (seen on a GPU machine with a bare ``ray`` wheel: 6 of 15 trials ran, the rest hung).
     A sweep where nothing is stopped early does not need it.
     """
-    if sweep.spec.scheduler.type in (None, "none", "fifo") or sweep.total_trials() <= (sweep.spec.max_concurrent or 1):
+    if sweep.spec.scheduler.type == "none" or sweep.total_trials() <= (sweep.spec.max_concurrent or 1):
         return
     try:
         from ray.util.state import list_actors
