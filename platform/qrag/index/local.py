@@ -13,7 +13,7 @@ from qrag.config import ModelConfig, SearchConfig
 from qrag.data.documents import Document
 from qrag.retrieval.multistep import Retrieval, SearchRun, Timings, search
 from qrag.data.tokens import TokenLayout
-from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions
+from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions, score_shards
 from qrag.retrieval.hits import ShardHits
 from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
 from qrag.retrieval.hits import ChunkRecord
@@ -36,13 +36,14 @@ class Embedder(Protocol):
 
 class HeldShards:
     """Scoring backend over shards held by this process (the library index, an inline context):
-    every state row is scored against the first ``n_total`` chunks of one corpus."""
+    every state row is scored against the first ``n_total`` chunks of one corpus (the torch shards
+    of a device in one pass with one copy to the host: :func:`qrag.index.shards.score_shards`)."""
 
     def __init__(self, shards: Sequence[ShardIndex], n_total: int):
         self.shards, self.n_total = list(shards), n_total
 
     def topk(self, states, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
-        return [shard.topk(states, selected, self.n_total, k) for shard in self.shards]
+        return score_shards(self.shards, states, selected, self.n_total, k)
 
 
 class LocalIndex:

@@ -1,5 +1,6 @@
 """Scoring one shard of a corpus: exact (rotated) inner products, FAISS candidates for large
-unrotated shards, the merge of shard top-k lists, and a corpus's shards held together."""
+unrotated shards, the merge of shard top-k lists, and a corpus's shards held together
+(:func:`score_shards`: all torch shards of one device scored with one device-to-host copy)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,38 @@ class ShardOptions:
     hnsw_ef_search: int = 128
     score_block: int = 1 << 18  # (state row x chunk) pairs rotated at once: bounds temporary memory
     fused: bool = True  # GPU + relative positions: score with the compiled relative_scores (no temporaries)
+    # Score every torch shard of a device in one pass with one device-to-host copy per step
+    # (score_shards); False: each shard on its own, several host syncs each (the previous path).
+    batched: bool = True
+
+
+def selected_matrix(selected: Sequence[Sequence[int]], n_total: int) -> np.ndarray:
+    """Each state row's selected set [B, width >= 1], sorted and padded with ``n_total``: what
+    :func:`positions_at` and the exclusion of chosen chunks read on the device."""
+    sel = np.full((len(selected), max(1, max((len(s) for s in selected), default=0))), n_total, dtype=np.int64)
+    for r, s in enumerate(selected):
+        sel[r, : len(s)] = sorted(s)
+    return sel
+
+
+def states_on(states: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    return (states if torch.is_tensor(states) else torch.tensor(np.asarray(states))).to(device, torch.float32)
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """``tensors`` (any dtypes, one device) as host arrays with one device-to-host copy: their
+    bytes packed into one buffer, since each copy of its own would wait for the device."""
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if not flat:
+        return []
+    buf = torch.cat(flat).cpu().numpy()
+    out, lo = [], 0
+    for t, f in zip(tensors, flat):
+        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+        # A copy: aligned for its dtype and writable, as .cpu().numpy() would give.
+        out.append(buf[lo : lo + f.numel()].copy().view(dtype).reshape(tuple(t.shape)))
+        lo += f.numel()
+    return out
 
 
 def row_bytes(text_chars: int, doc_id_chars: int, n_tokens: int) -> int:
@@ -188,8 +221,8 @@ class ShardIndex:
     def topk(self, states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
         """Each state row's best ``k`` chunks of this shard among the first ``n_total`` global
         positions, the row's ``selected`` (global) chunks excluded."""
-        n = min(self.n, shard_rows(self.shard, self.n_shards, n_total))
-        states = (states if torch.is_tensor(states) else torch.tensor(np.asarray(states))).to(self.device, torch.float32)
+        n = self.rows_within(n_total)
+        states = states_on(states, self.device)
         rows = len(states)
         with_pos = self.model.positions != "none"
         if n == 0 or k <= 0:
@@ -200,18 +233,71 @@ class ShardIndex:
             pos = None
         else:
             q, local, pos = self._exact_topk(states, selected, mine, n, n_total, k)
+        return self.hits(q, local, pos)
+
+    def rows_within(self, n_total: int) -> int:
+        """Rows of this shard among the first ``n_total`` global positions (and loaded)."""
+        return min(self.n, shard_rows(self.shard, self.n_shards, n_total))
+
+    def hits(self, q: np.ndarray, local: np.ndarray, pos: np.ndarray | None) -> ShardHits:
+        """The host half of a top-k: local rows (-1: none) to global ids, and their records."""
         ids = np.where(local >= 0, self.shard + self.n_shards * local, -1)
         records = {int(g): self.record(int(g)) for g in np.unique(ids[ids >= 0])}
         return ShardHits(q, ids.astype(np.int64), pos, records)
 
+    def _gpos(self, n: int) -> torch.Tensor:
+        return self.shard + self.n_shards * torch.arange(n, device=self.device)
+
     def _selected_rows(self, selected: Sequence[Sequence[int]], n: int, n_total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global positions of this shard's first ``n`` rows, and each state row's selected set
         [B, width] (sorted, padded with ``n_total``): built on the host, one copy to the device."""
-        gpos = self.shard + self.n_shards * torch.arange(n, device=self.device)
-        sel = np.full((len(selected), max(1, max((len(s) for s in selected), default=0))), n_total, dtype=np.int64)
-        for r, s in enumerate(selected):
-            sel[r, : len(s)] = sorted(s)
-        return gpos, torch.from_numpy(sel).to(self.device)
+        return self._gpos(n), torch.from_numpy(selected_matrix(selected, n_total)).to(self.device)
+
+    def _wants_fused(self) -> bool:
+        return self.model.positions == "relative" and self.device.type == "cuda" and self.options.fused
+
+    def _fused_scores(self, states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Tensor, sel: torch.Tensor, n_total: int) -> torch.Tensor | None:
+        """Q by the compiled ``relative_scores`` (selected chunks at -inf); None where it cannot compile."""
+        fn = _fused()
+        if fn is None:
+            return None
+        c = self.model
+        if self._freqs is None:  # constant per shard: not rebuilt on every step of every request
+            self._freqs = rope_frequencies(self.dim, c.rope_base, self.device)
+        try:
+            return fn(states, vectors, gpos, sel, n_total, c.relative_delta, c.relative_ell, self._freqs)
+        except Exception as exc:  # noqa: BLE001 - a compile failure on this machine: eager from now on
+            _FUSED["fn"], _FUSED["error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+            return None
+
+    def _banned(self, sel: torch.Tensor, n: int, n_total: int) -> torch.Tensor:
+        """[B, n] True at this shard's rows in each state row's selected set, built on the device
+        (indexing with host lists would copy, and wait, once per state row)."""
+        local = torch.div(sel, self.n_shards, rounding_mode="floor")
+        mine = (sel < n_total) & (sel % self.n_shards == self.shard) & (local < n)
+        banned = torch.zeros(len(sel), n + 1, dtype=torch.bool, device=sel.device)
+        banned.scatter_(1, torch.where(mine, local, n), True)  # pads and other shards' rows land in column n
+        return banned[:, :n]
+
+    @torch.no_grad()
+    def device_topk(self, states: torch.Tensor, sel: torch.Tensor, n_total: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The device half of :meth:`topk` for torch-scored shards (``n > 0``, ``k > 0``): each row's
+        best ``min(k, n)`` Q, their local rows and their positions (None: positions off), left on
+        the device (no host sync). ``states`` and ``sel`` (:func:`selected_matrix`) are on the device.
+        The same arithmetic as the per-shard path, so the same picks and values."""
+        n = self.rows_within(n_total)
+        c = self.model
+        gpos = self._gpos(n)
+        if self._wants_fused():
+            q = self._fused_scores(states, self.vectors[:n], gpos, sel, n_total)
+            if q is not None:
+                top_q, top_i = q.topk(min(k, n), dim=1)
+                return top_q, top_i, positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell)
+        pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
+        q = score_chunks(states, self.vectors[:n], pos, c.rope_base, block=max(1, self.options.score_block // max(1, len(states))))
+        q.masked_fill_(self._banned(sel, n, n_total), float("-inf"))
+        top_q, top_i = q.topk(min(k, n), dim=1)
+        return top_q, top_i, None if pos is None else pos.gather(1, top_i)
 
     @staticmethod
     def _top(q: torch.Tensor, k: int, n: int, positions_of) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -222,10 +308,12 @@ class ShardIndex:
         top_q, top_i = top_q.cpu().numpy(), top_i.cpu().numpy()
         return top_q, np.where(np.isfinite(top_q), top_i, -1), top_pos
 
+    # The per-shard path (ShardOptions.batched off): its own selected set, exclusion by host
+    # lists and three copies to the host per shard; kept as the reference the bench compares to.
     def _exact_topk(self, states, selected, mine, n, n_total, k):
         vectors = self.vectors[:n]
         c = self.model
-        if c.positions == "relative" and self.device.type == "cuda" and self.options.fused:
+        if self._wants_fused():
             hits = self._fused_topk(states, selected, vectors, n, n_total, k)
             if hits is not None:
                 return hits
@@ -240,17 +328,12 @@ class ShardIndex:
         return self._top(q, k, n, None if pos is None else lambda top_i: pos.gather(1, top_i))
 
     def _fused_topk(self, states, selected, vectors, n, n_total, k):
-        fn = _fused()
-        if fn is None:
+        if _fused() is None:
             return None
         c = self.model
         gpos, sel = self._selected_rows(selected, n, n_total)
-        if self._freqs is None:  # constant per shard: not rebuilt on every step of every request
-            self._freqs = rope_frequencies(self.dim, c.rope_base, self.device)
-        try:
-            q = fn(states, vectors, gpos, sel, n_total, c.relative_delta, c.relative_ell, self._freqs)
-        except Exception as exc:  # noqa: BLE001 - a compile failure on this machine: eager from now on
-            _FUSED["fn"], _FUSED["error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+        q = self._fused_scores(states, vectors, gpos, sel, n_total)
+        if q is None:
             return None
         return self._top(q, k, n, lambda top_i: positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell))
 
@@ -284,6 +367,33 @@ def _faiss():
         except ImportError:
             _FAISS = False
     return _FAISS or None
+
+
+@torch.no_grad()
+def score_shards(shards: Sequence[ShardIndex], states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]],
+                 n_total: int, k: int) -> list[ShardHits]:
+    """Each shard's :meth:`ShardIndex.topk`, in order. The torch-scored shards of a device are
+    scored in one pass: the states and the selected set go to the device once, every shard's
+    device half is launched, and all their results come back in one copy (a host sync per shard
+    costs more than the scoring). FAISS shards, empty ones and those with ``batched`` off answer
+    on their own, as before."""
+    out: list[ShardHits | None] = [None] * len(shards)
+    by_device: dict[torch.device, list[int]] = {}
+    for j, shard in enumerate(shards):
+        if shard.options.batched and not shard.uses_faiss and k > 0 and shard.rows_within(n_total) > 0:
+            by_device.setdefault(shard.device, []).append(j)
+        else:
+            out[j] = shard.topk(states, selected, n_total, k)
+    sel = selected_matrix(selected, n_total) if by_device else None
+    for device, idx in by_device.items():
+        st, sel_d = states_on(states, device), torch.from_numpy(sel).to(device)
+        tops = [shards[j].device_topk(st, sel_d, n_total, k) for j in idx]
+        host = iter(to_host([t for top in tops for t in top if t is not None]))
+        for j, top in zip(idx, tops):
+            q, top_i = next(host), next(host)
+            pos = next(host) if top[2] is not None else None
+            out[j] = shards[j].hits(q, np.where(np.isfinite(q), top_i, -1), pos)  # -1: the row ran out of finite scores
+    return out  # type: ignore[return-value]
 
 
 class ShardUnhealthy(StoreError):
@@ -353,7 +463,7 @@ class CorpusShards:
             return ShardHits.empty(len(states), False)
         if not torch.is_tensor(states):  # one host-to-device copy for all the holder's shards
             states = torch.from_numpy(np.ascontiguousarray(states, dtype=np.float32)).to(shards[0].device)
-        hits = [shard.topk(states, selected, n_total, k) for shard in shards]
+        hits = score_shards(shards, states, selected, n_total, k)
         return merge_hits(hits, k) if len(hits) > 1 else hits[0]
 
     def nbytes(self) -> int:
