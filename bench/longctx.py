@@ -181,7 +181,9 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         "config": {"context_tokens": cfg.data.context_tokens, "positions": cfg.model.positions, "env.max_steps": cfg.env.max_steps,
                    "lr": cfg.learner.lr, "alpha": cfg.learner.alpha, "value_top_k": cfg.learner.value_top_k,
                    "credit": cfg.env.credit, "samples_per_task": cfg.data.samples_per_task, "overrides": list(args.overrides)},
-        "selected_on": "settings chosen on validation questions (bench/results/longctx_select_qa3_h100.json); final weights, no checkpoint selection",
+        "selected_on": "settings chosen on validation questions (bench/results/longctx_select_qa3*_h100.json); " + (
+            f"checkpoint: the best Fact F1 of the evaluations every {cfg.eval_every} updates on the validation part of train"
+            if cfg.keep_best and cfg.eval_every > 0 else "final weights, no checkpoint selection"),
     }, cfg
 
 

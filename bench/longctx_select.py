@@ -49,6 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "(e.g. 4k,128k,1m; T = search.max_steps; reported once, never used for choosing)")
     p.add_argument("--dev-questions", type=int, default=100, help="dev questions per length with --lengths")
     p.add_argument("--table-out", help="with --lengths: also write the variants' length table here (qrag report reads it)")
+    p.add_argument("--score-credit", default="chunk", choices=("chunk", "text"), help="credit rule of the validation score, the same for every variant")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every variant")
@@ -100,7 +101,8 @@ def main(argv: list[str]) -> int:
               "common_overrides": args.overrides, "variants": []}
 
     def score(run) -> dict:
-        ev = run.evaluate(n_val, split="val").summary
+        # One credit rule for every variant (a text-credit run is still scored by its chunks).
+        ev = run.evaluate(n_val, split="val", credit=args.score_credit).summary
         return {k: round(ev[k], 4) for k in ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1")} | {"steps": run.cfg.search.max_steps, "credit": ev["credit"]}
 
     for label, how in (("untrained (full-vector cosine)", "cosine"), ("untrained (half-vector cosines)", "twin")):

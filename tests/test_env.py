@@ -65,3 +65,32 @@ def test_state_truncation_keeps_every_selected_chunk():
     chunks = [layout.wrap(list(range(100 + 10 * i, 108 + 10 * i))) for i in range(2)]
     state = layout.state(q, chunks)
     assert len(state) <= 12 and 100 in state and 110 in state and state[-1] == 102
+
+
+def test_per_fact_reward_pays_each_new_fact_once():
+    """env.reward=per_fact: 1/|F| at each step that finds a support fact not found before; a
+    success's rewards sum to 1 as the terminal rule's single 1 does."""
+    three = sample(n=6, support=(0, 2, 4))
+    env = RetrievalEnv([three], EnvConfig(max_steps=4, reward="per_fact"), LAYOUT)
+    got = [env.step(np.array([0]), np.array([a]))[0][0] for a in (2, 1, 0)]
+    assert got == pytest.approx([1 / 3, 0.0, 1 / 3])
+    r, d = env.step(np.array([0]), np.array([4]))
+    assert r[0] == pytest.approx(1 / 3) and d[0] and env.episode_return[0] == pytest.approx(1.0)
+
+
+def test_per_fact_reward_under_text_credit_counts_a_repeated_fact_once():
+    chunks = [LAYOUT.wrap([1000 + i, 2000 + i]) for i in range(4)]
+    chunks[3] = chunks[1]  # the same text as the support chunk 1
+    s = TokenizedSample("s", LAYOUT.wrap([7, 8]), chunks, np.array([1, 2]))
+    env = RetrievalEnv([s], EnvConfig(max_steps=4, reward="per_fact", credit="text"), LAYOUT)
+    assert env.step(np.array([0]), np.array([3]))[0][0] == pytest.approx(0.5)
+    assert env.step(np.array([0]), np.array([1]))[0][0] == 0.0  # fact 1 again, by its twin
+    r, d = env.step(np.array([0]), np.array([2]))
+    assert r[0] == pytest.approx(0.5) and d[0]
+
+
+def test_unknown_reward_rule_and_per_fact_with_penalty_are_rejected():
+    with pytest.raises(ValueError, match="env.reward"):
+        RetrievalEnv([sample()], EnvConfig(reward="dense"), LAYOUT)
+    with pytest.raises(ValueError, match="penalize_extra_steps"):
+        RetrievalEnv([sample()], EnvConfig(reward="per_fact", penalize_extra_steps=True), LAYOUT)

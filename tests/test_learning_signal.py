@@ -140,3 +140,52 @@ def test_supervised_baseline_learns_the_toy(tmp_path):
     after = _fact_f1(qnet, layout, test, tok_test)
     assert losses[-1] < losses[0]
     assert after > before + 0.4, (before, after)
+
+
+def test_supervised_warm_start_then_pqn(tmp_path):
+    """learner.sft_warmup_updates: the first updates are supervised (no rollouts: success 0, the
+    SFT loss), PQN follows from the encoders they left with the targets reset to them, and the
+    chained run finds the toy's support."""
+    from conftest import build_tiny_encoder
+    from qrag.model.checkpoint import untrained_qnet
+    from qrag.config import LearnerConfig
+    from qrag.rl.sft import WarmStartedPQNLearner
+    from qrag.data.tokens import tokenize_samples
+
+    torch.manual_seed(0)
+    encoder = build_tiny_encoder(tmp_path / "enc", hidden=64, layers=0, seed=1)
+    qnet, tokenizer, layout = untrained_qnet(ModelConfig(encoder=str(encoder), positions="relative"), torch.device("cpu"), True)
+    train, test = toy_samples(128, seed=3), toy_samples(32, seed=4)
+    tok_train = tokenize_samples(train, tokenizer, layout, chunk_tokens=16, question_tokens=24)
+    tok_test = tokenize_samples(test, tokenizer, layout, chunk_tokens=16, question_tokens=24)
+    before = _fact_f1(qnet, layout, test, tok_test)
+    cfg = LearnerConfig(lr=3e-3, warmup_updates=2, episodes_per_update=32, micro_batch=32, weight_decay=0.0, alpha=0.005,
+                        value_top_k=5, sft_warmup_updates=20)
+    learner = WarmStartedPQNLearner(qnet, layout, EnvConfig(max_steps=4), cfg, total_updates=30, device=torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    batch = lambda: [tok_train[i] for i in rng.choice(len(tok_train), 32, replace=False)]  # noqa: E731
+    history = [learner.train_update(batch()) for _ in range(20)]
+    assert all(m.success == 0.0 and m.target == 1.0 for m in history)  # supervised: no rollouts yet
+    before_switch = [p.detach().clone() for p in qnet.state_encoder.parameters()]
+    m = learner.train_update(batch())  # the first PQN update: rollouts, targets reset first
+    assert m.success > 0.3 and m.target != 1.0
+    # Reset to the encoders before this update, then one EMA step towards the updated ones.
+    for b, o, t in zip(before_switch, qnet.state_encoder.parameters(), qnet.target_state_encoder.parameters()):
+        if o.requires_grad:
+            assert torch.allclose(t, torch.lerp(b, o.detach(), cfg.tau), atol=1e-6)
+    history += [learner.train_update(batch()) for _ in range(9)]
+    after = _fact_f1(qnet, layout, test, tok_test)
+    assert after > before + 0.4, (before, after)
+
+
+def test_warm_start_needs_the_pqn_objective(tmp_path):
+    from qrag.config import ConfigError, LearnerConfig
+    from qrag.rl.learner import SoftPQNLearner
+    from qrag.rl.sft import WarmStartedPQNLearner
+    from qrag.rl.train import TrainingRun, learner_class
+
+    assert learner_class(LearnerConfig()) is SoftPQNLearner
+    assert learner_class(LearnerConfig(sft_warmup_updates=5)) is WarmStartedPQNLearner
+    cfg = load_config(None, ["learner.objective=sft", "learner.sft_warmup_updates=5"])
+    with pytest.raises(ConfigError, match="sft_warmup_updates"):
+        TrainingRun(cfg, load_data=False)  # before any model is loaded

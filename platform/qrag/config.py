@@ -77,6 +77,7 @@ class EnvConfig:
     max_steps: int = opt(2, "T: chunks selected per episode.")
     penalize_extra_steps: bool = opt(False, "Success reward 0.5 + 0.5 * |gold| / |selected| instead of 1.")
     never_terminate: bool = opt(False, "Keep stepping to T after success (rewards 0 after it); for Q-threshold stopping.")
+    reward: str = opt("terminal", "terminal = 1 at the step where every support fact has been found (the paper); per_fact = 1/|F| at each step that finds a new support fact (partial progress; the rewards of a success still sum to 1).")
     credit: str = opt("chunk", "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | text (any chunk with a support fact's text; the reference's BabiLong reward).")
 
 
@@ -97,6 +98,7 @@ class LearnerConfig:
     tau: float = opt(0.02, "EMA rate of the target encoders.")
     top_k: int = opt(32, "The Boltzmann policy considers the top-k available chunks.")
     objective: str = opt("pqn", "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q (the paper's 'Multi-step RAG w. SFT' baseline).")
+    sft_warmup_updates: int = opt(0, "objective=pqn: train the first N updates with the sft objective (teacher forcing on the support facts), then soft PQN with the target encoders reset to the online ones (a supervised warm start; 0 = the paper's cold start).")
     sft_temperature: float = opt(0.05, "objective=sft: softmax temperature over the chunks' Q.")
     value_top_k: int | None = opt(None, "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). Its entropy bonus is up to α·ln k.")
     episodes_per_update: int = opt(96, "Episodes per optimiser update (paper: 12 x 8 accumulation).")

@@ -3,7 +3,9 @@
 s_0 = [q]; an action selects one not-yet-selected chunk; s_{t+1} = ord([q, a_0..a_t]) in document
 order. The reward is 0 until the step at which every support fact has been found (under the
 credit rule ``env.credit``: its own chunk, or any chunk with its text; see :mod:`qrag.data.credit`),
-where it is 1 (or ``0.5 + 0.5·|gold|/|selected|`` with ``penalize_extra_steps``). The episode ends there, or
+where it is 1 (or ``0.5 + 0.5·|gold|/|selected|`` with ``penalize_extra_steps``). With
+``env.reward=per_fact`` each step that finds a new support fact earns 1/|F| instead (partial
+progress, not the paper's rule). The episode ends there, or
 at T steps; with ``never_terminate`` it goes on to T with reward 0 after the success, so that the
 learned Q of "extra" steps falls and a Q threshold can stop retrieval.
 """
@@ -19,10 +21,17 @@ from qrag.data.credit import support_classes
 from qrag.data.tokens import TokenizedSample, TokenLayout
 
 
+REWARDS = ("terminal", "per_fact")
+
+
 class RetrievalEnv:
     def __init__(self, samples: Sequence[TokenizedSample], cfg: EnvConfig, layout: TokenLayout):
         if cfg.max_steps < 1:
             raise ValueError("env.max_steps must be at least 1")
+        if cfg.reward not in REWARDS:
+            raise ValueError(f"env.reward: expected one of {', '.join(REWARDS)}, got {cfg.reward!r}")
+        if cfg.reward == "per_fact" and cfg.penalize_extra_steps:
+            raise ValueError("env.penalize_extra_steps scales the terminal reward: it needs env.reward=terminal")
         self.samples = list(samples)
         self.cfg = cfg
         self.layout = layout
@@ -79,12 +88,16 @@ class RetrievalEnv:
         self.t[rows] += 1
         facts = self.fact[rows, actions]
         hit = facts >= 0
+        new_fact = np.zeros(len(rows), dtype=bool)
+        new_fact[hit] = ~self.found[rows[hit], facts[hit]]
         self.found[rows[hit], facts[hit]] = True
         covered = self.found[rows].sum(1) >= self.n_gold[rows]
         newly = covered & ~was_success
         self.succeeded[rows] |= covered
         rewards = np.zeros(len(rows), dtype=np.float64)
-        if self.cfg.penalize_extra_steps:
+        if self.cfg.reward == "per_fact":
+            rewards[new_fact] = 1.0 / self.n_gold[rows][new_fact]
+        elif self.cfg.penalize_extra_steps:
             rewards[newly] = 0.5 + 0.5 * self.n_gold[rows][newly] / self.t[rows][newly]
         else:
             rewards[newly] = 1.0

@@ -6,6 +6,9 @@ question and the facts taken so far (document order, as in the MDP), and the los
 cross-entropy of a softmax over every available chunk (temperature ``learner.sft_temperature``)
 that puts its mass on the facts still missing. Search, checkpoints and evaluation are the
 Q-RAG ones, so the two rows of the table differ only in how the encoders were trained.
+
+:class:`WarmStartedPQNLearner` chains the two (``learner.sft_warmup_updates``): supervised updates
+first, then soft PQN from the encoders they left, its target encoders reset to them.
 """
 
 from __future__ import annotations
@@ -59,3 +62,20 @@ class SupervisedLearner(SoftPQNLearner):
             "episode_return": 0.0, "success": 0.0, "episode_length": float(np.mean([len(o) for o in orders])),
             "transitions": int(len(per_step)), "counts": {"transitions": float(len(per_step))},
         }
+
+
+class WarmStartedPQNLearner(SupervisedLearner):
+    """The first ``learner.sft_warmup_updates`` updates supervised, soft PQN after them; one
+    optimiser, schedule and checkpoint format throughout (a run resumes in either phase)."""
+
+    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict:
+        if self.update < self.cfg.sft_warmup_updates:
+            return super()._rollout_and_backward(episodes, alpha)
+        return SoftPQNLearner._rollout_and_backward(self, episodes, alpha)
+
+    def train_update(self, episodes: Sequence[TokenizedSample]):
+        if self.update == self.cfg.sft_warmup_updates:
+            # The EMA targets still lag behind the supervised encoders: bootstrap PQN from the
+            # encoders it starts with, not from a blend with the untrained ones.
+            self.qnet.update_targets(1.0)
+        return super().train_update(episodes)

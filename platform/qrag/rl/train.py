@@ -21,14 +21,14 @@ import torch
 from qrag.model.checkpoint import (
     is_checkpoint, load_qnet, load_training_state, numpy_state, save_checkpoint, set_numpy_state, untrained_qnet,
 )
-from qrag.config import ConfigError, SearchConfig, TrainConfig
+from qrag.config import ConfigError, LearnerConfig, SearchConfig, TrainConfig
 from qrag.data.prepared import prepare_split
 from qrag.data.sample import Sample
 from qrag.model.encoder import load_tokenizer, pick_device, resolve_encoder
 from qrag.evaluation.evaluate import EvalResult, evaluate
 from qrag.rl.learner import SoftPQNLearner
 from qrag.retrieval.search import Retriever
-from qrag.rl.sft import SupervisedLearner
+from qrag.rl.sft import SupervisedLearner, WarmStartedPQNLearner
 from qrag.data.tokens import TokenizedSample, TokenLayout, tokenize_samples
 
 Reporter = Callable[[int, dict[str, float]], None]
@@ -90,11 +90,23 @@ def print_reporter(step: int, metrics: dict[str, float]) -> None:
     print(json.dumps({"update": step, **{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in metrics.items()}}), flush=True)
 
 
+def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
+    """The learner ``learner.objective`` (and a supervised warm start) asks for."""
+    if cfg.objective not in ("pqn", "sft"):
+        raise ConfigError(f"learner.objective: expected pqn or sft, got {cfg.objective!r}")
+    if cfg.sft_warmup_updates < 0 or (cfg.sft_warmup_updates and cfg.objective != "pqn"):
+        raise ConfigError("learner.sft_warmup_updates: a count >= 0 of supervised updates before soft PQN (objective=pqn only)")
+    if cfg.objective == "sft":
+        return SupervisedLearner
+    return WarmStartedPQNLearner if cfg.sft_warmup_updates else SoftPQNLearner
+
+
 class TrainingRun:
     """Model + learner + data for one run; resumable from a checkpoint directory."""
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, device: torch.device | None = None, load_data: bool = True):
         self.cfg = cfg
+        learner_class(cfg.learner)  # a bad objective fails before minutes of loading
         self.device = device or pick_device(cfg.device)
         seed_everything(cfg.seed)
         self.train_samples: list[Sample] = []
@@ -124,9 +136,7 @@ class TrainingRun:
             if loading is not None:
                 loading.result()
             self.timings["model_and_data_s"] = time.perf_counter() - t0
-        if cfg.learner.objective not in ("pqn", "sft"):
-            raise ConfigError(f"learner.objective: expected pqn or sft, got {cfg.learner.objective!r}")
-        learner_cls = SupervisedLearner if cfg.learner.objective == "sft" else SoftPQNLearner
+        learner_cls = learner_class(cfg.learner)
         self.learner = learner_cls(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []
@@ -170,15 +180,17 @@ class TrainingRun:
         """Episodes sampled in this process from the training split (the default source)."""
         return LocalEpisodeSource(self.train_tok, self.cfg.learner.episodes_per_update, self.sampler)
 
-    def evaluate(self, limit: int | None = None, search: SearchConfig | None = None, split: str = "dev") -> EvalResult:
-        """Search + metrics on ``split`` ("dev", or "val" — the held-out part of train)."""
+    def evaluate(self, limit: int | None = None, search: SearchConfig | None = None, split: str = "dev",
+                 credit: str | None = None) -> EvalResult:
+        """Search + metrics on ``split`` ("dev", or "val" — the held-out part of train), under the
+        credit rule ``credit`` (default: the one the run is trained with)."""
         samples, tokenized = (self.val_samples, self.val_tok) if split == "val" else (self.dev_samples, self.dev_tok)
         search = search or self.cfg.search
         n = len(tokenized) if limit is None else min(limit, len(tokenized))
         retriever = Retriever(self.qnet, self.layout, self.device, self.cfg.learner.encode_tokens)
         try:
             return evaluate(retriever, samples[:n], tokenized[:n], search, extra={"update": self.learner.update, "split": split},
-                            credit=self.cfg.env.credit)
+                            credit=credit or self.cfg.env.credit)
         finally:
             self.qnet.train()
 
