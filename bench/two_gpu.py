@@ -22,7 +22,10 @@ of Gutenberg books:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \\
       && export PYTHONPATH=/tmp/site && python3 bench/two_gpu.py --check-imports \\
       && QRAG_DATA_DIR=.carry/data HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 python3 bench/two_gpu.py \\
-           --random-encoder .carry/minilm16 --corpus .carry/novels --out $OUT/two_gpu.json
+           --random-encoder .carry/minilm16 --corpus .carry/novels --out $OUT/two_gpu.json --ray-temp $OUT/ray
+The torch 2.11 GPU image (2026-11) lacked, beyond Ray's own wheel: fastapi, starlette, uvicorn,
+annotated-doc, h11, click, anyio, sniffio, prometheus_client and grpcio-reflection==1.84.0 (it
+must match the image's grpcio); `--check-imports` names what is missing.
 CPU check (no GPU, tiny sizes; ~15 minutes on 2 busy cores, most of it embedding on the CPU):
     python bench/two_gpu.py --gpus 0 --cpus 3 --tokens 150000 --config configs/smoke.yaml --updates 2 --warmup 1 \\
         --runners 1 --queries 10 --concurrency 2 --corpus-workers 1 learner.episodes_per_update=8 \\
@@ -81,6 +84,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--queries", type=int, default=200, help="sequential queries timed per shard layout")
     ap.add_argument("--concurrency", type=int, default=8, help="clients retrieving in a loop during the second training run")
     ap.add_argument("--out", help="also write the JSON here, e.g. bench/results/two_gpu.json")
+    ap.add_argument("--ray-temp", metavar="DIR", help="Ray's temp dir (its logs; e.g. under $OUT so that they come back when a phase "
+                    "fails and Ray aborts this process); default: inside the run's temporary folder")
     ap.add_argument("--check-imports", action="store_true", help="only report which modules the run needs and lacks, then exit")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="training config overrides (key=value)")
@@ -209,14 +214,14 @@ def questions_from_store(store) -> list[str]:
 class RayHead:
     """`ray start --head --block` on 127.0.0.1 in its own process group."""
 
-    def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str]):
+    def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str], temp_dir: Path | None = None):
         self.gcs_port, dash = free_port(), free_port()
         self.env = env
         self.log = open(tmp / "ray_start.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
              f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--num-cpus={cpus}",
-             f"--num-gpus={gpus}", f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats"],
+             f"--num-gpus={gpus}", f"--temp-dir={temp_dir or tmp / 'ray'}", "--disable-usage-stats"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.address = f"127.0.0.1:{self.gcs_port}"
@@ -382,6 +387,15 @@ def gpu_assignment() -> dict | None:
 # -- the run ------------------------------------------------------------------------------------------
 
 
+def save_partial(args, result: dict) -> None:
+    """Write what is measured so far ("complete": false): a later phase can take the process down
+    with it (Ray aborts a driver that loses the GCS), and the earlier figures must survive."""
+    if args.out:
+        from bench_common import write_result
+
+        write_result(args.out, {**result, "complete": False})
+
+
 def main() -> None:
     args = args_parser().parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -421,7 +435,7 @@ def main() -> None:
     os.environ.pop("RAY_ADDRESS", None)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH")) if p)}
-    head = RayHead(tmp, args.gpus, args.cpus, env)
+    head = RayHead(tmp, args.gpus, args.cpus, env, Path(args.ray_temp).resolve() if args.ray_temp else None)
     result: dict = {"bench": "two_gpu", **machine_info(), "gpus": args.gpus, "corpus": corpus,
                     "encoder": f"random-init, shape of {args.random_encoder}" if args.random_encoder else os.environ.get("QRAG_ENCODER", "minilm (bundled)")}
     try:
@@ -431,6 +445,7 @@ def main() -> None:
         use_gpu = args.gpus > 0
         result["training_alone"] = train(args, head, tmp / "runs", "alone", use_gpu)
         print(f"two_gpu.py: training alone {result['training_alone']}", file=sys.stderr, flush=True)
+        save_partial(args, result)
 
         ray.init(address=head.address, logging_level="ERROR", log_to_driver=False)  # replicas log every request
         port = free_port()
@@ -444,6 +459,7 @@ def main() -> None:
             if shards == 1:
                 serve.delete("qrag")
         result["retrieval_latency_idle"] = latency
+        save_partial(args, result)
 
         with Load(url, questions, args.concurrency, args.steps) as load:
             result["training_with_serving_load"] = train(args, head, tmp / "runs", "loaded", use_gpu)
@@ -455,6 +471,7 @@ def main() -> None:
         result["settings"] = {"config": Path(args.config).name, "overrides": args.overrides, "runners": args.runners,
                               "learner_gpus": args.learner_gpus, "encoder_gpus": args.encoder_gpus, "steps": args.steps,
                               "concurrency": args.concurrency, "updates": args.updates, "warmup": args.warmup}
+        result["complete"] = True
         serve.shutdown()
         ray.shutdown()
     finally:
