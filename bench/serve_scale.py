@@ -13,9 +13,9 @@ Reports, as one JSON line (and ``--out`` file):
 
 Three paths on the same corpus, questions and process, one after the other: ``baseline`` (eager
 state encoder, blocked eager scoring, shards one by one), ``per_shard`` (CUDA-graph states and
-fused scoring, each shard with its own host syncs: the previous serving path) and the serving path
-reported at the top level (the same, with all shards of the device scored in one pass and one
-device-to-host copy per step, ``ShardOptions.batched``).
+fused scoring, each shard with its own host syncs), ``one_pass`` (the same, all shards of the device
+scored in one pass with one device-to-host copy per step, ``ShardOptions.batched``) and the serving
+path reported at the top level (the same step replayed from a CUDA graph, ``ShardOptions.graphs``).
 
 CPU check:  python bench/serve_scale.py --tokens 200000 --queries 20
 GPU (lead): see the report; needs only torch, transformers, numpy, safetensors on the machine.
@@ -296,10 +296,11 @@ def main() -> None:
     graphs = model.state_encoder
     variants = {}
     answers = {}
-    for variant in ("baseline", "per_shard", "optimized"):
+    for variant in ("baseline", "per_shard", "one_pass", "optimized"):
         model.state_encoder = None if variant == "baseline" else graphs
         index.options.fused = variant != "baseline"
-        index.options.batched = variant == "optimized"
+        index.options.batched = variant in ("one_pass", "optimized")
+        index.options.graphs = variant == "optimized"
         variants[variant], answers[variant] = measure_queries(index, questions, cfg, args, dev)
 
     def agree(a: str, b: str) -> float | None:
@@ -309,12 +310,14 @@ def main() -> None:
     lat_row = variants["optimized"]["latency_concurrency_1"]
     curve = variants["optimized"]["throughput_curve"]
     ok = [c for c in curve if c["p99_ms"] < args.p99_ms]
+    from qrag.index.score_graphs import graph_stats
     from qrag.index.shards import _FUSED
 
     serving_path = {"state_graphs": graphs is not None, "graph_replays": getattr(graphs, "replays", 0),
                     "graph_fallbacks": getattr(graphs, "fallbacks", {}), "fused_scoring": _FUSED.get("fn") is not None,
                     "fused_error": _FUSED.get("error"), "batched_scoring": True,
                     "same_chunks_as_baseline": agree("baseline", "optimized"), "same_chunks_as_per_shard": agree("per_shard", "optimized"),
+                    "same_chunks_as_one_pass": agree("one_pass", "optimized"), "score_graphs": graph_stats(),
                     "score_ms_per_query": {v: variants[v]["latency_concurrency_1"]["mean_stage_ms"]["score"] for v in variants}}
 
     result = {
@@ -331,6 +334,7 @@ def main() -> None:
         "latency_concurrency_1": lat_row,
         "baseline": variants["baseline"],
         "per_shard": variants["per_shard"],
+        "one_pass": variants["one_pass"],
         "serving_path": serving_path,
         "throughput": {"method": "in-process lockstep batches of B concurrent questions (one state-encoder call and one scoring pass over the shards per step)",
                        "curve": curve, "p99_limit_ms": args.p99_ms,

@@ -16,6 +16,7 @@ from qrag.config import ModelConfig
 from qrag.model.positions import rope_frequencies
 from qrag.retrieval.hits import ChunkRecord, ShardHits, merge_hits
 from qrag.retrieval.scoring import score_chunks
+from qrag.index.score_graphs import pack, score_graphs_for, unpack
 from qrag.index.store import (
     CorpusNotFound,
     CorpusStore,
@@ -90,6 +91,7 @@ class ShardOptions:
     hnsw_ef_search: int = 128
     score_block: int = 1 << 18  # (state row x chunk) pairs rotated at once: bounds temporary memory
     fused: bool = True  # GPU + relative positions: score with the compiled relative_scores (no temporaries)
+    graphs: bool = True  # GPU + batched: replay each scoring step of a device's shards from a CUDA graph
     # Score every torch shard of a device in one pass with one device-to-host copy per step
     # (score_shards); False: each shard on its own, several host syncs each (the previous path).
     batched: bool = True
@@ -111,17 +113,9 @@ def states_on(states: torch.Tensor | np.ndarray, device: torch.device) -> torch.
 def to_host(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
     """``tensors`` (any dtypes, one device) as host arrays with one device-to-host copy: their
     bytes packed into one buffer, since each copy of its own would wait for the device."""
-    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    if not flat:
+    if not tensors:
         return []
-    buf = torch.cat(flat).cpu().numpy()
-    out, lo = [], 0
-    for t, f in zip(tensors, flat):
-        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-        # A copy: aligned for its dtype and writable, as .cpu().numpy() would give.
-        out.append(buf[lo : lo + f.numel()].copy().view(dtype).reshape(tuple(t.shape)))
-        lo += f.numel()
-    return out
+    return unpack(pack(tensors).cpu().numpy(), [(t.dtype, tuple(t.shape)) for t in tensors])
 
 
 def row_bytes(text_chars: int, doc_id_chars: int, n_tokens: int) -> int:
@@ -386,12 +380,16 @@ def score_shards(shards: Sequence[ShardIndex], states: torch.Tensor | np.ndarray
             out[j] = shard.topk(states, selected, n_total, k)
     sel = selected_matrix(selected, n_total) if by_device else None
     for device, idx in by_device.items():
-        st, sel_d = states_on(states, device), torch.from_numpy(sel).to(device)
-        tops = [shards[j].device_topk(st, sel_d, n_total, k) for j in idx]
-        host = iter(to_host([t for top in tops for t in top if t is not None]))
-        for j, top in zip(idx, tops):
-            q, top_i = next(host), next(host)
-            pos = next(host) if top[2] is not None else None
+        st = states_on(states, device)
+        results = None
+        if device.type == "cuda" and all(shards[j].options.graphs for j in idx):
+            results = score_graphs_for(device).topk([shards[j] for j in idx], st, sel, n_total, k)
+        if results is None:
+            sel_d = torch.from_numpy(sel).to(device)
+            tops = [shards[j].device_topk(st, sel_d, n_total, k) for j in idx]
+            host = iter(to_host([t for top in tops for t in top if t is not None]))
+            results = [(next(host), next(host), next(host) if top[2] is not None else None) for top in tops]
+        for j, (q, top_i, pos) in zip(idx, results):
             out[j] = shards[j].hits(q, np.where(np.isfinite(q), top_i, -1), pos)  # -1: the row ran out of finite scores
     return out  # type: ignore[return-value]
 
