@@ -15,6 +15,7 @@ from qrag.retrieval.multistep import Retrieval, SearchRun, Timings, search
 from qrag.data.tokens import TokenLayout
 from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions, score_shards
 from qrag.retrieval.hits import ShardHits
+from qrag.index.pipeline import IndexStats, document_groups, index_groups
 from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
 from qrag.retrieval.hits import ChunkRecord
 
@@ -49,30 +50,58 @@ class HeldShards:
 class LocalIndex:
     """Index documents and search corpora in one process, every shard in memory."""
 
-    def __init__(self, store: CorpusStore, model: Embedder, device: torch.device | str = "cpu", options: ShardOptions | None = None, chunk_batch: int = 4096):
+    def __init__(self, store: CorpusStore, model: Embedder, device: torch.device | str = "cpu", options: ShardOptions | None = None, chunk_batch: int = 4096,
+                 commit_chunks: int | None = 65536, pipelined: bool = True):
         self.store, self.model = store, model
         self.device = torch.device(device)
         self.options = options or ShardOptions()
         self.chunk_batch = chunk_batch
+        self.commit_chunks = commit_chunks  # chunks per committed batch (whole documents); None: one batch per call
+        self.pipelined = pipelined  # prep, embedding and writing overlap (qrag.index.pipeline)
+        self.last_stats: IndexStats | None = None  # stage timings of the last add_documents
         self._open: dict[str, CorpusShards] = {}
 
     def create(self, name: str, chunk_tokens: int, shards: int, dtype: str = "float32") -> Manifest:
         return self.store.create(name, fingerprint=self.model.fingerprint, model=self.model.model_cfg, dim=self.model.dim,
                                  chunk_tokens=chunk_tokens, shards=shards, dtype=dtype)
 
-    def add_documents(self, name: str, docs: Sequence[Document], progress=None) -> Manifest:
+    def add_documents(self, name: str, docs: Sequence[Document], progress=None, *, resume: bool = False,
+                      on_commit=None) -> Manifest:
+        """Chunk, tokenise, embed and store ``docs`` (in order) through :mod:`qrag.index.pipeline`:
+        committed in batches of whole documents of about ``commit_chunks`` chunks, each batch
+        atomically (a failure leaves the corpus at the last whole batch and is raised here).
+        ``resume``: documents the corpus holds already are skipped (finishing an interrupted
+        call without embedding them again); otherwise they are a CorpusConflict, before any work.
+        ``progress(done, known)`` after every encoder call: chunks embedded, chunks prepared."""
         from qrag.data.documents import chunk_documents
 
         m = self.store.read(name)
-        chunks = chunk_documents(docs, self.model.count_tokens, m.chunk_tokens)
-        ids = self.model.tokenize_chunks([c.text for c in chunks], m.chunk_tokens)
-        parts = []
-        for lo in range(0, len(ids), self.chunk_batch):
-            parts.append(self.model.embed_chunks(ids[lo : lo + self.chunk_batch]))
-            if progress is not None:
-                progress(min(len(ids), lo + self.chunk_batch), len(ids))
-        vectors = np.concatenate(parts) if parts else np.zeros((0, m.dim), np.float32)
-        return self.store.append(name, docs, chunks, ids, vectors, self.model.fingerprint)
+        if m.fingerprint != self.model.fingerprint:
+            raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}; these vectors come from {self.model.fingerprint}")
+        seen: set[str] = set()
+        for d in docs:
+            if d.id in seen:
+                raise CorpusConflict(f"document id {d.id!r} appears twice in this request")
+            seen.add(d.id)
+        committed = set(self.store.doc_ids(m))
+        if resume:
+            docs = [d for d in docs if d.id not in committed]
+        else:
+            dup = next((d.id for d in docs if d.id in committed), None)
+            if dup is not None:
+                raise CorpusConflict(f"document id {dup!r} is already in corpus {name!r}")
+        chunk_tokens = m.chunk_tokens
+
+        def prepare(block: list[Document]):
+            chunks = chunk_documents(block, self.model.count_tokens, chunk_tokens)
+            return chunks, self.model.tokenize_chunks([c.text for c in chunks], chunk_tokens)
+
+        if resume and not docs:
+            return m
+        groups = document_groups(docs, prepare, self.commit_chunks)
+        manifest, self.last_stats = index_groups(self.store, name, self.model, groups, chunk_batch=self.chunk_batch,
+                                                 pipelined=self.pipelined, progress=progress, on_commit=on_commit)
+        return manifest
 
     def shards(self, name: str) -> CorpusShards:
         m = self.store.read(name)

@@ -160,15 +160,20 @@ def encode(
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     pieces, index_parts = [], []
+    # All sequences in one flat array: a bucket's padded rows are then one gather, not a Python
+    # loop over rows (host time the device would otherwise wait for between batches).
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate([np.asarray(s).reshape(-1) for s in seqs]).astype(np.int64, copy=False)
     grad_ctx = nullcontext() if grad else torch.no_grad()
     with grad_ctx, autocast_for(device):
         for idx in _bucket(lengths, max_tokens):
             width = int(-(-lengths[idx].max() // 8) * 8)
+            mask = np.arange(width)[None, :] < lengths[idx][:, None]
             ids = np.full((len(idx), width), pad_id, dtype=np.int64)
-            for row, j in enumerate(idx):
-                ids[row, : lengths[j]] = seqs[j]
+            ids[mask] = flat[(offsets[idx][:, None] + np.arange(width)[None, :])[mask]]
             ids_t = torch.from_numpy(ids)
-            mask_t = torch.from_numpy(np.arange(width)[None, :] < lengths[idx][:, None])
+            mask_t = torch.from_numpy(mask)
             if device.type == "cuda":
                 ids_t, mask_t = ids_t.pin_memory().to(device, non_blocking=True), mask_t.pin_memory().to(device, non_blocking=True)
             hidden = model(input_ids=ids_t, attention_mask=mask_t.long()).last_hidden_state
@@ -180,7 +185,10 @@ def encode(
     order = np.concatenate(index_parts)
     inverse = np.empty(n, dtype=np.int64)
     inverse[order] = np.arange(n)
-    out = out.index_select(0, torch.from_numpy(inverse).to(out.device))
+    inverse_t = torch.from_numpy(inverse)
+    if device.type == "cuda":  # a pageable copy would wait for every batch above: keep the host ahead
+        inverse_t = inverse_t.pin_memory().to(out.device, non_blocking=True)
+    out = out.index_select(0, inverse_t.to(out.device))
     if stats is not None:
         stats.tokens += int(lengths.sum())
         stats.sequences += n

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -174,8 +174,30 @@ class EmbeddingModel(Tokenization):
         return self.qnet.dim
 
     def embed_chunks(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
+        return self.embed_chunks_start(seqs)()
+
+    def embed_chunks_start(self, seqs: Sequence[np.ndarray]) -> Callable[[], np.ndarray]:
+        """Start embedding ``seqs``; the returned function waits for the vectors ([N, d] float32).
+
+        On CUDA the forward passes are only queued here and the vectors come back through a pinned
+        host buffer (non-blocking copy, an event to wait on), so the caller can prepare and queue
+        the next batch while the device works on this one. On CPU the work is done here, exactly
+        as before (same numbers)."""
         self.chunks_embedded += len(seqs)
-        return self.retriever.embed_chunks(list(seqs), self.chunk_batch).cpu().numpy()
+        vectors = self.retriever.embed_chunks(list(seqs), self.chunk_batch)
+        if self.device.type != "cuda":
+            out = vectors.cpu().numpy()
+            return lambda: out
+        host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
+        host.copy_(vectors, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+
+        def result() -> np.ndarray:
+            done.synchronize()  # releases the GIL while waiting: other stages keep running
+            return host.numpy().copy()  # pageable: the pinned buffer goes back to torch's cache
+
+        return result
 
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
         self.states_embedded += len(seqs)

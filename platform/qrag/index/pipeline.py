@@ -1,0 +1,330 @@
+"""The library indexing path as a pipeline: three stages that overlap, one commit per group.
+
+::
+
+    prep thread      chunk + tokenise the next documents (or take them from worker processes)
+      -> queue (``depth`` groups)
+    calling thread   embed the current group: chunk_batch slices queued on the device, one slice
+                     ahead of the one waited for (EmbeddingModel.embed_chunks_start)
+      -> queue (``depth`` groups)
+    writer thread    CorpusStore.append of the previous group (files written, then the manifest
+                     committed atomically: the store's one writer, as for the HTTP and Ray paths)
+
+A group is whole documents, about ``commit_chunks`` chunks, in input order; groups are committed
+one by one in that order, so positions are those of a sequential run (``pipelined=False`` runs
+the same groups one stage after another in the calling thread: the same files, byte for byte).
+
+Failures: an exception in any stage is raised in the caller. A writer failure stops the writer
+(nothing after the failed group is written) and the corpus stays committed up to the last whole
+group (the failed group's files are strays the next write removes). An embedding or prep failure
+lets the writer finish the groups already handed to it (whole groups) before it is raised.
+``LocalIndex.add_documents(..., resume=True)`` then skips the committed documents, so they are
+not embedded again, and ends with the corpus an uninterrupted run makes (group boundaries only
+depend on the documents and ``commit_chunks``).
+
+Numbers: :class:`IndexStats` has each stage's busy seconds and the stalls between them; with the
+stages overlapping, busy seconds add up to more than the wall time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qrag.data.documents import Document, DocumentChunk
+from qrag.index.store import CorpusStore, Manifest
+
+
+@dataclass
+class Group:
+    """Whole documents with their chunks (corpus order) and token ids: one commit."""
+
+    docs: list[Document] = field(default_factory=list)
+    chunks: list[DocumentChunk] = field(default_factory=list)
+    ids: list[np.ndarray] = field(default_factory=list)
+
+
+class GroupBuilder:
+    """Documents in input order -> groups of whole documents of at least ``commit_chunks``
+    chunks (None: one group of everything). Boundaries depend only on the documents' chunk
+    counts, never on how the caller batched its tokenising."""
+
+    def __init__(self, commit_chunks: int | None):
+        if commit_chunks is not None and commit_chunks < 1:
+            raise ValueError(f"commit_chunks must be at least 1, got {commit_chunks}")
+        self.commit_chunks = commit_chunks
+        self.group = Group()
+
+    def add(self, doc: Document, chunks: Sequence[DocumentChunk], ids: Sequence[np.ndarray]) -> Group | None:
+        self.group.docs.append(doc)
+        self.group.chunks.extend(chunks)
+        self.group.ids.extend(ids)
+        if self.commit_chunks is not None and len(self.group.chunks) >= self.commit_chunks:
+            return self.flush()
+        return None
+
+    def flush(self) -> Group | None:
+        group, self.group = self.group, Group()
+        return group if group.docs else None
+
+
+def document_groups(docs: Sequence[Document], prepare: Callable[[list[Document]], tuple[list[DocumentChunk], list[np.ndarray]]],
+                    commit_chunks: int | None, block_docs: int = 256) -> Iterator[Group]:
+    """Chunk + tokenise ``docs`` ``block_docs`` at a time (``prepare``: documents -> their chunks
+    in order and the chunks' token ids) and yield commit groups. No documents: one empty group
+    (an empty batch, as a single append of nothing makes)."""
+    builder = GroupBuilder(commit_chunks)
+    for lo in range(0, len(docs), block_docs):
+        block = list(docs[lo : lo + block_docs])
+        chunks, ids = prepare(block)
+        start = 0
+        for doc in block:  # chunks come in document order: each document's run of chunks
+            end = start
+            while end < len(chunks) and chunks[end].doc_id == doc.id:
+                end += 1
+            group = builder.add(doc, chunks[start:end], ids[start:end])
+            start = end
+            if group is not None:
+                yield group
+    group = builder.flush()
+    if group is not None:
+        yield group
+    elif not docs:
+        yield Group()
+
+
+@dataclass
+class IndexStats:
+    pipelined: bool
+    commits: int = 0
+    documents: int = 0
+    chunks: int = 0
+    tokens: int = 0  # text tokens of the chunks
+    encoder_tokens: int = 0  # token ids embedded (with [CLS]/[SEP])
+    seconds: float = 0.0  # wall, first group asked for to last commit
+    prep_seconds: float = 0.0  # busy: producing groups (chunking, tokenising or waiting on workers)
+    embed_seconds: float = 0.0  # busy: queueing forwards and waiting for the vectors
+    write_seconds: float = 0.0  # busy: store appends (files, checksums, fsync, manifest)
+    embed_waiting_for_prep: float = 0.0  # the embed stage starved (prep slower)
+    embed_waiting_for_writer: float = 0.0  # the embed stage held back (writer's queue full)
+    depth: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, float):
+                out[key] = round(value, 3)
+        busy = self.prep_seconds + self.embed_seconds + self.write_seconds
+        out["overlap"] = round(busy / self.seconds, 3) if self.seconds else 0.0  # > 1: stages ran at once
+        return out
+
+
+_END = object()
+
+
+class _Prefetch:
+    """Runs an iterable in a thread, ``depth`` items ahead; its exception is raised to the reader."""
+
+    def __init__(self, items: Iterable, depth: int, stats: IndexStats):
+        self.items, self.stats = items, stats
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="qrag-index-prep", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            it = iter(self.items)
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                item = next(it, _END)
+                self.stats.prep_seconds += time.perf_counter() - t0
+                self._put((None, item))
+                if item is _END:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self._put((exc, None))
+
+    def _put(self, entry) -> None:
+        while not self.stop.is_set():
+            try:
+                self.q.put(entry, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator:
+        while True:
+            t0 = time.perf_counter()
+            exc, item = self.q.get()
+            self.stats.embed_waiting_for_prep += time.perf_counter() - t0
+            if exc is not None:
+                raise exc
+            if item is _END:
+                return
+            yield item
+
+    def close(self, wait: float | None = None) -> None:
+        self.stop.set()
+        self.thread.join(wait)
+
+
+class _Writer:
+    """One thread committing groups in the order given. After a failure it writes nothing more;
+    the failure is raised by the next :meth:`put` or by :meth:`close`."""
+
+    _STOP = object()
+
+    def __init__(self, write: Callable[[Any], None], depth: int, stats: IndexStats):
+        self.write, self.stats = write, stats
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="qrag-index-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is self._STOP:
+                return
+            if self.error is not None:
+                continue  # drained, never written: the batch after a failed one must not commit
+            t0 = time.perf_counter()
+            try:
+                self.write(item)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                self.error = exc
+            finally:
+                self.stats.write_seconds += time.perf_counter() - t0
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            self.close()
+            raise self.error
+
+    def put(self, item) -> None:
+        t0 = time.perf_counter()
+        try:
+            while True:
+                self._raise()
+                try:
+                    self.q.put(item, timeout=0.05)
+                    return
+                except queue.Full:
+                    continue
+        finally:
+            self.stats.embed_waiting_for_writer += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Write what was handed over (unless a write failed), then stop the thread."""
+        if not self.closed:
+            self.closed = True
+            self.q.put(self._STOP)  # the thread drains the queue, so this never blocks for long
+            self.thread.join()
+
+    def finish(self) -> None:
+        self.close()
+        if self.error is not None:
+            raise self.error
+
+
+def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on_slice: Callable[[int], None] | None = None) -> np.ndarray:
+    """Vectors of a group, ``chunk_batch`` chunks per encoder call; with a model that can start a
+    call before the previous one is waited for (``embed_chunks_start``), one call stays queued
+    ahead so the device never waits for the host between calls."""
+    start = getattr(model, "embed_chunks_start", None)
+    if start is None:
+        def start(seqs, _embed=model.embed_chunks):
+            out = _embed(seqs)
+            return lambda: out
+    parts: list[np.ndarray] = []
+    pending: tuple[Callable[[], np.ndarray], int] | None = None
+    for lo in range(0, len(ids), chunk_batch):
+        handle = start(ids[lo : lo + chunk_batch])
+        if pending is not None:
+            parts.append(pending[0]())
+            if on_slice is not None:
+                on_slice(pending[1])
+        pending = (handle, min(len(ids), lo + chunk_batch) - lo)
+    if pending is not None:
+        parts.append(pending[0]())
+        if on_slice is not None:
+            on_slice(pending[1])
+    if not parts:
+        return np.zeros((0, dim), np.float32)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], *, chunk_batch: int, pipelined: bool = True,
+                 depth: int = 2, progress: Callable[[int, int], None] | None = None,
+                 on_commit: Callable[[Manifest], None] | None = None) -> tuple[Manifest, IndexStats]:
+    """Embed and commit ``groups`` (in order, one ``store.append`` each) into corpus ``name``.
+
+    ``progress(done, known)`` after every encoder call: chunks embedded and chunks prepared so far.
+    ``on_commit(manifest)`` after every commit (on the writer thread when pipelined). Returns the
+    last manifest and the stage timings."""
+    if chunk_batch < 1:
+        raise ValueError(f"chunk_batch must be at least 1, got {chunk_batch}")
+    stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0)
+    dim = store.read(name).dim
+    last: list[Manifest] = []
+    counts = {"embedded": 0, "known": 0}
+
+    def write(item: tuple[Group, np.ndarray]) -> None:
+        group, vectors = item
+        m = store.append(name, group.docs, group.chunks, group.ids, vectors, model.fingerprint)
+        last[:] = [m]
+        stats.commits += 1
+        stats.documents += len(group.docs)
+        stats.chunks += len(group.chunks)
+        stats.tokens += sum(c.tokens for c in group.chunks)
+        if on_commit is not None:
+            on_commit(m)
+
+    def on_slice(n: int) -> None:
+        counts["embedded"] += n
+        if progress is not None:
+            progress(counts["embedded"], counts["known"])
+
+    def embed(group: Group) -> np.ndarray:
+        t0 = time.perf_counter()
+        counts["known"] += len(group.ids)
+        stats.encoder_tokens += sum(len(x) for x in group.ids)
+        vectors = embed_group(model, group.ids, chunk_batch, dim, on_slice)
+        stats.embed_seconds += time.perf_counter() - t0
+        return vectors
+
+    t_start = time.perf_counter()
+    if not pipelined:
+        it = iter(groups)
+        while True:
+            t0 = time.perf_counter()
+            group = next(it, None)
+            stats.prep_seconds += time.perf_counter() - t0
+            if group is None:
+                break
+            vectors = embed(group)
+            t0 = time.perf_counter()
+            write((group, vectors))
+            stats.write_seconds += time.perf_counter() - t0
+    else:
+        prep = _Prefetch(groups, depth, stats)
+        writer = _Writer(write, depth, stats)
+        try:
+            for group in prep:
+                writer.put((group, embed(group)))
+            writer.finish()
+        except BaseException:
+            prep.close(wait=5.0)  # a prep step in progress finishes on its own (daemon thread)
+            writer.close()  # whole groups already handed over are committed, nothing else
+            raise
+        prep.close()
+    stats.seconds = time.perf_counter() - t_start
+    return (last[0] if last else store.read(name)), stats

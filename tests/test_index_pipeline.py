@@ -1,0 +1,181 @@
+"""The pipelined library indexing path (qrag.index.pipeline via LocalIndex.add_documents): the same
+files as the sequential path, byte for byte; a writer failure is raised in the caller with the
+corpus committed up to the last whole batch, and resume finishes it without re-embedding."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+from qrag.index.local import LocalIndex
+from qrag.index.pipeline import Group, GroupBuilder, document_groups, index_groups
+from qrag.index.store import CorpusStore
+from qrag.retrieval.embedder import load_embedding_model, resolve_source
+from test_index import make_documents
+
+SHARDS = 3
+
+
+@pytest.fixture(scope="module")
+def model(tiny_encoder):
+    return load_embedding_model(resolve_source(None, tiny_encoder), "cpu", positions="relative")
+
+
+def build(model, root, docs, *, pipelined=True, commit_chunks=10, chunk_batch=4, name="c", **kw):
+    store = CorpusStore(root)
+    index = LocalIndex(store, model, chunk_batch=chunk_batch, commit_chunks=commit_chunks, pipelined=pipelined)
+    if name not in store.names():
+        index.create(name, chunk_tokens=24, shards=SHARDS)
+    index.add_documents(name, docs, **kw)
+    return store, index
+
+
+def snapshot(store: CorpusStore, name: str = "c"):
+    """The corpus on disk without what differs between any two writes: the uid, the clock, the
+    random suffix of vector file names. Every listed file's bytes; every file in the folder."""
+    m = store.read(name)
+    root = store.path(name)
+
+    def norm(path: str) -> str:
+        return re.sub(r"\.[0-9a-f]{6}\.safetensors$", ".safetensors", path)
+
+    batches = []
+    for b in m.batches:
+        shards = [{**s, "vectors": {**s["vectors"], "file": norm(s["vectors"]["file"])}} for s in b["shards"]]
+        batches.append({**b, "shards": shards})
+    listed = {norm(s[k]["file"]): (root / s[k]["file"]).read_bytes() for b in m.batches for s in b["shards"] for k in ("vectors", "texts")}
+    listed |= {b["docs"]["file"]: (root / b["docs"]["file"]).read_bytes() for b in m.batches}
+    on_disk = sorted(norm(str(p.relative_to(root))) for p in root.rglob("*") if p.is_file())
+    head = {k: v for k, v in m.__dict__.items() if k not in ("uid", "created", "updated", "batches")}
+    return head, batches, listed, on_disk
+
+
+def test_pipelined_writes_the_same_files_as_sequential(model, tmp_path, monkeypatch):
+    docs = make_documents(14, seed=5)
+    seq_store, seq = build(model, tmp_path / "seq", docs, pipelined=False)
+    # A slow writer: the embed stage runs ahead until the writer's queue is full (backpressure).
+    real_append = CorpusStore.append
+
+    def slow_append(self, *a, **kw):
+        time.sleep(0.05)
+        return real_append(self, *a, **kw)
+
+    monkeypatch.setattr(CorpusStore, "append", slow_append)
+    seen = []
+    pipe_store, pipe = build(model, tmp_path / "pipe", docs, pipelined=True, progress=lambda done, known: seen.append((done, known)))
+    monkeypatch.undo()
+
+    m = pipe_store.read("c")
+    assert len(m.batches) >= 4 and m.chunks > 4 * 10  # several batches, several encoder calls each
+    assert all(b["chunks"] >= 10 for b in m.batches[:-1])
+    assert pipe.last_stats.pipelined and pipe.last_stats.commits == len(m.batches)
+    assert pipe.last_stats.embed_waiting_for_writer > 0  # the writer did hold the embed stage back
+    assert not seq.last_stats.pipelined and seq.last_stats.commits == len(m.batches)
+    assert seen[-1] == (m.chunks, m.chunks) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    a, b = snapshot(seq_store), snapshot(pipe_store)
+    assert a[0] == b[0] and a[1] == b[1]  # the manifest: counts, positions, batches, sha256 sums
+    assert a[2].keys() == b[2].keys() and all(a[2][k] == b[2][k] for k in a[2])  # file bytes
+    assert a[3] == b[3]  # no other files
+
+    # One batch per call (commit_chunks=None) holds the same rows in the same positions.
+    one_store, _ = build(model, tmp_path / "one", docs, commit_chunks=None)
+    assert len(one_store.read("c").batches) == 1
+    assert rows(one_store) [0] == rows(pipe_store)[0]
+    np.testing.assert_allclose(rows(one_store)[1], rows(pipe_store)[1], rtol=1e-5, atol=1e-6)
+
+
+def rows(store: CorpusStore, name: str = "c"):
+    m = store.read(name)
+    out, vecs = {}, {}
+    for batch in m.batches:
+        for s in range(m.shards):
+            seg, problem = store.read_segment(m, s, batch)
+            assert problem is None, problem
+            for i, p in enumerate(seg.positions):
+                out[int(p)] = (seg.doc_ids[i], seg.texts[i], tuple(int(t) for t in seg.tokens[i]))
+                vecs[int(p)] = seg.vectors[i]
+    assert sorted(out) == list(range(m.chunks))
+    return [out[p] for p in range(m.chunks)], np.stack([vecs[p] for p in range(m.chunks)])
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_writer_failure_is_raised_and_resume_finishes_without_reembedding(model, tmp_path, monkeypatch, pipelined):
+    docs = make_documents(14, seed=5)
+    ref_store, _ = build(model, tmp_path / "ref", docs, pipelined=False)
+    ref = ref_store.read("c")
+    assert len(ref.batches) >= 4
+
+    real_write = CorpusStore._write_segment
+    calls = {"n": 0}
+
+    def failing_write(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2 * SHARDS + 2:  # the third batch, after its first shard was written
+            time.sleep(0.3)  # meanwhile the next batches reach the writer's queue: none may commit
+            raise OSError(28, "No space left on device")
+        return real_write(self, *a, **kw)
+
+    monkeypatch.setattr(CorpusStore, "_write_segment", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        build(model, tmp_path / "run", docs, pipelined=pipelined)
+    monkeypatch.undo()
+
+    store = CorpusStore(tmp_path / "run", clean=False)
+    m = store.read("c")
+    assert [b["chunks"] for b in m.batches] == [b["chunks"] for b in ref.batches[:2]]  # up to the last whole batch
+    assert m.chunks == sum(b["chunks"] for b in ref.batches[:2])
+    assert rows(store)[0] == rows(ref_store)[0][: m.chunks]
+    assert any(p.name.startswith("batch_000003") for p in store.path("c").rglob("*"))  # the failed batch's debris
+
+    before = model.chunks_embedded
+    store2, index = build(model, tmp_path / "run", docs, pipelined=pipelined, resume=True)
+    assert model.chunks_embedded - before == ref.chunks - m.chunks  # committed batches not embedded again
+    assert snapshot(store2) == snapshot(ref_store)  # as if never interrupted, byte for byte
+    assert index.add_documents("c", docs, resume=True).version == store2.read("c").version  # nothing left to do
+
+
+def test_prep_failure_is_raised_after_the_whole_batches_before_it(model, tmp_path):
+    store = CorpusStore(tmp_path)
+    index = LocalIndex(store, model)
+    index.create("c", chunk_tokens=24, shards=2)
+    docs = make_documents(4)
+
+    def groups():
+        for d in docs[:3]:
+            chunks, ids = prepare([d])
+            yield Group([d], chunks, ids)
+        raise RuntimeError("the tokenizer worker died")
+
+    def prepare(block):
+        from qrag.data.documents import chunk_documents
+
+        chunks = chunk_documents(block, model.count_tokens, 24)
+        return chunks, model.tokenize_chunks([c.text for c in chunks], 24)
+
+    with pytest.raises(RuntimeError, match="worker died"):
+        index_groups(store, "c", model, groups(), chunk_batch=4, pipelined=True)
+    m = store.read("c")
+    assert m.documents == 3 and store.doc_ids(m) == ["doc-0", "doc-1", "doc-2"] and len(m.batches) == 3
+
+
+def test_groups_are_whole_documents_whatever_the_tokenising_blocks():
+    docs = make_documents(9, seed=2)
+
+    def prepare(block):  # 1 + index % 4 chunks per document
+        from qrag.data.documents import DocumentChunk
+
+        chunks = [DocumentChunk(d.id, f"{d.id}/{k}", 3) for d in block for k in range(1 + int(d.id.split("-")[1]) % 4)]
+        return chunks, [np.array([k], np.int32) for k in range(len(chunks))]
+
+    def shape(groups):
+        return [([d.id for d in g.docs], [c.text for c in g.chunks]) for g in groups]
+
+    ref = shape(document_groups(docs, prepare, commit_chunks=5, block_docs=100))
+    assert len(ref) > 2 and all(len(chunks) >= 5 for _, chunks in ref[:-1])
+    for block_docs in (1, 2, 4):
+        assert shape(document_groups(docs, prepare, commit_chunks=5, block_docs=block_docs)) == ref
+    assert len(list(document_groups(docs, prepare, commit_chunks=None))) == 1
+    assert GroupBuilder(3).flush() is None
