@@ -179,3 +179,16 @@ def test_groups_are_whole_documents_whatever_the_tokenising_blocks():
         assert shape(document_groups(docs, prepare, commit_chunks=5, block_docs=block_docs)) == ref
     assert len(list(document_groups(docs, prepare, commit_chunks=None))) == 1
     assert GroupBuilder(3).flush() is None
+
+
+def test_segment_text_lines_are_the_json_they_always_were():
+    import json
+
+    from qrag.index.store import _encode_texts
+
+    texts = ["plain", "“quoted” é 中", 'q"b\\s\n\t\x00\x1f\x7f\u2028', "", "</script>", "emoji 😀"]
+    positions = np.arange(len(texts), dtype=np.int64) * 123456789012
+    for doc in [*texts, np.str_("numpy-str")]:
+        lines = [json.dumps({"position": int(p), "doc": doc, "text": t}, ensure_ascii=False) for p, t in zip(positions, texts)]
+        assert _encode_texts(positions, [doc] * len(texts), texts) == ("\n".join(lines) + "\n").encode("utf-8")
+    assert _encode_texts(positions[:0], [], []) == b""

@@ -191,8 +191,19 @@ def _encode_segment(positions: np.ndarray, vectors: np.ndarray, tokens: Sequence
     })
 
 
+_encode_str = json.encoder.encode_basestring  # what json.dumps(..., ensure_ascii=False) uses for a str (the C version)
+
+
+def _text_line(p, d, t) -> str:
+    """``json.dumps({"position": p, "doc": d, "text": t}, ensure_ascii=False)``, the same
+    characters, without building an encoder per line (the writer's hot loop while indexing)."""
+    if type(d) is str and type(t) is str:
+        return '{"position": ' + int.__repr__(int(p)) + ', "doc": ' + _encode_str(d) + ', "text": ' + _encode_str(t) + "}"
+    return json.dumps({"position": int(p), "doc": d, "text": t}, ensure_ascii=False)
+
+
 def _encode_texts(positions: np.ndarray, doc_ids: Sequence[str], texts: Sequence[str]) -> bytes:
-    lines = [json.dumps({"position": int(p), "doc": d, "text": t}, ensure_ascii=False) for p, d, t in zip(positions, doc_ids, texts)]
+    lines = [_text_line(p, d, t) for p, d, t in zip(positions.tolist(), doc_ids, texts)]
     return ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
 
 
