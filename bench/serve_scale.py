@@ -78,6 +78,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/serve_scale_h100.json")
     ap.add_argument("--random-weights", action="store_true",
                     help="random-init encoder of --encoder's architecture (speed figures need no trained weights: carry only its config and tokenizer)")
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="draw p50/p99 and GPU memory against corpus size from result files "
+                    "(e.g. bench/results/serve_scale_{1m,10m,100m}_h100.json) into --out (a .png), and exit")
     ap.add_argument("--export-encoder", metavar="DIR", help="write the bundled MiniLM (config, tokenizer, fp16 weights ~46 MB) to carry to a GPU machine, and exit")
     return ap
 
@@ -266,8 +268,40 @@ def percentile_ms(values: list[float], p: float) -> float:
     return round(float(np.percentile(np.asarray(values) * 1000.0, p)), 3)
 
 
+def plot_growth(paths: list[str], out: str) -> str:
+    """How latency and memory grow with the corpus: one point per result file, every path it timed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda d: d["corpus"]["text_tokens"])
+    tokens = [d["corpus"]["text_tokens"] for d in rows]
+    fig, (lat, mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("baseline", "per_shard", "one_pass", "serving path"):
+        got = [(t, (d["latency_concurrency_1"] if name == "serving path" else d.get(name, {}).get("latency_concurrency_1")))
+               for t, d in zip(tokens, rows)]
+        got = [(t, r) for t, r in got if r]
+        if got:
+            line, = lat.plot([t for t, _ in got], [r["p50_ms"] for _, r in got], marker="o", label=f"{name} p50" + (" (each file's commit)" if name == "serving path" else ""))
+            lat.plot([t for t, _ in got], [r["p99_ms"] for _, r in got], marker="x", ls="--", color=line.get_color(), label=f"{name} p99")
+    lat.set(xscale="log", yscale="log", xlabel="corpus tokens", ylabel="ms per 4-step query", title="latency at concurrency 1")
+    lat.legend(fontsize=7)
+    mem.plot(tokens, [d["latency_concurrency_1"]["peak_gpu_bytes"] / 2**30 for d in rows], marker="o", label="peak GPU memory")
+    mem.plot(tokens, [sum(s["vector_bytes"] for s in d["shards"]) / 2**30 for d in rows], marker="o", label="shard memory (vectors + rows)")
+    mem.set(xscale="log", yscale="log", xlabel="corpus tokens", ylabel="GiB", title="memory")
+    mem.legend(fontsize=7)
+    fig.suptitle(", ".join(sorted({f"{d['gpu']} @ {d['commit']}" for d in rows})), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
     args = args_parser().parse_args()
+    if args.plot:
+        print(plot_growth(args.plot, args.out or "serve_scale_growth.png"))
+        return
     if args.export_encoder:
         export_encoder(args.export_encoder)
         return
