@@ -105,3 +105,13 @@ def test_pack_and_unpack_keep_every_dtype_bit_for_bit():
     for g, t in zip(got, tensors):
         np.testing.assert_array_equal(g, t.numpy())
         assert g.dtype == t.numpy().dtype and g.flags.writeable
+
+
+def test_serve_config_reaches_the_shard_options():
+    """`score_graphs: false` in serve/config.yaml's args turns the graphed step off for every shard."""
+    from qrag.config import from_dict
+    from qrag.serving.service_config import ServeConfig
+
+    assert ServeConfig().shard_options().graphs is True
+    options = from_dict(ServeConfig, {"score_graphs": False, "faiss": "never", "approx_above": 7}).shard_options()
+    assert (options.graphs, options.faiss, options.approx_above) == (False, "never", 7)

@@ -40,7 +40,7 @@ from qrag.retrieval.embedder import Tokenization, load_embedding_model, resolve_
 from qrag.model.encoder import pick_device
 from qrag.serving.http_api import build_api
 from qrag.index.holder import ShardHolder, ShardOverBudget
-from qrag.index.shards import ShardOptions, ShardUnhealthy
+from qrag.index.shards import ShardUnhealthy
 from qrag.retrieval.hits import ShardHits
 from qrag.index.store import CorpusNotFound, CorpusStore, SegmentProblem
 from qrag.serving.service import ModelIdentity, RetrievalService, ServiceError, encoder_positions
@@ -100,7 +100,7 @@ class Encoder:
 class Shard:
     def __init__(self, cfg: dict[str, Any], slot: int):
         c = from_dict(ServeConfig, cfg)
-        options = ShardOptions(faiss=c.faiss, approx_above=c.approx_above)
+        options = c.shard_options()
         self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shards, pick_device(c.shard_device), options, c.shard_memory_bytes)
         # Loading a corpus from disk runs in its own threads: queries of loaded corpora never
         # wait behind it for a worker thread.

@@ -727,6 +727,6 @@ def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu") 
     store = CorpusStore(cfg.storage)
     identity = ModelIdentity(model.fingerprint, model.model_cfg, model.dim, model.source.describe(), model.source.trained,
                              encoder_positions(model.qnet.action_encoder))
-    options = ShardOptions(faiss=cfg.faiss, approx_above=cfg.approx_above)
+    options = cfg.shard_options()
     holders = [LocalShards(ShardHolder(store, s, cfg.shards, torch.device(device), options, cfg.shard_memory_bytes)) for s in range(cfg.shards)]
     return RetrievalService(replace(cfg), store, model, identity, LocalEncoder(model, cfg.retry_after_s), holders)

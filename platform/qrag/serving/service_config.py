@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qrag.config import opt
+from qrag.index.shards import ShardOptions
 
 
 @dataclass
@@ -30,6 +31,7 @@ class ServeConfig:
     encode_tokens: int = opt(32768, "Padded tokens per encoder forward pass.")
     faiss: str = opt("auto", "FAISS for shards when positions are off: auto (CPU shards) | always | never.")
     approx_above: int = opt(2_000_000, "Chunks per shard above which FAISS uses an approximate (HNSW) index.")
+    score_graphs: bool = opt(True, "GPU shards: replay each scoring step from a CUDA graph (per batch bucket); false = the same step launched eagerly.")
     retry_after_s: int = opt(1, "Retry-After seconds sent with 503 on overload.")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     max_documents: int = opt(10000, "Documents per create/append request; send more in several requests.")
@@ -54,3 +56,7 @@ class ServeConfig:
     cors_origins: list[str] = opt([], "Origins whose web pages may call the API (CORS); empty = none, and cross-origin writes are refused.")
     request_timeout_s: float = opt(60.0, "Longest time one request may take in the ingress (503 beyond); clients cannot lift it.")
     handle_timeout_s: float = opt(30.0, "Longest wait for one call to the encoder or a shard (503 + Retry-After beyond).")
+
+    def shard_options(self) -> ShardOptions:
+        """How this service's shards score (the Ray shard deployments and the in-process service alike)."""
+        return ShardOptions(faiss=self.faiss, approx_above=self.approx_above, graphs=self.score_graphs)
