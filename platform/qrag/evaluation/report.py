@@ -261,6 +261,15 @@ def early_stopping_table(data: dict[str, Any], name: str) -> Report:
 # -- plots ---------------------------------------------------------------------------------------------
 
 
+def _save(plt, fig, title: str, path: Path) -> Path:
+    """Title, layout, PNG at ``path``; the figure is closed (a report draws many)."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -292,11 +301,7 @@ def plot_lengths(series: dict[str, dict[str, dict[int, float]]], path: Path, tit
         ax.set_ylabel(METRIC_TITLES.get(metric, metric))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, title, path)
 
 
 def plot_early_stopping(data: dict[str, Any], path: Path, title: str) -> Path | None:
@@ -336,11 +341,7 @@ def plot_early_stopping(data: dict[str, Any], path: Path, title: str) -> Path | 
     ax.set_title("(d) ROC of the stopping rule")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, title, path)
 
 
 # -- everything ---------------------------------------------------------------------------------------

@@ -76,8 +76,6 @@ class LocalIndex:
         from qrag.data.documents import chunk_documents
 
         m = self.store.read(name)
-        if m.fingerprint != self.model.fingerprint:
-            raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}; these vectors come from {self.model.fingerprint}")
         seen: set[str] = set()
         for d in docs:
             if d.id in seen:
@@ -86,10 +84,8 @@ class LocalIndex:
         committed = set(self.store.doc_ids(m))
         if resume:
             docs = [d for d in docs if d.id not in committed]
-        else:
-            dup = next((d.id for d in docs if d.id in committed), None)
-            if dup is not None:
-                raise CorpusConflict(f"document id {dup!r} is already in corpus {name!r}")
+        # Before any embedding: append refuses the same, but only after the work.
+        self.store.check_new(m, docs, self.model.fingerprint, committed)
         chunk_tokens = m.chunk_tokens
 
         def prepare(block: list[Document]):

@@ -245,18 +245,20 @@ def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on
             out = _embed(seqs)
             return lambda: out
     parts: list[np.ndarray] = []
-    pending: tuple[Callable[[], np.ndarray], int] | None = None
-    for lo in range(0, len(ids), chunk_batch):
-        handle = start(ids[lo : lo + chunk_batch])
-        if pending is not None:
-            parts.append(pending[0]())
-            if on_slice is not None:
-                on_slice(pending[1])
-        pending = (handle, min(len(ids), lo + chunk_batch) - lo)
-    if pending is not None:
-        parts.append(pending[0]())
+    queued: list[tuple[Callable[[], np.ndarray], int]] = []  # at most one call ahead of the one waited for
+
+    def wait_oldest() -> None:
+        result, n = queued.pop(0)
+        parts.append(result())
         if on_slice is not None:
-            on_slice(pending[1])
+            on_slice(n)
+
+    for lo in range(0, len(ids), chunk_batch):
+        queued.append((start(ids[lo : lo + chunk_batch]), min(len(ids), lo + chunk_batch) - lo))
+        if len(queued) > 1:
+            wait_oldest()
+    while queued:
+        wait_oldest()
     if not parts:
         return np.zeros((0, dim), np.float32)
     return np.concatenate(parts) if len(parts) > 1 else parts[0]

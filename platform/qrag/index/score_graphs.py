@@ -34,11 +34,21 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype for a torch dtype (looked up once: unpack runs on every scoring step)."""
+    if dtype not in _NUMPY_DTYPES:
+        _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+    return _NUMPY_DTYPES[dtype]
+
+
 def unpack(buf: np.ndarray, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[np.ndarray]:
     """Host arrays from a :func:`pack`ed buffer copied to the host; ``specs`` = (dtype, shape) of each."""
     out, lo = [], 0
     for dtype, shape in specs:
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        np_dtype = numpy_dtype(dtype)
         size = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
         # A copy: aligned for its dtype and writable, as .cpu().numpy() would give.
         out.append(buf[lo : lo + size].copy().view(np_dtype).reshape(shape))
@@ -82,7 +92,7 @@ class ScoreGraphs:
         self._captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool = None
         self._lock = threading.Lock()
-        self.failures: dict[str, str] = {}
+        self.failures: dict[tuple, str] = {}  # key -> why its capture failed (answered eagerly since)
         self.replays = 0
         self.captures = 0
 
@@ -96,7 +106,7 @@ class ScoreGraphs:
         if size is None:
             return None
         key = (tuple((id(s), s.rows_within(n_total), s.vectors.data_ptr()) for s in shards), size, width, n_total, k, str(states.device))
-        if repr(key) in self.failures:
+        if key in self.failures:
             return None
         with self._lock:
             entry = self._captured.get(key)
@@ -107,7 +117,7 @@ class ScoreGraphs:
                 try:
                     entry = self._capture(shards, states, sel, n_total, k, size)
                 except Exception as exc:  # noqa: BLE001 - not capturable here: answer eagerly
-                    self.failures[repr(key)] = f"{type(exc).__name__}: {exc}"[:300]
+                    self.failures[key] = f"{type(exc).__name__}: {exc}"[:300]
                     return None
                 self._captured[key] = entry
                 while len(self._captured) > self.capacity:
@@ -154,4 +164,4 @@ def score_graphs_for(device: torch.device) -> ScoreGraphs:
 def graph_stats() -> dict[str, Any]:
     """Captures, replays and failures over every device (for benchmarks and /metrics)."""
     return {"captures": sum(g.captures for g in _BY_DEVICE.values()), "replays": sum(g.replays for g in _BY_DEVICE.values()),
-            "failures": {k: v for g in _BY_DEVICE.values() for k, v in g.failures.items()}}
+            "failures": {repr(k): v for g in _BY_DEVICE.values() for k, v in g.failures.items()}}

@@ -354,6 +354,16 @@ class CorpusStore:
 
     # -- appending
 
+    def check_new(self, m: Manifest, docs: Sequence[Document], fingerprint: str, existing: set[str] | None = None) -> None:
+        """What :meth:`append` refuses (CorpusConflict): vectors of another model, or a document id
+        the corpus holds (``existing``: its ids, when the caller has read them already)."""
+        if fingerprint != m.fingerprint:
+            raise CorpusConflict(f"corpus {m.name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}")
+        existing = set(self.doc_ids(m)) if existing is None else existing
+        dup = next((d.id for d in docs if d.id in existing), None)
+        if dup is not None:
+            raise CorpusConflict(f"document id {dup!r} is already in corpus {m.name!r}")
+
     def append(
         self,
         name: str,
@@ -369,12 +379,7 @@ class CorpusStore:
         tell whether an interrupted job's documents made it)."""
         with self.lock(name):
             m = self.read(name)
-            if fingerprint != m.fingerprint:
-                raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}")
-            existing = set(self.doc_ids(m))
-            dup = next((d.id for d in docs if d.id in existing), None)
-            if dup is not None:
-                raise CorpusConflict(f"document id {dup!r} is already in corpus {name!r}")
+            self.check_new(m, docs, fingerprint)
             self._remove_strays(m)
             for tmp in self.path(name).glob(f"*/.*{TMP_SUFFIX}"):
                 tmp.unlink(missing_ok=True)

@@ -106,7 +106,7 @@ class TrainingRun:
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, device: torch.device | None = None, load_data: bool = True):
         self.cfg = cfg
-        learner_class(cfg.learner)  # a bad objective fails before minutes of loading
+        learner_cls = learner_class(cfg.learner)  # a bad objective fails before minutes of loading
         self.device = device or pick_device(cfg.device)
         seed_everything(cfg.seed)
         self.train_samples: list[Sample] = []
@@ -136,7 +136,6 @@ class TrainingRun:
             if loading is not None:
                 loading.result()
             self.timings["model_and_data_s"] = time.perf_counter() - t0
-        learner_cls = learner_class(cfg.learner)
         self.learner = learner_cls(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []

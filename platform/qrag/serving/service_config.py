@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from qrag.config import opt
-from qrag.index.shards import ShardOptions
+
+if TYPE_CHECKING:
+    from qrag.index.shards import ShardOptions
 
 
 @dataclass
@@ -59,4 +63,6 @@ class ServeConfig:
 
     def shard_options(self) -> ShardOptions:
         """How this service's shards score (the Ray shard deployments and the in-process service alike)."""
+        from qrag.index.shards import ShardOptions  # torch: not for reading a config (`qrag serve --help`)
+
         return ShardOptions(faiss=self.faiss, approx_above=self.approx_above, graphs=self.score_graphs)
