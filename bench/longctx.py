@@ -39,9 +39,11 @@ PRESETS = {"qa1": "babilong-qa1.yaml", "qa2": "babilong-qa2.yaml", "qa3": "babil
 BABILONG_LENGTHS = "1k,4k,32k,128k,1m,10m"
 NIAH_LENGTHS = "4k,32k,128k,1m"
 # What --pack-assets copies (sizes stored): bAbI qa1-qa5 (<1 MB), training books that hold the
-# 2M-token training haystack, evaluation books (a 10M-token context wraps around them).
+# 2M-token training haystack, validation books (held out of training: a 1M-token validation context),
+# evaluation books (a 10M-token context wraps around them).
 PACK_TRAIN_BOOKS = 4
 PACK_DEV_BOOKS = 10
+PACK_VAL_BOOKS = 5  # validation background: the train collection's books that training never reads (~1.5M tokens)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -85,7 +87,7 @@ def pack_assets(dest: Path) -> dict:
 
     from qrag.data.babi import default_dir
     from qrag.data.babilong import default_background
-    from qrag.data.haystack import NOVEL_SPLIT, _text_files
+    from qrag.data.haystack import split_files
     from qrag.data.niah import default_essays
     from qrag.model.encoder import resolve_encoder
 
@@ -98,9 +100,11 @@ def pack_assets(dest: Path) -> dict:
         for f in sorted((default_dir() / variant).glob("qa[1-5]_*")):
             shutil.copy2(f, dest / "babi" / variant / f.name)
     novels = default_background()
-    for split, count in (("train", PACK_TRAIN_BOOKS), ("dev", PACK_DEV_BOOKS)):
+    picks = {split: split_files(novels, split)[:count] for split, count in
+             (("train", PACK_TRAIN_BOOKS), ("val", PACK_VAL_BOOKS), ("dev", PACK_DEV_BOOKS))}
+    for split, files in picks.items():
         (dest / "novels" / split).mkdir(parents=True, exist_ok=True)
-        for f in _text_files(novels / NOVEL_SPLIT[split])[:count]:
+        for f in files:
             shutil.copy2(f, dest / "novels" / split / f.name)
     (dest / "essays").mkdir(exist_ok=True)
     shutil.copy2(default_essays(), dest / "essays" / default_essays().name)

@@ -47,6 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--essays")
     p.add_argument("--lengths", default="", help="also evaluate each trained variant on dev at these lengths "
                    "(e.g. 4k,128k,1m; T = search.max_steps; reported once, never used for choosing)")
+    p.add_argument("--val-lengths", default="", help="also score each trained variant on the val split at these lengths (e.g. 1m): "
+                   "held-out bAbI train questions in the validation books, which no training context holds; T = search.max_steps")
+    p.add_argument("--val-questions-long", type=int, default=100, help="validation questions per length with --val-lengths")
     p.add_argument("--dev-questions", type=int, default=100, help="dev questions per length with --lengths")
     p.add_argument("--table-out", help="with --lengths: also write the variants' length table here (qrag report reads it)")
     p.add_argument("--score-credit", default="chunk", choices=("chunk", "text"), help="credit rule of the validation score, the same for every variant")
@@ -142,19 +145,25 @@ def main(argv: list[str]) -> int:
                 break
         train_s = time.perf_counter() - started
         val = score(run)
-        if args.lengths:
+        long_val = []
+        if args.lengths or args.val_lengths:
             from qrag.evaluation.lengths import parse_length, sweep_model
 
-            ckpt = run.save(Path("/tmp/qrag-select") / name, resumable=False)
-            lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
-            rows = sweep_model(name, str(ckpt), run.cfg, [args.task] if args.task != "niah" else list(run.cfg.data.tasks),
-                               lengths, lambda n: args.dev_questions, split="dev", device=device, log=log)
-            table_rows.extend(rows)
+            ckpt = str(run.save(Path("/tmp/qrag-select") / name, resumable=False))
+            tasks = [args.task] if args.task != "niah" else list(run.cfg.data.tasks)
+
+            def sweep(spec: str, split: str, n: int) -> list[dict]:
+                lengths = [parse_length(x) for x in spec.split(",") if x.strip()]
+                return sweep_model(name, ckpt, run.cfg, tasks, lengths, lambda _: n, split=split, device=device, log=log) if lengths else []
+
+            long_val = [{k: r[k] for k in ("task", "length", "fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "num_samples", "steps", "credit")}
+                        for r in sweep(args.val_lengths, "val", args.val_questions_long)]
+            table_rows.extend(sweep(args.lengths, "dev", args.dev_questions))
         entry = {"name": name, "overrides": overrides, "updates": run.learner.update,
                  "episodes_per_s": round(run.learner.update * cfg.learner.episodes_per_update / train_s, 1),
-                 "train_seconds": round(train_s, 1), "val": val, "history": history}
+                 "train_seconds": round(train_s, 1), "val": val, **({"val_lengths": long_val} if long_val else {}), "history": history}
         result["variants"].append(entry)
-        log(f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; last {history[-1] if history else {}}")
+        log(f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; long val {long_val}; last {history[-1] if history else {}}")
         if table_rows:
             result["dev_lengths"] = [{k: r[k] for k in ("model", "task", "length", "fact_em", "fact_f1", "oracle_fact_em",
                                                          "oracle_fact_f1", "num_samples", "steps", "credit")} for r in table_rows]

@@ -258,3 +258,104 @@ def test_niah_loader_and_bad_task(tokenizer, essays):
     assert [s.meta["task"] for s in samples] == ["niah_single_1", "niah_multivalue"] * 2
     with pytest.raises(DataError, match="unknown NIAH task"):
         load_samples(DataConfig(dataset="niah", path=str(essays), tasks=["S9"]), "dev", tokenizer_counter(tokenizer))
+
+
+# -- hard negatives and the validation split ------------------------------------------------------
+
+STORY_WORDS = {"mary", "john", "daniel", "sandra", "bathroom", "hallway", "office", "garden", "apple", "moved", "travelled"}
+
+
+@pytest.fixture(scope="module")
+def planted_background(tmp_path_factory):
+    """Random-word books whose train book hides 20 sentences (3% of its chunks) that share words with the bAbI stories."""
+    root = tmp_path_factory.mktemp("planted")
+    write_background(root / "train", 11)
+    write_background(root / "dev", 12)
+    book = root / "train" / "book11.txt"
+    lines = book.read_text().split("\n")
+    for i in range(20):
+        lines.insert(37 * i + 5, "")
+        lines.insert(37 * i + 6, "Old Mary moved the candle to the bathroom by the hallway window.")
+        lines.insert(37 * i + 7, "")
+    book.write_text("\n".join(lines))
+    return root
+
+
+def story_like(chunks) -> int:
+    from qrag.data.hard_negatives import words
+
+    return sum(1 for c in chunks if len(words(c) & STORY_WORDS) >= 2)
+
+
+def test_lexical_index_ranks_chunks_by_idf_weighted_overlap(measure):
+    from qrag.data.hard_negatives import LexicalIndex
+
+    docs = ["Alpha beta gamma.", "Beta gamma delta.", "Gamma delta epsilon zeta.", "Eta theta."] * 30 + ["Alpha zeta eta."]
+    hay = Haystack.build("t", ["\n\n".join(docs)], 6, measure)
+    index = LexicalIndex(hay, max_df=1.0)
+    top = index.top({"alpha", "zeta"}, 3)
+    assert "Alpha zeta eta." in hay.chunk_text(int(top[0]))  # the one chunk with both rare words comes first
+    assert all(index.scores({"alpha", "zeta"})[top] > 0)
+    assert len(index.top({"nothing"}, 3)) == 0
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_hard_negatives_bring_story_like_background_into_training_contexts(babi_dir, planted_background, measure, tokenizer, length):
+    def make(k):
+        clear_cache()
+        return list(generate_babilong("qa1", "train", length, 6, measure, budget=32, facts_path=babi_dir,
+                                      background=planted_background, hard_negatives=k))
+
+    plain, hard = make(0), make(4)
+    questions = {q.id: q for q in load_babi(babi_dir, "qa1", "train")}
+    plain_like = sum(story_like([c for c, r in zip(g.sample.chunks, g.refs) if r >= 0]) for g in plain)
+    hard_like = sum(story_like([c for c, r in zip(g.sample.chunks, g.refs) if r >= 0]) for g in hard)
+    assert hard_like >= 4 * len(hard) > plain_like
+    for g in hard:  # still a well-formed context of the target length: every fact in order, no chunk twice
+        s = g.sample
+        counts = true_tokens(tokenizer, s.chunks)
+        assert abs(sum(counts) - length) <= 0.02 * length and sum(counts) == s.meta["context_tokens"]
+        q = questions[s.meta["source_id"]]
+        assert [c for c, r in zip(s.chunks, g.refs) if r == SPECIAL] == list(q.facts)
+        assert [s.chunks[i] for i in s.support] == [q.facts[i] for i in q.support]
+        back = g.refs[g.refs >= 0]
+        assert len(set(back.tolist())) == len(back)
+
+
+def test_hard_negatives_only_in_the_train_split(babi_dir, planted_background, measure):
+    from qrag.data.babilong import generate_from_config
+
+    cfg = DataConfig(dataset="babilong", path=str(planted_background), facts_path=str(babi_dir), tasks=["qa1"],
+                     context_tokens=1024, samples_per_task=4, chunk_tokens=32, hard_negatives=6)
+    clear_cache()
+    train = generate_from_config(cfg, "train", measure)
+    assert sum(story_like([c for c, r in zip(g.sample.chunks, g.refs) if r >= 0]) for g in train) >= 6 * len(train)
+    dev = generate_from_config(cfg, "dev", measure)
+    assert story_like(c for g in dev for c, r in zip(g.sample.chunks, g.refs) if r >= 0) == 0
+
+
+def test_val_split_is_held_out_questions_in_held_out_books(babi_dir, planted_background, measure, tmp_path, shared_data, capsys):
+    from qrag.data.splits import in_validation
+
+    novels = shared_data / "gutenberg_novels"
+    train, val, dev = (split_files(novels, s) for s in ("train", "val", "dev"))
+    names = [{f.name for f in x} for x in (train, val, dev)]
+    assert len(val) == 5 and not (names[0] & names[1] or names[1] & names[2] or names[0] & names[2])
+    assert max(f.name for f in train) < min(f.name for f in val)  # the last books: training reads the first ones
+    assert split_files(planted_background, "val") == split_files(planted_background, "train")  # no val/: the training books
+    assert "no validation background" in capsys.readouterr().err
+    root = tmp_path / "books"
+    for split, seed in (("train", 21), ("val", 22), ("dev", 23)):
+        write_background(root / split, seed)
+    assert [f.name for f in split_files(root, "val")] == ["book22.txt"]
+    # The val split: only questions that data.val_fraction holds out, hidden in the val books.
+    with pytest.raises(DataError, match="no validation questions"):
+        next(generate_babilong("qa1", "val", 512, 1, measure, budget=32, facts_path=babi_dir, background=root))
+    held = [q for q in load_babi(babi_dir, "qa1", "train") if in_validation(q.id, 0.9)]
+    assert held, "the test story needs a held-out question at val_fraction 0.9"
+    val_items = list(generate_babilong("qa1", "val", 512, 3, measure, budget=32, facts_path=babi_dir, background=root, val_fraction=0.9))
+    assert {g.sample.meta["source_id"] for g in val_items} <= {q.id for q in held}
+    val_text = (root / "val" / "book22.txt").read_text()
+    firsts = [c.split(".")[0] for g in val_items for c, r in zip(g.sample.chunks, g.refs) if r >= 0]
+    assert firsts and all(f in val_text for f in firsts)
+    assert all(g.haystack.name.startswith("books-val") for g in val_items)

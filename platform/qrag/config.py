@@ -49,6 +49,8 @@ class DataConfig:
     samples_per_task: int = opt(1000, "Generated long-context samples per task and split.")
     seed: int = opt(0, "Seed for generated data.")
     dev_samples_per_task: int | None = opt(None, "Generated long-context samples per task in the dev split (None = samples_per_task).")
+    hard_negatives: int = opt(0, "babilong: background chunks per training context drawn from the training books' chunks that share the most "
+                                 "(idf-weighted) words with the question and the story (lexical hard negatives, as a long haystack holds by its size); 0 = random background only.")
     facts_path: str | None = opt(None, "babilong: the bAbI v1.2 folder (with en/ and en-10k/). Default: $QRAG_DATA_DIR/babi/tasks_1-20_v1-2.")
 
 

@@ -12,9 +12,9 @@ target, its oldest facts before the first supporting fact are dropped (they cann
 answer of qa1-qa5); a question whose supporting facts still do not fit is skipped.
 
 Background split (documented, no book in both): ``gutenberg_novels/small_collection_british_fiction``
-for train, ``gutenberg_novels/100_english_novels_pre1881`` for dev; for your own text see
-:func:`qrag.data.haystack.split_files`. bAbI train questions make the train split, bAbI test
-questions the dev split.
+for train (its last books for val), ``gutenberg_novels/100_english_novels_pre1881`` for dev; for
+your own text see :func:`qrag.data.haystack.split_files`. bAbI train questions make the train
+split (those held out by ``data.val_fraction`` the val split), bAbI test questions the dev split.
 
 Samples are a pure function of (seed, task, split, length, index): same config, same contexts.
 """
@@ -31,9 +31,11 @@ from qrag.data import register_loader
 from qrag.data.babi import BabiQuestion, load_babi
 from qrag.data.chunking import TokenCounter
 from qrag.data.contexts import Generated, assemble, fresh_ids, interleave, rng_for
+from qrag.data.hard_negatives import add_hard, candidates, take
 from qrag.data.haystack import MIN_BACKGROUND_TOKENS, NOVELS_DIR, Haystack, Measure, book_files, files_haystack
 from qrag.data.paths import data_root
 from qrag.data.sample import DataError, Sample
+from qrag.data.splits import in_validation
 
 DEFAULT_TASKS = ("qa1", "qa2", "qa3", "qa4", "qa5")
 
@@ -70,12 +72,25 @@ def generate_babilong(
     budget: int = 64,
     facts_path: str | Path | None = None,
     background: str | Path | None = None,
+    hard_negatives: int = 0,
+    val_fraction: float = 0.0,
 ) -> Iterator[Generated]:
     """``n`` BabiLong samples of ``task`` at ``length`` tokens, one at a time (a 10M-token
-    sample is only ever built alone)."""
+    sample is only ever built alone).
+
+    ``split`` is train, dev or val: the validation part of train (the bAbI train questions that
+    ``val_fraction`` holds out of training) hidden in the validation books, none of which is in
+    the training background (:func:`qrag.data.haystack.split_files`); it chooses settings and
+    checkpoints at lengths longer than training. ``hard_negatives``: that many background chunks
+    per context chosen by the words they share with the story (:mod:`qrag.data.hard_negatives`).
+    """
     if length <= 0:
         raise DataError(f"babilong: context length must be positive, got {length}")
-    questions = load_babi(facts_path, task, split)
+    questions = load_babi(facts_path, task, "train" if split == "val" else split)
+    if split == "val":
+        questions = [q for q in questions if in_validation(q.id, val_fraction)]
+        if not questions:
+            raise DataError(f"babilong {task}: no validation questions (data.val_fraction={val_fraction})")
     order = rng_for("babilong-order", seed, task, split).permutation(len(questions))
     hay = book_haystack(background, split, budget, measure, max(MIN_BACKGROUND_TOKENS, 2 * length))
     produced = draws = 0
@@ -92,7 +107,12 @@ def generate_babilong(
         rng = rng_for("babilong", seed, task, split, length, draws)
         facts = list(q.facts[first:])
         fact_tokens = int(counts[first:].sum())
-        window = hay.window(rng, length - fact_tokens)
+        if hard_negatives > 0:  # background from the best lexical matches of the story, the rest a window
+            pool = candidates(hay, [q.question, *facts], hard_negatives, rng)
+            hard_tokens = int(hay.chunk_counts[take(hay, pool, hard_negatives, length - fact_tokens)].sum())
+            window = add_hard(hay, hay.window(rng, length - fact_tokens - hard_tokens), pool, hard_negatives, hard_tokens, rng)
+        else:
+            window = hay.window(rng, length - fact_tokens)
         chunks, refs, fact_pos = assemble(hay, window, facts, rng)
         fresh = fresh_ids(hay, window, refs, None if ids is None else ids[first:])
         support = sorted(int(fact_pos[i - first]) for i in q.support)
@@ -128,6 +148,7 @@ def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: 
         per_task.append(list(generate_babilong(
             task, split, length or cfg.context_tokens, n if n is not None else samples_for_split(cfg, split), measure,
             seed=cfg.seed, budget=cfg.chunk_tokens, facts_path=cfg.facts_path, background=cfg.path,
+            hard_negatives=cfg.hard_negatives if split == "train" else 0, val_fraction=cfg.val_fraction,
         )))
     return interleave(per_task)
 

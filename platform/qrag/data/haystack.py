@@ -290,41 +290,77 @@ NOVELS_DIR = "gutenberg_novels"
 # The folder split suggested by gutenberg_novels/SOURCE.md: one collection for training noise,
 # the other for evaluation noise. No book appears in both.
 NOVEL_SPLIT = {"train": "small_collection_british_fiction", "dev": "100_english_novels_pre1881"}
+# Validation background (choosing settings and checkpoints at long lengths): the last books of the
+# train collection, never in the training background. Training reads the first books only as far
+# as it needs (2M tokens for a 2K context: 4 of the 18 left), so carving these out changes nothing
+# it sees.
+VAL_BOOKS = 5
 TEXT_SUFFIXES = (".txt", ".txt.gz")
+SPLITS = ("train", "val", "dev", "all")
 
 
 def _text_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES) and p.name != "overview.txt")
 
 
-def split_files(path: str | Path, split: str) -> list[Path]:
-    """Background files of ``split`` (train | dev | all) under ``path``, a folder, file or glob.
+def _folder_files(folder: Path) -> list[Path]:
+    files = _text_files(folder)
+    if not files:
+        raise DataError(f"{folder}: no .txt or .txt.gz files")
+    return files
 
-    * a folder with ``train/`` and ``dev/`` (or ``test/``) subfolders: those;
-    * a folder with the two collections of ``gutenberg_novels``: the split of :data:`NOVEL_SPLIT`;
+
+def _named_split(folders: dict[str, Path], split: str, carve_val: bool) -> list[Path]:
+    """``split`` of a two-folder layout (train + dev). val is a ``val/`` folder where there is one,
+    else (``carve_val``) the last :data:`VAL_BOOKS` books of the train folder, which train then leaves out."""
+    if split == "all":
+        return sorted(f for folder in folders.values() for f in _text_files(folder))
+    if split == "dev" or (split == "val" and "val" in folders):
+        return _folder_files(folders[split])
+    train = _folder_files(folders["train"])
+    if "val" in folders or not carve_val:
+        if split == "val":
+            return _val_fallback(folders["train"].parent, train)
+        return train
+    if len(train) <= VAL_BOOKS:
+        raise DataError(f"{folders['train']}: {len(train)} books; the val split needs more than {VAL_BOOKS}")
+    return train[-VAL_BOOKS:] if split == "val" else train[:-VAL_BOOKS]
+
+
+def _val_fallback(path: str | Path, train: list[Path]) -> list[Path]:
+    print(f"qrag: warning: {path}: no validation background books (a val/ folder); validation contexts use the "
+          f"training books", file=sys.stderr)
+    return train
+
+
+def split_files(path: str | Path, split: str) -> list[Path]:
+    """Background files of ``split`` (train | val | dev | all) under ``path``, a folder, file or glob.
+
+    * a folder with ``train/`` and ``dev/`` (or ``test/``) subfolders, and optionally ``val/``: those;
+    * a folder with the two collections of ``gutenberg_novels``: the split of :data:`NOVEL_SPLIT`,
+      val being the last :data:`VAL_BOOKS` books of the train collection (and not in train);
     * anything else: by file, ``sha1(file name)`` against 0.5 (see qrag.data.splits); when that
       leaves a split empty (e.g. a single file), both splits use every file (with a warning).
+
+    Where a layout has no validation books, val is the train split's (with a warning).
     """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
     p = Path(path)
     if p.is_dir():
         named = {"train": p / "train", "dev": p / "dev" if (p / "dev").is_dir() else p / "test"}
-        for layout in (named, {k: p / v for k, v in NOVEL_SPLIT.items()}):
-            if all(d.is_dir() for d in layout.values()):
-                if split == "all":
-                    return sorted(_text_files(layout["train"]) + _text_files(layout["dev"]))
-                if split not in layout:
-                    raise DataError(f"unknown split {split!r} (choose from train, dev, all)")
-                files = _text_files(layout[split])
-                if not files:
-                    raise DataError(f"{layout[split]}: no .txt or .txt.gz files")
-                return files
-        files = _text_files(p)
-        if not files:
-            raise DataError(f"{p}: no .txt or .txt.gz files")
+        if (p / "val").is_dir():
+            named["val"] = p / "val"
+        for layout, carve in ((named, False), ({k: p / v for k, v in NOVEL_SPLIT.items()}, True)):
+            if all(layout[k].is_dir() for k in ("train", "dev")):
+                return _named_split(layout, split, carve)
+        files = _folder_files(p)
     else:
         files = resolve_files(p)
     if split == "all":
         return files
+    if split == "val":
+        return _val_fallback(path, [f for f in files if in_split(f.name, "train", 0.5)] or files)
     chosen = [f for f in files if in_split(f.name, split, 0.5)]
     if not chosen:
         print(f"qrag: warning: {path}: too few files to separate train and dev background text; "

@@ -36,7 +36,7 @@ from qrag.data.sample import DataError
 from qrag.data.splits import in_validation, validation_key
 from qrag.evaluation.early_stopping import analyse_threshold, choose_threshold, traces_from_records
 from qrag.evaluation.evaluate import protocol_means, score_retrievals
-from qrag.evaluation.longcontext import CachingRetriever, ChunkTokens, canonical_task, generate
+from qrag.evaluation.longcontext import CachingRetriever, ChunkTokens, canonical_task, generate, task_dataset
 from qrag.evaluation.memory import memory_kind, peak_mb, reset_peak
 from qrag.metrics import mean
 from qrag.integrations.provenance import git_commit, write_json
@@ -153,12 +153,14 @@ def sweep_model(
 
 def generate_split(task: str, split: str, length: int, n: int, measure: Measure, data) -> Iterator[Any]:
     """``generate`` for train/dev/all, and "val": the held-out part of train (by the source
-    question, :func:`qrag.data.splits.validation_key`), never trained on."""
-    if split != "val":
+    question, :func:`qrag.data.splits.validation_key`), never trained on. BabiLong builds it
+    itself, in the validation books (background no training context holds); NIAH questions are
+    drawn from train and filtered."""
+    if split == "val" and data.val_fraction <= 0:
+        raise DataError("a validation split needs data.val_fraction > 0")
+    if split != "val" or task_dataset(task) == "babilong":
         yield from generate(task, split, length, n, measure, data)
         return
-    if data.val_fraction <= 0:
-        raise DataError("a validation split needs data.val_fraction > 0")
     taken = 0
     for g in generate(task, "train", length, int(n / data.val_fraction * 3) + 100, measure, data):
         if in_validation(validation_key(g.sample), data.val_fraction):

@@ -55,7 +55,8 @@ def generate(task: str, split: str, length: int, n: int, measure: Measure, data:
         from qrag.data.babilong import generate_babilong
 
         return generate_babilong(task, split, length, n, measure, seed=data.seed, budget=data.chunk_tokens,
-                                 facts_path=data.facts_path, background=data.path if data.dataset == "babilong" else None)
+                                 facts_path=data.facts_path, background=data.path if data.dataset == "babilong" else None,
+                                 val_fraction=data.val_fraction)
     from qrag.data.niah import generate_niah
 
     return generate_niah(task, split, length, n, measure, seed=data.seed, budget=data.chunk_tokens,
