@@ -183,6 +183,13 @@ def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monke
     merged = tmp_path / "merged.json"
     assert main(["sweep-lengths", "--plot-only", str(out), "--out", str(merged)]) == 0
     assert json.loads(merged.read_text())["rows"] == rows
+    # Settings are chosen on the val split at long lengths: held-out train questions, never dev's.
+    val_out = tmp_path / "val.json"
+    assert main(["sweep-lengths", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--checkpoint", f"Q-RAG={ckpt}",
+                 "--tasks", "qa1", "--lengths", "4k", "--samples", "2", "--split", "val", "--out", str(val_out), *common,
+                 "data.val_fraction=0.5"]) == 0
+    val_rows = json.loads(val_out.read_text())["rows"]
+    assert len(val_rows) == 1 and val_rows[0]["num_samples"] == 2
 
 
 def test_job_task_flag_becomes_an_override():

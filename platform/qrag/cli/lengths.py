@@ -24,7 +24,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=100, metavar="N", help="questions per task and length (default 100)")
     p.add_argument("--samples-at", action="append", default=[], metavar="LENGTH=N",
                    help="fewer questions at some lengths, e.g. --samples-at 10m=20")
-    p.add_argument("--split", default="dev", choices=["train", "dev", "all"], help="which split's questions and background (default dev)")
+    p.add_argument("--split", default="dev", choices=["train", "val", "dev", "all"],
+                   help="which split's questions and background (default dev; val = the questions data.val_fraction holds out of train, in validation books: for choosing settings at long lengths)")
     p.add_argument("--steps", default="config", metavar="T|config|gold",
                    help="retrieval steps T; config (default) = the config's search.max_steps (4 for BabiLong and RULER, as in the paper); "
                         "gold = each task's number of support facts (reads the answer key: a labelled extra)")
