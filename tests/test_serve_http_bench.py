@@ -1,0 +1,36 @@
+"""`bench/serve_http.py`: HTTP end to end against the library path on one corpus (issue 14 item 3),
+run for real on a tiny corpus that `bench/serve_scale.py` builds with a tiny random encoder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "platform")}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_http_and_library_paths_agree_and_are_timed(tiny_encoder, shared_data, tmp_path):
+    storage = tmp_path / "idx"
+    books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
+    run("serve_scale.py", "--tokens", "8000", "--encoder", tiny_encoder, "--corpus", str(books[0]), "--shards", "2",
+        "--queries", "3", "--batches", "1", "--rounds", "1", "--storage", str(storage), "--workers", "1", "--device", "cpu")
+    out = tmp_path / "http.json"
+    run("serve_http.py", "--storage", str(storage), "--encoder", tiny_encoder, "--shards", "2", "--queries", "6",
+        "--concurrency", "2", "--device", "cpu", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["corpus"]["chunks"] > 50
+    assert result["same_chunks_http_vs_library"] == 1.0  # the same service behind both paths
+    for key in ("library_concurrency_1", "http_concurrency_1"):
+        assert result[key]["queries"] == 6 and 0 < result[key]["p50_ms"] <= result[key]["p99_ms"]
+    [loop] = result["http_closed_loop"]
+    assert loop["concurrency"] == 2 and loop["queries"] == 6 and loop["queries_per_s"] > 0
