@@ -10,7 +10,8 @@ against the same service called directly on the same event loop, on the same que
   at each ``--concurrency`` (closed loop: every client sends its next question when the last
   answer is in).
 
-Reads a corpus built by ``bench/serve_scale.py --storage DIR`` (corpus ``bench``); on a GPU
+Each layout of shard holders in `--holders` is served in turn (`per-shard`: one holder per shard,
+as the Serve deployments; `1`: every shard in one holder). Reads a corpus built by ``bench/serve_scale.py --storage DIR`` (corpus ``bench``); on a GPU
 machine, after the serve_scale call in the same command:
 
     PYTHONPATH=platform python bench/serve_http.py --storage /tmp/idx10m --encoder $PWD/.carry/longctx/encoder \\
@@ -51,6 +52,9 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--concurrency", default="8,32", help="closed-loop HTTP clients, beside concurrency 1")
+    ap.add_argument("--holders", default="per-shard,1",
+                    help="shard-holder layouts timed, comma-separated: per-shard (one holder per shard, as the Serve "
+                         "deployments) and/or a number (1 = every shard in one holder: one scoring pass per step)")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -102,7 +106,6 @@ def main() -> None:
     model = load_embedding_model(resolve_source(None, args.encoder), args.device, positions=args.positions)
     dev = model.device
     cfg = ServeConfig(storage=args.storage, encoder=args.encoder, shards=args.shards)
-    service = local_service(cfg, model, device=str(dev))
     # Questions made of corpus words, as serve_scale's (its helper reads the corpus on the CPU).
     from serve_scale import questions_from
 
@@ -111,56 +114,68 @@ def main() -> None:
 
     store = CorpusStore(args.storage)
     questions = questions_from(LocalIndex(store, model, torch.device("cpu"), ShardOptions(faiss="never")), args.queries + 10)
+    warm, timed = questions[:10], questions[10:]
+    body = lambda q: {"question": q, "corpus": args.corpus, "max_steps": args.steps, "alternatives": 0}  # noqa: E731
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_api(service), host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, loop="asyncio"))
-    asyncio.run_coroutine_threadsafe(server.serve(), loop)
-    deadline = time.time() + 60
-    while not server.started:
-        if time.time() > deadline:
-            raise SystemExit("serve_http: uvicorn did not start")
-        time.sleep(0.05)
 
-    def library(q: str) -> tuple[float, list[int]]:
-        params = RetrieveParams(question=q, corpus=args.corpus, max_steps=args.steps, alternatives=0)
-        t0 = time.perf_counter()
-        out = asyncio.run_coroutine_threadsafe(service.retrieve(params), loop).result(120)
-        return (time.perf_counter() - t0) * 1000, [s["chunk_id"] for s in out["steps"]]
+    def measure(holders: int | None) -> tuple[dict, list[list[int]]]:
+        """One service (``holders`` shard holders), served on a fresh port: the library and HTTP paths."""
+        service = local_service(cfg, model, device=str(dev), holders=holders)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(build_api(service), host="127.0.0.1", port=port, log_level="warning",
+                                               access_log=False, loop="asyncio"))
+        asyncio.run_coroutine_threadsafe(server.serve(), loop)
+        deadline = time.time() + 60
+        while not server.started:
+            if time.time() > deadline:
+                raise SystemExit("serve_http: uvicorn did not start")
+            time.sleep(0.05)
 
-    body = lambda q: {"question": q, "corpus": args.corpus, "max_steps": args.steps, "alternatives": 0}  # noqa: E731
-    warm, timed = questions[:10], questions[10:]
-    client = Client(port)
-    for q in warm:  # kernels, graphs, allocator, the connection
-        library(q)
-        client.retrieve(body(q))
+        def library(q: str) -> tuple[float, list[int]]:
+            params = RetrieveParams(question=q, corpus=args.corpus, max_steps=args.steps, alternatives=0)
+            t0 = time.perf_counter()
+            out = asyncio.run_coroutine_threadsafe(service.retrieve(params), loop).result(120)
+            return (time.perf_counter() - t0) * 1000, [s["chunk_id"] for s in out["steps"]]
 
-    lib = [library(q) for q in timed]
-    one = [client.retrieve(body(q)) for q in timed]
+        client = Client(port)
+        for q in warm:  # kernels, graphs, allocator, the connection
+            library(q)
+            client.retrieve(body(q))
+        lib = [library(q) for q in timed]
+        one = [client.retrieve(body(q)) for q in timed]
+        row = {
+            "holders": len(service.shards),
+            "library_concurrency_1": summary([ms for ms, _ in lib]),
+            "http_concurrency_1": summary([ms for ms, _ in one]),
+            "same_chunks_http_vs_library": round(sum(a[1] == b[1] for a, b in zip(lib, one)) / len(lib), 4),
+            "http_closed_loop": [],
+        }
+        row["http_overhead_ms_p50"] = round(row["http_concurrency_1"]["p50_ms"] - row["library_concurrency_1"]["p50_ms"], 3)
+        for c in [int(x) for x in args.concurrency.split(",") if x.strip()]:
+            clients = [Client(port) for _ in range(c)]
+            share = [timed[i::c] for i in range(c)]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                parts = list(pool.map(lambda i: [clients[i].retrieve(body(q))[0] for q in share[i]], range(c)))
+            wall = time.perf_counter() - t0
+            row["http_closed_loop"].append({"concurrency": c, **summary([ms for p in parts for ms in p], wall)})
+        server.should_exit = True
+        return row, [picks for _, picks in lib]
+
+    modes = [None if h == "per-shard" else int(h) for h in args.holders.split(",") if h.strip()]
+    rows, picks = zip(*(measure(h) for h in modes))
     result = {
         "bench": "serve_http", "machine": machine_info(), "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "device": str(dev),
         "corpus": {"storage": args.storage, "name": args.corpus, "shards": args.shards, "chunks": int(store.read(args.corpus).chunks)},
         "steps": args.steps, "positions": args.positions,
         "method": "one process, no Ray: the service's FastAPI app on uvicorn (127.0.0.1, HTTP/1.1 keep-alive) against "
-                  "the same RetrievalService awaited directly on the same event loop; same questions",
-        "library_concurrency_1": summary([ms for ms, _ in lib]),
-        "http_concurrency_1": summary([ms for ms, _ in one]),
-        "same_chunks_http_vs_library": round(sum(a[1] == b[1] for a, b in zip(lib, one)) / len(lib), 4),
-        "http_closed_loop": [],
+                  "the same RetrievalService awaited directly on the same event loop; same questions; per holder layout",
+        "modes": list(rows),
+        "same_chunks_across_modes": round(sum(len({tuple(p[i]) for p in picks}) == 1 for i in range(len(timed))) / len(timed), 4),
     }
-    result["http_overhead_ms_p50"] = round(result["http_concurrency_1"]["p50_ms"] - result["library_concurrency_1"]["p50_ms"], 3)
-    for c in [int(x) for x in args.concurrency.split(",") if x.strip()]:
-        clients = [Client(port) for _ in range(c)]
-        share = [timed[i::c] for i in range(c)]
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(c) as pool:
-            parts = list(pool.map(lambda i: [clients[i].retrieve(body(q))[0] for q in share[i]], range(c)))
-        wall = time.perf_counter() - t0
-        result["http_closed_loop"].append({"concurrency": c, **summary([ms for p in parts for ms in p], wall)})
-    server.should_exit = True
     print(json.dumps(result))
     if args.out:
         write_result(args.out, result)

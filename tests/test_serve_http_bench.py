@@ -29,8 +29,11 @@ def test_http_and_library_paths_agree_and_are_timed(tiny_encoder, shared_data, t
         "--concurrency", "2", "--device", "cpu", "--out", str(out))
     result = json.loads(out.read_text())
     assert result["corpus"]["chunks"] > 50
-    assert result["same_chunks_http_vs_library"] == 1.0  # the same service behind both paths
-    for key in ("library_concurrency_1", "http_concurrency_1"):
-        assert result[key]["queries"] == 6 and 0 < result[key]["p50_ms"] <= result[key]["p99_ms"]
-    [loop] = result["http_closed_loop"]
-    assert loop["concurrency"] == 2 and loop["queries"] == 6 and loop["queries_per_s"] > 0
+    assert [m["holders"] for m in result["modes"]] == [2, 1]  # one holder per shard, then all shards in one
+    assert result["same_chunks_across_modes"] == 1.0
+    for mode in result["modes"]:
+        assert mode["same_chunks_http_vs_library"] == 1.0  # the same service behind both paths
+        for key in ("library_concurrency_1", "http_concurrency_1"):
+            assert mode[key]["queries"] == 6 and 0 < mode[key]["p50_ms"] <= mode[key]["p99_ms"]
+        [loop] = mode["http_closed_loop"]
+        assert loop["concurrency"] == 2 and loop["queries"] == 6 and loop["queries_per_s"] > 0

@@ -722,11 +722,18 @@ class LocalShards:
         self.holder.forget(corpus)
 
 
-def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu") -> RetrievalService:
-    """The whole service in one process (no Ray)."""
+def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu", holders: int | None = None) -> RetrievalService:
+    """The whole service in one process (no Ray).
+
+    ``holders``: how many shard holders share a corpus's shards. None = one per shard, as the
+    Serve deployments (each scores its shard on its own); 1 = every shard in one holder, which
+    scores them all in one pass per step (one CUDA-graph replay and one host copy on a GPU, where
+    separate holders make one each; bench/serve_http.py times both). ``cfg.shard_memory_bytes``
+    is each holder's budget."""
     store = CorpusStore(cfg.storage)
     identity = ModelIdentity(model.fingerprint, model.model_cfg, model.dim, model.source.describe(), model.source.trained,
                              encoder_positions(model.qnet.action_encoder))
     options = cfg.shard_options()
-    holders = [LocalShards(ShardHolder(store, s, cfg.shards, torch.device(device), options, cfg.shard_memory_bytes)) for s in range(cfg.shards)]
-    return RetrievalService(replace(cfg), store, model, identity, LocalEncoder(model, cfg.retry_after_s), holders)
+    n = cfg.shards if holders is None else max(1, min(holders, cfg.shards))
+    clients = [LocalShards(ShardHolder(store, s, n, torch.device(device), options, cfg.shard_memory_bytes)) for s in range(n)]
+    return RetrievalService(replace(cfg), store, model, identity, LocalEncoder(model, cfg.retry_after_s), clients)
