@@ -344,6 +344,10 @@ def test_val_split_is_held_out_questions_in_held_out_books(babi_dir, planted_bac
     assert max(f.name for f in train) < min(f.name for f in val)  # the last books: training reads the first ones
     assert split_files(planted_background, "val") == split_files(planted_background, "train")  # no val/: the training books
     assert "no validation background" in capsys.readouterr().err
+    small = tmp_path / "small"  # a gutenberg_novels layout too small to carve: train keeps its books
+    write_background(small / "small_collection_british_fiction", 31)
+    write_background(small / "100_english_novels_pre1881", 32)
+    assert [f.name for f in split_files(small, "train")] == ["book31.txt"] == [f.name for f in split_files(small, "val")]
     root = tmp_path / "books"
     for split, seed in (("train", 21), ("val", 22), ("dev", 23)):
         write_background(root / split, seed)

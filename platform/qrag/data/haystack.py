@@ -312,18 +312,17 @@ def _folder_files(folder: Path) -> list[Path]:
 
 def _named_split(folders: dict[str, Path], split: str, carve_val: bool) -> list[Path]:
     """``split`` of a two-folder layout (train + dev). val is a ``val/`` folder where there is one,
-    else (``carve_val``) the last :data:`VAL_BOOKS` books of the train folder, which train then leaves out."""
+    else (``carve_val``, with more than :data:`VAL_BOOKS` books) the last :data:`VAL_BOOKS` books of the
+    train folder, which train then leaves out."""
     if split == "all":
         return sorted(f for folder in folders.values() for f in _text_files(folder))
     if split == "dev" or (split == "val" and "val" in folders):
         return _folder_files(folders[split])
     train = _folder_files(folders["train"])
-    if "val" in folders or not carve_val:
+    if "val" in folders or not carve_val or len(train) <= VAL_BOOKS:  # nothing to carve: train keeps every book
         if split == "val":
             return _val_fallback(folders["train"].parent, train)
         return train
-    if len(train) <= VAL_BOOKS:
-        raise DataError(f"{folders['train']}: {len(train)} books; the val split needs more than {VAL_BOOKS}")
     return train[-VAL_BOOKS:] if split == "val" else train[:-VAL_BOOKS]
 
 
