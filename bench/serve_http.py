@@ -11,7 +11,7 @@ against the same service called directly on the same event loop, on the same que
   answer is in).
 
 Each layout of shard holders in `--holders` is served in turn (`per-shard`: one holder per shard,
-as the Serve deployments; `1`: every shard in one holder). Reads a corpus built by ``bench/serve_scale.py --storage DIR`` (corpus ``bench``); on a GPU
+as the Serve deployments by default; `1`: every shard in one holder, as `shard_deployments: 1`). Reads a corpus built by ``bench/serve_scale.py --storage DIR`` (corpus ``bench``); on a GPU
 machine, after the serve_scale call in the same command:
 
     PYTHONPATH=platform python bench/serve_http.py --storage /tmp/idx10m --encoder $PWD/.carry/longctx/encoder \\
@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +122,8 @@ def main() -> None:
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     def measure(holders: int | None) -> tuple[dict, list[list[int]]]:
-        """One service (``holders`` shard holders), served on a fresh port: the library and HTTP paths."""
-        service = local_service(cfg, model, device=str(dev), holders=holders)
+        """One service (``holders`` shard holders: shard_deployments), served on a fresh port: the library and HTTP paths."""
+        service = local_service(replace(cfg, shard_deployments=holders), model, device=str(dev))
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(build_api(service), host="127.0.0.1", port=port, log_level="warning",
                                                access_log=False, loop="asyncio"))

@@ -193,6 +193,27 @@ def test_serve_config_deployments_are_the_apps_and_valid_for_serve():
         build_app(cfg, {}, [{"name": "Ingress", "autoscaling_config": {"target_ongoing_request": 2}}])
 
 
+def test_fewer_shard_deployments_each_hold_several_shards(tmp_path, tiny_encoder):
+    """shard_deployments: D deployments hold the shards i, i + D, ... (one per GPU scores its shards
+    in one pass); the app has exactly D shard deployments, and the in-process service D holders."""
+    from qrag.config import ConfigError
+    from qrag.distributed.serving import build_app
+    from qrag.serving.service import local_service
+
+    cfg = ServeConfig(storage=str(tmp_path / "idx"), shards=4, shard_deployments=1)
+    assert cfg.shard_holders() == 1 and ServeConfig(shards=4).shard_holders() == 4
+    build_app(cfg, {}, [{"name": "Shard0", "num_replicas": 1}])
+    with pytest.raises(ConfigError, match="no deployment 'Shard1'"):
+        build_app(cfg, {}, [{"name": "Shard1", "num_replicas": 1}])
+    with pytest.raises(ValueError, match="shard_deployments must be between 1 and shards"):
+        ServeConfig(shards=2, shard_deployments=3).shard_holders()
+
+    from qrag.retrieval.embedder import load_embedding_model, resolve_source
+
+    service = local_service(cfg, load_embedding_model(resolve_source(None, tiny_encoder), "cpu"))
+    assert len(service.shards) == 1 and service.shards[0].holder.holders == 1
+
+
 def bad_requests() -> list[tuple[bytes, dict[str, str], int]]:
     """(body, headers, expected status) of malformed requests."""
     j = {"content-type": "application/json"}

@@ -101,7 +101,7 @@ class Shard:
     def __init__(self, cfg: dict[str, Any], slot: int):
         c = from_dict(ServeConfig, cfg)
         options = c.shard_options()
-        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shards, pick_device(c.shard_device), options, c.shard_memory_bytes)
+        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shard_holders(), pick_device(c.shard_device), options, c.shard_memory_bytes)
         # Loading a corpus from disk runs in its own threads: queries of loaded corpora never
         # wait behind it for a worker thread.
         self.loader = ThreadPoolExecutor(2, thread_name_prefix="qrag-load")
@@ -294,13 +294,15 @@ def default_gpus(shards: int) -> dict[str, float]:
 
 
 def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployments: Sequence[Mapping[str, Any]] | None = None):
-    """The Serve application: Ingress -> Encoder + Shard0..Shard{N-1}. ``deployments`` (a Serve
+    """The Serve application: Ingress -> Encoder + Shard0..Shard{D-1} (D = ``shard_deployments``,
+    by default one per shard). ``deployments`` (a Serve
     config's ``deployments:`` section) overrides each deployment's options, as Serve does when it
     deploys a config file: an entry's ``ray_actor_options`` replaces the default as a whole."""
     if cfg.shards < 1:
         raise ValueError(f"shards must be at least 1, got {cfg.shards}")
-    overrides = deployment_overrides(deployments, cfg.shards)
-    gpus = default_gpus(cfg.shards)
+    holders = cfg.shard_holders()
+    overrides = deployment_overrides(deployments, holders)
+    gpus = default_gpus(holders)
 
     def options(deployment: str, **code: Any) -> dict[str, Any]:
         return {**code, **overrides.get(deployment, {})}
@@ -309,7 +311,7 @@ def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployme
     encoder = Encoder.options(**options(ENCODER, ray_actor_options={"num_gpus": gpus[ENCODER], "num_cpus": 0})).bind(args)
     shards = [
         Shard.options(**options(shard_name(i), name=shard_name(i), ray_actor_options={"num_gpus": gpus[shard_name(i)], "num_cpus": 0})).bind(args, i)
-        for i in range(cfg.shards)
+        for i in range(holders)
     ]
     backpressure = {"status_code": 503, "retry_after_s": cfg.retry_after_s}
     return Ingress.options(**options(INGRESS, backpressure_config=backpressure)).bind(args, encoder, shards, static or {})
@@ -338,7 +340,7 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir, deployment
     problem = startup_problem(host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
-    deployment_overrides(deployments, cfg.shards)  # unknown deployment names fail before Ray starts
+    deployment_overrides(deployments, cfg.shard_holders())  # unknown deployment names fail before Ray starts
     cfg = dataclasses.replace(cfg, http_host=host)  # what the ingress checks again on each replica
 
     def stop(signum, frame):  # SIGTERM (a service manager, `kill`) shuts down like Ctrl-C

@@ -722,18 +722,13 @@ class LocalShards:
         self.holder.forget(corpus)
 
 
-def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu", holders: int | None = None) -> RetrievalService:
-    """The whole service in one process (no Ray).
-
-    ``holders``: how many shard holders share a corpus's shards. None = one per shard, as the
-    Serve deployments (each scores its shard on its own); 1 = every shard in one holder, which
-    scores them all in one pass per step (one CUDA-graph replay and one host copy on a GPU, where
-    separate holders make one each; bench/serve_http.py times both). ``cfg.shard_memory_bytes``
-    is each holder's budget."""
+def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu") -> RetrievalService:
+    """The whole service in one process (no Ray): one shard holder per index-shard deployment
+    (``cfg.shard_deployments``; 1 = every shard in one holder, scored in one pass per step)."""
     store = CorpusStore(cfg.storage)
     identity = ModelIdentity(model.fingerprint, model.model_cfg, model.dim, model.source.describe(), model.source.trained,
                              encoder_positions(model.qnet.action_encoder))
     options = cfg.shard_options()
-    n = cfg.shards if holders is None else max(1, min(holders, cfg.shards))
+    n = cfg.shard_holders()
     clients = [LocalShards(ShardHolder(store, s, n, torch.device(device), options, cfg.shard_memory_bytes)) for s in range(n)]
     return RetrievalService(replace(cfg), store, model, identity, LocalEncoder(model, cfg.retry_after_s), clients)

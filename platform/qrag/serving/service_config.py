@@ -26,7 +26,10 @@ class ServeConfig:
     dtype: str = opt("float32", "Vectors on disk: float32 | float16 (half the bytes; scores then differ slightly from offline search).")
     chunk_tokens: int = opt(64, "Default token budget per chunk of new corpora and inline contexts.")
     question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
-    shards: int = opt(2, "Index-shard deployments (Shard0..Shard{N-1}); a corpus is split into this many shards when created.")
+    shards: int = opt(2, "A corpus is split into this many shards when created; by default each has its own index-shard deployment (Shard0..Shard{N-1}).")
+    shard_deployments: int | None = opt(None, "Index-shard deployments the shards are spread over (deployment i holds shards i, i + D, ...); null = shards. "
+                                              "Fewer, each holding several shards on one GPU, score them in one pass per step: with 1 deployment per GPU "
+                                              "a 10M-token query took 10.3 ms instead of 16.6 (4 shards, one H100, bench/results/serve_http_10m_h100.json).")
     encoder_device: str = opt("auto", "Device of the encoder replicas: auto | cpu | cuda.")
     shard_device: str = opt("auto", "Device of the shard replicas (exact rotated scoring): auto | cpu | cuda.")
     state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch).")
@@ -60,6 +63,13 @@ class ServeConfig:
     cors_origins: list[str] = opt([], "Origins whose web pages may call the API (CORS); empty = none, and cross-origin writes are refused.")
     request_timeout_s: float = opt(60.0, "Longest time one request may take in the ingress (503 beyond); clients cannot lift it.")
     handle_timeout_s: float = opt(30.0, "Longest wait for one call to the encoder or a shard (503 + Retry-After beyond).")
+
+    def shard_holders(self) -> int:
+        """Index-shard deployments (in process: shard holders), checked against ``shards``."""
+        n = self.shards if self.shard_deployments is None else self.shard_deployments
+        if not 1 <= n <= self.shards:
+            raise ValueError(f"shard_deployments must be between 1 and shards ({self.shards}), got {n}")
+        return n
 
     def shard_options(self) -> ShardOptions:
         """How this service's shards score (the Ray shard deployments and the in-process service alike)."""
