@@ -3,6 +3,7 @@ records the same in the tables it writes)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from qrag.integrations.provenance import git_commit, machine_info
@@ -10,4 +11,13 @@ from qrag.integrations.provenance import write_json as write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ROOT", "git_commit", "machine_info", "write_result"]
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback address (benchmarks bind only there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["ROOT", "free_port", "git_commit", "machine_info", "write_result"]

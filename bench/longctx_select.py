@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_common import machine_info  # noqa: E402
 from longctx import PRESETS, attach_data, resolve_paths  # noqa: E402
 
+# What a length row of a variant keeps (qrag.evaluation.lengths.sweep_model has more).
+ROW_KEYS = ("task", "length", "fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "num_samples", "steps", "credit")
 DIAGNOSTICS = ("success", "policy_entropy", "q_taken", "q_success", "q_failure", "value_next", "nonzero_return_share",
                "target", "loss", "alpha")
 
@@ -156,8 +158,7 @@ def main(argv: list[str]) -> int:
                 lengths = [parse_length(x) for x in spec.split(",") if x.strip()]
                 return sweep_model(name, ckpt, run.cfg, tasks, lengths, lambda _: n, split=split, device=device, log=log) if lengths else []
 
-            long_val = [{k: r[k] for k in ("task", "length", "fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "num_samples", "steps", "credit")}
-                        for r in sweep(args.val_lengths, "val", args.val_questions_long)]
+            long_val = [{k: r[k] for k in ROW_KEYS} for r in sweep(args.val_lengths, "val", args.val_questions_long)]
             table_rows.extend(sweep(args.lengths, "dev", args.dev_questions))
         entry = {"name": name, "overrides": overrides, "updates": run.learner.update,
                  "episodes_per_s": round(run.learner.update * cfg.learner.episodes_per_update / train_s, 1),
@@ -165,8 +166,7 @@ def main(argv: list[str]) -> int:
         result["variants"].append(entry)
         log(f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; long val {long_val}; last {history[-1] if history else {}}")
         if table_rows:
-            result["dev_lengths"] = [{k: r[k] for k in ("model", "task", "length", "fact_em", "fact_f1", "oracle_fact_em",
-                                                         "oracle_fact_f1", "num_samples", "steps", "credit")} for r in table_rows]
+            result["dev_lengths"] = [{k: r[k] for k in ("model", *ROW_KEYS)} for r in table_rows]
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1) + "\n")
         del run, source

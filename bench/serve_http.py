@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_common import git_commit, machine_info, write_result  # noqa: E402
+from bench_common import free_port, git_commit, machine_info, write_result  # noqa: E402
 
 
 def args_parser() -> argparse.ArgumentParser:
@@ -67,12 +66,6 @@ def summary(ms: list[float], seconds: float | None = None) -> dict:
     if seconds:
         out["queries_per_s"] = round(len(ms) / seconds, 1)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Client:

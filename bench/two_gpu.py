@@ -58,6 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_common import free_port  # noqa: E402 - light (no torch, no Ray)
+
 CORPUS = "two_gpu"
 
 
@@ -120,12 +122,6 @@ def random_encoder(config_dir: str, target: Path) -> str:
     AutoModel.from_config(AutoConfig.from_pretrained(config_dir)).save_pretrained(target, safe_serialization=True)
     AutoTokenizer.from_pretrained(config_dir).save_pretrained(target)
     return str(target)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentiles(seconds: list[float]) -> dict:

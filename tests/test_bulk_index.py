@@ -15,7 +15,7 @@ from qrag.distributed.bulk_index import BulkIndexConfig, bulk_index, expand_inpu
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.index.local import LocalIndex
 from qrag.index.store import CorpusStore
-from test_index import make_documents
+from test_index import corpus_rows, make_documents
 
 CHUNK_TOKENS = 24
 QUESTIONS = ["the painter and the singer", "where did the king meet the queen", "the ship in the harbour"]
@@ -49,21 +49,6 @@ def config(tiny_encoder, storage, inputs, **kw) -> BulkIndexConfig:
     # Tiny blocks and commit groups so that a dozen documents make several blocks and commits.
     return BulkIndexConfig(corpus="c", inputs=inputs, encoder=tiny_encoder, storage=str(storage), chunk_tokens=CHUNK_TOKENS, shards=2,
                            docs_per_block=2, encode_batch=16, commit_chunks=20, block_bytes=4096, **kw)
-
-
-def corpus_rows(store: CorpusStore, name: str):
-    m = store.read(name)
-    rows, vectors = {}, {}
-    for batch in m.batches:
-        for s in range(m.shards):
-            seg, problem = store.read_segment(m, s, batch)
-            assert problem is None, problem
-            for i, p in enumerate(seg.positions):
-                rows[int(p)] = (seg.doc_ids[i], seg.texts[i], tuple(int(t) for t in seg.tokens[i]))
-                vectors[int(p)] = seg.vectors[i]
-    order = sorted(rows)
-    assert order == list(range(m.chunks))
-    return [rows[p] for p in order], np.stack([vectors[p] for p in order]), store.doc_ids(m)
 
 
 def assert_same_corpus(store: CorpusStore, name: str, reference, model) -> None:

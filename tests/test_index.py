@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,23 @@ def make_documents(n_docs: int, seed: int = 0, sentences: int = 9) -> list[Docum
                  for k in range(sentences)]
         docs.append(Document(f"doc-{d}", " ".join(sents)))
     return docs
+
+
+def corpus_rows(store: CorpusStore, name: str):
+    """Every stored chunk of a corpus by position: (doc id, text, token ids) rows, the vectors, and
+    the document ids (the bulk indexer's and the pipeline's tests compare corpora with it)."""
+    m = store.read(name)
+    rows, vectors = {}, {}
+    for batch in m.batches:
+        for s in range(m.shards):
+            seg, problem = store.read_segment(m, s, batch)
+            assert problem is None, problem
+            for i, p in enumerate(seg.positions):
+                rows[int(p)] = (seg.doc_ids[i], seg.texts[i], tuple(int(t) for t in seg.tokens[i]))
+                vectors[int(p)] = seg.vectors[i]
+    order = sorted(rows)
+    assert order == list(range(m.chunks))
+    return [rows[p] for p in order], np.stack([vectors[p] for p in order]), store.doc_ids(m)
 
 
 @pytest.fixture(scope="module", params=["relative", "none"])

@@ -14,7 +14,7 @@ from qrag.index.local import LocalIndex
 from qrag.index.pipeline import Group, GroupBuilder, document_groups, index_groups
 from qrag.index.store import CorpusStore
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
-from test_index import make_documents
+from test_index import corpus_rows, make_documents
 
 SHARDS = 3
 
@@ -83,22 +83,8 @@ def test_pipelined_writes_the_same_files_as_sequential(model, tmp_path, monkeypa
     # One batch per call (commit_chunks=None) holds the same rows in the same positions.
     one_store, _ = build(model, tmp_path / "one", docs, commit_chunks=None)
     assert len(one_store.read("c").batches) == 1
-    assert rows(one_store) [0] == rows(pipe_store)[0]
-    np.testing.assert_allclose(rows(one_store)[1], rows(pipe_store)[1], rtol=1e-5, atol=1e-6)
-
-
-def rows(store: CorpusStore, name: str = "c"):
-    m = store.read(name)
-    out, vecs = {}, {}
-    for batch in m.batches:
-        for s in range(m.shards):
-            seg, problem = store.read_segment(m, s, batch)
-            assert problem is None, problem
-            for i, p in enumerate(seg.positions):
-                out[int(p)] = (seg.doc_ids[i], seg.texts[i], tuple(int(t) for t in seg.tokens[i]))
-                vecs[int(p)] = seg.vectors[i]
-    assert sorted(out) == list(range(m.chunks))
-    return [out[p] for p in range(m.chunks)], np.stack([vecs[p] for p in range(m.chunks)])
+    assert corpus_rows(one_store, "c")[0] == corpus_rows(pipe_store, "c")[0]
+    np.testing.assert_allclose(corpus_rows(one_store, "c")[1], corpus_rows(pipe_store, "c")[1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -127,7 +113,7 @@ def test_writer_failure_is_raised_and_resume_finishes_without_reembedding(model,
     m = store.read("c")
     assert [b["chunks"] for b in m.batches] == [b["chunks"] for b in ref.batches[:2]]  # up to the last whole batch
     assert m.chunks == sum(b["chunks"] for b in ref.batches[:2])
-    assert rows(store)[0] == rows(ref_store)[0][: m.chunks]
+    assert corpus_rows(store, "c")[0] == corpus_rows(ref_store, "c")[0][: m.chunks]
     assert any(p.name.startswith("batch_000003") for p in store.path("c").rglob("*"))  # the failed batch's debris
 
     before = model.chunks_embedded

@@ -109,8 +109,8 @@ def generate_babilong(
         fact_tokens = int(counts[first:].sum())
         if hard_negatives > 0:  # background from the best lexical matches of the story, the rest a window
             pool = candidates(hay, [q.question, *facts], hard_negatives, rng)
-            hard_tokens = int(hay.chunk_counts[take(hay, pool, hard_negatives, length - fact_tokens)].sum())
-            window = add_hard(hay, hay.window(rng, length - fact_tokens - hard_tokens), pool, hard_negatives, hard_tokens, rng)
+            hard = take(hay, pool, hard_negatives, length - fact_tokens)
+            window = add_hard(hay, hay.window(rng, length - fact_tokens - int(hay.chunk_counts[hard].sum())), hard, pool, rng)
         else:
             window = hay.window(rng, length - fact_tokens)
         chunks, refs, fact_pos = assemble(hay, window, facts, rng)

@@ -98,17 +98,16 @@ def take(hay: Haystack, pool: np.ndarray, k: int, token_budget: int, exclude: np
     return np.asarray(chosen, dtype=np.int64)
 
 
-def add_hard(hay: Haystack, window: Window, pool: np.ndarray, k: int, token_budget: int, rng: np.random.Generator) -> Window:
-    """``window`` plus up to ``k`` chunks of ``pool`` (:func:`take` with ``token_budget``, which the
-    caller left free), put at random places among its chunks. A chosen chunk that the window already
-    holds is swapped for another of the pool, so no chunk appears twice and the length stays on target."""
-    hard = take(hay, pool, k, token_budget)
+def add_hard(hay: Haystack, window: Window, hard: np.ndarray, pool: np.ndarray, rng: np.random.Generator) -> Window:
+    """``window`` plus the ``hard`` chunks (taken from ``pool`` by :func:`take`, their tokens left
+    free by the caller), put at random places among its chunks. A hard chunk that the window
+    already holds is swapped for another of the pool, so no chunk appears twice and the length
+    stays on target."""
     if len(hard) == 0:
         return window
     dupes = np.isin(hard, window.chunks)
     if dupes.any():
-        kept = hard[~dupes]
         more = take(hay, pool, int(dupes.sum()), int(hay.chunk_counts[hard[dupes]].sum()), np.concatenate([window.chunks, hard]))
-        hard = np.concatenate([kept, more])
+        hard = np.concatenate([hard[~dupes], more])
     where = np.sort(rng.integers(0, len(window.chunks) + 1, size=len(hard)))
     return Window(np.insert(window.chunks, where, hard), window.fill, window.tokens + int(hay.chunk_counts[hard].sum()))
