@@ -4,8 +4,8 @@ For each task (qa2, qa3: BabiLong; niah: the mix of the eight RULER NIAH tasks) 
   (a) trains Q-RAG (relative positions, T = 4) on 2K-token contexts for ``--minutes`` minutes
       (the number of updates is set from the measured speed so the schedule completes);
   (b) evaluates the trained checkpoint and the untrained encoder (multi-step RAG w/o FT) at
-      4K, 32K, 128K, 1M (and 10M on ``--questions-10m`` questions for BabiLong), with T = the
-      task's number of supporting facts;
+      1K, 4K, 32K, 128K, 1M (and 10M on ``--questions-10m`` questions for BabiLong), with T =
+      search.max_steps (4, as the paper);
 and writes bench/results/longctx_<task>.json (+ .png when matplotlib is there) and prints one
 JSON line. Needs only torch, transformers, numpy, pyyaml, tqdm, safetensors (no Ray/MLflow/FAISS).
 
@@ -14,6 +14,13 @@ On a GPU machine, from the repository root (one call per task keeps each under 1
     python bench/longctx.py --pack-assets .carry/longctx            # once, here: fp16 encoder + data subset
     PYTHONPATH=platform python bench/longctx.py --assets .carry/longctx --task qa3 --minutes 5
     python bench/longctx.py --merge bench/results/longctx_*.json     # here: one table + plot
+
+A run longer than one call is cut into slices (``--updates`` fixes the whole schedule; the
+checkpoints stay under ``--runs``), and the reported checkpoint can be chosen on the val split at
+a long length rather than at the training length:
+
+    ... --task qa3 --updates 1500 --stop-at 750 checkpoint_every=250          # slice 1
+    ... --task qa3 --updates 1500 --resume --select-lengths 1m checkpoint_every=250   # slice 2, then choose, then dev
 
 Without ``--assets`` the bundled MiniLM and ../shared/data are used (``--encoder``, ``--babi``,
 ``--novels``, ``--essays`` override each).
@@ -63,6 +70,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--questions-10m", type=int, default=20, help="BabiLong questions at 10M tokens (default 20)")
     p.add_argument("--niah-questions", type=int, default=25, help="questions per NIAH task and length (default 25)")
     p.add_argument("--train-tokens", type=int, default=2048, help="training context length (default 2048)")
+    p.add_argument("--stop-at", type=int, default=None, metavar="UPDATE",
+                   help="one slice of a longer run: train up to this update, save a resumable checkpoint under --runs and "
+                        "exit without evaluating; the next call passes --resume (needs --updates: the whole schedule)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the latest checkpoint under --runs/<task> (same --updates, --train-tokens and overrides)")
+    p.add_argument("--select-lengths", default="",
+                   help="choose the reported checkpoint on the val split at these lengths (e.g. 1m): held-out bAbI train "
+                        "questions in validation books, T = search.max_steps. Candidates: the periodic checkpoints "
+                        "(checkpoint_every=N), keep_best's and the final weights; dev is evaluated once, with the chosen one")
+    p.add_argument("--select-questions", type=int, default=100, help="validation questions per length with --select-lengths")
     p.add_argument("--val-questions", type=int, default=100,
                    help="validation questions (held out of train) that choose the learned Q-threshold stop (default 100; 0 = off)")
     p.add_argument("--device", default="auto")
@@ -131,10 +148,12 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     from qrag.config import load_config
     from qrag.data.haystack import Measure
     from qrag.evaluation.longcontext import ChunkTokens
-    from qrag.rl.train import TrainingRun
+    from qrag.rl.train import TrainingRun, latest_checkpoint
 
     overrides = [f"model.encoder={paths['encoder']}", f"out_dir={args.runs}", f"name={task}",
                  f"data.context_tokens={args.train_tokens}", "checkpoint_every=0", "eval_every=0", *args.overrides]
+    if args.updates:
+        overrides.append(f"updates={args.updates}")
     if task == "niah":
         overrides += [f"data.path={paths['essays']}"] if paths["essays"] else []
     else:
@@ -142,7 +161,10 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         overrides += [f"data.facts_path={paths['babi']}"] if paths["babi"] else []
     cfg = load_config(ROOT / "configs" / PRESETS[task], overrides)
     t0 = time.perf_counter()
-    run = TrainingRun(cfg, device=device, load_data=False)
+    resume = latest_checkpoint(Path(args.runs) / task) if args.resume else None
+    if args.resume and resume is None:
+        raise SystemExit(f"longctx: --resume: no checkpoint under {Path(args.runs) / task}")
+    run = TrainingRun(cfg, resume=resume, device=device, load_data=False)
     # Data without re-tokenising: generated samples take their token ids from the measured books.
     if task == "niah":
         from qrag.data.niah import generate_from_config
@@ -156,28 +178,38 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     log(f"{task}: {len(run.train_tok)} train / {len(run.dev_tok)} dev samples in {data_s:.0f}s")
 
     source = run.local_source()
-    probe = 6
-    for i in range(probe):  # the first update warms up kernels; time the rest
-        if i == 1:
-            t1 = time.perf_counter()
-        run.learner.train_update(source.next_batch())
-    per_update = (time.perf_counter() - t1) / (probe - 1)
-    # The budget counts from the end of data preparation; 5% is kept for the final dev eval.
-    budget = 0.95 * args.minutes * 60 - (time.perf_counter() - t0 - data_s)
-    updates = args.updates or max(probe + 1, probe + int(budget / per_update))
-    run.cfg.updates = run.learner.total_updates = updates
-    log(f"{task}: {per_update:.2f}s/update -> {updates} updates x {cfg.learner.episodes_per_update} episodes")
-    history: list[dict] = []
-    out = run.run(source=source, report=lambda step, m: history.append({"update": step, **m}))
-    train_s = time.perf_counter() - t0
+    per_update = None
+    if resume is None and not args.updates:  # a time budget: a few timed updates size the schedule
+        probe = 6
+        for i in range(probe):  # the first update warms up kernels; time the rest
+            if i == 1:
+                t1 = time.perf_counter()
+            run.learner.train_update(source.next_batch())
+        per_update = (time.perf_counter() - t1) / (probe - 1)
+        # The budget counts from the end of data preparation; 5% is kept for the final dev eval.
+        budget = 0.95 * args.minutes * 60 - (time.perf_counter() - t0 - data_s)
+        updates = max(probe + 1, probe + int(budget / per_update))
+        run.cfg.updates = run.learner.total_updates = updates
+        log(f"{task}: {per_update:.2f}s/update -> {updates} updates x {cfg.learner.episodes_per_update} episodes")
+    elif resume is not None:
+        log(f"{task}: resumed from {resume} at update {run.learner.update} of {cfg.updates}")
+    start_update = run.learner.update
+    out = run.run(source=source, report=lambda step, m: None, stop_at=args.stop_at)
+    slices = record_slice(run.run_dir, start_update, out["updates"], time.perf_counter() - t0, data_s)
+    if out.get("stopped"):
+        return {"stopped_at": out["updates"], "checkpoint": out["checkpoint"], "slices": slices}, cfg
+    # Over every slice of the run (one slice when it was not cut).
+    train_s = sum(sl["seconds"] for sl in slices)
+    data_s = sum(sl["data_seconds"] for sl in slices)
+    history = run.history
     last = [h for h in history if "train/return" in h][-5:]
     return {
         "checkpoint": out["checkpoint"], "updates": out["updates"], "seconds": round(train_s, 1),
-        "data_seconds": round(data_s, 1),
+        "data_seconds": round(data_s, 1), **({"slices": slices} if len(slices) > 1 else {}),
         # Measured over the whole loop: the probe's first updates run full-length episodes on cold
         # kernels, so its per-update time (kept as probe_seconds_per_update) overstates the cost.
         "seconds_per_update": round((train_s - data_s) / max(1, out["updates"]), 3),
-        "probe_seconds_per_update": round(per_update, 3),
+        **({"probe_seconds_per_update": round(per_update, 3)} if per_update is not None else {}),
         "episodes_per_s": round(cfg.learner.episodes_per_update * out["updates"] / max(1e-9, train_s - data_s), 1),
         "episodes_per_update": cfg.learner.episodes_per_update,
         "train_return_last": sum(h["train/return"] for h in last) / max(1, len(last)),
@@ -191,19 +223,27 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     }, cfg
 
 
+def record_slice(run_dir: Path, first: int, last: int, seconds: float, data_seconds: float) -> list[dict]:
+    """Append this call's slice (updates first -> last, wall and data seconds) to the run's
+    slices.json and return them all: the training time of a run cut into slices."""
+    path = run_dir / "slices.json"
+    slices = json.loads(path.read_text()) if first > 0 and path.is_file() else []
+    slices = [sl for sl in slices if sl["to"] <= first]  # a slice re-run from an older checkpoint replaces the later ones
+    slices.append({"from": first, "to": last, "seconds": round(seconds, 1), "data_seconds": round(data_seconds, 1)})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(slices, indent=1) + "\n")
+    return slices
+
+
 def attach_data(run, train_items, dev_items, tokens) -> None:
     """Generated samples into a TrainingRun: train minus its validation part (held out by bAbI
     question, ``data.val_fraction``: periodic eval and keep_best look only at it), and dev."""
     from qrag.data.splits import in_validation, validation_key
-    from qrag.rl.train import EpochSampler
 
     frac = run.cfg.data.val_fraction
     val_items = [g for g in train_items if in_validation(validation_key(g.sample), frac)]
     train_items = [g for g in train_items if not in_validation(validation_key(g.sample), frac)]
-    run.train_samples, run.train_tok = [g.sample for g in train_items], tokens(train_items)
-    run.val_samples, run.val_tok = [g.sample for g in val_items], tokens(val_items)
-    run.dev_samples, run.dev_tok = [g.sample for g in dev_items], tokens(dev_items)
-    run.sampler = EpochSampler(len(run.train_tok), run.cfg.seed)
+    run.use_data(*(([g.sample for g in items], tokens(items)) for items in (train_items, val_items, dev_items)))
 
 
 # -- evaluation ---------------------------------------------------------------------------------
@@ -226,6 +266,31 @@ def evaluate(task: str, checkpoint: str, cfg, args: argparse.Namespace, device, 
         return args.questions_10m if length >= 10 * 2**20 else args.questions
 
     return run_sweep(models, cfg, tasks, lengths, samples, split="dev", device=device, val_samples=args.val_questions, log=log)
+
+
+def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, device, log) -> dict:
+    """Score every candidate checkpoint of the run on the val split at ``--select-lengths`` and
+    keep the best mean Fact EM (ties: Fact F1; then the later one). Dev is never looked at."""
+    from qrag.data.niah import TASKS
+    from qrag.evaluation.lengths import parse_length, sweep_model
+    from qrag.model.checkpoint import is_checkpoint
+
+    lengths = [parse_length(x) for x in args.select_lengths.split(",") if x.strip()]
+    periodic = sorted(p for p in (run_dir / "checkpoints").glob("update_*") if is_checkpoint(p))
+    candidates = periodic + [p for p in (run_dir / "best", run_dir / "final") if is_checkpoint(p)]
+    tasks = list(TASKS) if task == "niah" else [task]
+    scored = []
+    for c in candidates:
+        rows = sweep_model(c.name, str(c), cfg, tasks, lengths, lambda _: args.select_questions, split="val", device=device, log=log)
+        scored.append({"checkpoint": str(c), "val_fact_em": round(sum(r["fact_em"] for r in rows) / len(rows), 4),
+                       "val_fact_f1": round(sum(r["fact_f1"] for r in rows) / len(rows), 4),
+                       "rows": [{k: r[k] for k in ("task", "length", "fact_em", "fact_f1", "num_samples", "steps", "credit")} for r in rows]})
+        log(f"select: {c.name}: val Fact EM {scored[-1]['val_fact_em']}, F1 {scored[-1]['val_fact_f1']}")
+    if not scored:
+        raise SystemExit(f"longctx: --select-lengths: no checkpoint under {run_dir}")
+    chosen = max(reversed(scored), key=lambda x: (x["val_fact_em"], x["val_fact_f1"]))
+    return {"checkpoint": chosen["checkpoint"], "lengths": args.select_lengths, "questions": args.select_questions,
+            "split": "val (held-out bAbI train questions in validation books)", "candidates": scored}
 
 
 def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
@@ -301,10 +366,22 @@ def main(argv: list[str]) -> int:
     def log(text: str) -> None:
         print(f"[longctx {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
+    if (args.stop_at or args.resume) and not args.updates:
+        raise SystemExit("longctx: --stop-at and --resume need --updates (the whole run's schedule, the same in every slice)")
     for task in [t.strip() for t in args.task.split(",") if t.strip()]:
         if task not in PRESETS:
             raise SystemExit(f"longctx: unknown task {task!r} (choose from {', '.join(PRESETS)})")
         training, cfg = train(task, args, paths, device, log)
+        if "stopped_at" in training:
+            print(json.dumps({"bench": "longctx", "task": task, **training,
+                              "next": "run the same command with --resume (and without --stop-at for the last slice)"}), flush=True)
+            continue
+        if args.select_lengths:
+            t0 = time.perf_counter()
+            selection = select_checkpoint(task, Path(args.runs) / task, cfg, args, device, log)
+            training.update(checkpoint=selection["checkpoint"], selection={**selection, "seconds": round(time.perf_counter() - t0, 1)},
+                            selected_on=training["selected_on"].split("; ")[0] + f"; checkpoint: the best Fact EM on the val split at "
+                            f"{args.select_lengths} ({args.select_questions} questions) among the periodic, keep_best and final ones")
         t0 = time.perf_counter()
         table = evaluate(task, training["checkpoint"], cfg, args, device, log)
         table.update(bench="longctx", task=task, machine=machine_info(), training=training, paths=paths,

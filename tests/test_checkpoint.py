@@ -51,6 +51,33 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny_cfg, tmp_path
         assert torch.allclose(a[k], b[k], atol=1e-6), k
 
 
+def test_a_run_cut_into_slices_equals_an_uninterrupted_run(tiny_cfg, tmp_path):
+    straight = TrainingRun(tiny_cfg)
+    straight.run(report=lambda *_: None)
+
+    from qrag.config import load_config, to_dict
+
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flat(to_dict(tiny_cfg)).items()] + ["checkpoint_every=0", "name=sliced"])
+    first = TrainingRun(cfg)
+    out = first.run(report=lambda *_: None, stop_at=2)
+    # A slice ends with a resumable checkpoint and no evaluation and no final checkpoint.
+    assert out["stopped"] and out["updates"] == 2 and Path(out["checkpoint"]) == first.checkpoint_dir(2)
+    assert not (first.run_dir / "final").exists() and not (first.run_dir / "eval.json").exists()
+    assert latest_checkpoint(first.run_dir) == first.checkpoint_dir(2)
+
+    # Data handed in from outside (generated haystacks) keeps the epoch order of the checkpoint.
+    probe = TrainingRun(cfg, resume=out["checkpoint"], load_data=False)
+    probe.use_data((first.train_samples, first.train_tok), (first.val_samples, first.val_tok), (first.dev_samples, first.dev_tok))
+    assert probe.sampler.state() == first.sampler.state()
+
+    resumed = TrainingRun(cfg, resume=out["checkpoint"])
+    done = resumed.run(report=lambda *_: None, stop_at=10**6)  # past the schedule: the run just completes
+    assert "stopped" not in done and done["updates"] == tiny_cfg.updates
+    a, b = params(straight.qnet), params(resumed.qnet)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():

@@ -299,6 +299,33 @@ def test_lexical_index_ranks_chunks_by_idf_weighted_overlap(measure):
     assert len(index.top({"nothing"}, 3)) == 0
 
 
+HASH_SEED_SCRIPT = """
+import hashlib, random
+from qrag.data.haystack import Haystack, Measure
+from qrag.data.hard_negatives import LexicalIndex
+rng = random.Random(0)
+vocab = ["".join(rng.choice("abcdefghij") for _ in range(6)) for _ in range(400)]  # letters: what words() keeps
+docs = [" ".join(rng.choice(vocab) for _ in range(12)) + "." for _ in range(600)]
+hay = Haystack.build("t", ["\\n\\n".join(docs)], 24, Measure(lambda texts: [len(t.split()) for t in texts]))
+print(hashlib.sha256(LexicalIndex(hay, max_df=1.0).scores(vocab[:200]).tobytes()).hexdigest())
+"""
+
+
+def test_lexical_scores_do_not_depend_on_the_string_hash_seed():
+    """A run resumed in a new process must draw the same hard negatives: the idf sums are added in
+    one order, not in a set's (which changes with PYTHONHASHSEED and moves the last bits)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    outs = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "platform")}
+        outs.add(subprocess.run([sys.executable, "-c", HASH_SEED_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+    assert len(outs) == 1, outs
+
+
 @pytest.mark.parametrize("length", [512, 2048])
 def test_hard_negatives_bring_story_like_background_into_training_contexts(babi_dir, planted_background, measure, tokenizer, length):
     def make(k):

@@ -36,6 +36,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def _train_args(p: argparse.ArgumentParser) -> None:
     _config_args(p)
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint directory (same schedule, same result)")
+    p.add_argument("--stop-at", type=int, metavar="UPDATE",
+                   help="train in slices (e.g. under a job time limit): stop after this update, save a resumable checkpoint "
+                        "and print it; the next slice passes it to --resume (no evaluation until the last slice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics are still printed)")
 
 
@@ -55,10 +58,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     # With a progress bar the bar shows the metrics; without one they are printed as JSON lines.
     report = print_reporter if args.no_progress else (lambda step, metrics: None)
     try:
-        out = run.run(report=tracker.reporter(report), progress=not args.no_progress)
+        out = run.run(report=tracker.reporter(report), progress=not args.no_progress, stop_at=args.stop_at)
     except BaseException:
         tracker.close("FAILED")
         raise
+    if out.get("stopped"):
+        tracker.close("KILLED")  # stopped on request; --resume sets the same MLflow run RUNNING again
+        print(json.dumps({"stopped_at": out["updates"], "checkpoint": out["checkpoint"], "updates": cfg.updates,
+                          "resume": f"--resume {out['checkpoint']}", "seconds": round(out["seconds"], 1)}))
+        return 0
     tracker.finish(run.run_dir, out["checkpoint"])
     summary = {"checkpoint": out["checkpoint"], "fact_em": out["eval"]["fact_em"], "fact_f1": out["eval"]["fact_f1"],
                "num_samples": out["eval"]["num_samples"], "updates": out["updates"], "seconds": round(out["seconds"], 1)}

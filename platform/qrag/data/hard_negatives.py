@@ -48,7 +48,9 @@ class LexicalIndex:
 
     def scores(self, query: Iterable[str]) -> np.ndarray:
         out = np.zeros(self.n_chunks, dtype=np.float64)
-        for w in set(query):
+        # Sorted: a set's order changes with PYTHONHASHSEED, and with it the sums' last bits and the
+        # ranking of ties, so a resumed run in a new process would draw other negatives.
+        for w in sorted(set(query)):
             ks = self.postings.get(w)
             if ks is not None:
                 out[ks] += self.idf[w]

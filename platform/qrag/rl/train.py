@@ -139,10 +139,12 @@ class TrainingRun:
         self.learner = learner_cls(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []
+        self.resumed_sampler: dict[str, Any] | None = None
         if resume is not None:
             extra = load_training_state(resume, self.learner)
-            if "sampler" in extra and self.train_tok:
-                self.sampler.load_state(extra["sampler"])
+            self.resumed_sampler = extra.get("sampler")
+            if self.resumed_sampler and self.train_tok:
+                self.sampler.load_state(self.resumed_sampler)
             self.history = extra.get("history", [])
             self.best_f1 = extra.get("best_f1", float("-inf"))
 
@@ -159,6 +161,19 @@ class TrainingRun:
         self.val_samples, self.val_tok = val.samples(), val.tokenized()
         self.dev_samples, self.dev_tok = dev.samples(), dev.tokenized()
         self.timings["data_s"] = time.perf_counter() - t0
+
+    def use_data(
+        self,
+        train: tuple[list[Sample], list[TokenizedSample]],
+        val: tuple[list[Sample], list[TokenizedSample]],
+        dev: tuple[list[Sample], list[TokenizedSample]],
+    ) -> None:
+        """Data made outside :meth:`load_data` (e.g. generated haystacks), as (samples, tokenized)
+        pairs. A resumed run's epoch order goes on where its checkpoint left it."""
+        (self.train_samples, self.train_tok), (self.val_samples, self.val_tok), (self.dev_samples, self.dev_tok) = train, val, dev
+        self.sampler = EpochSampler(max(1, len(self.train_tok)), self.cfg.seed)
+        if self.resumed_sampler:
+            self.sampler.load_state(self.resumed_sampler)
 
     def tokenize(self, samples: Sequence[Sample]) -> list[TokenizedSample]:
         d = self.cfg.data
@@ -209,8 +224,13 @@ class TrainingRun:
         report: Reporter = print_reporter,
         on_checkpoint: Callable[[Path, dict[str, float]], None] | None = None,
         progress: bool = False,
+        stop_at: int | None = None,
     ) -> dict[str, Any]:
+        """Train to ``cfg.updates``, then evaluate on dev once. ``stop_at``: end this call after that
+        update instead (one slice of a longer run, e.g. under a 10-minute job limit): a resumable
+        checkpoint is saved and returned with ``stopped`` true, and no evaluation runs."""
         cfg = self.cfg
+        end = cfg.updates if stop_at is None else min(cfg.updates, stop_at)
         source = source or self.local_source()
         bar = None
         if progress:
@@ -219,7 +239,7 @@ class TrainingRun:
             bar = tqdm(total=cfg.updates, initial=self.learner.update, desc="train", unit="upd", dynamic_ncols=True)
         last_eval: dict[str, float] = {}
         started = time.perf_counter()
-        while self.learner.update < cfg.updates:
+        while self.learner.update < end:
             t0 = time.perf_counter()
             batch = source.next_batch()
             wait = time.perf_counter() - t0
@@ -261,6 +281,12 @@ class TrainingRun:
                     on_checkpoint(path, metrics)
         if bar is not None:
             bar.close()
+        if self.learner.update < cfg.updates:
+            path = self.checkpoint_dir(self.learner.update)
+            if not is_checkpoint(path):  # checkpoint_every may have saved this update already
+                path = self.save(path)
+            return {"stopped": True, "checkpoint": str(path), "updates": self.learner.update,
+                    "seconds": time.perf_counter() - started, "run_dir": str(self.run_dir)}
         final = self.save(self.run_dir / "final")
         reported = final
         if cfg.keep_best and (self.run_dir / "best").is_dir():

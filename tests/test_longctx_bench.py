@@ -1,0 +1,67 @@
+"""bench/longctx.py end to end on CPU with a tiny encoder: a run cut into two slices (the second
+resumes the first's checkpoint), the reported checkpoint chosen on the val split at a long
+length among the periodic, keep_best and final ones, then dev evaluated once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_longctx_data import BABI_STORY, write_background
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def longctx():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import longctx
+
+    return longctx
+
+
+@pytest.fixture()
+def data(tmp_path):
+    write_background(tmp_path / "bg" / "train", 1, 800)
+    write_background(tmp_path / "bg" / "dev", 2, 800)
+    (tmp_path / "babi" / "en").mkdir(parents=True)
+    for split in ("train", "test"):
+        (tmp_path / "babi" / "en" / f"qa1_single-supporting-fact_{split}.txt").write_text(BABI_STORY * 3)
+    return tmp_path
+
+
+def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tiny_encoder, tmp_path):
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    common = ["--task", "qa1", "--encoder", tiny_encoder, "--babi", str(data / "babi"), "--novels", str(data / "bg"),
+              "--updates", "4", "--train-tokens", "512", "--runs", str(runs), "--out", str(out), "--device", "cpu",
+              "--lengths", "1k", "--questions", "2", "--val-questions", "0", "--no-baseline",
+              "data.samples_per_task=8", "data.dev_samples_per_task=2", "data.val_fraction=0.5", "data.chunk_tokens=32",
+              "learner.episodes_per_update=4", "learner.micro_batch=4", "learner.warmup_updates=1", "checkpoint_every=2",
+              "eval_every=2", "keep_best=true"]
+    assert longctx.main(common + ["--stop-at", "2"]) == 0
+    assert not (out / "longctx_qa1.json").exists()  # a slice evaluates nothing
+    assert (runs / "qa1" / "checkpoints" / "update_0000002").is_dir()
+
+    with pytest.raises(SystemExit, match="--updates"):
+        longctx.main([a for a in common if a not in ("--updates", "4")] + ["--resume"])
+
+    assert longctx.main(common + ["--resume", "--select-lengths", "1k", "--select-questions", "2"]) == 0
+    table = json.loads((out / "longctx_qa1.json").read_text())
+    training = table["training"]
+    assert training["updates"] == 4
+    assert [(s["from"], s["to"]) for s in training["slices"]] == [(0, 2), (2, 4)]
+    assert training["seconds"] == pytest.approx(sum(s["seconds"] for s in training["slices"]), abs=0.2)
+    selection = training["selection"]
+    names = [Path(c["checkpoint"]).name for c in selection["candidates"]]
+    assert names == ["update_0000002", "best", "final"]
+    for c in selection["candidates"]:
+        assert [(r["length"], r["num_samples"]) for r in c["rows"]] == [(1024, 2)]
+    best = max(c["val_fact_em"] for c in selection["candidates"])
+    chosen = next(c for c in selection["candidates"] if c["checkpoint"] == training["checkpoint"])
+    assert chosen["val_fact_em"] == best
+    assert "val split at 1k" in training["selected_on"]
+    assert [r["model"] for r in table["rows"]] == ["Q-RAG"]
+    assert table["rows"][0]["checkpoint"] == training["checkpoint"]
