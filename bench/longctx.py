@@ -203,6 +203,10 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     data_s = sum(sl["data_seconds"] for sl in slices)
     history = run.history
     last = [h for h in history if "train/return" in h][-5:]
+    # The periodic evaluations on the val split at the training length (what keep_best chose from).
+    periodic = [{"update": h["update"], "fact_em": round(h["eval/fact_em"], 4), "fact_f1": round(h["eval/fact_f1"], 4)}
+                for h in history if "eval/fact_f1" in h]
+    best_update = max(periodic, key=lambda e: e["fact_f1"])["update"] if cfg.keep_best and periodic else None
     return {
         "checkpoint": out["checkpoint"], "updates": out["updates"], "seconds": round(train_s, 1),
         "data_seconds": round(data_s, 1), **({"slices": slices} if len(slices) > 1 else {}),
@@ -214,6 +218,7 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         "episodes_per_update": cfg.learner.episodes_per_update,
         "train_return_last": sum(h["train/return"] for h in last) / max(1, len(last)),
         "dev_fact_f1": out["eval"]["fact_f1"], "dev_fact_em": out["eval"]["fact_em"],
+        **({"val_by_update": periodic} if periodic else {}), **({"keep_best_update": best_update} if best_update else {}),
         "config": {"context_tokens": cfg.data.context_tokens, "positions": cfg.model.positions, "env.max_steps": cfg.env.max_steps,
                    "lr": cfg.learner.lr, "alpha": cfg.learner.alpha, "value_top_k": cfg.learner.value_top_k,
                    "credit": cfg.env.credit, "samples_per_task": cfg.data.samples_per_task, "overrides": list(args.overrides)},

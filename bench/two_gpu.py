@@ -22,7 +22,7 @@ of Gutenberg books:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \\
       && export PYTHONPATH=/tmp/site && python3 bench/two_gpu.py --check-imports \\
       && QRAG_DATA_DIR=.carry/data HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 python3 bench/two_gpu.py \\
-           --random-encoder .carry/minilm16 --corpus .carry/novels --out $OUT/two_gpu.json --ray-temp $OUT/ray
+           --random-encoder .carry/minilm16 --corpus .carry/novels --out $OUT/two_gpu.json --ray-logs $OUT/raylogs
 The torch 2.11 GPU image (2026-11) lacked, beyond Ray's own wheel: fastapi, starlette, uvicorn,
 annotated-doc, h11, click, anyio, sniffio, prometheus_client and grpcio-reflection==1.84.0 (it
 must match the image's grpcio); `--check-imports` names what is missing.
@@ -86,8 +86,10 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--queries", type=int, default=200, help="sequential queries timed per shard layout")
     ap.add_argument("--concurrency", type=int, default=8, help="clients retrieving in a loop during the second training run")
     ap.add_argument("--out", help="also write the JSON here, e.g. bench/results/two_gpu.json")
-    ap.add_argument("--ray-temp", metavar="DIR", help="Ray's temp dir (its logs; e.g. under $OUT so that they come back when a phase "
-                    "fails and Ray aborts this process); default: inside the run's temporary folder")
+    ap.add_argument("--ray-temp", metavar="DIR", help="Ray's temp dir; default: inside the run's temporary folder (keep it short: "
+                    "Ray's Unix sockets live under it)")
+    ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs (raylet, GCS, agents, drivers) flat into DIR "
+                    "when the run ends or fails, e.g. $OUT/raylogs (files deeper than two folders under $OUT do not come back)")
     ap.add_argument("--check-imports", action="store_true", help="only report which modules the run needs and lacks, then exit")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="training config overrides (key=value)")
@@ -383,6 +385,24 @@ def gpu_assignment() -> dict | None:
 # -- the run ------------------------------------------------------------------------------------------
 
 
+RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "dashboard_agent.log", "runtime_env_agent.log",
+            "python-core-driver-*.log")
+
+
+def copy_ray_logs(temp_dir: Path, dest: Path, tail_bytes: int = 200_000) -> list[str]:
+    """The last ``tail_bytes`` of each of Ray's own logs of the latest session, flat in ``dest``."""
+    logs = temp_dir / "session_latest" / "logs"
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for pattern in RAY_LOGS:
+        for f in sorted(logs.glob(pattern)):
+            with open(f, "rb") as fh:
+                fh.seek(max(0, f.stat().st_size - tail_bytes))
+                (dest / f.name).write_bytes(fh.read())
+            copied.append(f.name)
+    return copied
+
+
 def save_partial(args, result: dict) -> None:
     """Write what is measured so far ("complete": false): a later phase can take the process down
     with it (Ray aborts a driver that loses the GCS), and the earlier figures must survive."""
@@ -431,7 +451,8 @@ def main() -> None:
     os.environ.pop("RAY_ADDRESS", None)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH")) if p)}
-    head = RayHead(tmp, args.gpus, args.cpus, env, Path(args.ray_temp).resolve() if args.ray_temp else None)
+    ray_temp = Path(args.ray_temp).resolve() if args.ray_temp else tmp / "ray"
+    head = RayHead(tmp, args.gpus, args.cpus, env, ray_temp)
     result: dict = {"bench": "two_gpu", **machine_info(), "gpus": args.gpus, "corpus": corpus,
                     "encoder": f"random-init, shape of {args.random_encoder}" if args.random_encoder else os.environ.get("QRAG_ENCODER", "minilm (bundled)")}
     try:
@@ -472,6 +493,8 @@ def main() -> None:
         ray.shutdown()
     finally:
         head.stop()
+        if args.ray_logs:
+            print(f"two_gpu.py: Ray logs copied: {copy_ray_logs(ray_temp, Path(args.ray_logs))}", file=sys.stderr, flush=True)
         shutil.rmtree(tmp / "runs", ignore_errors=True)
     print(json.dumps(result))
     if args.out:

@@ -63,5 +63,8 @@ def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tin
     chosen = next(c for c in selection["candidates"] if c["checkpoint"] == training["checkpoint"])
     assert chosen["val_fact_em"] == best
     assert "val split at 1k" in training["selected_on"]
+    # keep_best's choice is traceable: the val curve at the training length over both slices
+    assert [e["update"] for e in training["val_by_update"]] == [2, 4]
+    assert training["keep_best_update"] == max(training["val_by_update"], key=lambda e: e["fact_f1"])["update"]
     assert [r["model"] for r in table["rows"]] == ["Q-RAG"]
     assert table["rows"][0]["checkpoint"] == training["checkpoint"]

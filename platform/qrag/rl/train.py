@@ -267,6 +267,7 @@ class TrainingRun:
                 ev = self.evaluate(cfg.eval_limit, split=self.periodic_split).summary
                 last_eval = {"eval/fact_em": ev["fact_em"], "eval/fact_f1": ev["fact_f1"]}
                 metrics.update(last_eval)
+                self.history[-1].update(last_eval)  # kept in checkpoints: which update keep_best chose stays traceable
                 if cfg.keep_best and ev["fact_f1"] > self.best_f1:
                     self.best_f1 = ev["fact_f1"]
                     best = self.save(self.run_dir / "best", resumable=False)
