@@ -71,6 +71,7 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corpus", default=None, help="folder or glob of .txt/.txt.gz books (default $QRAG_DATA_DIR/gutenberg_novels)")
     ap.add_argument("--tokens", type=int, default=20_000_000, help="corpus size in tokens (books cycled until reached)")
     ap.add_argument("--chunk-tokens", type=int, default=64)
+    ap.add_argument("--shards", type=int, default=2, help="index shards of the corpus (default 2: one per GPU)")
     ap.add_argument("--corpus-workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)), help="processes chunking and tokenising books")
     ap.add_argument("--checkpoint", default=None, help="serve (and index with) this checkpoint; default the untrained encoder")
     ap.add_argument("--random-encoder", metavar="DIR", default=None,
@@ -138,7 +139,7 @@ def percentiles(seconds: list[float]) -> dict:
 
 
 def build_corpus(args) -> dict:
-    """Index books (cycled, each repeat a new document id) until ``args.tokens``; 2 shards."""
+    """Index books (cycled, each repeat a new document id) until ``args.tokens``, in ``args.shards`` shards."""
     import numpy as np
     import torch
 
@@ -154,7 +155,7 @@ def build_corpus(args) -> dict:
     store = CorpusStore(args.storage)
     if CORPUS in store.names():
         m = store.read(CORPUS)
-        if m.tokens >= args.tokens and m.shards == 2:
+        if m.tokens >= args.tokens and m.shards == args.shards:
             return {"reused": True, **m.summary(), "questions": questions_from_store(store)}
         store.delete(CORPUS)
     device = "cuda:0" if args.gpus else "cpu"
@@ -163,7 +164,7 @@ def build_corpus(args) -> dict:
     model = load_embedding_model(source, device, chunk_batch=8192, encode_tokens=131072)
     tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder("minilm")
     index = LocalIndex(CorpusStore(args.storage), model, model.device, ShardOptions(faiss="never"))
-    index.create(CORPUS, chunk_tokens=args.chunk_tokens, shards=2)
+    index.create(CORPUS, chunk_tokens=args.chunk_tokens, shards=args.shards)
     files = book_files(args.corpus)
     jobs = ((str(p), f"{p.name.split('.')[0]}~{rep}", args.chunk_tokens) for rep in itertools.count() for p in files)
     rng = random.Random(0)
@@ -188,6 +189,31 @@ def build_corpus(args) -> dict:
     m = store.read(CORPUS)
     return {"reused": False, **m.summary(), "build_seconds": round(time.perf_counter() - t0, 1),
             "questions": make_questions(samples, rng)}
+
+
+def corpus_in_child(args) -> tuple[dict, list[str]]:
+    """:func:`build_corpus` in a child process (its CUDA context must not stay on GPU 0): the
+    corpus summary and questions drawn from its text."""
+    child = subprocess.run([sys.executable, __file__, "--build-only", f"--gpus={args.gpus}", f"--storage={args.storage}",
+                            f"--tokens={args.tokens}", f"--chunk-tokens={args.chunk_tokens}", f"--corpus-workers={args.corpus_workers}",
+                            f"--shards={args.shards}",
+                            *([f"--corpus={args.corpus}"] if args.corpus else []), *([f"--checkpoint={args.checkpoint}"] if args.checkpoint else [])],
+                           capture_output=True, text=True)
+    if child.returncode:
+        raise SystemExit(f"building the corpus failed: {child.stderr[-3000:]}")
+    corpus = json.loads(child.stdout.strip().splitlines()[-1])
+    questions = corpus.pop("questions")
+    print(f"corpus {corpus}", file=sys.stderr, flush=True)
+    return corpus, questions
+
+
+def cluster_env() -> dict[str, str]:
+    """The environment of the local cluster, its jobs and this driver: one token for Ray's token
+    auth, no inherited RAY_ADDRESS, the library on the path."""
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32))
+    os.environ.pop("RAY_ADDRESS", None)
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH")) if p)}
 
 
 def make_questions(texts: list[str], rng: random.Random, n: int = 400) -> list[str]:
@@ -291,14 +317,19 @@ def deploy(args, shards: int, port: int, gpu_count: int) -> str:
             raise SystemExit(f"two_gpu.py: the GPU plan does not spread: {problems}")
     device = "cuda" if gpu_count else "cpu"
     cfg = ServeConfig(checkpoint=args.checkpoint, storage=args.storage, shards=shards, encoder_device=device, shard_device=device,
-                      faiss="never", chunk_tokens=args.chunk_tokens)
+                      faiss="never", chunk_tokens=args.chunk_tokens,
+                      http_host="127.0.0.1")  # what serve.start binds: the app refuses a public address without API keys
     # Serve's per-deployment options (what serve/config.yaml's deployments: section sets).
     deployments = [{"name": "Ingress", "max_ongoing_requests": 64, "max_queued_requests": 256},
                    {"name": "Encoder", "ray_actor_options": {"num_cpus": 0, "num_gpus": args.encoder_gpus if gpu_count else 0.0}},
                    *({"name": f"Shard{i}", "ray_actor_options": {"num_cpus": 0, "num_gpus": shard_gpus}} for i in range(shards))]
     serve.run(build_app(cfg, {}, deployments), name="qrag", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    return wait_healthy(f"http://127.0.0.1:{port}")
+
+
+def wait_healthy(url: str, timeout: float = 300) -> str:
+    """``url`` once its /healthz answers 200."""
+    deadline = time.time() + timeout
     while True:
         try:
             with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
@@ -436,21 +467,8 @@ def main() -> None:
 
     if args.random_encoder:
         os.environ["QRAG_ENCODER"] = random_encoder(args.random_encoder, tmp / "encoder")
-    child = subprocess.run([sys.executable, __file__, "--build-only", f"--gpus={args.gpus}", f"--storage={args.storage}",
-                            f"--tokens={args.tokens}", f"--chunk-tokens={args.chunk_tokens}", f"--corpus-workers={args.corpus_workers}",
-                            *([f"--corpus={args.corpus}"] if args.corpus else []), *([f"--checkpoint={args.checkpoint}"] if args.checkpoint else [])],
-                           capture_output=True, text=True)
-    if child.returncode:
-        raise SystemExit(f"two_gpu.py: building the corpus failed: {child.stderr[-3000:]}")
-    corpus = json.loads(child.stdout.strip().splitlines()[-1])
-    questions = corpus.pop("questions")
-    print(f"two_gpu.py: corpus {corpus}", file=sys.stderr, flush=True)
-
-    # One auth token for the cluster, the training jobs and this driver (Ray's token auth).
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32))
-    os.environ.pop("RAY_ADDRESS", None)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH")) if p)}
+    corpus, questions = corpus_in_child(args)
+    env = cluster_env()
     ray_temp = Path(args.ray_temp).resolve() if args.ray_temp else tmp / "ray"
     head = RayHead(tmp, args.gpus, args.cpus, env, ray_temp)
     result: dict = {"bench": "two_gpu", **machine_info(), "gpus": args.gpus, "corpus": corpus,
