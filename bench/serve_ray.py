@@ -65,6 +65,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--random-encoder", metavar="DIR", default=None, help="an encoder's config and tokenizer: a random-init model of its shape")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs flat into DIR at the end")
+    ap.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (placement by actor needs its state API; "
+                    "off by default: with `ray start --block` a dashboard that dies takes the node down)")
     return ap
 
 
@@ -116,7 +118,7 @@ def main() -> None:
     if args.random_encoder:
         os.environ["QRAG_ENCODER"] = random_encoder(args.random_encoder, tmp / "encoder")
     corpus, questions = corpus_in_child(args)
-    head = RayHead(tmp, args.gpus, args.cpus, cluster_env())
+    head = RayHead(tmp, args.gpus, args.cpus, cluster_env(), dashboard=args.dashboard)
     result: dict = {"bench": "serve_ray", **machine_info(), "gpus": args.gpus, "corpus": corpus, "steps": args.steps,
                     "encoder": f"random-init, shape of {args.random_encoder}" if args.random_encoder else os.environ.get("QRAG_ENCODER", "minilm (bundled)"),
                     "settings": {"shards": args.shards, "layouts": layouts, "queries": args.queries, "concurrency": args.concurrency,

@@ -238,14 +238,16 @@ def questions_from_store(store) -> list[str]:
 class RayHead:
     """`ray start --head --block` on 127.0.0.1 in its own process group."""
 
-    def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str], temp_dir: Path | None = None):
+    def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str], temp_dir: Path | None = None, dashboard: bool = True):
         self.gcs_port, dash = free_port(), free_port()
         self.env = env
         self.log = open(tmp / "ray_start.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
              f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--num-cpus={cpus}",
-             f"--num-gpus={gpus}", f"--temp-dir={temp_dir or tmp / 'ray'}", "--disable-usage-stats"],
+             f"--num-gpus={gpus}", f"--temp-dir={temp_dir or tmp / 'ray'}", "--disable-usage-stats",
+             # `--block` takes the whole node down when any Ray process dies, the dashboard included
+             *([] if dashboard else ["--include-dashboard=false"])],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.address = f"127.0.0.1:{self.gcs_port}"
@@ -406,17 +408,19 @@ def gpu_assignment() -> dict | None:
     by_pid: dict[int, list[int]] = {}
     for pid, uuid, _ in smi("pid,gpu_uuid,used_memory", "compute-apps"):
         by_pid.setdefault(int(pid), []).append(gpus.get(uuid, -1))
-    actors = {}
-    for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000):
-        if a.pid in by_pid:
-            actors[f"{a.class_name}#{a.pid}"] = sorted(by_pid[a.pid])
+    try:  # the state API needs the dashboard
+        alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+    except Exception as exc:  # noqa: BLE001 - placement is a diagnostic, not a figure
+        return {"actors": None, "actors_error": f"{type(exc).__name__}: {exc}"[:300], "memory_used_mib": memory}
+    actors = {f"{a.class_name}#{a.pid}": sorted(by_pid[a.pid]) for a in alive if a.pid in by_pid}
     return {"actors": actors, "memory_used_mib": memory}
 
 
 # -- the run ------------------------------------------------------------------------------------------
 
 
-RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "dashboard_agent.log", "runtime_env_agent.log",
+RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "dashboard.log", "dashboard.err", "dashboard_agent.log",
+            "runtime_env_agent.log", "ray_process_exit.log",
             "python-core-driver-*.log")
 
 
