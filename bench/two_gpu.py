@@ -91,6 +91,8 @@ def args_parser() -> argparse.ArgumentParser:
                     "Ray's Unix sockets live under it)")
     ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs (raylet, GCS, agents, drivers) flat into DIR "
                     "when the run ends or fails, e.g. $OUT/raylogs (files deeper than two folders under $OUT do not come back)")
+    ap.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (placement by actor needs its state API; off by "
+                    "default: with `ray start --block` a dashboard that dies takes the node down, as it did on the GPU image)")
     ap.add_argument("--check-imports", action="store_true", help="only report which modules the run needs and lacks, then exit")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="training config overrides (key=value)")
@@ -474,7 +476,7 @@ def main() -> None:
     corpus, questions = corpus_in_child(args)
     env = cluster_env()
     ray_temp = Path(args.ray_temp).resolve() if args.ray_temp else tmp / "ray"
-    head = RayHead(tmp, args.gpus, args.cpus, env, ray_temp)
+    head = RayHead(tmp, args.gpus, args.cpus, env, ray_temp, dashboard=args.dashboard)
     result: dict = {"bench": "two_gpu", **machine_info(), "gpus": args.gpus, "corpus": corpus,
                     "encoder": f"random-init, shape of {args.random_encoder}" if args.random_encoder else os.environ.get("QRAG_ENCODER", "minilm (bundled)")}
     try:

@@ -65,3 +65,27 @@ def test_errors_are_one_clear_line(args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_train_in_slices_with_stop_at_and_resume(tiny_encoder, hotpot_file, tmp_path):
+    """`qrag train --stop-at U` ends a slice with a resumable checkpoint (no eval); `--resume`
+    finishes the same run, in the same MLflow run."""
+    common = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "data.chunk_tokens=48", f"out_dir={tmp_path}",
+              "name=sliced", "updates=3", "learner.episodes_per_update=4", "learner.micro_batch=4", "eval_limit=5", "--no-progress"]
+    first = run(["train", *common, "--stop-at", "2"])
+    assert first.returncode == 0, first.stderr
+    stopped = json.loads(first.stdout.strip().splitlines()[-1])
+    assert stopped["stopped_at"] == 2 and stopped["updates"] == 3
+    stopped_run = stopped["mlflow_run_id"]
+    assert stopped["checkpoint"].endswith("checkpoints/update_0000002") and not (tmp_path / "sliced" / "final").exists()
+    second = run(["train", *common, *stopped["resume"].split()])
+    assert second.returncode == 0, second.stderr
+    done = json.loads(second.stdout.strip().splitlines()[-1])
+    assert done["updates"] == 3 and (tmp_path / "sliced" / "final").is_dir()
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("qrag").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # one MLflow run for both slices
+    assert runs[0].info.run_id == stopped_run == done["mlflow_run_id"]

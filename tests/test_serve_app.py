@@ -75,7 +75,8 @@ def app(checkpoint, tmp_path_factory):
     deployments = {d["name"]: d for d in config["deployments"]}
     deployments["Ingress"] = {"name": "Ingress", "num_replicas": 2, "max_ongoing_requests": 4, "max_queued_requests": 4}
     deployments["Encoder"] = {**{k: v for k, v in deployments["Encoder"].items() if k != "autoscaling_config"}, "num_replicas": 1}
-    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, chunk_tokens=CHUNK_TOKENS, max_body_bytes=100_000, state_batch_wait_s=0.001,
+    # One deployment per shard (not the shipped one for both): the fault test kills one of two.
+    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, shard_deployments=None, chunk_tokens=CHUNK_TOKENS, max_body_bytes=100_000, state_batch_wait_s=0.001,
                 max_jobs=6, max_jobs_per_corpus=3, shard_memory_bytes=64 * 2**20, max_documents=500)
     cfg = ServeConfig(**args)
     # The keys reach the replicas the way a Kubernetes Secret does: in their environment.
@@ -181,14 +182,15 @@ def test_serve_config_deployments_are_the_apps_and_valid_for_serve():
     app = data["applications"][0]
     cfg = ServeConfig(**app["args"])
     names = [d["name"] for d in app["deployments"]]
-    assert sorted(names) == sorted(deployment_names(cfg.shards))
+    assert sorted(names) == sorted(deployment_names(cfg.shard_holders()))
     autoscaled = {d.name: d.autoscaling_config for d in schema.applications[0].deployments}
     assert autoscaled["Ingress"]["max_replicas"] > autoscaled["Ingress"]["min_replicas"] >= 1 and autoscaled["Encoder"]["max_replicas"] >= 1
     args = argparse.Namespace(config=str(ROOT / "serve" / "config.yaml"))
     assert serve_deployments(args) == app["deployments"]
     build_app(cfg, {}, app["deployments"])  # Deployment.options accepts every option (Serve validates them there)
-    with pytest.raises(ConfigError, match="no deployment 'Shard2' in the app with 2 shard"):
-        build_app(cfg, {}, [{"name": "Shard2", "num_replicas": 1}])
+    assert cfg.shards == 2 and cfg.shard_holders() == 1  # the shipped layout: one Shard deployment holds both shards
+    with pytest.raises(ConfigError, match="no deployment 'Shard1' in the app with 1 shard deployment"):
+        build_app(cfg, {}, [{"name": "Shard1", "num_replicas": 1}])
     with pytest.raises(Exception, match="target_ongoing_request"):
         build_app(cfg, {}, [{"name": "Ingress", "autoscaling_config": {"target_ongoing_request": 2}}])
 

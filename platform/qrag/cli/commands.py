@@ -64,8 +64,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     if out.get("stopped"):
         tracker.close("KILLED")  # stopped on request; --resume sets the same MLflow run RUNNING again
-        print(json.dumps({"stopped_at": out["updates"], "checkpoint": out["checkpoint"], "updates": cfg.updates,
-                          "resume": f"--resume {out['checkpoint']}", "seconds": round(out["seconds"], 1)}))
+        stopped = {"stopped_at": out["updates"], "checkpoint": out["checkpoint"], "updates": cfg.updates,
+                   "resume": f"--resume {out['checkpoint']}", "seconds": round(out["seconds"], 1)}
+        if tracker.run_id:
+            stopped.update(mlflow_run_id=tracker.run_id, tracking_uri=tracker.uri)
+        print(json.dumps(stopped))
         return 0
     tracker.finish(run.run_dir, out["checkpoint"])
     summary = {"checkpoint": out["checkpoint"], "fact_em": out["eval"]["fact_em"], "fact_f1": out["eval"]["fact_f1"],

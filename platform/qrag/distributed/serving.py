@@ -267,7 +267,7 @@ def deployment_overrides(deployments: Sequence[Mapping[str, Any]] | None, shards
             raise ConfigError(f"deployments[{i}]: an entry needs a 'name' (one of {', '.join(names)})")
         at = f"deployments[{i}] ({entry['name']})"
         if entry["name"] not in names:
-            raise ConfigError(f"{at}: no deployment {entry['name']!r} in the app with {shards} shard(s) (it has {', '.join(names)})")
+            raise ConfigError(f"{at}: no deployment {entry['name']!r} in the app with {shards} shard deployment(s) (it has {', '.join(names)})")
         if entry["name"] in out:
             raise ConfigError(f"{at}: listed twice")
         problems += [f"{at}: unknown key {k!r}" for k in sorted(set(entry) - set(DeploymentSchema.model_fields))]
