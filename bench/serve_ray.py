@@ -4,7 +4,8 @@
 application that `serve/config.yaml` deploys (`qrag.distributed.serving.build_app`: Ingress ->
 Encoder -> Shard deployments), on one local Ray cluster (127.0.0.1), for each value of
 `ServeConfig.shard_deployments` in --layouts (the shards spread over that many Shard
-deployments; = --shards is one deployment per shard, the default). Per layout:
+deployments; = --shards is one deployment per shard, the default), and for `colocate: true` (the
+Ingress alone, holding the encoder and every shard: no handle calls per step). Per layout:
 
 * sequential: --queries questions one after another (concurrency 1), p50/p99;
 * concurrent: --concurrency clients in a closed loop for --load-seconds, queries/s and p50/p99.
@@ -49,8 +50,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
     ap.add_argument("--tokens", type=int, default=10_000_000, help="corpus size in tokens (default 10M)")
     ap.add_argument("--shards", type=int, default=4, help="index shards (default 4)")
-    ap.add_argument("--layouts", default="4,1", help="shard_deployments values to time, in order (default 4,1: one deployment per "
-                    "shard, then one for all)")
+    ap.add_argument("--layouts", default="4,1,colocated", help="layouts to time, in order: shard_deployments values, or 'colocated' "
+                    "(colocate: true, the Ingress holds the encoder and every shard; default 4,1,colocated)")
     ap.add_argument("--steps", type=int, default=4, help="retrieval steps per query (default 4)")
     ap.add_argument("--queries", type=int, default=200, help="sequential queries per layout")
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients of the concurrent phase")
@@ -70,26 +71,35 @@ def args_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def layout_deployments(shards: int, holders: int, gpus: int, encoder_gpus: float, max_ongoing: int) -> list[dict]:
+COLOCATED = "colocated"
+
+
+def layout_deployments(shards: int, holders: int | str, gpus: int, encoder_gpus: float, max_ongoing: int) -> list[dict]:
     """Serve's per-deployment options (the `deployments:` section of serve/config.yaml) for
-    ``holders`` Shard deployments sharing one GPU with the Encoder."""
+    ``holders`` Shard deployments sharing one GPU with the Encoder, or the colocated Ingress
+    holding the whole GPU."""
+    ingress = {"name": "Ingress", "max_ongoing_requests": max_ongoing, "max_queued_requests": 4 * max_ongoing}
+    if holders == COLOCATED:
+        return [{**ingress, "ray_actor_options": {"num_cpus": 0, "num_gpus": 1.0 if gpus else 0.0}}]
     shard_gpus = round((1.0 - encoder_gpus) / holders, 4) if gpus else 0.0
-    return [{"name": "Ingress", "max_ongoing_requests": max_ongoing, "max_queued_requests": 4 * max_ongoing},
+    return [ingress,
             {"name": "Encoder", "ray_actor_options": {"num_cpus": 0, "num_gpus": encoder_gpus if gpus else 0.0}},
             *({"name": f"Shard{i}", "ray_actor_options": {"num_cpus": 0, "num_gpus": shard_gpus}} for i in range(holders))]
 
 
-def layout_config(args, holders: int):
+def layout_config(args, holders: int | str):
     """The app's ServeConfig for one layout."""
     from qrag.serving.service_config import ServeConfig
 
     device = "cuda" if args.gpus else "cpu"
-    return ServeConfig(checkpoint=args.checkpoint, storage=args.storage, shards=args.shards, shard_deployments=holders,
+    colocate = holders == COLOCATED
+    return ServeConfig(checkpoint=args.checkpoint, storage=args.storage, shards=args.shards, colocate=colocate,
+                       shard_deployments=1 if colocate else holders,
                        encoder_device=device, shard_device=device, faiss="never", chunk_tokens=args.chunk_tokens,
                        http_host="127.0.0.1")  # what serve.start binds: the app refuses a public address without API keys
 
 
-def deploy_layout(args, holders: int, port: int) -> str:
+def deploy_layout(args, holders: int | str, port: int) -> str:
     from ray import serve
 
     from qrag.distributed.serving import build_app
@@ -104,9 +114,9 @@ def main() -> None:
     args = args_parser().parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    layouts = [int(x) for x in args.layouts.split(",") if x.strip()]
-    if any(not 1 <= d <= args.shards for d in layouts):
-        raise SystemExit(f"serve_ray.py: every layout must be between 1 and --shards ({args.shards}), got {layouts}")
+    layouts = [x.strip() if x.strip() == COLOCATED else int(x) for x in args.layouts.split(",") if x.strip()]
+    if any(d != COLOCATED and not 1 <= d <= args.shards for d in layouts):
+        raise SystemExit(f"serve_ray.py: a layout is 'colocated' or between 1 and --shards ({args.shards}), got {layouts}")
     if args.gpus is None:
         import torch
 
@@ -140,8 +150,9 @@ def main() -> None:
                 time.sleep(args.load_seconds)
             row["concurrent"] = load.summary()
             row["placement"] = gpu_assignment()
-            result["layouts"][f"shard_deployments_{holders}"] = row
-            print(f"serve_ray.py: {holders} shard deployment(s): {row}", file=sys.stderr, flush=True)
+            key = COLOCATED if holders == COLOCATED else f"shard_deployments_{holders}"
+            result["layouts"][key] = row
+            print(f"serve_ray.py: {key}: {row}", file=sys.stderr, flush=True)
             serve.delete("qrag")
         result["complete"] = True
         serve.shutdown()

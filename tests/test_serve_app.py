@@ -6,6 +6,7 @@ overload, a killed replica, Prometheus metrics, and the web page driven in headl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -412,6 +413,41 @@ def test_overload_answers_503_with_retry_after_and_keeps_serving(app):
     assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
     assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
     assert retrieve(app["client"], question=QUESTIONS[0]).status_code == 200
+
+
+def test_colocated_ingress_answers_as_the_split_app(app, offline):
+    """colocate: true deploys the Ingress alone, holding the encoder and both shards itself (no
+    handle calls per step): the same corpus gives the offline search's answers, nothing re-embedded."""
+    from ray import serve
+
+    from qrag.distributed.serving import build_app
+
+    cfg = dataclasses.replace(app["cfg"], colocate=True, shard_deployments=1)
+    serve.run(build_app(cfg, {}, [{"name": "Ingress", "num_replicas": 1}]), name="colocated", route_prefix="/colocated")
+    try:
+        client = httpx.Client(base_url=app["url"] + "/colocated", timeout=120, headers=READ)
+        for question in QUESTIONS[:3]:
+            for search in (dict(max_steps=3), dict(max_steps=3, beam_width=3)):
+                r = client.post("/v1/retrieve", json={"corpus": "books", "question": question, **search})
+                assert r.status_code == 200, r.text
+                ref = offline(question, SearchConfig(**search))
+                assert [s["chunk_id"] for s in r.json()["steps"]] == ref.selected
+                assert [s["q"] for s in r.json()["steps"]] == pytest.approx([s.q for s in ref.steps], abs=1e-5)
+        stats = client.get("/v1/encoder").json()
+        assert stats["chunks_embedded"] == 0 and stats["states_embedded"] > 0  # the corpus was read from disk
+        assert client.get("/v1/retrieve", headers={}).status_code in (401, 405)  # the same guarded API
+    finally:
+        serve.delete("colocated")
+
+
+def test_colocated_app_has_the_ingress_only():
+    from qrag.config import ConfigError
+    from qrag.distributed.serving import build_app
+
+    cfg = ServeConfig(storage="unused", shards=2, colocate=True)
+    build_app(cfg, {}, [{"name": "Ingress", "num_replicas": 2}])
+    with pytest.raises(ConfigError, match="no deployment 'Shard0' in the colocated app"):
+        build_app(cfg, {}, [{"name": "Shard0", "num_replicas": 1}])
 
 
 def test_killed_shard_replica_recovers_without_reembedding(app, offline):

@@ -35,7 +35,13 @@ def test_layout_config_is_one_the_app_starts_with(serve_ray, tmp_path):
     from qrag.serving.auth import startup_problem
 
     args = serve_ray.args_parser().parse_args(["--storage", str(tmp_path), "--gpus", "0"])
-    for holders in (4, 1):
+    for holders in (4, 1, serve_ray.COLOCATED):
         cfg = serve_ray.layout_config(args, holders)
-        assert cfg.shard_holders() == holders
+        assert cfg.shard_holders() == (1 if holders == serve_ray.COLOCATED else holders)
+        assert cfg.colocate == (holders == serve_ray.COLOCATED)
         assert startup_problem(cfg.http_host, {}, cfg.allow_unauthenticated) is None
+
+
+def test_colocated_layout_is_the_ingress_with_the_whole_gpu(serve_ray):
+    plan = serve_ray.layout_deployments(shards=4, holders=serve_ray.COLOCATED, gpus=1, encoder_gpus=0.2, max_ongoing=64)
+    assert [d["name"] for d in plan] == ["Ingress"] and plan[0]["ray_actor_options"]["num_gpus"] == 1.0

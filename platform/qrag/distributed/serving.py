@@ -43,7 +43,7 @@ from qrag.index.holder import ShardHolder, ShardOverBudget
 from qrag.index.shards import ShardUnhealthy
 from qrag.retrieval.hits import ShardHits
 from qrag.index.store import CorpusNotFound, CorpusStore, SegmentProblem
-from qrag.serving.service import ModelIdentity, RetrievalService, ServiceError, encoder_positions
+from qrag.serving.service import ModelIdentity, RetrievalService, ServiceError, encoder_positions, local_service
 from qrag.serving.service_config import ServeConfig
 
 log = logging.getLogger("qrag.serving")
@@ -61,7 +61,10 @@ def shard_name(slot: int) -> str:
 
 
 def deployment_names(shards: int) -> list[str]:
-    """The deployments of the app with ``shards`` shard slots: the names ``deployments:`` uses."""
+    """The deployments of the app with ``shards`` shard slots (0: colocated, the Ingress alone):
+    the names ``deployments:`` uses."""
+    if shards == 0:
+        return [INGRESS]
     return [INGRESS, ENCODER, *(shard_name(i) for i in range(shards))]
 
 
@@ -93,7 +96,12 @@ class Encoder:
         return await asyncio.to_thread(self.model.embed_chunks, seqs)
 
     def stats(self) -> dict[str, Any]:
-        return {"chunks_embedded": self.model.chunks_embedded, "states_embedded": self.model.states_embedded, "device": str(self.model.device)}
+        return encoder_stats_of(self.model)
+
+
+def encoder_stats_of(model) -> dict[str, Any]:
+    """The encoder's work counters (GET /v1/encoder)."""
+    return {"chunks_embedded": model.chunks_embedded, "states_embedded": model.states_embedded, "device": str(model.device)}
 
 
 @serve.deployment(name="Shard", ray_actor_options={"num_cpus": 0}, **BACKEND_LIMITS)
@@ -211,6 +219,7 @@ class RayMetrics:
 @serve.ingress()
 class Ingress:
     async def __init__(self, cfg: dict[str, Any], encoder, shards: list, static: dict[str, bytes]):
+        """``encoder`` None (``colocate``): this replica holds the encoder and every shard itself."""
         c = from_dict(ServeConfig, cfg)
         self.keys = key_table(c.api_keys)  # $QRAG_API_KEYS of this replica (a Kubernetes Secret) + the config
         # The bind address comes from the config (our own record of http_options.host): Ray has no
@@ -218,6 +227,15 @@ class Ingress:
         problem = startup_problem(c.http_host or "0.0.0.0", self.keys, c.allow_unauthenticated)
         if problem:
             raise RuntimeError(problem)
+        self.metrics = RayMetrics()
+        self.static = static
+        self.encoder = encoder
+        if encoder is None:
+            source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
+            self.model = await asyncio.to_thread(load_embedding_model, source, c.encoder_device, encode_tokens=c.encode_tokens,
+                                                 question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+            self.service = local_service(c, self.model, str(pick_device(c.shard_device)), self.metrics)
+            return
         info = await encoder.info.remote()
         source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
         fingerprint, _, tokenizer, layout = await asyncio.to_thread(source_identity, source)
@@ -225,12 +243,9 @@ class Ingress:
             raise RuntimeError(f"the encoder serves model {info['fingerprint']} but {source.describe()} is {fingerprint}")
         identity = ModelIdentity(info["fingerprint"], from_dict(ModelConfig, info["model"]), info["dim"], info["source"], info["trained"],
                                  info.get("max_positions"))
-        self.metrics = RayMetrics()
-        self.encoder = encoder
         self.service = RetrievalService(c, CorpusStore(c.storage), Tokenization(tokenizer, layout, c.question_tokens), identity,
                                         RemoteEncoder(encoder, c.retry_after_s, c.handle_timeout_s),
                                         [RemoteShards(h, c.retry_after_s, c.handle_timeout_s) for h in shards], self.metrics)
-        self.static = static
 
     def __serve_build_asgi_app__(self):
         app = build_api(self.service, self.static, self.metrics.request, self.keys)
@@ -238,6 +253,8 @@ class Ingress:
 
         @app.api.get("/v1/encoder", include_in_schema=False)
         async def encoder_stats():  # work counters: the durability test checks nothing is re-embedded
+            if self.encoder is None:
+                return encoder_stats_of(self.model)
             return await call_backend(self.encoder.stats, (), "the encoder", cfg.handle_timeout_s, cfg.retry_after_s)
 
         return app
@@ -267,7 +284,8 @@ def deployment_overrides(deployments: Sequence[Mapping[str, Any]] | None, shards
             raise ConfigError(f"deployments[{i}]: an entry needs a 'name' (one of {', '.join(names)})")
         at = f"deployments[{i}] ({entry['name']})"
         if entry["name"] not in names:
-            raise ConfigError(f"{at}: no deployment {entry['name']!r} in the app with {shards} shard deployment(s) (it has {', '.join(names)})")
+            app = "the colocated app" if shards == 0 else f"the app with {shards} shard deployment(s)"
+            raise ConfigError(f"{at}: no deployment {entry['name']!r} in {app} (it has {', '.join(names)})")
         if entry["name"] in out:
             raise ConfigError(f"{at}: listed twice")
         problems += [f"{at}: unknown key {k!r}" for k in sorted(set(entry) - set(DeploymentSchema.model_fields))]
@@ -301,19 +319,22 @@ def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployme
     if cfg.shards < 1:
         raise ValueError(f"shards must be at least 1, got {cfg.shards}")
     holders = cfg.shard_holders()
-    overrides = deployment_overrides(deployments, holders)
+    overrides = deployment_overrides(deployments, 0 if cfg.colocate else holders)
     gpus = default_gpus(holders)
 
     def options(deployment: str, **code: Any) -> dict[str, Any]:
         return {**code, **overrides.get(deployment, {})}
 
     args = to_dict(cfg)
+    backpressure = {"status_code": 503, "retry_after_s": cfg.retry_after_s}
+    if cfg.colocate:  # one replica holds the encoder and every shard: the GPU is its own
+        whole = {"num_gpus": 1.0 if _cluster_has_gpu() else 0.0, "num_cpus": 0}
+        return Ingress.options(**options(INGRESS, ray_actor_options=whole, backpressure_config=backpressure)).bind(args, None, [], static or {})
     encoder = Encoder.options(**options(ENCODER, ray_actor_options={"num_gpus": gpus[ENCODER], "num_cpus": 0})).bind(args)
     shards = [
         Shard.options(**options(shard_name(i), name=shard_name(i), ray_actor_options={"num_gpus": gpus[shard_name(i)], "num_cpus": 0})).bind(args, i)
         for i in range(holders)
     ]
-    backpressure = {"status_code": 503, "retry_after_s": cfg.retry_after_s}
     return Ingress.options(**options(INGRESS, backpressure_config=backpressure)).bind(args, encoder, shards, static or {})
 
 
@@ -340,7 +361,7 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir, deployment
     problem = startup_problem(host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
-    deployment_overrides(deployments, cfg.shard_holders())  # unknown deployment names fail before Ray starts
+    deployment_overrides(deployments, 0 if cfg.colocate else cfg.shard_holders())  # unknown deployment names fail before Ray starts
     cfg = dataclasses.replace(cfg, http_host=host)  # what the ingress checks again on each replica
 
     def stop(signum, frame):  # SIGTERM (a service manager, `kill`) shuts down like Ctrl-C

@@ -722,7 +722,7 @@ class LocalShards:
         self.holder.forget(corpus)
 
 
-def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu") -> RetrievalService:
+def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu", metrics: Metrics | None = None) -> RetrievalService:
     """The whole service in one process (no Ray): one shard holder per index-shard deployment
     (``cfg.shard_deployments``; 1 = every shard in one holder, scored in one pass per step)."""
     store = CorpusStore(cfg.storage)
@@ -731,4 +731,4 @@ def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu") 
     options = cfg.shard_options()
     n = cfg.shard_holders()
     clients = [LocalShards(ShardHolder(store, s, n, torch.device(device), options, cfg.shard_memory_bytes)) for s in range(n)]
-    return RetrievalService(replace(cfg), store, model, identity, LocalEncoder(model, cfg.retry_after_s), clients)
+    return RetrievalService(replace(cfg), store, model, identity, LocalEncoder(model, cfg.retry_after_s), clients, metrics)

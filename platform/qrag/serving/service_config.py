@@ -30,6 +30,9 @@ class ServeConfig:
     shard_deployments: int | None = opt(None, "Index-shard deployments the shards are spread over (deployment i holds shards i, i + D, ...); null = shards. "
                                               "Fewer, each holding several shards on one GPU, score them in one pass per step: with 1 deployment per GPU "
                                               "a 10M-token query took 10.3 ms instead of 16.6 (4 shards, one H100, bench/results/serve_http_10m_h100.json).")
+    colocate: bool = opt(False, "Run the encoder and every shard inside each Ingress replica (give it the GPU): a query then makes no "
+                                "deployment-handle call, where the split app makes two per step. No Encoder or Shard deployments are created; "
+                                "each Ingress replica holds its own copy of the model and the loaded corpora (one replica per GPU).")
     encoder_device: str = opt("auto", "Device of the encoder replicas: auto | cpu | cuda.")
     shard_device: str = opt("auto", "Device of the shard replicas (exact rotated scoring): auto | cpu | cuda.")
     state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch).")
