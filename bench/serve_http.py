@@ -11,7 +11,9 @@ against the same service called directly on the same event loop, on the same que
   answer is in).
 
 Each layout of shard holders in `--holders` is served in turn (`per-shard`: one holder per shard,
-as the Serve deployments by default; `1`: every shard in one holder, as `shard_deployments: 1`). Reads a corpus built by ``bench/serve_scale.py --storage DIR`` (corpus ``bench``); on a GPU
+as the Serve deployments by default; `1`: every shard in one holder, as `shard_deployments: 1`),
+with each `--state-batch` value (the in-process encoder embeds the states of concurrent requests
+in one forward, up to that many). Reads a corpus built by ``bench/serve_scale.py --storage DIR`` (corpus ``bench``); on a GPU
 machine, after the serve_scale call in the same command:
 
     PYTHONPATH=platform python bench/serve_http.py --storage /tmp/idx10m --encoder $PWD/.carry/longctx/encoder \\
@@ -55,6 +57,9 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--holders", default="per-shard,1",
                     help="shard-holder layouts timed, comma-separated: per-shard (one holder per shard, as the Serve "
                          "deployments) and/or a number (1 = every shard in one holder: one scoring pass per step)")
+    ap.add_argument("--state-batch", default="32",
+                    help="state_batch_size values timed, comma-separated: concurrent requests' states embedded in one forward "
+                         "(1 = one request per forward, the in-process encoder before it batched)")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -114,12 +119,16 @@ def main() -> None:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
-    def measure(holders: int | None) -> tuple[dict, list[list[int]]]:
-        """One service (``holders`` shard holders: shard_deployments), served on a fresh port: the library and HTTP paths."""
-        service = local_service(replace(cfg, shard_deployments=holders), model, device=str(dev))
+    def measure(holders: int | None, state_batch: int) -> tuple[dict, list[list[int]]]:
+        """One service (``holders`` shard holders: shard_deployments; ``state_batch``: state_batch_size), served on a
+        fresh port: the library and HTTP paths."""
+        service = local_service(replace(cfg, shard_deployments=holders, state_batch_size=state_batch), model, device=str(dev))
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(build_api(service), host="127.0.0.1", port=port, log_level="warning",
-                                               access_log=False, loop="asyncio"))
+                                               access_log=False, loop="asyncio",
+                                               # the library phase runs between the warm-up and the HTTP phase: on a slow
+                                               # device it outlasts uvicorn's 5 s keep-alive, which closed the connection
+                                               timeout_keep_alive=600))
         asyncio.run_coroutine_threadsafe(server.serve(), loop)
         deadline = time.time() + 60
         while not server.started:
@@ -140,7 +149,7 @@ def main() -> None:
         lib = [library(q) for q in timed]
         one = [client.retrieve(body(q)) for q in timed]
         row = {
-            "holders": len(service.shards),
+            "holders": len(service.shards), "state_batch_size": state_batch,
             "library_concurrency_1": summary([ms for ms, _ in lib]),
             "http_concurrency_1": summary([ms for ms, _ in one]),
             "same_chunks_http_vs_library": round(sum(a[1] == b[1] for a, b in zip(lib, one)) / len(lib), 4),
@@ -158,15 +167,17 @@ def main() -> None:
         server.should_exit = True
         return row, [picks for _, picks in lib]
 
-    modes = [None if h == "per-shard" else int(h) for h in args.holders.split(",") if h.strip()]
-    rows, picks = zip(*(measure(h) for h in modes))
+    layouts = [None if h == "per-shard" else int(h) for h in args.holders.split(",") if h.strip()]
+    batches = [int(b) for b in args.state_batch.split(",") if b.strip()]
+    rows, picks = zip(*(measure(h, b) for h in layouts for b in batches))
     result = {
         "bench": "serve_http", "machine": machine_info(), "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "device": str(dev),
         "corpus": {"storage": args.storage, "name": args.corpus, "shards": args.shards, "chunks": int(store.read(args.corpus).chunks)},
         "steps": args.steps, "positions": args.positions,
         "method": "one process, no Ray: the service's FastAPI app on uvicorn (127.0.0.1, HTTP/1.1 keep-alive) against "
-                  "the same RetrievalService awaited directly on the same event loop; same questions; per holder layout",
+                  "the same RetrievalService awaited directly on the same event loop; same questions; per holder layout "
+                  "and state_batch_size",
         "modes": list(rows),
         "same_chunks_across_modes": round(sum(len({tuple(p[i]) for p in picks}) == 1 for i in range(len(timed))) / len(timed), 4),
     }

@@ -26,10 +26,11 @@ def test_http_and_library_paths_agree_and_are_timed(tiny_encoder, shared_data, t
         "--queries", "3", "--batches", "1", "--rounds", "1", "--storage", str(storage), "--workers", "1", "--device", "cpu")
     out = tmp_path / "http.json"
     run("serve_http.py", "--storage", str(storage), "--encoder", tiny_encoder, "--shards", "2", "--queries", "6",
-        "--concurrency", "2", "--device", "cpu", "--out", str(out))
+        "--concurrency", "2", "--device", "cpu", "--state-batch", "1,8", "--out", str(out))
     result = json.loads(out.read_text())
     assert result["corpus"]["chunks"] > 50
-    assert [m["holders"] for m in result["modes"]] == [2, 1]  # one holder per shard, then all shards in one
+    # one holder per shard, then all shards in one; each without and with batching of concurrent states
+    assert [(m["holders"], m["state_batch_size"]) for m in result["modes"]] == [(2, 1), (2, 8), (1, 1), (1, 8)]
     assert result["same_chunks_across_modes"] == 1.0
     for mode in result["modes"]:
         assert mode["same_chunks_http_vs_library"] == 1.0  # the same service behind both paths

@@ -551,3 +551,47 @@ def test_a_slow_wait_true_job_answers_202_before_the_deadline(model, tmp_path, l
     assert r.status_code == 202 and r.json()["job"]["state"] in ("queued", "running")  # not the deadline's 503
     loop.loop.call_soon_threadsafe(gated.gate.set)
     assert wait_job(client, r.json()["job"]["id"])["state"] == "done"
+
+
+def test_local_encoder_batches_concurrent_states_and_keeps_each_answer(loop):
+    """Concurrent requests' states share forwards (whole requests, at most batch_size states);
+    each request gets exactly its own vectors, and a failed forward fails every request in it."""
+    import asyncio
+
+    import numpy as np
+
+    from qrag.serving.service import LocalEncoder
+
+    class Recording:
+        def __init__(self):
+            self.calls: list[int] = []
+
+        def embed_states(self, seqs):
+            self.calls.append(len(seqs))
+            return np.stack([np.full(3, float(s[0])) for s in seqs])
+
+    model = Recording()
+    enc = LocalEncoder(model, batch_size=4)
+
+    async def many():
+        requests = [[np.array([10 * r + b]) for b in range(1 + r % 2)] for r in range(6)]  # 1 or 2 states each
+        out = await asyncio.gather(*(enc.embed_states(q) for q in requests))
+        return requests, out
+
+    requests, out = loop.run(many())
+    for q, v in zip(requests, out):
+        assert v.shape == (len(q), 3) and [row[0] for row in v] == [float(s[0]) for s in q]
+    assert sum(model.calls) == 9 and len(model.calls) < 6 and max(model.calls) <= 4  # batched, within the limit
+    assert enc.forwards == len(model.calls)
+
+    class Boom(Recording):
+        def embed_states(self, seqs):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    failing = LocalEncoder(Boom(), batch_size=4)
+
+    async def both():
+        return await asyncio.gather(*(failing.embed_states([np.array([1])]) for _ in range(2)), return_exceptions=True)
+
+    errors = loop.run(both())
+    assert all(isinstance(e, ServiceError) and e.status == 503 for e in errors)

@@ -35,7 +35,7 @@ class ServeConfig:
                                 "each Ingress replica holds its own copy of the model and the loaded corpora (one replica per GPU).")
     encoder_device: str = opt("auto", "Device of the encoder replicas: auto | cpu | cuda.")
     shard_device: str = opt("auto", "Device of the shard replicas (exact rotated scoring): auto | cpu | cuda.")
-    state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch).")
+    state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch; in process: the states arriving while a forward runs; 1 = none).")
     state_batch_wait_s: float = opt(0.002, "How long a state batch waits to fill.")
     chunk_batch: int = opt(512, "Chunks per encoder call while indexing (progress is reported per call).")
     encode_tokens: int = opt(32768, "Padded tokens per encoder forward pass.")
