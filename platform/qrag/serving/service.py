@@ -672,6 +672,7 @@ class LocalEncoder:
         self._lock = asyncio.Lock()  # one forward at a time
         self._queue: list[tuple[list[np.ndarray], asyncio.Future]] = []
         self._draining = False
+        self._drainer: asyncio.Task | None = None
         self.forwards = 0  # state forwards run (a test counts the batching)
 
     def _failed(self, exc: BaseException) -> ServiceError:
@@ -693,7 +694,7 @@ class LocalEncoder:
         self._queue.append((seqs, future))
         if not self._draining:
             self._draining = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())  # kept: the loop holds tasks weakly
         return await future
 
     async def _drain(self) -> None:
