@@ -51,6 +51,8 @@ NIAH_LENGTHS = "4k,32k,128k,1m"
 PACK_TRAIN_BOOKS = 4
 PACK_DEV_BOOKS = 10
 PACK_VAL_BOOKS = 5  # validation background: the train collection's books that training never reads (~1.5M tokens)
+# What a length row keeps where a result lists per-length scores (sweep_model's rows have more).
+ROW_KEYS = ("task", "length", "fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "num_samples", "steps", "credit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -289,7 +291,7 @@ def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, d
         rows = sweep_model(c.name, str(c), cfg, tasks, lengths, lambda _: args.select_questions, split="val", device=device, log=log)
         scored.append({"checkpoint": str(c), "val_fact_em": round(sum(r["fact_em"] for r in rows) / len(rows), 4),
                        "val_fact_f1": round(sum(r["fact_f1"] for r in rows) / len(rows), 4),
-                       "rows": [{k: r[k] for k in ("task", "length", "fact_em", "fact_f1", "num_samples", "steps", "credit")} for r in rows]})
+                       "rows": [{k: r[k] for k in ROW_KEYS} for r in rows]})
         log(f"select: {c.name}: val Fact EM {scored[-1]['val_fact_em']}, F1 {scored[-1]['val_fact_f1']}")
     if not scored:
         raise SystemExit(f"longctx: --select-lengths: no checkpoint under {run_dir}")

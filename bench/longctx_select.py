@@ -26,10 +26,7 @@ sys.path.insert(0, str(ROOT / "platform"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info  # noqa: E402
-from longctx import PRESETS, attach_data, resolve_paths  # noqa: E402
-
-# What a length row of a variant keeps (qrag.evaluation.lengths.sweep_model has more).
-ROW_KEYS = ("task", "length", "fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "num_samples", "steps", "credit")
+from longctx import PRESETS, ROW_KEYS, attach_data, resolve_paths  # noqa: E402
 DIAGNOSTICS = ("success", "policy_entropy", "q_taken", "q_success", "q_failure", "value_next", "nonzero_return_share",
                "target", "loss", "alpha")
 

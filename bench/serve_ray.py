@@ -40,16 +40,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import free_port  # noqa: E402
 from two_gpu import (  # noqa: E402
-    Load, RayHead, cluster_env, copy_ray_logs, corpus_in_child, gpu_assignment, random_encoder, time_queries, wait_healthy,
+    Load, RayHead, cluster_env, copy_ray_logs, corpus_and_ray_args, corpus_in_child, gpu_assignment, random_encoder, time_queries,
+    wait_healthy,
 )
 
 
 def args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all torch sees, at most 1); 0 = a CPU check")
-    ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
-    ap.add_argument("--tokens", type=int, default=10_000_000, help="corpus size in tokens (default 10M)")
-    ap.add_argument("--shards", type=int, default=4, help="index shards (default 4)")
+    corpus_and_ray_args(ap, tokens=10_000_000, shards=4)
     ap.add_argument("--layouts", default="4,1,colocated", help="layouts to time, in order: shard_deployments values, or 'colocated' "
                     "(colocate: true, the Ingress holds the encoder and every shard; default 4,1,colocated)")
     ap.add_argument("--steps", type=int, default=4, help="retrieval steps per query (default 4)")
@@ -58,16 +57,7 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-seconds", type=float, default=20.0, help="length of the concurrent phase")
     ap.add_argument("--encoder-gpus", type=float, default=0.2, help="GPU fraction of the Encoder; the shards share the rest")
     ap.add_argument("--max-ongoing", type=int, default=64, help="max_ongoing_requests of the Ingress")
-    ap.add_argument("--storage", default=None, help="corpus folder (default: a temporary one); an existing corpus of enough tokens is reused")
-    ap.add_argument("--corpus", default=None, help="folder or glob of .txt/.txt.gz books (default $QRAG_DATA_DIR/gutenberg_novels)")
-    ap.add_argument("--chunk-tokens", type=int, default=64)
-    ap.add_argument("--corpus-workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
-    ap.add_argument("--checkpoint", default=None, help="serve (and index with) this checkpoint; default the untrained encoder")
-    ap.add_argument("--random-encoder", metavar="DIR", default=None, help="an encoder's config and tokenizer: a random-init model of its shape")
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs flat into DIR at the end")
-    ap.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (placement by actor needs its state API; "
-                    "off by default: with `ray start --block` a dashboard that dies takes the node down)")
     return ap
 
 

@@ -63,20 +63,30 @@ from bench_common import free_port  # noqa: E402 - light (no torch, no Ray)
 CORPUS = "two_gpu"
 
 
-def args_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all that torch sees); 0 = a CPU check")
+def corpus_and_ray_args(ap: argparse.ArgumentParser, tokens: int, shards: int) -> None:
+    """The options :func:`corpus_in_child` passes on to :func:`build_corpus` (this script's and
+    bench/serve_ray.py's), and Ray's head: one set, so the child always understands them."""
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
     ap.add_argument("--storage", default=None, help="corpus folder (default: a temporary one); an existing corpus of enough tokens is reused")
     ap.add_argument("--corpus", default=None, help="folder or glob of .txt/.txt.gz books (default $QRAG_DATA_DIR/gutenberg_novels)")
-    ap.add_argument("--tokens", type=int, default=20_000_000, help="corpus size in tokens (books cycled until reached)")
+    ap.add_argument("--tokens", type=int, default=tokens, help=f"corpus size in tokens, books cycled until reached (default {tokens:,})")
     ap.add_argument("--chunk-tokens", type=int, default=64)
-    ap.add_argument("--shards", type=int, default=2, help="index shards of the corpus (default 2: one per GPU)")
+    ap.add_argument("--shards", type=int, default=shards, help=f"index shards of the corpus (default {shards})")
     ap.add_argument("--corpus-workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)), help="processes chunking and tokenising books")
     ap.add_argument("--checkpoint", default=None, help="serve (and index with) this checkpoint; default the untrained encoder")
     ap.add_argument("--random-encoder", metavar="DIR", default=None,
                     help="a folder with an encoder's config.json and tokenizer but no weights (e.g. MiniLM's, ~1 MB): train and serve a "
                          "random-init model of that shape (same speed; fits a small upload); sets QRAG_ENCODER for every process")
+    ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs (raylet, GCS, agents, drivers) flat into DIR "
+                    "when the run ends or fails, e.g. $OUT/raylogs (files deeper than two folders under $OUT do not come back)")
+    ap.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (placement by actor needs its state API; off by "
+                    "default: with `ray start --block` a dashboard that dies takes the node down, as it did on the GPU image)")
+
+
+def args_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all that torch sees); 0 = a CPU check")
+    corpus_and_ray_args(ap, tokens=20_000_000, shards=2)  # 2 shards: one per GPU
     ap.add_argument("--config", default=str(ROOT / "configs" / "hotpot.yaml"), help="training preset")
     ap.add_argument("--updates", type=int, default=30, help="timed updates per training run")
     ap.add_argument("--warmup", type=int, default=3, help="updates left out of the figures")
@@ -89,10 +99,6 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", help="also write the JSON here, e.g. bench/results/two_gpu.json")
     ap.add_argument("--ray-temp", metavar="DIR", help="Ray's temp dir; default: inside the run's temporary folder (keep it short: "
                     "Ray's Unix sockets live under it)")
-    ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs (raylet, GCS, agents, drivers) flat into DIR "
-                    "when the run ends or fails, e.g. $OUT/raylogs (files deeper than two folders under $OUT do not come back)")
-    ap.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (placement by actor needs its state API; off by "
-                    "default: with `ray start --block` a dashboard that dies takes the node down, as it did on the GPU image)")
     ap.add_argument("--check-imports", action="store_true", help="only report which modules the run needs and lacks, then exit")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="training config overrides (key=value)")

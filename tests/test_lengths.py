@@ -20,20 +20,14 @@ from qrag.model.qnet import QNetwork
 from qrag.retrieval.search import Retriever
 from qrag.data.tokens import tokenize_samples
 
-from test_longctx_data import BABI_STORY, write_background
+from test_longctx_data import write_qa1_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lengths")
-    write_background(root / "bg" / "train", 1, 800)
-    write_background(root / "bg" / "dev", 2, 800)
-    (root / "babi" / "en").mkdir(parents=True)
-    for split in ("train", "test"):
-        (root / "babi" / "en" / f"qa1_single-supporting-fact_{split}.txt").write_text(BABI_STORY * 3)
-    return root
+    return write_qa1_data(tmp_path_factory.mktemp("lengths"))
 
 
 @pytest.fixture(scope="module")

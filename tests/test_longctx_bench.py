@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_longctx_data import BABI_STORY, write_background
+from test_longctx_data import write_qa1_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,12 +25,7 @@ def longctx():
 
 @pytest.fixture()
 def data(tmp_path):
-    write_background(tmp_path / "bg" / "train", 1, 800)
-    write_background(tmp_path / "bg" / "dev", 2, 800)
-    (tmp_path / "babi" / "en").mkdir(parents=True)
-    for split in ("train", "test"):
-        (tmp_path / "babi" / "en" / f"qa1_single-supporting-fact_{split}.txt").write_text(BABI_STORY * 3)
-    return tmp_path
+    return write_qa1_data(tmp_path)
 
 
 def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tiny_encoder, tmp_path):

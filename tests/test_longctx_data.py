@@ -4,6 +4,7 @@ chunk budgets, context lengths within 2% of the target, disjoint train/dev backg
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +44,17 @@ def write_background(folder, seed: int, sentences: int = 1500) -> None:
             lines.append("")  # paragraph break
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"book{seed}.txt").write_text("\n".join(lines))
+
+
+def write_qa1_data(root: Path) -> Path:
+    """A small BabiLong source under ``root``: background books bg/train and bg/dev, and a bAbI
+    qa1 train/test file pair under babi/en (for the length-sweep and long-context bench tests)."""
+    write_background(root / "bg" / "train", 1, 800)
+    write_background(root / "bg" / "dev", 2, 800)
+    (root / "babi" / "en").mkdir(parents=True)
+    for split in ("train", "test"):
+        (root / "babi" / "en" / f"qa1_single-supporting-fact_{split}.txt").write_text(BABI_STORY * 3)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +329,6 @@ def test_lexical_scores_do_not_depend_on_the_string_hash_seed():
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     outs = set()
     for seed in ("1", "2", "3"):

@@ -68,13 +68,22 @@ def deployment_names(shards: int) -> list[str]:
     return [INGRESS, ENCODER, *(shard_name(i) for i in range(shards))]
 
 
+def serving_source(c: ServeConfig):
+    """The model the service serves (checkpoint, MLflow URI or the bundled encoder)."""
+    return resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
+
+
+def serving_model(c: ServeConfig):
+    """The encoders as the service runs them: the Encoder deployment's, or a colocated Ingress's."""
+    return load_embedding_model(serving_source(c), c.encoder_device, encode_tokens=c.encode_tokens,
+                                question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+
+
 @serve.deployment(name=ENCODER, ray_actor_options={"num_cpus": 0}, **BACKEND_LIMITS)
 class Encoder:
     def __init__(self, cfg: dict[str, Any]):
         c = from_dict(ServeConfig, cfg)
-        source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
-        self.model = load_embedding_model(source, c.encoder_device, encode_tokens=c.encode_tokens,
-                                          question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+        self.model = serving_model(c)
         # One request's beams come as one item; a batch never splits them.
         self.embed_states.set_max_batch_size(max(c.state_batch_size, c.max_beam_width))
         self.embed_states.set_batch_wait_timeout_s(c.state_batch_wait_s)
@@ -231,13 +240,11 @@ class Ingress:
         self.static = static
         self.encoder = encoder
         if encoder is None:
-            source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
-            self.model = await asyncio.to_thread(load_embedding_model, source, c.encoder_device, encode_tokens=c.encode_tokens,
-                                                 question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+            self.model = await asyncio.to_thread(serving_model, c)
             self.service = local_service(c, self.model, str(pick_device(c.shard_device)), self.metrics)
             return
         info = await encoder.info.remote()
-        source = resolve_source(c.checkpoint, c.encoder, c.model_cache, c.mlflow_tracking_uri)
+        source = serving_source(c)
         fingerprint, _, tokenizer, layout = await asyncio.to_thread(source_identity, source)
         if fingerprint != info["fingerprint"]:
             raise RuntimeError(f"the encoder serves model {info['fingerprint']} but {source.describe()} is {fingerprint}")

@@ -663,16 +663,14 @@ class RetrievalService:
 class LocalEncoder:
     """The encoder in this process; its failures (CUDA out of memory, ...) answer 503, as the
     Serve encoder's do. Concurrent requests' states are embedded together (as the Serve encoder's
-    ``@serve.batch``): while one forward runs, arriving states queue, and the next forward takes
-    them all, whole requests, up to ``batch_size`` states (1 = one request per forward)."""
+    ``@serve.batch``, without its wait): while one forward runs, arriving states queue, and the
+    next forward takes them, whole requests, up to ``batch_size`` states (1 = one request each)."""
 
-    def __init__(self, model: EmbeddingModel, retry_after_s: int = 1, batch_size: int = 1, batch_wait_s: float = 0.0):
-        self.model, self.retry_after_s = model, retry_after_s
-        self.batch_size, self.batch_wait_s = batch_size, batch_wait_s
+    def __init__(self, model: EmbeddingModel, retry_after_s: int = 1, batch_size: int = 1):
+        self.model, self.retry_after_s, self.batch_size = model, retry_after_s, batch_size
         self._lock = asyncio.Lock()  # one forward at a time
         self._queue: list[tuple[list[np.ndarray], asyncio.Future]] = []
-        self._draining = False
-        self._drainer: asyncio.Task | None = None
+        self._drainer: asyncio.Task | None = None  # kept: the event loop holds tasks weakly
         self.forwards = 0  # state forwards run (a test counts the batching)
 
     def _failed(self, exc: BaseException) -> ServiceError:
@@ -687,41 +685,35 @@ class LocalEncoder:
                 raise self._failed(exc) from None
 
     async def embed_states(self, seqs: list[np.ndarray]) -> np.ndarray:
-        if self.batch_size <= 1:
-            self.forwards += 1
-            return await self._call(self.model.embed_states, seqs)
         future = asyncio.get_running_loop().create_future()
         self._queue.append((seqs, future))
-        if not self._draining:
-            self._draining = True
-            self._drainer = asyncio.get_running_loop().create_task(self._drain())  # kept: the loop holds tasks weakly
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
         return await future
+
+    def _next_batch(self) -> list[tuple[list[np.ndarray], asyncio.Future]]:
+        """Queued requests, oldest first, up to ``batch_size`` states (one request at least);
+        cancelled ones (their deadline passed) are dropped."""
+        batch, size = [], 0
+        while self._queue and (not batch or size + len(self._queue[0][0]) <= self.batch_size):
+            seqs, future = self._queue.pop(0)
+            if not future.done():
+                batch.append((seqs, future))
+                size += len(seqs)
+        return batch
 
     async def _drain(self) -> None:
         batch: list[tuple[list[np.ndarray], asyncio.Future]] = []
         try:
-            while self._queue:
-                if self.batch_wait_s > 0:
-                    await asyncio.sleep(self.batch_wait_s)  # let concurrent requests join
-                batch, size = [], 0
-                while self._queue and (not batch or size + len(self._queue[0][0]) <= self.batch_size):
-                    seqs, future = self._queue.pop(0)
-                    if not future.done():  # a cancelled request (its deadline passed) is dropped
-                        batch.append((seqs, future))
-                        size += len(seqs)
-                if not batch:
-                    continue
-                flat = [x for seqs, _ in batch for x in seqs]
-                async with self._lock:
+            while batch := self._next_batch():
+                try:
                     self.forwards += 1
-                    try:
-                        vectors = await asyncio.to_thread(self.model.embed_states, flat)
-                    except (RuntimeError, MemoryError) as exc:
-                        error = self._failed(exc)
-                        for _, future in batch:
-                            if not future.done():
-                                future.set_exception(error)
-                        continue
+                    vectors = await self._call(self.model.embed_states, [x for seqs, _ in batch for x in seqs])
+                except ServiceError as error:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
                 lo = 0
                 for seqs, future in batch:
                     if not future.done():
@@ -733,8 +725,6 @@ class LocalEncoder:
                     future.set_exception(self._failed(exc))
             self._queue.clear()
             raise
-        finally:
-            self._draining = False
 
     async def embed_chunks(self, seqs: list[np.ndarray]) -> np.ndarray:
         return await self._call(self.model.embed_chunks, seqs)
@@ -787,7 +777,5 @@ def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu", 
     options = cfg.shard_options()
     n = cfg.shard_holders()
     clients = [LocalShards(ShardHolder(store, s, n, torch.device(device), options, cfg.shard_memory_bytes)) for s in range(n)]
-    # No waiting for a batch to fill: the states that arrive while a forward runs make the next one
-    # (a single request keeps its latency).
-    encoder = LocalEncoder(model, cfg.retry_after_s, cfg.state_batch_size, 0.0)
-    return RetrievalService(replace(cfg), store, model, identity, encoder, clients, metrics)
+    return RetrievalService(replace(cfg), store, model, identity, LocalEncoder(model, cfg.retry_after_s, cfg.state_batch_size),
+                            clients, metrics)
