@@ -401,3 +401,69 @@ def test_val_split_is_held_out_questions_in_held_out_books(babi_dir, planted_bac
     firsts = [c.split(".")[0] for g in val_items for c, r in zip(g.sample.chunks, g.refs) if r >= 0]
     assert firsts and all(f in val_text for f in firsts)
     assert all(g.haystack.name.startswith("books-val") for g in val_items)
+
+
+# -- renamed bAbI stories -----------------------------------------------------------------------
+
+
+def where_is(facts, person: str) -> str | None:
+    """qa1's rule: the place of a person's last move."""
+    place = None
+    for fact in facts:
+        words = fact.rstrip(".").split()
+        if words[0] == person:
+            place = words[-1]
+    return place
+
+
+def test_renamed_stories_keep_their_logic_and_answers(shared_data):
+    """Every renamed qa1 question is still answered by its story (names swapped the same way in
+    facts, question and answer), and a renaming is a bijection within each kind of name."""
+    from qrag.data.babi_names import Renamer
+
+    questions = load_babi(shared_data / "babi" / "tasks_1-20_v1-2", "qa1", "train")[:300]
+    renamer = Renamer(questions)
+    rng = np.random.default_rng(0)
+    changed = 0
+    for q in questions:
+        mapping = renamer.draw(rng)
+        r = renamer.rename(q, mapping)
+        assert sorted(mapping) == sorted(mapping.values())  # a permutation
+        assert where_is(r.facts, r.question.split()[-1].rstrip("?")) == r.answer
+        assert r.support == q.support and len(r.facts) == len(q.facts)
+        inverse = {v: k for k, v in mapping.items()}
+        assert renamer.rename(r, inverse) == q
+        changed += r != q
+    assert changed > 250  # almost every draw is a new story
+
+
+def test_renamer_keeps_to_the_names_a_task_uses(shared_data):
+    from qrag.data.babi_names import Renamer
+
+    root = shared_data / "babi" / "tasks_1-20_v1-2"
+    people = {"qa3": {"Daniel", "John", "Mary", "Sandra"}, "qa5": {"Bill", "Fred", "Jeff", "Mary"}}
+    for task, names in people.items():
+        renamer = Renamer(load_babi(root, task, "train"))
+        assert set(renamer.kinds[0]) == names
+        mapping = renamer.draw(np.random.default_rng(1))
+        assert {mapping[n] for n in names} == names
+    assert Renamer(load_babi(root, "qa4", "train")).kinds == [("bathroom", "bedroom", "garden", "hallway", "kitchen", "office")]
+
+
+def test_rename_entities_renames_train_samples_only(babi_dir, background, measure):
+    from qrag.data.babilong import generate_from_config
+
+    cfg = DataConfig(dataset="babilong", path=str(background), facts_path=str(babi_dir), tasks=["qa1"],
+                     context_tokens=512, samples_per_task=12, chunk_tokens=32)
+    originals = {q.id: q for split in ("train", "dev") for q in load_babi(babi_dir, "qa1", split)}
+
+    def stories(split, rename):
+        cfg.rename_entities = rename
+        return [(g.sample.question, tuple(c for c, r in zip(g.sample.chunks, g.refs) if r == SPECIAL), g.sample.answer)
+                for g in generate_from_config(cfg, split, measure)]
+
+    plain = set(stories("train", False))
+    assert plain <= {(q.question, q.facts, q.answer) for q in originals.values()}
+    renamed = stories("train", True)
+    assert len(set(renamed) - plain) >= 3  # new stories
+    assert stories("dev", True) == stories("dev", False)

@@ -29,6 +29,7 @@ import numpy as np
 from qrag.config import DataConfig
 from qrag.data import register_loader
 from qrag.data.babi import BabiQuestion, load_babi
+from qrag.data.babi_names import Renamer
 from qrag.data.chunking import TokenCounter
 from qrag.data.contexts import Generated, assemble, fresh_ids, interleave, rng_for
 from qrag.data.hard_negatives import add_hard, candidates, take
@@ -74,6 +75,7 @@ def generate_babilong(
     background: str | Path | None = None,
     hard_negatives: int = 0,
     val_fraction: float = 0.0,
+    rename: bool = False,
 ) -> Iterator[Generated]:
     """``n`` BabiLong samples of ``task`` at ``length`` tokens, one at a time (a 10M-token
     sample is only ever built alone).
@@ -83,6 +85,8 @@ def generate_babilong(
     the training background (:func:`qrag.data.haystack.split_files`); it chooses settings and
     checkpoints at lengths longer than training. ``hard_negatives``: that many background chunks
     per context chosen by the words they share with the story (:mod:`qrag.data.hard_negatives`).
+    ``rename``: each sample swaps the story's names of people, places and objects for others of
+    the same kind (:mod:`qrag.data.babi_names`); ``meta['renamed']`` records it.
     """
     if length <= 0:
         raise DataError(f"babilong: context length must be positive, got {length}")
@@ -92,6 +96,7 @@ def generate_babilong(
         if not questions:
             raise DataError(f"babilong {task}: no validation questions (data.val_fraction={val_fraction})")
     order = rng_for("babilong-order", seed, task, split).permutation(len(questions))
+    renamer = Renamer(questions) if rename else None
     hay = book_haystack(background, split, budget, measure, max(MIN_BACKGROUND_TOKENS, 2 * length))
     produced = draws = 0
     while produced < n:
@@ -100,6 +105,8 @@ def generate_babilong(
                             f"that fit in {length} tokens; raise data.context_tokens")
         q = questions[order[draws % len(questions)]]
         draws += 1
+        if renamer is not None:
+            q = renamer.rename(q, renamer.draw(rng_for("babilong-names", seed, task, split, length, draws)))
         counts, ids = measure.measure(list(q.facts))  # each fact tokenised once: counts fit it, ids feed evaluation
         first = fit_facts(q, counts, length)
         if first is None:
@@ -125,6 +132,7 @@ def generate_babilong(
             meta={
                 "task": task, "source_id": q.id, "context_tokens": window.tokens + fact_tokens, "target_tokens": length,
                 "facts": len(facts), "dropped_facts": first, "background": hay.name,
+                **({"renamed": True} if renamer is not None else {}),
             },
         )
         produced += 1
@@ -149,6 +157,7 @@ def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: 
             task, split, length or cfg.context_tokens, n if n is not None else samples_for_split(cfg, split), measure,
             seed=cfg.seed, budget=cfg.chunk_tokens, facts_path=cfg.facts_path, background=cfg.path,
             hard_negatives=cfg.hard_negatives if split == "train" else 0, val_fraction=cfg.val_fraction,
+            rename=cfg.rename_entities and split == "train",
         )))
     return interleave(per_task)
 
