@@ -74,6 +74,7 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="lockstep batch sizes (concurrency) for the throughput curve")
     ap.add_argument("--rounds", type=int, default=20, help="batches timed per batch size")
     ap.add_argument("--p99-ms", type=float, default=100.0)
+    ap.add_argument("--index-only", action="store_true", help="index, time the bare forward, report the indexing figures and stop (no retrieval)")
     ap.add_argument("--storage", default=None, help="index folder (default: a temporary one)")
     ap.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/serve_scale_h100.json")
     ap.add_argument("--random-weights", action="store_true",
@@ -324,6 +325,23 @@ def main() -> None:
     built = index_corpus(index, model, files, args, tokenizer_dir)
     ids = built.pop("ids")
     bare = bare_forward_tokens_per_s(model, ids, args.encode_tokens)
+    head = {
+        "bench": "serve_scale", **machine_info(), "device": str(dev),
+        "model": {"source": source.describe(), "positions": model.model_cfg.positions, "dim": model.dim, "fingerprint": model.fingerprint,
+                  "random_weights": args.random_weights},
+        "corpus": {"files": len(files), "chunk_tokens": args.chunk_tokens, "shards": args.shards,
+                   **{k: v for k, v in built.items() if k in ("chunks", "text_tokens", "encoder_tokens", "documents", "bytes_on_disk")}},
+        "indexing": {"seconds": round(built["seconds"], 2), "tokens_per_s": round(built["indexing_tokens_per_s"]),
+                     "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
+                     "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
+                     "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
+                     "workers": args.workers, "pipelined": built["stages"]["pipelined"], "stages": built["stages"]},
+    }
+    if args.index_only:
+        print(json.dumps(head))
+        if args.out:
+            write_result(args.out, head)
+        return
 
     # Shards on the device: memory per shard.
     if dev.type == "cuda":
@@ -370,16 +388,7 @@ def main() -> None:
                     "score_ms_per_query": {v: variants[v]["latency_concurrency_1"]["mean_stage_ms"]["score"] for v in variants}}
 
     result = {
-        "bench": "serve_scale", **machine_info(), "device": str(dev),
-        "model": {"source": source.describe(), "positions": model.model_cfg.positions, "dim": model.dim, "fingerprint": model.fingerprint,
-                  "random_weights": args.random_weights},
-        "corpus": {"files": len(files), "chunk_tokens": args.chunk_tokens, "shards": args.shards,
-                   **{k: v for k, v in built.items() if k in ("chunks", "text_tokens", "encoder_tokens", "documents", "bytes_on_disk")}},
-        "indexing": {"seconds": round(built["seconds"], 2), "tokens_per_s": round(built["indexing_tokens_per_s"]),
-                     "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
-                     "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
-                     "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
-                     "workers": args.workers, "pipelined": built["stages"]["pipelined"], "stages": built["stages"]},
+        **head,
         "latency_concurrency_1": lat_row,
         "baseline": variants["baseline"],
         "per_shard": variants["per_shard"],

@@ -22,21 +22,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("QRAG_DATA_CACHE", "none")
 
 
-def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
-    """A random-init BERT with the bundled MiniLM tokenizer: fast, offline, real tokenisation."""
+def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed: int = 0, arch: str = "bert") -> Path:
+    """A random-init BERT (or MPNet: eager attention only, like all-mpnet-base-v2) with the bundled
+    MiniLM tokenizer: fast, offline, real tokenisation."""
     import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import AutoTokenizer, BertConfig, BertModel, MPNetConfig, MPNetModel
 
     from qrag.model.encoder import bundled_minilm_dir
 
     torch.manual_seed(seed)
     src = bundled_minilm_dir()
     tokenizer = AutoTokenizer.from_pretrained(str(src))
-    config = BertConfig(
+    config_cls, model_cls = {"bert": (BertConfig, BertModel), "mpnet": (MPNetConfig, MPNetModel)}[arch]
+    config = config_cls(
         vocab_size=tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=hidden * 2, max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        intermediate_size=hidden * 2, max_position_embeddings=512 if arch == "bert" else 514,  # MPNet offsets positions by 2
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=tokenizer.pad_token_id,
     )
-    BertModel(config).save_pretrained(directory, safe_serialization=True)
+    model_cls(config).save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -44,6 +47,11 @@ def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed:
 @pytest.fixture(scope="session")
 def tiny_encoder(tmp_path_factory) -> str:
     return str(build_tiny_encoder(tmp_path_factory.mktemp("tiny_encoder")))
+
+
+@pytest.fixture(scope="session")
+def tiny_mpnet(tmp_path_factory) -> str:
+    return str(build_tiny_encoder(tmp_path_factory.mktemp("tiny_mpnet"), arch="mpnet"))
 
 
 WORDS = "alpha beta gamma delta river castle forest painter singer city novel film war king queen ship".split()

@@ -18,9 +18,12 @@ def test_bucket_of_picks_the_smallest_bucket_that_holds_the_value():
     assert bucket_of(5, (1, 2, 4)) is None
 
 
-@pytest.mark.parametrize("similarity", ["twin", "cosine"])
-def test_padded_buckets_give_the_plain_encoder_vectors(tiny_encoder, similarity):
-    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative", similarity=similarity), CPU, use_target=False)
+@pytest.mark.parametrize("similarity,arch", [("twin", "bert"), ("cosine", "bert"), ("twin", "mpnet")])
+def test_padded_buckets_give_the_plain_encoder_vectors(tiny_encoder, tiny_mpnet, similarity, arch):
+    """MPNet runs eager attention, which adds the mask to the scores: a boolean mask there let the
+    padded tokens in (a wrong vector for every padded state)."""
+    encoder = {"bert": tiny_encoder, "mpnet": tiny_mpnet}[arch]
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=encoder, positions="relative", similarity=similarity), CPU, use_target=False)
     qnet.eval()
     rng = np.random.default_rng(0)
     # 5 states (bucket 8: three padding rows) of mixed lengths (bucket 64: padded columns).
@@ -29,6 +32,8 @@ def test_padded_buckets_give_the_plain_encoder_vectors(tiny_encoder, similarity)
     got = enc(seqs)
     with torch.no_grad():
         want = qnet.finish(encode(qnet.state_encoder, seqs, pad_id=layout.pad_id, device=CPU))
+        alone = torch.cat([qnet.finish(encode(qnet.state_encoder, [s], pad_id=layout.pad_id, device=CPU)) for s in seqs])
+    torch.testing.assert_close(want, alone, atol=2e-5, rtol=1e-4)  # padding changes no vector
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert enc.eager_calls == 1 and enc.replays == 0  # CPU: the same padded forward, eagerly
@@ -49,3 +54,19 @@ def test_a_state_longer_than_every_bucket_is_a_clear_error(tiny_encoder):
     enc = StateEncoder(qnet, layout.pad_id, CPU, length_buckets=(16,))
     with pytest.raises(ValueError, match="longer than"):
         enc([np.arange(20, dtype=np.int64)])
+
+
+@pytest.mark.parametrize("arch", ["bert", "mpnet"])
+def test_encoders_load_with_attention_they_support_and_ignore_padding(tiny_encoder, tiny_mpnet, arch):
+    """all-mpnet-base-v2 has no SDPA attention: it loads eager (it failed to load at all), and a
+    padded batch gives each sequence the vector it has alone."""
+    from qrag.model.encoder import load_encoder
+
+    model = load_encoder({"bert": tiny_encoder, "mpnet": tiny_mpnet}[arch]).eval()
+    assert model.config._attn_implementation == ("sdpa" if arch == "bert" else "eager")
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(1000, 2000, size=n).astype(np.int64) for n in (3, 17, 9, 30)]
+    with torch.no_grad():
+        batch = encode(model, seqs, pad_id=0, device=CPU)
+        alone = torch.cat([encode(model, [s], pad_id=0, device=CPU) for s in seqs])
+    torch.testing.assert_close(batch, alone, atol=2e-5, rtol=1e-4)

@@ -86,7 +86,13 @@ def load_encoder(path: str, dropout: float = 0.0) -> nn.Module:
     quiet_transformers()
     try:
         # fp32 master weights whatever the file's dtype (bf16 autocast does the fast part on GPU).
-        model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+        # SDPA where the architecture has it; MPNet (all-mpnet-base-v2) and others only run eager.
+        try:
+            model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+        except ValueError as exc:
+            if "scaled_dot_product_attention" not in str(exc):
+                raise
+            model = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ModelPathError(f"cannot load an encoder from {path!r}: {exc}") from None
     set_dropout(model, dropout)
@@ -97,6 +103,21 @@ def set_dropout(model: nn.Module, p: float) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = p
+
+
+def attention_mask_4d(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """The padding mask [B, L] (True = a token) as the 4-D mask transformers passes through untouched.
+
+    Given a 2-D mask, transformers first asks the GPU whether any token is padded (``mask.all()``):
+    a host sync on every forward, which stops the host from queueing the next batch (and which
+    CUDA-graph capture forbids). A 4-D mask skips that, but it reaches the attention as is: SDPA
+    reads a boolean mask (True = attend), eager attention *adds* the mask to the scores, so there it
+    must be additive (0 or the dtype's minimum), or padded tokens are attended to.
+    """
+    mask4 = mask.bool()[:, None, None, :]
+    if getattr(model.config, "_attn_implementation", "eager") == "sdpa":
+        return mask4
+    return torch.zeros(mask4.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask4, torch.finfo(torch.float32).min)
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -176,7 +197,7 @@ def encode(
             mask_t = torch.from_numpy(mask)
             if device.type == "cuda":
                 ids_t, mask_t = ids_t.pin_memory().to(device, non_blocking=True), mask_t.pin_memory().to(device, non_blocking=True)
-            hidden = model(input_ids=ids_t, attention_mask=mask_t.long()).last_hidden_state
+            hidden = model(input_ids=ids_t, attention_mask=attention_mask_4d(model, mask_t)).last_hidden_state
             pieces.append(mean_pool(hidden, mask_t).float())
             index_parts.append(idx)
             if stats is not None:

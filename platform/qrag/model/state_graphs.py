@@ -6,9 +6,9 @@ graph per padded shape replays the same kernels with one launch.
 
 Padding a state to its bucket does not change its vector: padded positions are masked out of
 attention and of the mean pool (tests check it against :func:`qrag.model.encoder.encode`). The
-attention mask goes in as a 4-D boolean mask, which transformers passes through untouched: for a
-2-D mask it first asks the GPU whether any token is padded (``mask.all()``), a host sync that
-graph capture forbids and that costs a round trip per call even without graphs.
+attention mask goes in 4-D (:func:`qrag.model.encoder.attention_mask_4d`), which transformers passes
+through untouched: for a 2-D mask it first asks the GPU whether any token is padded (``mask.all()``),
+a host sync that graph capture forbids and that costs a round trip per call even without graphs.
 
 On CPU (or with ``graphs=False``) the same padded forward runs eagerly, so the serving path is
 the same code everywhere; a shape whose capture fails falls back to eager once, and says why in
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from qrag.model.encoder import autocast_for, mean_pool
+from qrag.model.encoder import attention_mask_4d, autocast_for, mean_pool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
@@ -55,7 +55,7 @@ class StateEncoder:
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with autocast_for(self.device):
-            hidden = self.encoder(input_ids=ids, attention_mask=mask[:, None, None, :]).last_hidden_state
+            hidden = self.encoder(input_ids=ids, attention_mask=attention_mask_4d(self.encoder, mask)).last_hidden_state
             pooled = mean_pool(hidden, mask).float()
         return self.qnet.finish(pooled)
 
