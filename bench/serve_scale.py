@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info, write_result  # noqa: E402
 from qrag.config import SearchConfig  # noqa: E402
-from qrag.data.documents import Document, chunk_documents  # noqa: E402
+from qrag.data.documents import Document  # noqa: E402
 from qrag.data.haystack import book_files, read_document  # noqa: E402 - the books BabiLong reads, read alike
 from qrag.data.sample import DataError  # noqa: E402
 from qrag.retrieval.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
@@ -134,8 +134,8 @@ def _init_worker(tokenizer_dir: str, layout, question_tokens: int) -> None:
 
 def _prepare(job: tuple[str, str, int]):
     path, doc_id, budget = job
-    chunks = chunk_documents([Document(doc_id, read_document(Path(path)))], _TOK.count_tokens, budget)
-    return doc_id, chunks, _TOK.tokenize_chunks([c.text for c in chunks], budget)
+    chunks, ids = _TOK.chunk_documents([Document(doc_id, read_document(Path(path)))], budget)
+    return doc_id, chunks, ids
 
 
 def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_dir: str) -> dict:

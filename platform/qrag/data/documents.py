@@ -8,7 +8,7 @@ longer than the budget is cut at word boundaries, so no text is lost to encoder 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,24 +102,54 @@ def _cut_long(sentences: dict[int, str], counts: dict[int, int], budget: int, co
     return {k: [(" ".join(ws), n) for ws, n in ss] for k, ss in segs.items()}
 
 
+# Texts -> their token ids (no special tokens), many in one call.
+TokenEncoder = Callable[[list[str]], list[list[int]]]
+
+
 def chunk_documents(docs: Sequence[Document], count: TokenCounter, budget: int) -> list[DocumentChunk]:
     """Every document's chunks, in corpus order; one tokenizer call for all sentences."""
+    return _chunk(docs, budget, count, None)[0]
+
+
+def chunk_and_encode(docs: Sequence[Document], encode: TokenEncoder, budget: int) -> tuple[list[DocumentChunk], list[list[int]]]:
+    """:func:`chunk_documents` and each chunk's token ids, every sentence tokenised once: a chunk's
+    ids are its sentences' ids one after another. That equals tokenising the chunk's text only for
+    a tokenizer that never merges tokens across a space (WordPiece does; byte-level BPE does not):
+    :meth:`qrag.retrieval.embedder.Tokenization.chunk_documents` checks before it takes this path."""
+    chunks, ids = _chunk(docs, budget, lambda texts: [len(x) for x in encode(texts)], encode)
+    return chunks, ids  # type: ignore[return-value]
+
+
+def _chunk(docs: Sequence[Document], budget: int, count: TokenCounter, encode: TokenEncoder | None
+           ) -> tuple[list[DocumentChunk], list[list[int]] | None]:
     if budget < 1:
         raise DataError(f"chunk budget must be at least 1 token, got {budget}")
     per_doc = [split_sentences(d.text) for d in docs]
     flat = [s for sents in per_doc for s in sents]
-    counts = count(flat)
+    flat_ids = encode(flat) if encode is not None else None
+    counts = [len(x) for x in flat_ids] if flat_ids is not None else count(flat)
     long = {k: s for k, (s, n) in enumerate(zip(flat, counts)) if n > budget}
     cut = _cut_long(long, {k: counts[k] for k in long}, budget, count) if long else {}
-    pieces = [cut[k] if k in cut else [(sentence, n)] for k, (sentence, n) in enumerate(zip(flat, counts))]
+    if flat_ids is not None and cut:  # the few cut pieces get their own ids
+        piece_ids = iter(encode([t for k in sorted(cut) for t, _ in cut[k]]))
+        cut_ids = {k: [next(piece_ids) for _ in cut[k]] for k in sorted(cut)}
+    pieces = []
+    for k, (sentence, n) in enumerate(zip(flat, counts)):
+        if k in cut:
+            pieces.append([(t, m, cut_ids[k][j] if flat_ids is not None else None) for j, (t, m) in enumerate(cut[k])])
+        else:
+            pieces.append([(sentence, n, flat_ids[k] if flat_ids is not None else None)])
     out: list[DocumentChunk] = []
+    out_ids: list[list[int]] = []
     k = 0
     for doc, sents in zip(docs, per_doc):
         parts = [p for j in range(k, k + len(sents)) for p in pieces[j]]
         k += len(sents)
         if not parts:
             raise DataError(f"document {doc.id!r}: no text to index")
-        for start, end in pack_sentences([t for t, _ in parts], [n for _, n in parts], budget):
-            text = " ".join(t for t, _ in parts[start:end])
-            out.append(DocumentChunk(doc.id, text, sum(n for _, n in parts[start:end])))
-    return out
+        for start, end in pack_sentences([t for t, _, _ in parts], [n for _, n, _ in parts], budget):
+            run = parts[start:end]
+            out.append(DocumentChunk(doc.id, " ".join(t for t, _, _ in run), sum(n for _, n, _ in run)))
+            if flat_ids is not None:
+                out_ids.append([i for _, _, ids in run for i in ids])
+    return out, (out_ids if flat_ids is not None else None)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from qrag.model.checkpoint import CheckpointError
-from qrag.data.documents import Document, DocumentChunk, chunk_documents, parse_document
+from qrag.data.documents import Document, DocumentChunk, parse_document
 from qrag.data.sample import DataError
 from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity
 from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
@@ -197,10 +197,9 @@ def chunk_rows(path: str, docs: Sequence[tuple[str, Document]], tok, chunk_token
     """Documents of one file -> one row per chunk (corpus order), with what the driver needs to
     put whole documents together again and to name the record in errors."""
     try:
-        chunks = chunk_documents([d for _, d in docs], tok.count_tokens, chunk_tokens)
+        chunks, ids = tok.chunk_documents([d for _, d in docs], chunk_tokens)
     except DataError as exc:
         raise DataError(f"{path}: {exc}") from None
-    ids = tok.tokenize_chunks([c.text for c in chunks], chunk_tokens)
     per_doc: dict[str, int] = {}
     for c in chunks:
         per_doc[c.doc_id] = per_doc.get(c.doc_id, 0) + 1

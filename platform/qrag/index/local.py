@@ -30,6 +30,7 @@ class Embedder(Protocol):
 
     def count_tokens(self, texts: list[str]) -> list[int]: ...
     def tokenize_chunks(self, texts: Sequence[str], chunk_tokens: int) -> list[np.ndarray]: ...
+    def chunk_documents(self, docs: Sequence[Document], chunk_tokens: int) -> tuple[list[DocumentChunk], list[np.ndarray]]: ...
     def tokenize_question(self, text: str) -> np.ndarray: ...
     def embed_chunks(self, seqs: Sequence[np.ndarray]) -> np.ndarray: ...
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray: ...
@@ -73,7 +74,6 @@ class LocalIndex:
         ``resume``: documents the corpus holds already are skipped (finishing an interrupted
         call without embedding them again); otherwise they are a CorpusConflict, before any work.
         ``progress(done, known)`` after every encoder call: chunks embedded, chunks prepared."""
-        from qrag.data.documents import chunk_documents
 
         m = self.store.read(name)
         seen: set[str] = set()
@@ -89,8 +89,7 @@ class LocalIndex:
         chunk_tokens = m.chunk_tokens
 
         def prepare(block: list[Document]):
-            chunks = chunk_documents(block, self.model.count_tokens, chunk_tokens)
-            return chunks, self.model.tokenize_chunks([c.text for c in chunks], chunk_tokens)
+            return self.model.chunk_documents(block, chunk_tokens)
 
         if resume and not docs:
             return m

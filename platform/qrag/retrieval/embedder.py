@@ -8,6 +8,7 @@ bundled untrained encoder (positions off: a pretrained encoder knows nothing of 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import torch
 from qrag.model.checkpoint import CheckpointError, fingerprint as checkpoint_fingerprint, is_checkpoint, load_qnet, read_meta, untrained_qnet
 from qrag.config import ModelConfig, from_dict, to_dict
 from qrag.data.chunking import tokenizer_counter
+from qrag.data.documents import Document, DocumentChunk, chunk_and_encode, chunk_documents
 from qrag.model.encoder import load_tokenizer, pick_device, resolve_encoder
 from qrag.retrieval.search import Retriever
 from qrag.model.state_graphs import StateEncoder
@@ -138,6 +140,35 @@ class Tokenization:
     def __init__(self, tokenizer, layout: TokenLayout, question_tokens: int = 64):
         self.tokenizer, self.layout, self.question_tokens = tokenizer, layout, question_tokens
         self.count_tokens = tokenizer_counter(tokenizer)
+
+    # Sentences that a tokenizer splitting at spaces tokenises the same alone or joined; a
+    # byte-level BPE ("Ġit" inside a text, "it" at its start) or a cased/NFKC quirk shows here.
+    _JOIN_PROBES = (["Mary went to the kitchen.", "It's late; isn't it?"], ["\"Go!\" he said.", "(Then) 3.5 km — 12:30."],
+                    ["Élodie's café.", "naïve Straße, 東京!"], ["A.", "b", "C-3PO's e-mail."])
+
+    @functools.cached_property
+    def joins_at_spaces(self) -> bool:
+        """Whether a text's token ids are its space-joined parts' ids one after another (so a chunk
+        can be tokenised once, as its sentences): checked on probe texts, not assumed."""
+        tok = self.tokenizer
+        for parts in self._JOIN_PROBES:
+            alone = [i for x in tok(parts, add_special_tokens=False)["input_ids"] for i in x]
+            if alone != tok([" ".join(parts)], add_special_tokens=False)["input_ids"][0]:
+                return False
+        return True
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts else []
+
+    def chunk_documents(self, docs: Sequence[Document], chunk_tokens: int) -> tuple[list[DocumentChunk], list[np.ndarray]]:
+        """Documents -> chunks (:func:`qrag.data.documents.chunk_documents`) and their encoder ids
+        (what :meth:`tokenize_chunks` gives), tokenising each sentence once where the tokenizer
+        allows it (:attr:`joins_at_spaces`), else tokenising the chunks again."""
+        if self.joins_at_spaces:
+            chunks, ids = chunk_and_encode(docs, self.encode_texts, chunk_tokens)
+            return chunks, [self.layout.wrap(x[:chunk_tokens]) for x in ids]
+        chunks = chunk_documents(docs, self.count_tokens, chunk_tokens)
+        return chunks, self.tokenize_chunks([c.text for c in chunks], chunk_tokens)
 
     def tokenize_chunks(self, texts: Sequence[str], chunk_tokens: int) -> list[np.ndarray]:
         if not texts:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from qrag.config import ModelConfig, SearchConfig
-from qrag.data.documents import Document, check_text, chunk_documents, parse_documents
+from qrag.data.documents import Document, check_text, parse_documents
 from qrag.data.sample import DataError
 from qrag.retrieval.embedder import EmbeddingModel, Tokenization
 from qrag.index.holder import ShardHolder, ShardOverBudget, corpus_bytes_per_holder
@@ -322,8 +322,7 @@ class RetrievalService:
                                f"{budget / 2**20:.1f} MiB (shard_memory_bytes): use another corpus or more shards")
 
     async def _chunk(self, job: Job, docs: list[Document], budget: int) -> tuple[list, list[np.ndarray]]:
-        chunks = await asyncio.to_thread(chunk_documents, docs, self.tok.count_tokens, budget)
-        ids = await asyncio.to_thread(self.tok.tokenize_chunks, [c.text for c in chunks], budget)
+        chunks, ids = await asyncio.to_thread(self.tok.chunk_documents, docs, budget)
         job.chunks_total = len(ids)
         return chunks, ids
 
@@ -608,8 +607,7 @@ class RetrievalService:
         t0 = time.perf_counter()
         budget = p.chunk_tokens or self.cfg.chunk_tokens
         doc = Document("context", p.context)
-        chunks = await asyncio.to_thread(chunk_documents, [doc], self.tok.count_tokens, budget)
-        ids = await asyncio.to_thread(self.tok.tokenize_chunks, [c.text for c in chunks], budget)
+        chunks, ids = await asyncio.to_thread(self.tok.chunk_documents, [doc], budget)
         question = self.tok.tokenize_question(p.question)
         timings = Timings(tokenize=time.perf_counter() - t0)
         t = time.perf_counter()
