@@ -467,3 +467,47 @@ def test_rename_entities_renames_train_samples_only(babi_dir, background, measur
     renamed = stories("train", True)
     assert len(set(renamed) - plain) >= 3  # new stories
     assert stories("dev", True) == stories("dev", False)
+
+
+# -- NIAH near-miss needles ---------------------------------------------------------------------
+
+
+def test_near_miss_keys_differ_a_little():
+    import uuid as uuidlib
+
+    from qrag.data.niah import ADJECTIVES, NOUNS, draw_keys, near_miss
+
+    rng = np.random.default_rng(0)
+    for key in draw_keys(rng, "uuids", 50, asked=True):
+        other = near_miss(rng, key, "uuids")
+        changed = sum(a != b for a, b in zip(key, other))
+        assert 2 <= changed <= 8 and len(other) == len(key)
+        assert uuidlib.UUID(other).version == 4  # still a valid version-4 uuid
+    for key in draw_keys(rng, "words", 50, asked=True):
+        other = near_miss(rng, key, "words")
+        a, n = key.split("-", 1)
+        b, m = other.split("-", 1)
+        assert other != key and (a == b) != (n == m) and b in ADJECTIVES and m in NOUNS
+
+
+@pytest.mark.parametrize("task", ["niah_multikey_3", "niah_multiquery"])
+def test_near_miss_needles_only_in_train_and_never_the_answer(task, measure, essays):
+    from qrag.data.niah import generate_from_config
+
+    cfg = DataConfig(dataset="niah", path=str(essays), tasks=[task], context_tokens=4096, samples_per_task=3, chunk_tokens=64,
+                     hard_negatives=6)
+    for g in generate_from_config(cfg, "train", measure):
+        s = g.sample
+        asked = [c.split(" for ", 1)[1].split(" is: ")[0] for c in (s.chunks[i] for i in s.support)]
+        inserted = [c.split(" for ", 1)[1].split(" is: ")[0] for i, (c, r) in enumerate(zip(s.chunks, g.refs)) if r == SPECIAL and i not in s.support]
+
+        def close(key, k):  # a uuid a few digits away, or a word key sharing its adjective or its noun
+            if len(k) == 36:
+                return len(key) == 36 and sum(x != y for x, y in zip(key, k)) <= 8
+            return bool(set(key.split("-", 1)) & set(k.split("-", 1)))
+
+        near = [key for key in inserted if key not in asked and any(close(key, k) for k in asked)]
+        assert len(near) >= 5 and s.meta["near_misses"] == 6
+        assert all(a in s.answer for c in (s.chunks[i] for i in s.support) for a in [c.rsplit(" is: ", 1)[1].rstrip(".")])
+    for g in generate_from_config(cfg, "dev", measure):
+        assert "near_misses" not in g.sample.meta

@@ -50,7 +50,8 @@ class DataConfig:
     seed: int = opt(0, "Seed for generated data.")
     dev_samples_per_task: int | None = opt(None, "Generated long-context samples per task in the dev split (None = samples_per_task).")
     hard_negatives: int = opt(0, "babilong: background chunks per training context drawn from the training books' chunks that share the most "
-                                 "(idf-weighted) words with the question and the story (lexical hard negatives, as a long haystack holds by its size); 0 = random background only.")
+                                 "(idf-weighted) words with the question and the story (lexical hard negatives, as a long haystack holds by its size); "
+                                 "niah: distractor needles per training context whose keys are near misses of an asked key; 0 = random background only.")
     rename_entities: bool = opt(False, "babilong: each training sample swaps the story's names of people, places and objects for others of the same kind, "
                                        "the same way in facts, question and answer (new stories, same logic: the 1k-version qa3 has only 1,000); val and dev keep the originals.")
     facts_path: str | None = opt(None, "babilong: the bAbI v1.2 folder (with en/ and en-10k/). Default: $QRAG_DATA_DIR/babi/tasks_1-20_v1-2.")

@@ -115,6 +115,23 @@ def draw_values(rng: np.random.Generator, value_type: str, n: int) -> list[str]:
     return [str(v) for v in rng.integers(1_000_000, 10_000_000, size=n)]
 
 
+def near_miss(rng: np.random.Generator, key: str, key_type: str) -> str:
+    """A key that differs a little from ``key``: a uuid with 2-8 of its hex digits changed, or a
+    word key with its adjective or its noun swapped. A long haystack holds such keys by its size
+    (at 1M tokens some of ~20K uuids share long runs of digits with the asked one); a 2K-token
+    training context almost never does, so training sees them only when they are put in."""
+    if key_type == "uuids":
+        chars = list(key)
+        hexes = [i for i, c in enumerate(chars) if c != "-" and i not in (14, 19)]  # version and variant digits stay valid
+        for i in rng.choice(hexes, size=int(rng.integers(2, 9)), replace=False):
+            chars[i] = "0123456789abcdef"[(int(chars[i], 16) + int(rng.integers(1, 16))) % 16]
+        return "".join(chars)
+    adjective, noun = key.split("-", 1)
+    if rng.random() < 0.5:
+        return f"{ADJECTIVES[(ADJECTIVES.index(adjective) + int(rng.integers(1, len(ADJECTIVES)))) % len(ADJECTIVES)]}-{noun}"
+    return f"{adjective}-{NOUNS[(NOUNS.index(noun) + int(rng.integers(1, len(NOUNS)))) % len(NOUNS)]}"
+
+
 def needle(kind: str, key: str, value: str) -> str:
     return NEEDLE.format(kind=kind, key=key, value=value)
 
@@ -192,8 +209,11 @@ def generate_niah(
     seed: int = 0,
     budget: int = 64,
     essays: str | Path | None = None,
+    near_misses: int = 0,
 ) -> Iterator[Generated]:
-    """``n`` samples of one RULER NIAH task at ``length`` tokens, one at a time."""
+    """``n`` samples of one RULER NIAH task at ``length`` tokens, one at a time. ``near_misses``:
+    that many extra distractor needles per sample whose keys are near misses of an asked key
+    (:func:`near_miss`; training hard negatives, recorded in ``meta['near_misses']``)."""
     name, spec = task_spec(task)
     if length <= 0:
         raise DataError(f"niah: context length must be positive, got {length}")
@@ -210,6 +230,10 @@ def generate_niah(
                 needles.append((key, needle(spec.value_type, key, value)))
                 if key in asked:
                     answers.append(value)
+        for _ in range(near_misses):
+            key = near_miss(rng, asked[int(rng.integers(len(asked)))], spec.key_type)
+            if key not in keys:
+                needles.append((key, needle(spec.value_type, key, draw_values(rng, spec.value_type, 1)[0])))
         order = rng.permutation(len(needles))
         needles = [needles[j] for j in order]
         texts = [t for _, t in needles]
@@ -228,7 +252,8 @@ def generate_niah(
             support=support,
             answer=", ".join(answers),
             meta={"task": name, "context_tokens": window.tokens + needle_tokens, "target_tokens": length,
-                  "needles": len(needles), "background": hay.name, "answers": answers},
+                  "needles": len(needles), "background": hay.name, "answers": answers,
+                  **({"near_misses": near_misses} if near_misses else {})},
         )
         yield Generated(sample, hay, refs, fresh)
 
@@ -241,8 +266,9 @@ def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: 
     from qrag.data.babilong import samples_for_split
 
     count = n if n is not None else samples_for_split(cfg, split)
+    near_misses = cfg.hard_negatives if split == "train" else 0
     per_task = [list(generate_niah(t, split, length or cfg.context_tokens, count, measure, seed=cfg.seed,
-                                   budget=cfg.chunk_tokens, essays=cfg.path)) for t in _tasks(cfg)]
+                                   budget=cfg.chunk_tokens, essays=cfg.path, near_misses=near_misses)) for t in _tasks(cfg)]
     return interleave(per_task)
 
 
