@@ -257,3 +257,54 @@ def test_merge_hits_keeps_positions_when_an_empty_holder_answers_first():
     assert merged.pos is not None
     assert merged.ids.tolist() == [[3, 5], [6, 4]]
     assert merged.pos.tolist() == [[1.5, 2.5], [12.0, 11.0]]
+
+
+def test_hnsw_index_is_saved_beside_the_segments_and_loaded_at_start(tiny_encoder, tmp_path):
+    """An approximate (HNSW) index is built once: saved after its build, loaded by the next
+    process that opens the corpus (no rebuild), extended by later appends; a corrupt file or
+    re-created corpus is ignored (built again), never served."""
+    import json as jsonlib
+
+    model = load_embedding_model(resolve_source(None, tiny_encoder), "cpu")
+    opts = dict(faiss="always", approx_above=4)
+    store = CorpusStore(tmp_path)
+    first = LocalIndex(store, model, options=ShardOptions(**opts))
+    first.create("c", chunk_tokens=24, shards=2)
+    first.add_documents("c", make_documents(6))
+    cfg = SearchConfig(max_steps=3)
+    questions = ["the king and the queen", "a film about war"]
+    want = [first.retrieve("c", q, cfg)[0].selected for q in questions]
+    folder = tmp_path / "c" / "faiss"
+    assert sorted(p.name for p in folder.iterdir()) == ["shard_000.index", "shard_000.json", "shard_001.index", "shard_001.json"]
+
+    again = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
+    shard = again.shards("c").shards[0]
+    assert shard.faiss_loaded_rows == shard.n > 4 and shard._faiss is not None  # loaded at start, before any query
+    assert [again.retrieve("c", q, cfg)[0].selected for q in questions] == want
+
+    # An append: the loaded index gets the new rows on top and is saved again, covering both batches.
+    again.add_documents("c", [Document("extra", "The queen sailed a ship to the castle by the river. " * 3)])
+    after = again.retrieve("c", "the queen sailed a ship", cfg)[0].selected
+    covered = jsonlib.loads((folder / "shard_000.json").read_text())["batches"]
+    assert len(covered) == 2
+    third = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
+    assert third.shards("c").shards[0].faiss_loaded_rows == third.shards("c").shards[0].n
+    assert third.retrieve("c", "the queen sailed a ship", cfg)[0].selected == after
+
+    # A corrupt index file is ignored: built again from the vectors, same answers.
+    (folder / "shard_001.index").write_bytes(b"not an index")
+    fourth = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
+    assert fourth.shards("c").shards[1].faiss_loaded_rows == 0
+    assert fourth.retrieve("c", "the queen sailed a ship", cfg)[0].selected == after
+
+    # Flat indexes are not saved (a copy of the vectors), and a re-created corpus ignores old files.
+    flat = LocalIndex(CorpusStore(tmp_path / "flat"), model, options=ShardOptions(faiss="always"))
+    flat.create("c", chunk_tokens=24, shards=1)
+    flat.add_documents("c", make_documents(3))
+    flat.retrieve("c", questions[0], cfg)
+    assert not (tmp_path / "flat" / "c" / "faiss").exists()
+    CorpusStore(tmp_path).delete("c")
+    fresh = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
+    fresh.create("c", chunk_tokens=24, shards=2)
+    fresh.add_documents("c", make_documents(6))
+    assert fresh.shards("c").shards[0].faiss_loaded_rows == 0

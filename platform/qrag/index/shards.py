@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from qrag.config import ModelConfig
 from qrag.model.positions import rope_frequencies
 from qrag.retrieval.hits import ChunkRecord, ShardHits, merge_hits
 from qrag.retrieval.scoring import score_chunks
+from qrag.index.faiss_files import load_index, save_index
 from qrag.index.score_graphs import pack, score_graphs_for, unpack
 from qrag.index.store import (
     CorpusNotFound,
@@ -144,6 +146,10 @@ class ShardIndex:
         self.loaded: dict[int, str] = {}  # batch id -> sha256 of the vectors file loaded
         self._faiss = None
         self._faiss_n = 0
+        # Where an approximate FAISS index of this shard is saved and loaded (CorpusShards sets it).
+        self.faiss_folder: Path | None = None
+        self.uid: str | None = None
+        self.faiss_loaded_rows = 0  # rows of a saved index loaded at start (0: none)
         self._freqs: torch.Tensor | None = None  # RoPE frequencies for the fused scorer
         self._lock = threading.Lock()
         self._row_bytes = 0  # texts, token ids and their Python objects: what nbytes adds to the vectors
@@ -195,12 +201,31 @@ class ShardIndex:
         r = g // self.n_shards
         return ChunkRecord(self.doc_ids[r], self.texts[r], self.tokens[r])
 
+    def _approximate(self) -> bool:
+        return self.n > self.options.approx_above
+
+    def _batches(self) -> list[tuple[int, str]]:
+        return list(self.loaded.items())  # in load order: the order of the rows
+
+    def restore_faiss(self) -> None:
+        """Load the saved approximate index of this shard (what it covers of the loaded rows)."""
+        faiss = _faiss()
+        if faiss is None or self.faiss_folder is None or not self.uses_faiss or not self._approximate() or self._faiss is not None:
+            return
+        found = load_index(faiss, self.faiss_folder, self.shard, self.uid or "", self._batches(), self.options.hnsw_m)
+        if found is not None:
+            index, rows = found
+            index.hnsw.efSearch = self.options.hnsw_ef_search
+            with self._lock:
+                self._faiss, self._faiss_n = index, rows
+            self.faiss_loaded_rows = rows
+
     def _faiss_index(self):
         faiss = _faiss()
         with self._lock:
             if self._faiss is None:
                 o = self.options
-                if self.n > o.approx_above:
+                if self._approximate():
                     index = faiss.IndexHNSWFlat(self.dim, o.hnsw_m, faiss.METRIC_INNER_PRODUCT)
                     index.hnsw.efSearch = o.hnsw_ef_search
                 else:
@@ -209,6 +234,8 @@ class ShardIndex:
             if self._faiss_n < self.n:
                 self._faiss.add(np.ascontiguousarray(self.vectors[self._faiss_n : self.n].cpu().numpy()))
                 self._faiss_n = self.n
+                if self.faiss_folder is not None and isinstance(self._faiss, faiss.IndexHNSWFlat):
+                    save_index(faiss, self._faiss, self.faiss_folder, self.shard, self.uid or "", self._batches(), self.options.hnsw_m)
             return self._faiss
 
     @torch.no_grad()
@@ -437,6 +464,7 @@ class CorpusShards:
                 )
                 if shard is None or replaced:
                     shard = ShardIndex(m.name, slot, m.shards, m.model_cfg, m.dim, self.device, self.options)
+                    shard.faiss_folder, shard.uid = self.store.path(self.name) / "faiss", m.uid
                 new = [b for b in m.batches if b["id"] not in shard.loaded]
                 shard.reserve(shard.n + sum(b["shards"][slot]["chunks"] for b in new))
                 slot_problems = []
@@ -448,6 +476,7 @@ class CorpusShards:
                     shard.add(segment)
                     shard.loaded[b["id"]] = b["shards"][slot]["vectors"]["sha256"]
                     self.loaded_rows += len(segment.positions)
+                shard.restore_faiss()
                 self.shards[slot] = shard
                 problems.extend(slot_problems)
             self.problems = problems
