@@ -69,6 +69,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--depth", type=int, default=2, help="groups queued between the pipeline's stages")
     ap.add_argument("--sequential", action="store_true", help="the same groups, stages one after another (no overlap)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="processes for chunking and tokenising")
+    ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
+                    "GPU-feeding thread gets a core first when every core is tokenising)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--queries", type=int, default=200, help="questions timed at concurrency 1")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="lockstep batch sizes (concurrency) for the throughput curve")
@@ -124,11 +126,13 @@ def random_weights_model(source, args) -> EmbeddingModel:
 _TOK: Tokenization | None = None
 
 
-def _init_worker(tokenizer_dir: str, layout, question_tokens: int) -> None:
+def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0) -> None:
     global _TOK
     from qrag.model.encoder import load_tokenizer
 
     torch.set_num_threads(1)
+    if nice:  # below the GPU-feeding thread: with every core tokenising, it must not wait for a core
+        os.nice(nice)
     _TOK = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
 
 
@@ -175,7 +179,7 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
             yield group
 
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64)) as pool:
+    with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice)) as pool:
         _, stats = index_groups(index.store, name, model, groups(pool), chunk_batch=args.chunk_batch, pipelined=not args.sequential,
                                 depth=args.depth)
     wall = time.perf_counter() - t0
