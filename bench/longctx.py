@@ -370,8 +370,16 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"bench": "longctx-generation", "machine": machine_info(), **measure_generation(args, paths)}))
         return 0
 
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "longctx.log"
+
     def log(text: str) -> None:
-        print(f"[longctx {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+        line = f"[longctx {time.strftime('%H:%M:%S')}] {text}"
+        print(line, file=sys.stderr, flush=True)
+        # Also a file under --out, written as it goes: a call killed at its time limit still
+        # brings back how far it got (a piped `| tail` prints nothing when the process dies).
+        with open(log_path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
 
     if (args.stop_at or args.resume) and not args.updates:
         raise SystemExit("longctx: --stop-at and --resume need --updates (the whole run's schedule, the same in every slice)")

@@ -63,3 +63,6 @@ def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tin
     assert training["keep_best_update"] == max(training["val_by_update"], key=lambda e: e["fact_f1"])["update"]
     assert [r["model"] for r in table["rows"]] == ["Q-RAG"]
     assert table["rows"][0]["checkpoint"] == training["checkpoint"]
+    # The log is also under --out as it goes (a call killed at its limit still tells how far it got).
+    logged = (out / "longctx.log").read_text()
+    assert "resumed from" in logged and "select: final" in logged
