@@ -308,3 +308,14 @@ def test_hnsw_index_is_saved_beside_the_segments_and_loaded_at_start(tiny_encode
     fresh.create("c", chunk_tokens=24, shards=2)
     fresh.add_documents("c", make_documents(6))
     assert fresh.shards("c").shards[0].faiss_loaded_rows == 0
+
+
+def test_an_unwritable_faiss_folder_does_not_fail_queries(tiny_encoder, tmp_path):
+    model = load_embedding_model(resolve_source(None, tiny_encoder), "cpu")
+    index = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(faiss="always", approx_above=4))
+    index.create("c", chunk_tokens=24, shards=1)
+    index.add_documents("c", make_documents(4))
+    (tmp_path / "c" / "faiss").write_text("a file where the folder would go")  # mkdir fails: nothing saved
+    exact = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(faiss="never"))
+    q = "the king and the queen"
+    assert index.retrieve("c", q, SearchConfig(max_steps=1))[0].selected == exact.retrieve("c", q, SearchConfig(max_steps=1))[0].selected

@@ -29,15 +29,20 @@ def _paths(folder: Path, shard: int) -> tuple[Path, Path]:
     return folder / f"shard_{shard:03d}.index", folder / f"shard_{shard:03d}.json"
 
 
-def save_index(faiss: Any, index: Any, folder: Path, shard: int, uid: str, batches: list[tuple[int, str]], hnsw_m: int) -> None:
+def save_index(faiss: Any, index: Any, folder: Path, shard: int, uid: str, batches: list[tuple[int, str]], hnsw_m: int) -> bool:
     """Write ``index`` (covering ``batches``) for ``shard``: the index file first, then its
-    description, each atomically, so a reader never pairs a description with another file."""
+    description, each atomically, so a reader never pairs a description with another file.
+    Best effort: on a read-only or full disk nothing is saved (False) and the shard serves on."""
     data = faiss.serialize_index(index).tobytes()
     path, meta = _paths(folder, shard)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, data, durable=False)  # a lost index is rebuilt, never wrong: no fsync needed
-    write_atomic(meta, json.dumps({"uid": uid, "batches": [list(b) for b in batches], "rows": int(index.ntotal), "hnsw_m": hnsw_m,
-                                   "sha256": hashlib.sha256(data).hexdigest()}).encode(), durable=False)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data, durable=False)  # a lost index is rebuilt, never wrong: no fsync needed
+        write_atomic(meta, json.dumps({"uid": uid, "batches": [list(b) for b in batches], "rows": int(index.ntotal), "hnsw_m": hnsw_m,
+                                       "sha256": hashlib.sha256(data).hexdigest()}).encode(), durable=False)
+    except OSError:
+        return False
+    return True
 
 
 def load_index(faiss: Any, folder: Path, shard: int, uid: str, loaded: list[tuple[int, str]], hnsw_m: int) -> tuple[Any, int] | None:
