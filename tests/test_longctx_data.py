@@ -491,7 +491,7 @@ def test_near_miss_keys_differ_a_little():
 
 
 @pytest.mark.parametrize("task", ["niah_multikey_3", "niah_multiquery"])
-def test_near_miss_needles_only_in_train_and_never_the_answer(task, measure, essays):
+def test_near_miss_needles_only_in_train_and_never_the_answer(task, measure, tokenizer, essays):
     from qrag.data.niah import generate_from_config
 
     cfg = DataConfig(dataset="niah", path=str(essays), tasks=[task], context_tokens=4096, samples_per_task=3, chunk_tokens=64,
@@ -508,6 +508,7 @@ def test_near_miss_needles_only_in_train_and_never_the_answer(task, measure, ess
 
         near = [key for key in inserted if key not in asked and any(close(key, k) for k in asked)]
         assert len(near) >= 5 and s.meta["near_misses"] == 6
+        assert abs(sum(true_tokens(tokenizer, s.chunks)) - 4096) <= 0.02 * 4096  # they take the background's room
         assert all(a in s.answer for c in (s.chunks[i] for i in s.support) for a in [c.rsplit(" is: ", 1)[1].rstrip(".")])
     for g in generate_from_config(cfg, "dev", measure):
         assert "near_misses" not in g.sample.meta
