@@ -112,7 +112,7 @@ def random_weights_model(source, args) -> EmbeddingModel:
 
     path = resolve_encoder(args.encoder)
     torch.manual_seed(0)
-    encoder = AutoModel.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+    encoder = AutoModel.from_config(AutoConfig.from_pretrained(path))  # transformers picks SDPA where the architecture has it
     model_cfg = untrained_model_cfg(args.encoder, args.positions)
     dev = pick_device(args.device)
     qnet = QNetwork.from_pretrained(encoder, model_cfg, use_target=False).to(dev)

@@ -33,8 +33,7 @@ class Renamer:
     def __init__(self, questions: Iterable[BabiQuestion]):
         used = {w for q in questions for text in (*q.facts, q.question, q.answer) for w in _WORD.findall(text)}
         # Only the names the task uses: a qa3 story never meets qa5's Fred, neither should a renamed one.
-        self.kinds = [tuple(n for n in names if n in used) for names in KINDS.values()]
-        self.kinds = [k for k in self.kinds if len(k) > 1]
+        self.kinds = [kind for kind in (tuple(n for n in names if n in used) for names in KINDS.values()) if len(kind) > 1]
         names = sorted({n for k in self.kinds for n in k})
         self._pattern = re.compile(r"\b(" + "|".join(names) + r")\b") if names else None
 
@@ -48,6 +47,10 @@ class Renamer:
     def rename(self, q: BabiQuestion, mapping: dict[str, str]) -> BabiQuestion:
         if self._pattern is None:
             return q
-        sub = lambda text: self._pattern.sub(lambda m: mapping.get(m.group(1), m.group(1)), text)  # noqa: E731
+        pattern = self._pattern
+
+        def sub(text: str) -> str:
+            return pattern.sub(lambda m: mapping.get(m.group(1), m.group(1)), text)
+
         return BabiQuestion(task=q.task, id=q.id, facts=tuple(sub(f) for f in q.facts), question=sub(q.question),
                             answer=sub(q.answer), support=q.support)

@@ -130,15 +130,10 @@ def _chunk(docs: Sequence[Document], budget: int, count: TokenCounter, encode: T
     counts = [len(x) for x in flat_ids] if flat_ids is not None else count(flat)
     long = {k: s for k, (s, n) in enumerate(zip(flat, counts)) if n > budget}
     cut = _cut_long(long, {k: counts[k] for k in long}, budget, count) if long else {}
-    if flat_ids is not None and cut:  # the few cut pieces get their own ids
-        piece_ids = iter(encode([t for k in sorted(cut) for t, _ in cut[k]]))
-        cut_ids = {k: [next(piece_ids) for _ in cut[k]] for k in sorted(cut)}
-    pieces = []
-    for k, (sentence, n) in enumerate(zip(flat, counts)):
-        if k in cut:
-            pieces.append([(t, m, cut_ids[k][j] if flat_ids is not None else None) for j, (t, m) in enumerate(cut[k])])
-        else:
-            pieces.append([(sentence, n, flat_ids[k] if flat_ids is not None else None)])
+    # Each sentence as its pieces (text, tokens, ids or None); the few cut pieces get their own ids.
+    cut_ids = iter(encode([t for k in sorted(cut) for t, _ in cut[k]]) if encode is not None and cut else [])
+    pieces = [[(t, m, next(cut_ids, None)) for t, m in cut[k]] if k in cut else [(sentence, n, flat_ids[k] if flat_ids else None)]
+              for k, (sentence, n) in enumerate(zip(flat, counts))]
     out: list[DocumentChunk] = []
     out_ids: list[list[int]] = []
     k = 0

@@ -86,13 +86,9 @@ def load_encoder(path: str, dropout: float = 0.0) -> nn.Module:
     quiet_transformers()
     try:
         # fp32 master weights whatever the file's dtype (bf16 autocast does the fast part on GPU).
-        # SDPA where the architecture has it; MPNet (all-mpnet-base-v2) and others only run eager.
-        try:
-            model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
-        except ValueError as exc:
-            if "scaled_dot_product_attention" not in str(exc):
-                raise
-            model = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+        # transformers' own choice of attention: SDPA where the architecture has it, else eager
+        # (MPNet, all-mpnet-base-v2: asking for SDPA refused to load it).
+        model = AutoModel.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ModelPathError(f"cannot load an encoder from {path!r}: {exc}") from None
     set_dropout(model, dropout)
