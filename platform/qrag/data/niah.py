@@ -262,13 +262,24 @@ def _tasks(cfg: DataConfig) -> list[str]:
     return [task_spec(t)[0] for t in cfg.tasks] if cfg.tasks else list(TASKS)
 
 
+def near_misses_for(cfg: DataConfig, split: str, task: str) -> int:
+    """Near-miss needles per training context of ``task``: ``data.hard_negatives`` where the
+    haystack is made of needles (niah_multikey_2/3), else none. Only a needle haystack holds
+    near misses at long lengths; in the essay and noise tasks they would only teach what no test
+    context asks, and on the validation split at 1M they cost niah_multiquery every question
+    (bench/results/longctx_niah_nearmiss_all_h100.json)."""
+    if split != "train":
+        return 0
+    return cfg.hard_negatives if task_spec(task)[1].haystack == "needles" else 0
+
+
 def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: int | None = None, n: int | None = None) -> list[Generated]:
     from qrag.data.babilong import samples_for_split
 
     count = n if n is not None else samples_for_split(cfg, split)
-    near_misses = cfg.hard_negatives if split == "train" else 0
     per_task = [list(generate_niah(t, split, length or cfg.context_tokens, count, measure, seed=cfg.seed,
-                                   budget=cfg.chunk_tokens, essays=cfg.path, near_misses=near_misses)) for t in _tasks(cfg)]
+                                   budget=cfg.chunk_tokens, essays=cfg.path, near_misses=near_misses_for(cfg, split, t)))
+                for t in _tasks(cfg)]
     return interleave(per_task)
 
 
