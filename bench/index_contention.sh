@@ -1,7 +1,9 @@
 #!/bin/bash
-# Indexing 10M tokens on one GPU (issue 14): where the embedding stage loses time. One call, one tree:
-# the default (one tokeniser process per core but one), the same at nice 10 (the GPU-feeding thread
-# first), 8 tokenisers, and the stages one after another (no overlap), then the first two again.
+# Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating: the default (books cut
+# into ~32K-token documents, torch's CPU threads at 1 while feeding the GPU), the previous setup
+# (whole books, torch's threads at one per core), and each change alone.
+# The first round (nice 10, 8 tokenisers, stages one after another) is in
+# bench/results/index_contention_10m_h100/; bench/index_stages.py times each stage alone.
 # Carry (ignored folder, ~21 MB), made here once:
 #   mkdir -p .carry/idx && cp -r ../shared/data/gutenberg_novels .carry/idx/novels
 #   python bench/serve_scale.py --export-encoder .carry/idx/minilm16 && rm .carry/idx/minilm16/*.safetensors
@@ -14,8 +16,8 @@ summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().split
 ARGS="--corpus $C/novels --encoder $C/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
 run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/index_$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
 run default
-run nice10 --worker-nice 10
-run workers8 --workers 8
-run sequential --sequential
-run nice10_b --worker-nice 10
+run before --doc-tokens 0 --host-threads 0
+run threads_only --doc-tokens 0
+run docs_only --host-threads 0
 run default_b
+run before_b --doc-tokens 0 --host-threads 0

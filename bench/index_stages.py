@@ -45,7 +45,7 @@ from qrag.index.pipeline import GroupBuilder, embed_group  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 from qrag.model.encoder import resolve_encoder  # noqa: E402
 from qrag.retrieval.embedder import resolve_source  # noqa: E402
-from serve_scale import _init_worker, _prepare, bare_forward_tokens_per_s, random_weights_model  # noqa: E402
+from serve_scale import _init_worker, _prepare, bare_forward_tokens_per_s, document_jobs, random_weights_model  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -74,10 +74,6 @@ class Timer:
 
     def row(self, tokens: int) -> dict:
         return {"seconds": round(self.wall, 3), "tokens_per_s": round(tokens / self.wall), "process_cpu_seconds": round(self.cpu, 3)}
-
-
-def jobs_for(files: list[Path], chunk_tokens: int) -> list[tuple[str, str, int]]:
-    return [(str(p), p.name.split(".")[0] + (f"~{r}" if r else ""), chunk_tokens) for r in range(1000) for p in files]
 
 
 def gather_groups(pool, jobs, workers: int, tokens: int, commit_chunks: int) -> list:
@@ -129,6 +125,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--chunk-tokens", type=int, default=64)
+    ap.add_argument("--doc-tokens", type=int, default=0, help="documents of about this many tokens cut from the books (serve_scale's --doc-tokens); 0 = whole books")
     ap.add_argument("--chunk-batch", type=int, default=8192)
     ap.add_argument("--encode-tokens", type=int, default=131072)
     ap.add_argument("--commit-chunks", type=int, default=16384)
@@ -142,7 +139,7 @@ def main() -> None:
     dev = model.device
     tokenizer_dir = resolve_encoder(args.encoder)
     files = book_files(args.corpus)
-    jobs = jobs_for(files, args.chunk_tokens)
+    jobs = list(document_jobs(files, args.chunk_tokens, args.doc_tokens, passes=3))
     rows: dict[str, dict] = {}
     init = (tokenizer_dir, model.layout, 64, 0)
 
@@ -191,7 +188,7 @@ def main() -> None:
         rows["write"] = t.row(tokens)
     result = {"bench": "index_stages", **machine_info(), "device": str(dev), "encoder_tokens": tokens,
               "chunks": sum(len(g.ids) for g in groups), "groups": len(groups), "workers": args.workers, "torch_threads": threads,
-              "settings": {k: getattr(args, k) for k in ("chunk_batch", "encode_tokens", "commit_chunks", "chunk_tokens")}, "stages": rows}
+              "settings": {k: getattr(args, k) for k in ("chunk_batch", "encode_tokens", "commit_chunks", "chunk_tokens", "doc_tokens")}, "stages": rows}
     print(json.dumps(result))
     if args.out:
         write_result(args.out, result)

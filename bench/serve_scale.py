@@ -24,12 +24,14 @@ GPU (lead): see the report; needs only torch, transformers, numpy, safetensors o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,10 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--depth", type=int, default=2, help="groups queued between the pipeline's stages")
     ap.add_argument("--sequential", action="store_true", help="the same groups, stages one after another (no overlap)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="processes for chunking and tokenising")
+    ap.add_argument("--doc-tokens", type=int, default=32768, help="books are cut at line ends into documents of about this many tokens "
+                    "(one tokenising job each: 15 processes stay busy on ~40 books only with smaller jobs); 0 = one document per book")
+    ap.add_argument("--host-threads", type=int, default=1, help="torch's CPU threads in this process while it feeds the GPU "
+                    "(qrag.index.pipeline's default, 1); 0 = leave torch's default (one per core)")
     ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
                     "GPU-feeding thread gets a core first when every core is tokenising)")
     ap.add_argument("--steps", type=int, default=4)
@@ -136,10 +142,42 @@ def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0
     _TOK = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
 
 
-def _prepare(job: tuple[str, str, int]):
-    path, doc_id, budget = job
-    chunks, ids = _TOK.chunk_documents([Document(doc_id, read_document(Path(path)))], budget)
+def _prepare(job: tuple[str, str | None, str, int]):
+    path, text, doc_id, budget = job
+    chunks, ids = _TOK.chunk_documents([Document(doc_id, read_document(Path(path)) if text is None else text)], budget)
     return doc_id, chunks, ids
+
+
+# A token is about 4 characters of English prose: parts are cut by characters, before tokenising.
+CHARS_PER_TOKEN = 4
+
+
+def book_parts(text: str, part_chars: int) -> list[str]:
+    """A book cut at line ends (the books' paragraphs) into parts of at least ``part_chars``
+    characters (the last may be shorter); ``part_chars`` 0: the whole book."""
+    if part_chars <= 0:
+        return [text]
+    parts, start = [], 0
+    while start < len(text):
+        cut = text.find("\n", start + part_chars)
+        end = len(text) if cut < 0 else cut + 1
+        parts.append(text[start:end])
+        start = end
+    return parts
+
+
+def document_jobs(files: list[Path], chunk_tokens: int, doc_tokens: int, passes: int = 1000) -> Iterator[tuple[str, str | None, str, int]]:
+    """Tokenising jobs in corpus order, read lazily: whole books (read by the worker), or books
+    cut into documents of about ``doc_tokens`` tokens (read here). Books are cycled ``passes``
+    times (100M tokens is more text than the shipped books): each pass gets its own ids."""
+    for r in range(passes):
+        for p in files:
+            base = p.name.split(".")[0] + (f"~{r}" if r else "")
+            if doc_tokens <= 0:
+                yield str(p), None, base, chunk_tokens
+                continue
+            for k, part in enumerate(book_parts(read_document(p), doc_tokens * CHARS_PER_TOKEN)):
+                yield str(p), part, f"{base}#{k}", chunk_tokens
 
 
 def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_dir: str) -> dict:
@@ -148,22 +186,19 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
     previous one is written and committed on the writer thread (``--sequential``: one after another)."""
     name = "bench"
     index.create(name, chunk_tokens=args.chunk_tokens, shards=args.shards)
-    # Books are cycled until --tokens (100M tokens is more text than the shipped books): each pass
-    # gets its own document ids.
-    passes = 1000
-    jobs = [(str(p), p.name.split(".")[0] + (f"~{r}" if r else ""), args.chunk_tokens) for r in range(passes) for p in files]
     all_ids: list[np.ndarray] = []
     counts = {"tokens": 0}
 
     def groups(pool):  # runs on the pipeline's prep thread
         builder = GroupBuilder(args.commit_chunks)
-        pending = [pool.submit(_prepare, job) for job in jobs[: args.workers + 1]]
-        submitted = len(pending)
+        jobs = document_jobs(files, args.chunk_tokens, args.doc_tokens)
+        # Two jobs per worker in flight: a worker never waits for the next one to be sent.
+        pending = [pool.submit(_prepare, job) for job in itertools.islice(jobs, 2 * args.workers)]
         while pending and counts["tokens"] < args.tokens:
-            doc_id, chunks, ids = pending.pop(0).result()  # books stay in corpus order
-            if submitted < len(jobs):
-                pending.append(pool.submit(_prepare, jobs[submitted]))
-                submitted += 1
+            doc_id, chunks, ids = pending.pop(0).result()  # documents stay in corpus order
+            job = next(jobs, None)
+            if job is not None:
+                pending.append(pool.submit(_prepare, job))
             room = args.tokens - counts["tokens"]
             keep = int(np.searchsorted(np.cumsum([c.tokens for c in chunks]), room) + 1)
             chunks, ids = chunks[:keep], ids[:keep]
@@ -181,7 +216,7 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice)) as pool:
         _, stats = index_groups(index.store, name, model, groups(pool), chunk_batch=args.chunk_batch, pipelined=not args.sequential,
-                                depth=args.depth)
+                                depth=args.depth, host_threads=args.host_threads or None)
     wall = time.perf_counter() - t0
     m = index.store.read(name)
     st = stats.summary()
@@ -339,7 +374,7 @@ def main() -> None:
                      "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
                      "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
-                     "workers": args.workers, "pipelined": built["stages"]["pipelined"], "stages": built["stages"]},
+                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "pipelined": built["stages"]["pipelined"], "stages": built["stages"]},
     }
     if args.index_only:
         print(json.dumps(head))

@@ -278,6 +278,10 @@ class ChunkEncoder:
         self.model = load_embedding_model(source, device, encode_tokens=encode_tokens, chunk_batch=encode_batch)
         if self.model.fingerprint != fingerprint:
             raise CorpusConflict(f"the encoder actor loaded model {self.model.fingerprint}, the driver expected {fingerprint}")
+        if self.model.device.type == "cuda":  # the actor feeds a GPU: torch's CPU threads would only spin (see host_threads_while_feeding)
+            import torch  # noqa: PLC0415 - already loaded with the model
+
+            torch.set_num_threads(1)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
