@@ -192,3 +192,19 @@ def test_job_task_flag_becomes_an_override():
 
     assert tasks_to_overrides(["--tasks", "qa1, qa2", "updates=5"]) == ["data.tasks=[qa1,qa2]", "updates=5"]
     assert tasks_to_overrides(["--tasks=S1", "--base-dir", "/x"]) == ["data.tasks=[S1]", "--base-dir", "/x"]
+
+
+def test_printed_table_names_each_protocol_headline_first():
+    """Issue 11: every table says its protocol, T and credit rule; Fact EM (no oracle) first."""
+    from qrag.evaluation.lengths import format_table
+
+    row = {"model": "Q-RAG", "task": "qa3", "length": 4096, "steps": 4, "credit": "text", "fact_em": 0.5, "fact_f1": 0.25,
+           "oracle_fact_em": 0.5, "oracle_fact_f1": 0.75, "threshold_fact_f1": 0.6}
+    text = format_table({"rows": [row, {**row, "length": 1 << 20, "fact_em": 0.4}]})
+    blocks = text.split("\n\n")
+    assert [b.splitlines()[0].split(":")[0] for b in blocks] == ["Fact EM (%)", "Fact F1 (%)", "Fact F1 (%)", "Fact F1 (%)"]
+    assert all("T = 4; credit: text" in b.splitlines()[0] for b in blocks)
+    assert "no oracle" in blocks[0] and "oracle stop" in blocks[1] and "learned stop" in blocks[2] and "no stop" in blocks[3]
+    assert blocks[0].splitlines()[2].split()[-2:] == ["50.0", "40.0"] and blocks[1].splitlines()[2].split()[-1] == "75.0"
+    no_threshold = {k: v for k, v in row.items() if k != "threshold_fact_f1"}
+    assert "learned stop" not in format_table({"rows": [no_threshold]})
