@@ -158,3 +158,71 @@ def test_qrag_index_refuses_a_missing_input_before_ray_starts(tmp_path, capsys):
 
     assert main(["index", "--corpus", "c", "--input", str(tmp_path / "missing.jsonl"), "--storage", str(tmp_path / "s")]) == 2
     assert f"qrag index: error: {tmp_path / 'missing.jsonl'}: no such file or directory" in capsys.readouterr().err
+
+
+def _jsonl_docs(n: int) -> list[dict]:
+    rng = np.random.default_rng(5)
+    words = ["alpha", "beta", "gamma", "delta", "épée", "naïve", "東京", "x"]
+    return [{"id": f"d{i}", "text": " ".join(rng.choice(words, size=int(rng.integers(1, 30)))) + "."} for i in range(n)]
+
+
+@pytest.mark.parametrize("part_bytes", [1, 7, 64, 100, 333, 10**9])
+def test_jsonl_parts_hold_every_line_once_in_order(tmp_path, part_bytes):
+    """A large JSONL file is read as byte ranges, one task each; every line belongs to the range
+    it starts in, whatever the cut (mid-line, on a newline, inside a multi-byte character), and
+    blank and CRLF lines read as in the whole file."""
+    from qrag.distributed.bulk_index import plan_parts
+
+    recs = _jsonl_docs(40)
+    path = tmp_path / "big.jsonl"
+    body = "".join(json.dumps(r, ensure_ascii=False) + ("\r\n" if i % 3 == 0 else "\n") + ("\n" if i % 7 == 0 else "") for i, r in enumerate(recs))
+    path.write_bytes(body.encode())
+    parts = plan_parts([(str(path), "jsonl")], part_bytes)
+    assert len(parts) == (1 if part_bytes >= len(body.encode()) else -(-len(body.encode()) // part_bytes))
+    got = [(d.id, d.text) for _, fmt, a, b in parts for _, d in read_records(str(path), fmt, a, b)]
+    assert got == [(r["id"], r["text"]) for r in recs]
+    gz = tmp_path / "big.jsonl.gz"
+    import gzip
+
+    gz.write_bytes(gzip.compress(body.encode()))
+    assert plan_parts([(str(gz), "jsonl")], 7) == [(str(gz), "jsonl", 0, -1)]  # a compressed file cannot be cut
+
+
+def test_a_bad_line_in_a_later_part_is_named_by_its_byte_offset(tmp_path):
+    from qrag.distributed.bulk_index import plan_parts
+
+    good = json.dumps({"id": "a", "text": "Fine text."}) + "\n"
+    path = tmp_path / "big.jsonl"
+    path.write_text(good * 10 + "{not json\n" + good.replace('"a"', '"b"'))
+    offset = len(good) * 10
+    parts = plan_parts([(str(path), "jsonl")], 2 * len(good))
+    with pytest.raises(DataError, match=rf"{path}: line at byte {offset}: not JSON"):
+        for _, fmt, a, b in parts:
+            list(read_records(str(path), fmt, a, b))
+    with pytest.raises(DataError, match=rf"{path}: line 11: not JSON"):  # read whole, by line number
+        list(read_records(str(path), "jsonl"))
+
+
+def test_parquet_parts_are_runs_of_row_groups(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from qrag.distributed.bulk_index import plan_parts
+
+    recs = _jsonl_docs(50)
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": [r["id"] for r in recs], "text": [r["text"] for r in recs]}), path, row_group_size=8)
+    parts = plan_parts([(str(path), "parquet")], 300)
+    assert len(parts) > 2
+    got = [(label, d.id) for _, fmt, a, b in parts for label, d in read_records(str(path), fmt, a, b)]
+    assert got == [(f"row {i}", r["id"]) for i, r in enumerate(recs)]  # row numbers run on across parts
+
+
+def test_a_jsonl_file_read_in_parts_gives_the_same_corpus(ray_local, tiny_encoder, model, reference, tmp_path):
+    """One file, several read tasks: the corpus is the one the whole file gives (same order)."""
+    docs, _ = reference
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in docs))
+    stats = bulk_index(config(tiny_encoder, tmp_path / "indexes", [str(source)], file_part_bytes=source.stat().st_size // 5))
+    assert stats["files"] == 1 and stats["parts"] >= 5 and stats["corpus_documents"] == len(docs)
+    assert_same_corpus(CorpusStore(tmp_path / "indexes"), "c", reference, model)

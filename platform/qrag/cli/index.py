@@ -28,6 +28,8 @@ def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encode-batch", type=int, default=4096, help="chunks per encoder call")
     p.add_argument("--encode-tokens", type=int, default=32768, help="padded tokens per forward pass")
     p.add_argument("--commit-chunks", type=int, default=65536, help="chunks per committed group (a crash loses at most one group)")
+    p.add_argument("--file-part-mb", type=float, default=16.0, help="large uncompressed JSONL and parquet files are read and tokenised "
+                   "as parts of about this many MiB, one task each (default 16)")
     p.add_argument("--model-cache", default=".qrag_models", help="where MLflow checkpoints are downloaded to")
     p.add_argument("--no-progress", action="store_true", help="no progress line per commit")
 
@@ -39,7 +41,7 @@ def index_config(args: argparse.Namespace):
                            model_cache=args.model_cache, storage=args.storage, chunk_tokens=args.chunk_tokens, shards=args.shards,
                            dtype=args.dtype, encoder_actors=args.encoder_actors, encoder_gpus=args.encoder_gpus,
                            tokenize_actors=args.tokenize_actors, encode_batch=args.encode_batch, encode_tokens=args.encode_tokens,
-                           commit_chunks=args.commit_chunks)
+                           commit_chunks=args.commit_chunks, file_part_bytes=max(1, int(args.file_part_mb * 2**20)))
 
 
 def run_index(args: argparse.Namespace) -> int:

@@ -3,9 +3,11 @@
 ::
 
     input files (JSONL / text / parquet; local paths, globs, folders or any fsspec URL)
-      -> map_batches (an autoscaling pool of CPU actors, one input row = one file): read records,
-         skip the documents the corpus holds already, chunk them (sentence-aligned, token budget)
-         and tokenise
+      -> map_batches (an autoscaling pool of CPU actors, one input row = one part of a file:
+         a whole file, or ``file_part_bytes`` of a large uncompressed JSONL file (whole lines) or
+         of a parquet file's row groups, so one big file keeps every tokeniser busy): read
+         records, skip the documents the corpus holds already, chunk them (sentence-aligned,
+         token budget) and tokenise
       -> map_batches (actor pool, ``encoder_actors`` actors with a GPU each when the cluster has
          one): the chunk encoder, loaded once per actor, embeds length-bucketed batches (bf16
          autocast on GPU; qrag.model.encoder.encode sorts a batch by length and pads per bucket)
@@ -21,7 +23,8 @@ corpus (same global chunk positions) as one uninterrupted run, or as LocalIndex.
 
 Formats: ``jsonl`` (one ``{"id", "text"}`` object per line; other fields are ignored),
 ``parquet`` (columns ``id`` and ``text``), ``text`` (one document per file, its id the file name
-without .txt/.md/.gz). Errors name the file and the record (line or row).
+without .txt/.md/.gz). Errors name the file and the record (line or row; in the parts of a
+split JSONL file after the first, the line by its byte offset).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ class BulkIndexConfig:
     encoder_cpus: float = 1.0
     tokenize_cpus: float = 1.0
     tokenize_actors: int | None = None  # most read+tokenise actors; None = the CPUs the encoder actors leave (autoscaled from 1)
-    docs_per_block: int = 256  # documents chunked and tokenised per tokenizer call (one file's blocks)
+    docs_per_block: int = 256  # documents chunked and tokenised per tokenizer call (one file part's blocks)
+    file_part_bytes: int = 16 << 20  # large uncompressed JSONL and parquet files are read as parts of about this size (one task each)
     encode_batch: int = 4096  # chunks per encoder-actor call
     encode_tokens: int = 32768  # padded tokens per forward pass
     commit_chunks: int = 65536  # chunks per committed group (whole documents)
@@ -83,7 +87,7 @@ class BulkIndexConfig:
             self.inputs = [self.inputs]
         if self.format not in (*FORMATS, "auto"):
             raise DataError(f"format must be one of {', '.join(FORMATS)} or auto, got {self.format!r}")
-        for key in ("encoder_actors", "docs_per_block", "encode_batch", "encode_tokens", "commit_chunks"):
+        for key in ("encoder_actors", "docs_per_block", "encode_batch", "encode_tokens", "commit_chunks", "file_part_bytes"):
             if getattr(self, key) < 1:
                 raise DataError(f"{key} must be at least 1, got {getattr(self, key)}")
 
@@ -143,22 +147,96 @@ def text_doc_id(path: str) -> str:
     return name
 
 
-def read_records(path: str, fmt: str) -> Iterator[tuple[str, Document]]:
-    """(record label, document) of one file; DataError names the file and the record."""
+WHOLE = -1  # a part's end: to the end of the file
+
+
+def plan_parts(files: Sequence[tuple[str, str]], part_bytes: int) -> list[tuple[str, str, int, int]]:
+    """(path, format, start, end) of every read task, in corpus order. An uncompressed JSONL file
+    over ``part_bytes`` is cut into byte ranges (a range holds the lines that start in it); a
+    parquet file over it into runs of row groups of about that size; anything else is one part
+    (0, WHOLE). Parts of one file follow each other, so the documents keep their order."""
+    import fsspec
+    from fsspec.utils import infer_compression
+
+    parts: list[tuple[str, str, int, int]] = []
+    for path, fmt in files:
+        try:
+            fs, local = fsspec.core.url_to_fs(path)
+            size = fs.size(local) if fmt in ("jsonl", "parquet") else 0
+        except (OSError, ValueError):
+            size = 0  # read_records names the problem when the file is read
+        if fmt == "jsonl" and size > part_bytes and infer_compression(path) is None:
+            parts.extend((path, fmt, start, min(start + part_bytes, size)) for start in range(0, size, part_bytes))
+        elif fmt == "parquet" and size > part_bytes:
+            parts.extend((path, fmt, g0, g1) for g0, g1 in _row_group_runs(path, part_bytes))
+        else:
+            parts.append((path, fmt, 0, WHOLE))
+    return parts
+
+
+def _row_group_runs(path: str, part_bytes: int) -> list[tuple[int, int]]:
+    """[first, end) row-group ranges of about ``part_bytes`` (uncompressed) each."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    try:
+        with fsspec.open(path, "rb") as fh:
+            md = pq.ParquetFile(fh).metadata
+    except Exception:  # noqa: BLE001 - read_records names what is wrong with the file
+        return [(0, WHOLE)]
+    runs, first, size = [], 0, 0
+    for g in range(md.num_row_groups):
+        size += md.row_group(g).total_byte_size
+        if size >= part_bytes:
+            runs.append((first, g + 1))
+            first, size = g + 1, 0
+    if first < md.num_row_groups or not runs:
+        runs.append((first, WHOLE))
+    return runs
+
+
+def _jsonl_lines(path: str, start: int, end: int) -> Iterator[tuple[str, str]]:
+    """(record label, line) of a JSONL file, or of the lines that start in [start, end) of an
+    uncompressed one (labelled by line number in the first part, by byte offset after it)."""
+    import fsspec
+
+    if start == 0 and end == WHOLE:
+        with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as fh:
+            for lineno, line in enumerate(fh, 1):
+                yield f"line {lineno}", line
+        return
+    with fsspec.open(path, "rb") as fh:
+        if start > 0:
+            fh.seek(start - 1)
+            fh.readline()  # the line holding byte start - 1 started in the part before
+        lineno = 0
+        while True:
+            pos = fh.tell()
+            if end != WHOLE and pos >= end:
+                return
+            raw = fh.readline()
+            if not raw:
+                return
+            lineno += 1
+            yield (f"line {lineno}" if start == 0 else f"line at byte {pos}"), raw.decode("utf-8")
+
+
+def read_records(path: str, fmt: str, start: int = 0, end: int = WHOLE) -> Iterator[tuple[str, Document]]:
+    """(record label, document) of one file, or of one part of it (:func:`plan_parts`: a JSONL
+    byte range or a parquet row-group range); DataError names the file and the record."""
     import fsspec
 
     try:
         if fmt == "jsonl":
-            with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    at = f"{path}: line {lineno}"
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{at}: not JSON ({exc.msg} at column {exc.colno})") from None
-                    yield f"line {lineno}", parse_document(rec, at, extra_fields=True)
+            for label, line in _jsonl_lines(path, start, end):
+                if not line.strip():
+                    continue
+                at = f"{path}: {label}"
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{at}: not JSON ({exc.msg} at column {exc.colno})") from None
+                yield label, parse_document(rec, at, extra_fields=True)
         elif fmt == "text":
             with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as fh:
                 text = fh.read().lstrip("\ufeff")
@@ -171,8 +249,9 @@ def read_records(path: str, fmt: str) -> Iterator[tuple[str, Document]]:
                 missing = {"id", "text"} - set(pf.schema_arrow.names)
                 if missing:
                     raise DataError(f"{path}: no column {sorted(missing)[0]!r} (a document has 'id' and 'text')")
-                row = 0
-                for batch in pf.iter_batches(columns=["id", "text"], batch_size=1024):
+                groups = range(start, pf.metadata.num_row_groups if end == WHOLE else end)
+                row = sum(pf.metadata.row_group(g).num_rows for g in range(start))
+                for batch in pf.iter_batches(columns=["id", "text"], batch_size=1024, row_groups=list(groups)):
                     for rec in batch.to_pylist():
                         yield f"row {row}", parse_document(rec, f"{path}: row {row}")
                         row += 1
@@ -224,7 +303,7 @@ def chunk_rows(path: str, docs: Sequence[tuple[str, Document]], tok, chunk_token
 
 class DocumentChunker:
     """Stage 1, an autoscaling pool of CPU actors (the tokenizer loaded once per actor): one
-    input row per file -> its documents, minus the committed ones, as chunk rows in blocks of
+    input row per file part (:func:`plan_parts`) -> its documents, minus the committed ones, as chunk rows in blocks of
     ``docs_per_block`` documents. ``prep_s`` carries a block's seconds on its first row."""
 
     def __init__(self, model: dict[str, Any], chunk_tokens: int, skip, docs_per_block: int):
@@ -239,11 +318,11 @@ class DocumentChunker:
         self.committed = ray.get(skip) if skip is not None else frozenset()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        for path, fmt in zip(batch["path"], batch["format"]):
+        for path, fmt, start, end in zip(batch["path"], batch["format"], batch["start"], batch["end"]):
             t0 = time.perf_counter()
             docs: list[tuple[str, Document]] = []
             ids: dict[str, str] = {}
-            for record, doc in read_records(str(path), str(fmt)):
+            for record, doc in read_records(str(path), str(fmt), int(start), int(end)):
                 if doc.id in ids:
                     raise DataError(f"{path}: {record}: duplicate document id {doc.id!r} (also at {ids[doc.id]})")
                 ids[doc.id] = record
@@ -308,6 +387,7 @@ class _PendingDoc:
 class BulkStats:
     corpus: str
     files: int = 0
+    parts: int = 0  # read tasks: files, large ones cut into parts (plan_parts)
     documents: int = 0  # committed by this run
     already_committed: int = 0  # documents in the corpus before this run (skipped where the input has them)
     chunks: int = 0
@@ -402,14 +482,17 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
     stats.encoder_actors, stats.encoder_gpus = cfg.encoder_actors, gpus
     model = cfg.model_spec()
     spare = ray.cluster_resources().get("CPU", 1) - cfg.encoder_actors * cfg.encoder_cpus
-    tokenizers = cfg.tokenize_actors or max(1, min(len(files), int(spare // max(cfg.tokenize_cpus, 1e-3))))
+    parts = plan_parts(files, cfg.file_part_bytes)
+    stats.parts = len(parts)
+    tokenizers = cfg.tokenize_actors or max(1, min(len(parts), int(spare // max(cfg.tokenize_cpus, 1e-3))))
     ctx = DataContext.get_current()
     saved = ctx.execution_options.preserve_order, ctx.target_max_block_size
     ctx.execution_options.preserve_order = cfg.preserve_order
     if cfg.block_bytes:
         ctx.target_max_block_size = cfg.block_bytes
     try:
-        ds = ray.data.from_items([{"path": p, "format": f} for p, f in files], override_num_blocks=max(1, len(files)))
+        ds = ray.data.from_items([{"path": p, "format": f, "start": a, "end": b} for p, f, a, b in parts],
+                                 override_num_blocks=max(1, len(parts)))
         # Two actor pools: Ray Data never fuses them (a task stage would be fused into the encoder
         # actors on a CPU-only cluster, which would then read files one at a time between forwards).
         ds = ds.map_batches(DocumentChunker, batch_size=1, batch_format="numpy", num_cpus=cfg.tokenize_cpus,
