@@ -211,3 +211,11 @@ def test_torch_threads_are_one_while_feeding_a_gpu_and_restored_after(tmp_path):
         assert torch.get_num_threads() == before
     with host_threads_while_feeding(torch.device("cuda"), None):
         assert torch.get_num_threads() == before
+    # Two indexing jobs overlapping (job_workers > 1): the count comes back when the last one ends.
+    first, second = host_threads_while_feeding(torch.device("cuda")), host_threads_while_feeding(torch.device("cuda"))
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert torch.get_num_threads() == 1
+    second.__exit__(None, None, None)
+    assert torch.get_num_threads() == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -116,22 +117,34 @@ def attention_mask_4d(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask4.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask4, torch.finfo(torch.float32).min)
 
 
+_FEEDING = {"depth": 0, "before": 0}
+_FEEDING_LOCK = threading.Lock()
+
+
 @contextmanager
 def host_threads_while_feeding(device: torch.device, threads: int | None = 1) -> Iterator[None]:
     """Torch's intra-op CPU threads set to ``threads`` while this process feeds a GPU (restored
-    after; ``None`` or a CPU device: unchanged). Feeding a GPU needs no CPU parallelism, yet the
-    small parallel host copies wake the whole pool, whose threads then spin: embedding 10M tokens
-    on an H100 took 2.1 s either way but 13 CPU-seconds with 16 threads against 2.2 with one
-    (bench/results/index_stages_10m_h100.json), cores the tokenising processes beside it need."""
+    when the last such block in the process ends, so overlapping indexing jobs do not leave the
+    process at one thread; ``None`` or a CPU device: unchanged). Feeding a GPU needs no CPU
+    parallelism, yet the small parallel host copies wake the whole pool, whose threads then
+    spin: embedding 10M tokens on an H100 took 2.1 s either way but 13 CPU-seconds with 16
+    threads against 2.2 with one (bench/results/index_stages_10m_h100.json), cores the
+    tokenising processes beside it need."""
     if threads is None or torch.device(device).type != "cuda":
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    with _FEEDING_LOCK:
+        if _FEEDING["depth"] == 0:
+            _FEEDING["before"] = torch.get_num_threads()
+        _FEEDING["depth"] += 1
+        torch.set_num_threads(threads)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _FEEDING_LOCK:
+            _FEEDING["depth"] -= 1
+            if _FEEDING["depth"] == 0:
+                torch.set_num_threads(_FEEDING["before"])
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
