@@ -2,7 +2,8 @@
 of N tokens built from the Gutenberg novels, next to the bare encoder forward on the same batches.
 
 Writes the books (in name order, the last one cut so the corpus holds about --tokens tokens) as
-text files, one document per book, indexes them on a local Ray (loopback; every GPU of the
+one JSONL file of documents of about --doc-tokens tokens (read in parts of --file-part-mb, one
+task each), or with --format text as text files, one document per book; indexes them on a local Ray (loopback; every GPU of the
 machine, one encoder actor per GPU by default), then times the action encoder's forward alone on
 the corpus's own chunk token ids (bench/serve_scale.py bare_forward_tokens_per_s: padded batches
 already on the device, model calls only). Reports, as one JSON line (and --out):
@@ -67,27 +68,43 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--encode-batch", type=int, default=8192, help="chunks per encoder-actor call")
     ap.add_argument("--encode-tokens", type=int, default=131072, help="padded tokens per forward")
     ap.add_argument("--commit-chunks", type=int, default=65536)
+    ap.add_argument("--format", default="jsonl", choices=["jsonl", "text"], help="the input: one JSONL file, or a text file per book")
+    ap.add_argument("--doc-tokens", type=int, default=32768, help="jsonl: documents of about this many tokens cut from the books at line ends")
+    ap.add_argument("--file-part-mb", type=float, default=16.0, help="jsonl: the file is read as parts of about this many MiB")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--storage", default=None, help="index folder (default: a temporary one, removed at the end)")
     ap.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/index_ray_h100.json")
     return ap
 
 
-def build_input(books: list[Path], tokens: int, folder: Path, tokenizer) -> dict:
-    """Books as text files holding about ``tokens`` tokens (counted with the model's tokenizer)."""
+def build_input(books: list[Path], tokens: int, folder: Path, tokenizer, fmt: str = "text", doc_tokens: int = 32768) -> dict:
+    """Books holding about ``tokens`` tokens (counted with the model's tokenizer) as text files,
+    one per book, or as one ``docs.jsonl`` of documents cut from them at line ends."""
+    from serve_scale import CHARS_PER_TOKEN, book_parts
+
     folder.mkdir(parents=True, exist_ok=True)
-    total, used = 0, 0
-    for path in books:
-        text = read_document(path)
-        n = len(tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"])
-        if total + n > tokens:
-            text = text[: int(len(text) * (tokens - total) / max(n, 1))]
-            n = tokens - total
-        (folder / f"{path.name.split('.')[0]}.txt").write_text(text, encoding="utf-8")
-        total, used = total + n, used + 1
-        if total >= tokens:
-            break
-    return {"books": used, "approx_tokens": total, "bytes": sum(p.stat().st_size for p in folder.iterdir())}
+    total, used, docs = 0, 0, 0
+    with open(folder / "docs.jsonl", "w", encoding="utf-8") if fmt == "jsonl" else open(os.devnull, "w") as jsonl:
+        for path in books:
+            text = read_document(path)
+            n = len(tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+            if total + n > tokens:
+                text = text[: int(len(text) * (tokens - total) / max(n, 1))]
+                n = tokens - total
+            name = path.name.split(".")[0]
+            if fmt == "jsonl":
+                for k, part in enumerate(p for p in book_parts(text, doc_tokens * CHARS_PER_TOKEN) if p.strip()):
+                    jsonl.write(json.dumps({"id": f"{name}#{k}", "text": part}, ensure_ascii=False) + "\n")
+                    docs += 1
+            else:
+                (folder / f"{name}.txt").write_text(text, encoding="utf-8")
+                docs += 1
+            total, used = total + n, used + 1
+            if total >= tokens:
+                break
+    if fmt != "jsonl":
+        (folder / "docs.jsonl").unlink(missing_ok=True)
+    return {"books": used, "documents": docs, "format": fmt, "approx_tokens": total, "bytes": sum(p.stat().st_size for p in folder.iterdir())}
 
 
 def corpus_token_ids(store: CorpusStore, name: str) -> list[np.ndarray]:
@@ -120,16 +137,17 @@ def main() -> int:
     storage = Path(args.storage) if args.storage else work / "indexes"
     try:
         t = time.perf_counter()
-        built = build_input(books, args.tokens, work / "books", tokenizer)
+        built = build_input(books, args.tokens, work / "books", tokenizer, args.format, args.doc_tokens)
         built["seconds"] = round(time.perf_counter() - t, 2)
 
         ensure_ray()
         gpus = int(ray.cluster_resources().get("GPU", 0))
         actors = args.encoder_actors or max(1, gpus)
-        cfg = BulkIndexConfig(corpus="bench", inputs=[str(work / "books")], format="text", checkpoint=args.checkpoint, encoder=args.encoder,
+        cfg = BulkIndexConfig(corpus="bench", inputs=[str(work / "books")], format=args.format, checkpoint=args.checkpoint, encoder=args.encoder,
                               storage=str(storage), chunk_tokens=args.chunk_tokens, shards=args.shards, dtype=args.dtype,
                               encoder_actors=actors, tokenize_actors=args.tokenize_actors, encode_batch=args.encode_batch,
-                              encode_tokens=args.encode_tokens, commit_chunks=args.commit_chunks)
+                              encode_tokens=args.encode_tokens, commit_chunks=args.commit_chunks,
+                              file_part_bytes=max(1, int(args.file_part_mb * 2**20)))
         stats = bulk_index(cfg)
         store = CorpusStore(storage)
         bytes_on_disk = store.disk_bytes("bench")
@@ -149,7 +167,8 @@ def main() -> int:
                        "dtype": args.dtype, "bytes_on_disk": bytes_on_disk},
             "pipeline": {"encoder_actors": actors, "encoder_gpus_each": stats["encoder_gpus"], "gpus": gpus,
                          "tokenize_actors": args.tokenize_actors or "auto", "encode_batch": args.encode_batch,
-                         "encode_tokens": args.encode_tokens, "commit_chunks": args.commit_chunks, "commits": stats["commits"]},
+                         "encode_tokens": args.encode_tokens, "commit_chunks": args.commit_chunks, "commits": stats["commits"],
+                         "files": stats["files"], "read_tasks": stats["parts"], "file_part_mb": args.file_part_mb},
             "indexing": {
                 "seconds": stats["seconds"], "tokens_per_s": stats["tokens_per_s"], "encoder_tokens_per_s": stats["encoder_tokens_per_s"],
                 "read_tokenize_cpu_seconds": stats["prep_seconds"], "embed_actor_seconds": stats["embed_seconds"],
