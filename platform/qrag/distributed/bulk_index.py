@@ -303,8 +303,8 @@ def chunk_rows(path: str, docs: Sequence[tuple[str, Document]], tok, chunk_token
 
 class DocumentChunker:
     """Stage 1, an autoscaling pool of CPU actors (the tokenizer loaded once per actor): one
-    input row per file part (:func:`plan_parts`) -> its documents, minus the committed ones, as chunk rows in blocks of
-    ``docs_per_block`` documents. ``prep_s`` carries a block's seconds on its first row."""
+    input row per file part (:func:`plan_parts`) -> its documents, minus the committed ones, as
+    chunk rows in blocks of ``docs_per_block`` documents. ``prep_s`` carries a block's seconds on its first row."""
 
     def __init__(self, model: dict[str, Any], chunk_tokens: int, skip, docs_per_block: int):
         import ray
