@@ -39,13 +39,12 @@ sys.path.insert(0, str(ROOT / "platform"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info, write_result  # noqa: E402
-from qrag.data.documents import Document  # noqa: E402
 from qrag.data.haystack import book_files  # noqa: E402
-from qrag.index.pipeline import GroupBuilder, embed_group  # noqa: E402
+from qrag.index.pipeline import embed_group  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 from qrag.model.encoder import resolve_encoder  # noqa: E402
 from qrag.retrieval.embedder import resolve_source  # noqa: E402
-from serve_scale import _init_worker, _prepare, bare_forward_tokens_per_s, document_jobs, random_weights_model  # noqa: E402
+from serve_scale import _init_worker, _prepare, bare_forward_tokens_per_s, document_jobs, prepared_groups, random_weights_model  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -74,30 +73,6 @@ class Timer:
 
     def row(self, tokens: int) -> dict:
         return {"seconds": round(self.wall, 3), "tokens_per_s": round(tokens / self.wall), "process_cpu_seconds": round(self.cpu, 3)}
-
-
-def gather_groups(pool, jobs, workers: int, tokens: int, commit_chunks: int) -> list:
-    """What serve_scale's prep thread yields: commit groups of whole books, in corpus order."""
-    builder, groups, done = GroupBuilder(commit_chunks), [], 0
-    pending = [pool.submit(_prepare, job) for job in jobs[: workers + 1]]
-    submitted = len(pending)
-    while pending and done < tokens:
-        doc_id, chunks, ids = pending.pop(0).result()
-        if submitted < len(jobs):
-            pending.append(pool.submit(_prepare, jobs[submitted]))
-            submitted += 1
-        keep = int(np.searchsorted(np.cumsum([c.tokens for c in chunks]), tokens - done) + 1)
-        chunks, ids = chunks[:keep], ids[:keep]
-        done += sum(c.tokens for c in chunks)
-        group = builder.add(Document(doc_id, ""), chunks, ids)
-        if group is not None:
-            groups.append(group)
-    for f in pending:
-        f.cancel()
-    group = builder.flush()
-    if group is not None:
-        groups.append(group)
-    return groups
 
 
 def busy_tokenisers(pool, jobs, workers: int, stop: threading.Event) -> threading.Thread:
@@ -146,12 +121,12 @@ def main() -> None:
     with ProcessPoolExecutor(1, initializer=_init_worker, initargs=init) as pool:
         pool.submit(int).result()  # the worker's start is not the rate
         with Timer(dev) as t:
-            one = gather_groups(pool, jobs[:2], 1, 10**12, args.commit_chunks)
+            one = list(prepared_groups(pool, iter(jobs[:2]), 1, 10**12, args.commit_chunks))
         rows["prep_one_process"] = t.row(sum(len(x) for g in one for x in g.ids))
     with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=init) as pool:
         list(pool.map(int, range(args.workers)))
         with Timer(dev) as t:
-            groups = gather_groups(pool, jobs, args.workers, args.tokens, args.commit_chunks)
+            groups = list(prepared_groups(pool, iter(jobs), args.workers, args.tokens, args.commit_chunks))
     tokens = sum(len(x) for g in groups for x in g.ids)  # encoder tokens: every rate below is of these
     rows["prep"] = t.row(tokens)
 

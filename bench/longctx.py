@@ -337,6 +337,7 @@ def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
 
 
 def summary_line(task: str, training: dict, table: dict) -> dict:
+    from qrag.evaluation.evaluate import PROTOCOL_NOTES
     from qrag.evaluation.lengths import length_label
 
     em: dict[str, dict[str, float]] = {}
@@ -347,7 +348,7 @@ def summary_line(task: str, training: dict, table: dict) -> dict:
         f1.setdefault(key, {})[length_label(r["length"])] = round(100 * r["fact_f1"], 1)
     return {"bench": "longctx", "task": task, "device": table["device"], "updates": training["updates"],
             "train_seconds": training["seconds"], "fact_em": em, "fact_f1": f1,
-            "protocols": "fact_em: all support facts among the T picks (no oracle); fact_f1: all T picks, no stop"}
+            "protocols": {k: PROTOCOL_NOTES[k] for k in ("fact_em", "fact_f1")}}
 
 
 def main(argv: list[str]) -> int:

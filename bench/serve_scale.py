@@ -49,7 +49,7 @@ from qrag.data.sample import DataError  # noqa: E402
 from qrag.retrieval.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
 from qrag.model.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
-from qrag.index.pipeline import GroupBuilder, index_groups  # noqa: E402
+from qrag.index.pipeline import Group, GroupBuilder, index_groups  # noqa: E402
 from qrag.index.shards import ShardOptions  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 
@@ -180,6 +180,31 @@ def document_jobs(files: list[Path], chunk_tokens: int, doc_tokens: int, passes:
                 yield str(p), part, f"{base}#{k}", chunk_tokens
 
 
+def prepared_groups(pool, jobs: Iterator[tuple[str, str | None, str, int]], workers: int, tokens: int, commit_chunks: int) -> Iterator[Group]:
+    """Commit groups of whole documents, in corpus order, of ``jobs`` chunked and tokenised in
+    ``pool`` (two jobs per worker in flight: a worker never waits for the next one to be sent),
+    until ``tokens`` text tokens (the last document cut there)."""
+    builder = GroupBuilder(commit_chunks)
+    pending = [pool.submit(_prepare, job) for job in itertools.islice(jobs, 2 * workers)]
+    done = 0
+    while pending and done < tokens:
+        doc_id, chunks, ids = pending.pop(0).result()  # documents stay in corpus order
+        job = next(jobs, None)
+        if job is not None:
+            pending.append(pool.submit(_prepare, job))
+        keep = int(np.searchsorted(np.cumsum([c.tokens for c in chunks]), tokens - done) + 1)
+        chunks, ids = chunks[:keep], ids[:keep]
+        done += sum(c.tokens for c in chunks)
+        group = builder.add(Document(doc_id, ""), chunks, ids)
+        if group is not None:
+            yield group
+    for f in pending:
+        f.cancel()
+    group = builder.flush()
+    if group is not None:
+        yield group
+
+
 def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_dir: str) -> dict:
     """Chunk + tokenise books in worker processes; the library pipeline (qrag.index.pipeline)
     embeds one commit group on the device while the next is gathered from the workers and the
@@ -187,30 +212,11 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
     name = "bench"
     index.create(name, chunk_tokens=args.chunk_tokens, shards=args.shards)
     all_ids: list[np.ndarray] = []
-    counts = {"tokens": 0}
 
     def groups(pool):  # runs on the pipeline's prep thread
-        builder = GroupBuilder(args.commit_chunks)
         jobs = document_jobs(files, args.chunk_tokens, args.doc_tokens)
-        # Two jobs per worker in flight: a worker never waits for the next one to be sent.
-        pending = [pool.submit(_prepare, job) for job in itertools.islice(jobs, 2 * args.workers)]
-        while pending and counts["tokens"] < args.tokens:
-            doc_id, chunks, ids = pending.pop(0).result()  # documents stay in corpus order
-            job = next(jobs, None)
-            if job is not None:
-                pending.append(pool.submit(_prepare, job))
-            room = args.tokens - counts["tokens"]
-            keep = int(np.searchsorted(np.cumsum([c.tokens for c in chunks]), room) + 1)
-            chunks, ids = chunks[:keep], ids[:keep]
-            counts["tokens"] += sum(c.tokens for c in chunks)
-            all_ids.extend(ids)
-            group = builder.add(Document(doc_id, ""), chunks, ids)
-            if group is not None:
-                yield group
-        for f in pending:
-            f.cancel()
-        group = builder.flush()
-        if group is not None:
+        for group in prepared_groups(pool, jobs, args.workers, args.tokens, args.commit_chunks):
+            all_ids.extend(group.ids)
             yield group
 
     t0 = time.perf_counter()

@@ -43,6 +43,7 @@ import numpy as np
 from qrag.model.checkpoint import CheckpointError
 from qrag.data.documents import Document, DocumentChunk, parse_document
 from qrag.data.sample import DataError
+from qrag.model.encoder import host_threads_while_feeding
 from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity
 from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 
@@ -357,14 +358,11 @@ class ChunkEncoder:
         self.model = load_embedding_model(source, device, encode_tokens=encode_tokens, chunk_batch=encode_batch)
         if self.model.fingerprint != fingerprint:
             raise CorpusConflict(f"the encoder actor loaded model {self.model.fingerprint}, the driver expected {fingerprint}")
-        if self.model.device.type == "cuda":  # the actor feeds a GPU: torch's CPU threads would only spin (see host_threads_while_feeding)
-            import torch  # noqa: PLC0415 - already loaded with the model
-
-            torch.set_num_threads(1)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
-        vectors = self.model.embed_chunks(list(batch["tokens"])) if len(batch["tokens"]) else np.zeros((0, self.model.dim), np.float32)
+        with host_threads_while_feeding(self.model.device):  # on a GPU torch's CPU threads would only spin
+            vectors = self.model.embed_chunks(list(batch["tokens"])) if len(batch["tokens"]) else np.zeros((0, self.model.dim), np.float32)
         seconds = np.zeros(len(vectors), dtype=np.float64)
         if len(vectors):
             seconds[0] = time.perf_counter() - t0

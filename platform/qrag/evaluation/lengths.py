@@ -35,7 +35,7 @@ from qrag.data.haystack import Measure
 from qrag.data.sample import DataError
 from qrag.data.splits import in_validation, validation_key
 from qrag.evaluation.early_stopping import analyse_threshold, choose_threshold, traces_from_records
-from qrag.evaluation.evaluate import protocol_means, score_retrievals
+from qrag.evaluation.evaluate import PROTOCOL_NOTES, protocol_means, score_retrievals
 from qrag.evaluation.longcontext import CachingRetriever, ChunkTokens, canonical_task, generate, task_dataset
 from qrag.evaluation.memory import memory_kind, peak_mb, reset_peak
 from qrag.metrics import mean
@@ -255,19 +255,10 @@ def merge_tables(tables: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# What format_table prints, headline first: (row key, title with its protocol).
-TABLE_METRICS = (
-    ("fact_em", "Fact EM (%): every support fact among the T picks, no oracle (the headline)"),
-    ("oracle_fact_f1", "Fact F1 (%): the search stops once the support is complete (oracle stop, the paper's protocol)"),
-    ("threshold_fact_f1", "Fact F1 (%): learned stop, a Q threshold chosen on validation questions (no oracle)"),
-    ("fact_f1", "Fact F1 (%): all T picks, no stop"),
-)
-
-
 def format_table(table: dict[str, Any]) -> str:
-    """One block per protocol (:data:`TABLE_METRICS`, those the rows have), each titled with it,
-    the number of picks T and the credit rule: x100 per model and task, one column per length
-    (the paper's layout)."""
+    """One block per protocol (:data:`qrag.evaluation.evaluate.PROTOCOL_NOTES`, those the rows
+    have, the headline first), each titled with it, the number of picks T and the credit rule:
+    x100 per model and task, one column per length (the paper's layout)."""
     rows = table["rows"]
     lengths = sorted({r["length"] for r in rows})
     keys = sorted({(r["task"], r["model"]) for r in rows})
@@ -276,10 +267,10 @@ def format_table(table: dict[str, Any]) -> str:
     credit = ", ".join(sorted({r["credit"] for r in rows if "credit" in r})) or "?"
     head = f"{'task':<16}{'model':<18}" + "".join(f"{length_label(n):>8}" for n in lengths)
     blocks = []
-    for metric, title in TABLE_METRICS:
+    for metric, note in PROTOCOL_NOTES.items():
         if not any(metric in r for r in rows):
             continue
-        lines = [f"{title}; T = {steps}; credit: {credit}", head]
+        lines = [f"Fact {metric[-2:].upper()} (%): {note}; T = {steps}; credit: {credit}", head]
         for task, model in keys:
             cells = [f"{100 * by[(task, model, n)][metric]:8.1f}" if metric in by.get((task, model, n), {}) else f"{'-':>8}"
                      for n in lengths]

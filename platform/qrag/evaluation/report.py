@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qrag.data.contexts import length_label
+from qrag.evaluation.evaluate import PROTOCOL_NOTES
 
 # The paper's Table 2 (HotPotQA, MuSiQue OOD) and its appendix table (MuSiQue in-distribution):
 # (Fact F1, Fact EM, Ans F1, Ans EM); None = not reported. Reader: QwQ-32B for Q-RAG and Beam
@@ -44,12 +45,6 @@ METRICS = ("fact_f1", "fact_em", "ans_f1", "ans_em")
 METRIC_TITLES = {"fact_f1": "Fact F1", "fact_em": "Fact EM", "ans_f1": "Ans F1", "ans_em": "Ans EM",
                  "oracle_fact_f1": "Fact F1, oracle stop (paper-comparable)",
                  "threshold_fact_f1": "Fact F1, learned Q-threshold stop (chosen on validation)"}
-# What each length-sweep metric's search did (qrag.evaluation.lengths): said under every table.
-PROTOCOL_NOTES = {
-    "fact_f1": "all T picks, no oracle", "fact_em": "all T picks, no oracle: every support fact among them",
-    "oracle_fact_f1": "search stopped once the support is complete (the answer key decides: the reference's protocol)",
-    "threshold_fact_f1": "search stopped when the best Q falls below a threshold chosen on validation questions",
-}
 DATASET_TITLES = {"hotpotqa": "HotPotQA", "musique": "MuSiQue", "2wiki": "2WikiMultihopQA", "babilong": "BabiLong", "niah": "RULER NIAH"}
 COLUMN_ORDER = ("hotpotqa", "musique", "musique (OOD)", "2wiki", "2wiki (OOD)")
 
