@@ -1,9 +1,10 @@
 #!/bin/bash
 # Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating: the default (books cut
-# into ~32K-token documents, torch's CPU threads at 1 while feeding the GPU), the previous setup
-# (whole books, torch's threads at one per core), and each change alone.
-# The first round (nice 10, 8 tokenisers, stages one after another) is in
-# bench/results/index_contention_10m_h100/; bench/index_stages.py times each stage alone.
+# into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at 0.2 ms while
+# feeding the GPU, chunks embedded by CUDA-graph replays), each of the last two changes left out,
+# the previous default (3659b06) and the setup before that (whole books, torch at one thread per core).
+# Earlier rounds: bench/results/index_contention_10m_h100/ (nice 10, 8 tokenisers, stages one after
+# another) and index_contention_docs_threads_h100/; bench/index_stages.py times each stage alone.
 # Carry (ignored folder, ~21 MB), made here once:
 #   mkdir -p .carry/idx && cp -r ../shared/data/gutenberg_novels .carry/idx/novels
 #   python bench/serve_scale.py --export-encoder .carry/idx/minilm16 && rm .carry/idx/minilm16/*.safetensors
@@ -12,12 +13,12 @@ export TOKENIZERS_PARALLELISM=false PYTHONPATH=platform
 C=$PWD/.carry/idx
 OUT=${OUT:-/tmp/index_contention}
 mkdir -p "$OUT"
-summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);i=d['indexing'];s=i['stages'];print('$1', d['gpu'], 'sec',i['seconds'],'tok/s',i['tokens_per_s'],'bare',i['bare_forward_tokens_per_s'],'share',i['end_to_end_share_of_bare'],'embed_busy',s['embed_busy_seconds'],'wait_prep',s['embed_waiting_for_prep_seconds'],'prep_busy',s['prep_busy_seconds'],'write',s['write_busy_seconds'])"; }
+summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);i=d['indexing'];s=i['stages'];print('$1', d['gpu'], 'sec',i['seconds'],'tok/s',i['tokens_per_s'],'bare',i['bare_forward_tokens_per_s'],'share',i['end_to_end_share_of_bare'],'embed_busy',s['embed_busy_seconds'],'wait_prep',s['embed_waiting_for_prep_seconds'],'prep_busy',s['prep_busy_seconds'],'write',s['write_busy_seconds'],'graphs',(i.get('chunk_graphs') or {}).get('replays'))"; }
 ARGS="--corpus $C/novels --encoder $C/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
 run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/index_$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
 run default
-run before --doc-tokens 0 --host-threads 0
-run threads_only --doc-tokens 0
-run docs_only --host-threads 0
+run no_graphs --no-chunk-graphs
+run no_switch --switch-ms 0
+run last_default --no-chunk-graphs --switch-ms 0
+run before --doc-tokens 0 --host-threads 0 --no-chunk-graphs --switch-ms 0
 run default_b
-run before_b --doc-tokens 0 --host-threads 0

@@ -75,6 +75,10 @@ def args_parser() -> argparse.ArgumentParser:
                     "(one tokenising job each: 15 processes stay busy on ~40 books only with smaller jobs); 0 = one document per book")
     ap.add_argument("--host-threads", type=int, default=1, help="torch's CPU threads in this process while it feeds the GPU "
                     "(qrag.index.pipeline's default, 1); 0 = leave torch's default (one per core)")
+    ap.add_argument("--switch-ms", type=float, default=0.2, help="the GIL's switch interval in this process while it feeds the GPU "
+                    "(qrag.index.pipeline's default, 0.2 ms: the feeding thread gets the GIL back sooner after each torch op); 0 = Python's 5 ms")
+    ap.add_argument("--no-chunk-graphs", action="store_true", help="embed chunks eagerly on a GPU (the default replays CUDA graphs "
+                    "of the chunk encoder: one launch per batch, qrag.model.state_graphs)")
     ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
                     "GPU-feeding thread gets a core first when every core is tokenising)")
     ap.add_argument("--steps", type=int, default=4)
@@ -222,7 +226,8 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice)) as pool:
         _, stats = index_groups(index.store, name, model, groups(pool), chunk_batch=args.chunk_batch, pipelined=not args.sequential,
-                                depth=args.depth, host_threads=args.host_threads or None)
+                                depth=args.depth, host_threads=args.host_threads or None,
+                                switch_s=args.switch_ms / 1000 if args.switch_ms else None)
     wall = time.perf_counter() - t0
     m = index.store.read(name)
     st = stats.summary()
@@ -236,6 +241,15 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
                        "embed_waiting_for_writer_seconds": st["embed_waiting_for_writer"], "busy_over_wall": st["overlap"],
                        "note": "busy seconds of each stage; pipelined they overlap (busy_over_wall > 1). prep = the main process "
                                "gathering the workers' chunks + token ids (the workers' own CPU time is not counted)"}}
+
+
+def chunk_graph_info(model) -> dict | None:
+    """How the chunks were embedded: CUDA-graph replays, shapes captured, shapes that fell back."""
+    graphed = getattr(model, "chunk_encoder", None)
+    if graphed is None:
+        return None
+    return {"replays": graphed.replays, "eager_calls": graphed.eager_calls, "shapes": [f"{b}x{n}" for b, n in graphed.captured_shapes],
+            "fallbacks": {f"{b}x{n}": why for (b, n), why in graphed.fallbacks.items()}}
 
 
 @torch.no_grad()
@@ -358,6 +372,8 @@ def main() -> None:
     else:
         model = load_embedding_model(source, args.device, positions=None if args.checkpoint else args.positions,
                                      encode_tokens=args.encode_tokens, chunk_batch=args.chunk_batch)
+    if args.no_chunk_graphs:
+        model.chunk_encoder = None
     dev = model.device
     tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder(args.encoder)
     storage = args.storage or tempfile.mkdtemp(prefix="qrag_serve_scale_")
@@ -380,7 +396,8 @@ def main() -> None:
                      "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
                      "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
-                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "pipelined": built["stages"]["pipelined"], "stages": built["stages"]},
+                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
+                     "chunk_graphs": chunk_graph_info(model)},
     }
     if args.index_only:
         print(json.dumps(head))

@@ -180,15 +180,19 @@ def test_segment_text_lines_are_the_json_they_always_were():
     assert _encode_texts(positions[:0], [], []) == b""
 
 
-def test_torch_threads_are_one_while_feeding_a_gpu_and_restored_after(tmp_path):
+def test_host_settings_while_feeding_a_gpu_are_set_then_restored(tmp_path):
     """Feeding a GPU, torch's CPU pool only spins on cores the tokenisers need (13 CPU-seconds
-    against 2.2 for the same embedding on an H100): index_groups runs with one thread, then
-    gives the old count back, also after a failure; on CPU nothing changes."""
+    against 2.2 for the same embedding on an H100), and at Python's 5 ms GIL interval the feeding
+    thread waits for the GIL after every op: index_groups runs with one thread and a short
+    interval, then gives both back, also after a failure; on CPU nothing changes."""
+    import sys
+
     import torch
 
-    from qrag.model.encoder import host_threads_while_feeding
+    from qrag.model.encoder import FEEDING_SWITCH_S, host_settings_while_feeding
 
-    before = torch.get_num_threads()
+    threads, switch = torch.get_num_threads(), sys.getswitchinterval()
+    assert switch != FEEDING_SWITCH_S
     seen = []
 
     class GpuModel:  # only what index_groups reads before the failing group
@@ -196,7 +200,7 @@ def test_torch_threads_are_one_while_feeding_a_gpu_and_restored_after(tmp_path):
         fingerprint = "x"
 
         def embed_chunks(self, seqs):
-            seen.append(torch.get_num_threads())
+            seen.append((torch.get_num_threads(), sys.getswitchinterval()))
             raise RuntimeError("stop here")
 
     store = CorpusStore(tmp_path)
@@ -206,16 +210,19 @@ def test_torch_threads_are_one_while_feeding_a_gpu_and_restored_after(tmp_path):
     group = Group(docs=[], chunks=[], ids=[np.array([1, 2, 3])])
     with pytest.raises(RuntimeError, match="stop here"):
         index_groups(store, "c", GpuModel(), [group], chunk_batch=4, pipelined=False)
-    assert seen == [1] and torch.get_num_threads() == before
-    with host_threads_while_feeding(torch.device("cpu")):
-        assert torch.get_num_threads() == before
-    with host_threads_while_feeding(torch.device("cuda"), None):
-        assert torch.get_num_threads() == before
-    # Two indexing jobs overlapping (job_workers > 1): the count comes back when the last one ends.
-    first, second = host_threads_while_feeding(torch.device("cuda")), host_threads_while_feeding(torch.device("cuda"))
+    assert seen == [(1, pytest.approx(FEEDING_SWITCH_S))]
+    assert (torch.get_num_threads(), sys.getswitchinterval()) == (threads, switch)
+    with host_settings_while_feeding(torch.device("cpu")):
+        assert (torch.get_num_threads(), sys.getswitchinterval()) == (threads, switch)
+    with host_settings_while_feeding(torch.device("cuda"), None, None):
+        assert (torch.get_num_threads(), sys.getswitchinterval()) == (threads, switch)
+    with host_settings_while_feeding(torch.device("cuda"), None):  # the interval alone
+        assert torch.get_num_threads() == threads and sys.getswitchinterval() == pytest.approx(FEEDING_SWITCH_S)
+    # Two indexing jobs overlapping (job_workers > 1): the settings come back when the last one ends.
+    first, second = host_settings_while_feeding(torch.device("cuda")), host_settings_while_feeding(torch.device("cuda"))
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)
-    assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 1 and sys.getswitchinterval() == pytest.approx(FEEDING_SWITCH_S)
     second.__exit__(None, None, None)
-    assert torch.get_num_threads() == before
+    assert (torch.get_num_threads(), sys.getswitchinterval()) == (threads, switch)

@@ -7,7 +7,7 @@ import torch
 from qrag.model.checkpoint import untrained_qnet
 from qrag.config import ModelConfig
 from qrag.model.encoder import encode
-from qrag.model.state_graphs import StateEncoder, bucket_of
+from qrag.model.state_graphs import GraphedEncoder, bucket_of
 
 CPU = torch.device("cpu")
 
@@ -28,7 +28,7 @@ def test_padded_buckets_give_the_plain_encoder_vectors(tiny_encoder, tiny_mpnet,
     rng = np.random.default_rng(0)
     # 5 states (bucket 8: three padding rows) of mixed lengths (bucket 64: padded columns).
     seqs = [rng.integers(1000, 2000, size=n).astype(np.int64) for n in (7, 40, 33, 12, 50)]
-    enc = StateEncoder(qnet, layout.pad_id, CPU, batch_buckets=(1, 2, 4, 8), length_buckets=(16, 64))
+    enc = GraphedEncoder(qnet, layout.pad_id, CPU, batch_buckets=(1, 2, 4, 8), length_buckets=(16, 64))
     got = enc(seqs)
     with torch.no_grad():
         want = qnet.finish(encode(qnet.state_encoder, seqs, pad_id=layout.pad_id, device=CPU))
@@ -43,15 +43,34 @@ def test_more_states_than_the_largest_batch_are_split_in_order(tiny_encoder):
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
     qnet.eval()
     seqs = [np.arange(5, 5 + n, dtype=np.int64) for n in range(3, 12)]
-    enc = StateEncoder(qnet, layout.pad_id, CPU, batch_buckets=(1, 2, 4), length_buckets=(16,))
+    enc = GraphedEncoder(qnet, layout.pad_id, CPU, batch_buckets=(1, 2, 4), length_buckets=(16,))
     got = enc(seqs)
     singles = torch.cat([enc([s]) for s in seqs])
     torch.testing.assert_close(got, singles, atol=2e-5, rtol=1e-4)
 
 
+def test_a_corpus_encoded_sorted_in_buckets_gives_the_plain_vectors_in_input_order(tiny_encoder):
+    """The indexing path on a GPU (CUDA graphs of the chunk encoder; here the same padded forward,
+    eagerly): chunks of mixed lengths, more than one batch per length, vectors in input order."""
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
+    qnet.eval()
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(1000, 2000, size=n).astype(np.int64) for n in rng.integers(2, 40, size=37)]
+    enc = GraphedEncoder.for_chunks(qnet, layout.pad_id, CPU, batch_buckets=(2, 8), length_buckets=(16, 48))
+    got = enc.encode_sorted(seqs, max_tokens=8 * 16)  # 8 rows of 16 tokens, but only 2 rows of 48
+    with torch.no_grad():
+        want = qnet.finish(encode(qnet.action_encoder, seqs, pad_id=layout.pad_id, device=CPU))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    long_rows = int(sum(len(s) > 16 for s in seqs))
+    assert enc.eager_calls == -(-long_rows // 2) + -(-(len(seqs) - long_rows) // 8)
+    assert enc.encode_sorted([], 64).shape == (0, qnet.dim)
+    with pytest.raises(ValueError, match="longer than"):
+        enc.encode_sorted([np.arange(60, dtype=np.int64)], 64)
+
+
 def test_a_state_longer_than_every_bucket_is_a_clear_error(tiny_encoder):
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
-    enc = StateEncoder(qnet, layout.pad_id, CPU, length_buckets=(16,))
+    enc = GraphedEncoder(qnet, layout.pad_id, CPU, length_buckets=(16,))
     with pytest.raises(ValueError, match="longer than"):
         enc([np.arange(20, dtype=np.int64)])
 
@@ -70,3 +89,21 @@ def test_encoders_load_with_attention_they_support_and_ignore_padding(tiny_encod
         batch = encode(model, seqs, pad_id=0, device=CPU)
         alone = torch.cat([encode(model, [s], pad_id=0, device=CPU) for s in seqs])
     torch.testing.assert_close(batch, alone, atol=2e-5, rtol=1e-4)
+
+
+def test_embedding_model_embeds_chunks_through_its_graphed_chunk_encoder(tiny_encoder):
+    """On a GPU EmbeddingModel.embed_chunks goes through GraphedEncoder.encode_sorted (here its
+    eager twin, set by hand: on CPU it is off); chunks past its largest bucket take the plain path.
+    Either way the vectors are those of the plain path."""
+    from qrag.retrieval.embedder import load_embedding_model, resolve_source
+
+    model = load_embedding_model(resolve_source(None, tiny_encoder), "cpu")
+    assert model.chunk_encoder is None  # CPU: the exact-width path, numbers as before
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(1000, 2000, size=n).astype(np.int64) for n in (5, 30, 12, 66, 3)]
+    plain = model.embed_chunks(seqs)
+    model.chunk_encoder = GraphedEncoder.for_chunks(model.qnet, model.layout.pad_id, CPU, length_buckets=(16, 72))
+    np.testing.assert_allclose(model.embed_chunks(seqs), plain, atol=2e-5, rtol=1e-4)
+    assert model.chunk_encoder.eager_calls == 1
+    np.testing.assert_allclose(model.embed_chunks([*seqs, np.arange(80, dtype=np.int64)])[:5], plain, atol=2e-5, rtol=1e-4)
+    assert model.chunk_encoder.eager_calls == 1  # 80 tokens: past the buckets, the plain path

@@ -43,7 +43,7 @@ import numpy as np
 from qrag.model.checkpoint import CheckpointError
 from qrag.data.documents import Document, DocumentChunk, parse_document
 from qrag.data.sample import DataError
-from qrag.model.encoder import host_threads_while_feeding
+from qrag.model.encoder import host_settings_while_feeding
 from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity
 from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 
@@ -361,7 +361,7 @@ class ChunkEncoder:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
-        with host_threads_while_feeding(self.model.device):  # on a GPU torch's CPU threads would only spin
+        with host_settings_while_feeding(self.model.device):  # one torch thread, a short GIL interval (see there)
             vectors = self.model.embed_chunks(list(batch["tokens"])) if len(batch["tokens"]) else np.zeros((0, self.model.dim), np.float32)
         seconds = np.zeros(len(vectors), dtype=np.float64)
         if len(vectors):

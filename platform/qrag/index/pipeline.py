@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from qrag.data.documents import Document, DocumentChunk
-from qrag.model.encoder import host_threads_while_feeding
+from qrag.model.encoder import FEEDING_SWITCH_S, host_settings_while_feeding
 from qrag.index.store import CorpusStore, Manifest
 
 
@@ -267,17 +267,18 @@ def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on
 
 def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], *, chunk_batch: int, pipelined: bool = True,
                  depth: int = 2, progress: Callable[[int, int], None] | None = None,
-                 on_commit: Callable[[Manifest], None] | None = None, host_threads: int | None = 1) -> tuple[Manifest, IndexStats]:
+                 on_commit: Callable[[Manifest], None] | None = None, host_threads: int | None = 1,
+                 switch_s: float | None = FEEDING_SWITCH_S) -> tuple[Manifest, IndexStats]:
     """Embed and commit ``groups`` (in order, one ``store.append`` each) into corpus ``name``.
 
     ``progress(done, known)`` after every encoder call: chunks embedded and chunks prepared so far.
     ``on_commit(manifest)`` after every commit (on the writer thread when pipelined).
-    ``host_threads``: torch's CPU threads in this process meanwhile when the model is on a GPU
-    (:func:`qrag.model.encoder.host_threads_while_feeding`; None: unchanged). Returns the last
-    manifest and the stage timings."""
+    ``host_threads`` and ``switch_s``: torch's CPU threads and the GIL's switch interval in this
+    process meanwhile when the model is on a GPU (:func:`qrag.model.encoder.host_settings_while_feeding`;
+    None: unchanged). Returns the last manifest and the stage timings."""
     if chunk_batch < 1:
         raise ValueError(f"chunk_batch must be at least 1, got {chunk_batch}")
-    with host_threads_while_feeding(getattr(model, "device", "cpu"), host_threads):
+    with host_settings_while_feeding(getattr(model, "device", "cpu"), host_threads, switch_s):
         return _index_groups(store, name, model, groups, chunk_batch, pipelined, depth, progress, on_commit)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -117,34 +118,49 @@ def attention_mask_4d(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask4.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask4, torch.finfo(torch.float32).min)
 
 
-_FEEDING = {"depth": 0, "before": 0}
+_FEEDING: dict = {"depth": 0, "threads": 0, "switch": 0.0}
 _FEEDING_LOCK = threading.Lock()
+
+# The GIL hand-over interval while feeding a GPU (Python's default is 5 ms).
+FEEDING_SWITCH_S = 2e-4
 
 
 @contextmanager
-def host_threads_while_feeding(device: torch.device, threads: int | None = 1) -> Iterator[None]:
-    """Torch's intra-op CPU threads set to ``threads`` while this process feeds a GPU (restored
-    when the last such block in the process ends, so overlapping indexing jobs do not leave the
-    process at one thread; ``None`` or a CPU device: unchanged). Feeding a GPU needs no CPU
-    parallelism, yet the small parallel host copies wake the whole pool, whose threads then
-    spin: embedding 10M tokens on an H100 took 2.1 s either way but 13 CPU-seconds with 16
-    threads against 2.2 with one (bench/results/index_stages_10m_h100.json), cores the
-    tokenising processes beside it need."""
-    if threads is None or torch.device(device).type != "cuda":
+def host_settings_while_feeding(device: torch.device, threads: int | None = 1, switch_s: float | None = FEEDING_SWITCH_S) -> Iterator[None]:
+    """Process settings for feeding a GPU from one thread while other threads of the process
+    (tokenised input arriving, store writes) keep the GIL busy; restored when the last such block
+    in the process ends, so overlapping indexing jobs do not leave them changed. A CPU device, or
+    ``None`` for a setting: unchanged.
+
+    - ``threads``: torch's intra-op CPU threads. Feeding a GPU needs no CPU parallelism, yet the
+      small parallel host copies wake the whole pool, whose threads then spin: embedding 10M
+      tokens on an H100 took 2.1 s either way but 13 CPU-seconds with 16 threads against 2.2 with
+      one (bench/results/index_stages_10m_h100.json), cores the tokenising processes need.
+    - ``switch_s``: ``sys.setswitchinterval``. Every torch op releases the GIL while it runs; to
+      take it back the feeding thread waits until the thread holding it is asked to let go, up
+      to one interval. A forward is ~100 ops, so at the default 5 ms the device idles whenever
+      another thread is busy in Python (10M tokens: embedding alone 2.1 s, 6.4-8 s beside the
+      store writer and the prep thread).
+    """
+    if torch.device(device).type != "cuda" or (threads is None and switch_s is None):
         yield
         return
     with _FEEDING_LOCK:
         if _FEEDING["depth"] == 0:
-            _FEEDING["before"] = torch.get_num_threads()
+            _FEEDING["threads"], _FEEDING["switch"] = torch.get_num_threads(), sys.getswitchinterval()
         _FEEDING["depth"] += 1
-        torch.set_num_threads(threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if switch_s is not None:
+            sys.setswitchinterval(switch_s)
     try:
         yield
     finally:
         with _FEEDING_LOCK:
             _FEEDING["depth"] -= 1
             if _FEEDING["depth"] == 0:
-                torch.set_num_threads(_FEEDING["before"])
+                torch.set_num_threads(_FEEDING["threads"])
+                sys.setswitchinterval(_FEEDING["switch"])
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

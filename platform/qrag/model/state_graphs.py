@@ -1,8 +1,11 @@
-"""The state encoder at serving time: fixed (batch, length) shapes, replayed from CUDA graphs.
+"""Encoders at fixed (batch, length) shapes, replayed from CUDA graphs: the state encoder at
+serving time, and the chunk encoder while indexing on a GPU.
 
 One short state through a 6-layer encoder is ~100 kernel launches. Run eagerly, that costs
 milliseconds of Python and launch overhead while the GPU works for tens of microseconds. A CUDA
-graph per padded shape replays the same kernels with one launch.
+graph per padded shape replays the same kernels with one launch. While indexing, every op also
+hands the GIL back and forth with the threads that gather tokenised input and write the store;
+one replay per batch leaves the feeding thread a few GIL hand-overs instead of hundreds.
 
 Padding a state to its bucket does not change its vector: padded positions are masked out of
 attention and of the mean pool (tests check it against :func:`qrag.model.encoder.encode`). The
@@ -12,7 +15,7 @@ a host sync that graph capture forbids and that costs a round trip per call even
 
 On CPU (or with ``graphs=False``) the same padded forward runs eagerly, so the serving path is
 the same code everywhere; a shape whose capture fails falls back to eager once, and says why in
-:attr:`StateEncoder.fallbacks`.
+:attr:`GraphedEncoder.fallbacks`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from qrag.model.encoder import attention_mask_4d, autocast_for, mean_pool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
+# Chunks: finer lengths (a 64-token chunk is 66 ids, bucket 72), and few large row counts, as
+# a corpus's chunks are nearly all the same length and come by the thousand.
+CHUNK_LENGTH_BUCKETS = (16, 32, 48, 64, 72, 80, 96, 128, 160, 192, 256, 384, 512)
+CHUNK_BATCH_BUCKETS = (64, 256, 1024, 4096)
 
 
 def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
@@ -36,13 +43,14 @@ def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
-class StateEncoder:
-    """E_s(s) for a list of token sequences, at bucketed shapes (CUDA graphs on GPU)."""
+class GraphedEncoder:
+    """E_s(s) (or, given ``encoder=qnet.action_encoder``, E_a(a)) for a list of token sequences,
+    at bucketed shapes (CUDA graphs on GPU)."""
 
-    def __init__(self, qnet, pad_id: int, device: torch.device, *, graphs: bool | None = None,
+    def __init__(self, qnet, pad_id: int, device: torch.device, *, graphs: bool | None = None, encoder: torch.nn.Module | None = None,
                  batch_buckets: Sequence[int] = BATCH_BUCKETS, length_buckets: Sequence[int] = LENGTH_BUCKETS):
         self.qnet, self.pad_id, self.device = qnet, pad_id, torch.device(device)
-        self.encoder = qnet.state_encoder
+        self.encoder = qnet.state_encoder if encoder is None else encoder
         limit = getattr(self.encoder.config, "max_position_embeddings", None) or max(length_buckets)
         self.length_buckets = tuple(b for b in length_buckets if b <= limit) or (int(limit),)
         self.batch_buckets = tuple(batch_buckets)
@@ -52,6 +60,18 @@ class StateEncoder:
         self.fallbacks: dict[tuple[int, int], str] = {}
         self.replays = 0
         self.eager_calls = 0
+
+    @property
+    def captured_shapes(self) -> list[tuple[int, int]]:
+        """(batch, length) of every shape replayed from a graph so far."""
+        return sorted(self._captured)
+
+    @classmethod
+    def for_chunks(cls, qnet, pad_id: int, device: torch.device, **kwargs) -> GraphedEncoder:
+        """The chunk encoder, for :meth:`encode_sorted` (indexing)."""
+        kwargs.setdefault("batch_buckets", CHUNK_BATCH_BUCKETS)
+        kwargs.setdefault("length_buckets", CHUNK_LENGTH_BUCKETS)
+        return cls(qnet, pad_id, device, encoder=qnet.action_encoder, **kwargs)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with autocast_for(self.device):
@@ -72,7 +92,9 @@ class StateEncoder:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a query or an append in another thread of the replica may allocate or
+        # launch meanwhile (on its own stream); 'global', the default, would fail that call.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(ids, mask)
         return graph, ids, mask, out
 
@@ -91,12 +113,13 @@ class StateEncoder:
         return entry
 
     def _padded(self, seqs: Sequence[np.ndarray], batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(seqs)
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         ids = np.full((batch, length), self.pad_id, dtype=np.int64)
         mask = np.zeros((batch, length), dtype=bool)
-        for row, s in enumerate(seqs):
-            ids[row, : len(s)] = s
-            mask[row, : len(s)] = True
-        mask[len(seqs):, 0] = True  # rows beyond the request: one visible token keeps the pool finite
+        mask[:n] = np.arange(length)[None, :] < lengths[:, None]
+        ids[:n][mask[:n]] = np.concatenate([np.asarray(s).reshape(-1) for s in seqs])  # row-major: each row's tokens in turn
+        mask[n:, 0] = True  # rows beyond the request: one visible token keeps the pool finite
         ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
         if self.device.type == "cuda":  # pinned: the copies to the device (or the graph's inputs) run async
             return ids_t.pin_memory(), mask_t.pin_memory()
@@ -126,3 +149,30 @@ class StateEncoder:
         graph.replay()
         self.replays += 1
         return out[: len(seqs)].clone()
+
+    @torch.no_grad()
+    def encode_sorted(self, seqs: Sequence[np.ndarray], max_tokens: int) -> torch.Tensor:
+        """Many sequences (a corpus's chunks), vectors in input order: sorted by length, then cut
+        into batches of the largest batch bucket whose padded shape holds at most ``max_tokens``
+        tokens (the smallest bucket if none does). Only the last batch of each length is padded
+        with empty rows."""
+        n = len(seqs)
+        if n == 0:
+            return torch.zeros(0, self.qnet.dim, device=self.device)
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        order = np.argsort(-lengths, kind="stable")
+        pieces, start = [], 0
+        while start < n:
+            longest = int(lengths[order[start]])
+            length = bucket_of(longest, self.length_buckets)
+            if length is None:
+                raise ValueError(f"a sequence of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}")
+            rows = max([b for b in self.batch_buckets if b * length <= max_tokens], default=self.batch_buckets[0])
+            pieces.append(self([seqs[i] for i in order[start : start + rows]]))
+            start += rows
+        inverse = np.empty(n, dtype=np.int64)
+        inverse[order] = np.arange(n)
+        inverse_t = torch.from_numpy(inverse)
+        if self.device.type == "cuda":  # a pageable copy would wait for the batches above: keep the host ahead
+            inverse_t = inverse_t.pin_memory().to(self.device, non_blocking=True)
+        return torch.cat(pieces).index_select(0, inverse_t)

@@ -25,7 +25,7 @@ from qrag.data.chunking import tokenizer_counter
 from qrag.data.documents import Document, DocumentChunk, chunk_and_encode, chunk_documents
 from qrag.model.encoder import load_tokenizer, pick_device, resolve_encoder
 from qrag.retrieval.search import Retriever
-from qrag.model.state_graphs import StateEncoder
+from qrag.model.state_graphs import GraphedEncoder
 from qrag.data.tokens import TokenLayout
 
 MLFLOW_SCHEMES = ("runs:/", "models:/", "mlflow-artifacts:/")
@@ -191,7 +191,10 @@ class EmbeddingModel(Tokenization):
         self.retriever = Retriever(qnet, layout, device, encode_tokens)
         # On GPU, states go through fixed shapes replayed from CUDA graphs (qrag.model.state_graphs):
         # one short state eagerly is launch overhead, not compute. CPU keeps the exact-width path.
-        self.state_encoder = StateEncoder(qnet, layout.pad_id, device) if device.type == "cuda" else None
+        self.state_encoder = GraphedEncoder(qnet, layout.pad_id, device) if device.type == "cuda" else None
+        # Chunks too (indexing): one replay per batch instead of ~100 ops that each hand the GIL to
+        # the threads gathering input and writing the store (bench/results/index_contention_*).
+        self.chunk_encoder = GraphedEncoder.for_chunks(qnet, layout.pad_id, device) if device.type == "cuda" else None
         self.chunk_batch = chunk_batch
         self.chunks_embedded = 0  # chunk sequences encoded since start (re-embedding shows here)
         self.states_embedded = 0
@@ -215,7 +218,11 @@ class EmbeddingModel(Tokenization):
         the next batch while the device works on this one. On CPU the work is done here, exactly
         as before (same numbers)."""
         self.chunks_embedded += len(seqs)
-        vectors = self.retriever.embed_chunks(list(seqs), self.chunk_batch)
+        graphed = self.chunk_encoder
+        if graphed is not None and all(len(s) <= graphed.length_buckets[-1] for s in seqs):
+            vectors = graphed.encode_sorted(list(seqs), self.retriever.encode_tokens)
+        else:
+            vectors = self.retriever.embed_chunks(list(seqs), self.chunk_batch)
         if self.device.type != "cuda":
             out = vectors.cpu().numpy()
             return lambda: out
