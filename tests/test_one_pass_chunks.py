@@ -63,3 +63,18 @@ def test_a_tokenizer_that_merges_across_spaces_keeps_the_two_pass_path(tmp_path)
     chunks, ids = tok.chunk_documents(docs, 24)
     want_chunks, want_ids = two_pass(tok, docs, 24)
     assert chunks == want_chunks and all(np.array_equal(a, b) for a, b in zip(ids, want_ids))
+
+
+def test_encode_texts_through_the_rust_backend_gives_the_transformers_ids(shared_data):
+    """encode_texts calls the Rust tokenizer's encode_batch_fast (2x faster for an index). MiniLM's
+    tokenizer.json carries truncation and padding at 128: the copy it uses must carry neither,
+    and the tokenizer the rest of the code uses must keep its own settings."""
+    tokenizer = load_tokenizer(str(bundled_minilm_dir()))
+    tok = Tokenization(tokenizer, TokenLayout.from_tokenizer(tokenizer, 512))
+    assert tok._fast_backend is not None
+    texts = [d.text[:3000] for d in novel_docs(shared_data, 20_000)] + ["", "Élodie's café, 東京!", " ".join(["word"] * 400)]
+    want = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    got = tok.encode_texts(texts)
+    assert got == want and len(got[-1]) == 400 > 128
+    assert tok._fast_backend.truncation is None and tok._fast_backend.padding is None
+    assert tok.encode_texts([]) == []
