@@ -2,8 +2,9 @@
 # Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating: the default (books cut
 # into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at 0.2 ms while
 # feeding the GPU, chunks embedded by CUDA-graph replays, workers tokenising through the Rust
-# tokenizer's encode_batch_fast), that last change left out (eaebd4c's default) and 3659b06's default.
-# Round 3 (eaebd4c: graphs, switch interval, each left out): index_contention_graphs_switch_h100/.
+# tokenizer's encode_batch_fast) against fewer tokenising processes and lower-priority ones.
+# Earlier rounds: index_contention_graphs_switch_h100/ (graphs, switch interval, each left out),
+# index_contention_fast_tokeniser_h100/ (encode_batch_fast against transformers' call).
 # Earlier rounds: bench/results/index_contention_10m_h100/ (nice 10, 8 tokenisers, stages one after
 # another) and index_contention_docs_threads_h100/; bench/index_stages.py times each stage alone.
 # Carry (ignored folder, ~21 MB), made here once:
@@ -18,8 +19,8 @@ summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().split
 ARGS="--corpus $C/novels --encoder $C/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
 run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/index_$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
 run default
-run via_transformers --tokenise-via-transformers
-run last_default --tokenise-via-transformers --no-chunk-graphs --switch-ms 0
+run workers12 --workers 12
+run workers10 --workers 10
+run nice10 --worker-nice 10
+run workers12_nice10 --workers 12 --worker-nice 10
 run default_b
-run via_transformers_b --tokenise-via-transformers
-run default_c
