@@ -70,7 +70,10 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--commit-chunks", type=int, default=16384, help="chunks per committed batch (whole books); 1 = one batch per book (the old bench)")
     ap.add_argument("--depth", type=int, default=2, help="groups queued between the pipeline's stages")
     ap.add_argument("--sequential", action="store_true", help="the same groups, stages one after another (no overlap)")
-    ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="processes for chunking and tokenising")
+    ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) * 3 // 4)),
+                    help="processes for chunking and tokenising (default 3/4 of the cores: on 16 cores 12 indexed 10M tokens at "
+                         "1.91-1.96M tokens/s against 1.62-1.70M with 15, whose main process then lacked cores; "
+                         "bench/results/index_contention_workers_h100/)")
     ap.add_argument("--doc-tokens", type=int, default=32768, help="books are cut at line ends into documents of about this many tokens "
                     "(one tokenising job each: 15 processes stay busy on ~40 books only with smaller jobs); 0 = one document per book")
     ap.add_argument("--host-threads", type=int, default=1, help="torch's CPU threads in this process while it feeds the GPU "
