@@ -176,7 +176,7 @@ def test_faiss_and_torch_scoring_agree(tiny_encoder, tmp_path):
     # Above approx_above the FAISS index is HNSW; on a small corpus it still finds the best chunk.
     c = LocalIndex(store, model, options=ShardOptions(faiss="always", approx_above=4))
     assert c.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected == b.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected
-    assert type(c.shards("c").shards[0]._faiss).__name__ == "IndexHNSWFlat"
+    assert type(c.shards("c").shards[0].faiss.index).__name__ == "IndexHNSWFlat"
 
 
 def test_reload_without_reembedding_and_repair_of_a_corrupt_shard(model, tmp_path):
@@ -259,6 +259,11 @@ def test_merge_hits_keeps_positions_when_an_empty_holder_answers_first():
     assert merged.pos.tolist() == [[1.5, 2.5], [12.0, 11.0]]
 
 
+def wait_saved(index: LocalIndex) -> None:
+    for shard in index.shards("c").shards.values():
+        assert shard.faiss is None or shard.faiss.wait_saved(30)
+
+
 def test_hnsw_index_is_saved_beside_the_segments_and_loaded_at_start(tiny_encoder, tmp_path):
     """An approximate (HNSW) index is built once: saved after its build, loaded by the next
     process that opens the corpus (no rebuild), extended by later appends; a corrupt file or
@@ -274,17 +279,19 @@ def test_hnsw_index_is_saved_beside_the_segments_and_loaded_at_start(tiny_encode
     cfg = SearchConfig(max_steps=3)
     questions = ["the king and the queen", "a film about war"]
     want = [first.retrieve("c", q, cfg)[0].selected for q in questions]
+    wait_saved(first)  # saved by each shard's saver thread, off the request path
     folder = tmp_path / "c" / "faiss"
     assert sorted(p.name for p in folder.iterdir()) == ["shard_000.index", "shard_000.json", "shard_001.index", "shard_001.json"]
 
     again = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
     shard = again.shards("c").shards[0]
-    assert shard.faiss_loaded_rows == shard.n > 4 and shard._faiss is not None  # loaded at start, before any query
+    assert shard.faiss_loaded_rows == shard.n > 4 and shard.faiss.index is not None  # loaded at start, before any query
     assert [again.retrieve("c", q, cfg)[0].selected for q in questions] == want
 
     # An append: the loaded index gets the new rows on top and is saved again, covering both batches.
     again.add_documents("c", [Document("extra", "The queen sailed a ship to the castle by the river. " * 3)])
     after = again.retrieve("c", "the queen sailed a ship", cfg)[0].selected
+    wait_saved(again)
     covered = jsonlib.loads((folder / "shard_000.json").read_text())["batches"]
     assert len(covered) == 2
     third = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))

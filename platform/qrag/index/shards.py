@@ -17,7 +17,7 @@ from qrag.config import ModelConfig
 from qrag.model.positions import rope_frequencies
 from qrag.retrieval.hits import ChunkRecord, ShardHits, merge_hits
 from qrag.retrieval.scoring import score_chunks
-from qrag.index.faiss_files import load_index, save_index
+from qrag.index.shard_faiss import ShardFaiss
 from qrag.index.score_graphs import pack, score_graphs_for, unpack
 from qrag.index.store import (
     CorpusNotFound,
@@ -144,12 +144,10 @@ class ShardIndex:
         self.texts: list[str] = []
         self.tokens: list[np.ndarray] = []
         self.loaded: dict[int, str] = {}  # batch id -> sha256 of the vectors file loaded
-        self._faiss = None
-        self._faiss_n = 0
+        self.faiss: ShardFaiss | None = None  # made at the first FAISS query, or by restore_faiss
         # Where an approximate FAISS index of this shard is saved and loaded (CorpusShards sets it).
         self.faiss_folder: Path | None = None
         self.uid: str | None = None
-        self.faiss_loaded_rows = 0  # rows of a saved index loaded at start (0: none)
         self._freqs: torch.Tensor | None = None  # RoPE frequencies for the fused scorer
         self._lock = threading.Lock()
         self._row_bytes = 0  # texts, token ids and their Python objects: what nbytes adds to the vectors
@@ -179,7 +177,9 @@ class ShardIndex:
                 grown[: self.n] = self._buf[: self.n]
                 self._buf = grown
 
-    def add(self, segment: Segment) -> None:
+    def add(self, segment: Segment, vectors_sha256: str | None = None) -> None:
+        """Append a batch's rows (``vectors_sha256``: its vectors file's, recorded in :attr:`loaded`
+        with the rows, so the FAISS index never covers rows whose batch it cannot name)."""
         n_new = len(segment.positions)
         expected = self.shard + self.n_shards * np.arange(self.n, self.n + n_new)
         if not np.array_equal(segment.positions, expected):
@@ -196,6 +196,8 @@ class ShardIndex:
             self.tokens.extend(segment.tokens)
             self._row_bytes += sum(row_bytes(len(t), len(d), len(ids)) for t, d, ids in zip(segment.texts, segment.doc_ids, segment.tokens))
             self.n = need
+            if vectors_sha256 is not None:
+                self.loaded[segment.batch] = vectors_sha256
 
     def record(self, g: int) -> ChunkRecord:
         r = g // self.n_shards
@@ -207,36 +209,28 @@ class ShardIndex:
     def _batches(self) -> list[tuple[int, str]]:
         return list(self.loaded.items())  # in load order: the order of the rows
 
+    @property
+    def faiss_loaded_rows(self) -> int:
+        """Rows of a saved FAISS index loaded at start (0: none)."""
+        return self.faiss.loaded_rows if self.faiss is not None else 0
+
+    def _shard_faiss(self) -> ShardFaiss:
+        with self._lock:
+            if self.faiss is None:
+                o = self.options
+                self.faiss = ShardFaiss(_faiss(), self.dim, self.shard, hnsw_m=o.hnsw_m, ef_search=o.hnsw_ef_search,
+                                        folder=self.faiss_folder, uid=self.uid or "")
+            return self.faiss
+
     def restore_faiss(self) -> None:
         """Load the saved approximate index of this shard (what it covers of the loaded rows)."""
-        faiss = _faiss()
-        if faiss is None or self.faiss_folder is None or not self.uses_faiss or not self._approximate() or self._faiss is not None:
+        if _faiss() is None or self.faiss_folder is None or not self.uses_faiss or not self._approximate() or self.faiss is not None:
             return
-        found = load_index(faiss, self.faiss_folder, self.shard, self.uid or "", self._batches(), self.options.hnsw_m)
-        if found is not None:
-            index, rows = found
-            index.hnsw.efSearch = self.options.hnsw_ef_search
-            with self._lock:
-                self._faiss, self._faiss_n = index, rows
-            self.faiss_loaded_rows = rows
+        self._shard_faiss().restore(self._batches())
 
-    def _faiss_index(self):
-        faiss = _faiss()
-        with self._lock:
-            if self._faiss is None:
-                o = self.options
-                if self._approximate():
-                    index = faiss.IndexHNSWFlat(self.dim, o.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-                    index.hnsw.efSearch = o.hnsw_ef_search
-                else:
-                    index = faiss.IndexFlatIP(self.dim)
-                self._faiss, self._faiss_n = index, 0
-            if self._faiss_n < self.n:
-                self._faiss.add(np.ascontiguousarray(self.vectors[self._faiss_n : self.n].cpu().numpy()))
-                self._faiss_n = self.n
-                if self.faiss_folder is not None and isinstance(self._faiss, faiss.IndexHNSWFlat):
-                    save_index(faiss, self._faiss, self.faiss_folder, self.shard, self.uid or "", self._batches(), self.options.hnsw_m)
-            return self._faiss
+    def _rows_from(self, start: int) -> tuple[np.ndarray, list[tuple[int, str]]]:
+        with self._lock:  # rows and the batches they complete, read together
+            return self.vectors[start : self.n].cpu().numpy(), self._batches()
 
     @torch.no_grad()
     def topk(self, states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
@@ -359,10 +353,16 @@ class ShardIndex:
         return self._top(q, k, n, lambda top_i: positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell))
 
     def _faiss_topk(self, states, mine, n, k):
-        index = self._faiss_index()
+        faiss_index = self._shard_faiss()
         extra = max((len(m) for m in mine), default=0) + (self.n - n)  # rows to filter out afterwards
         kk = min(self.n, k + extra)
-        dist, local = index.search(np.ascontiguousarray(states.cpu().numpy()), kk)
+        query = np.ascontiguousarray(states.cpu().numpy())
+        while True:  # an append between catching up and searching: catch up again
+            faiss_index.catch_up(n, self._approximate(), self._rows_from)
+            found = faiss_index.search(query, kk, n)
+            if found is not None:
+                break
+        dist, local = found
         out_q = np.full((len(states), min(k, n)), -np.inf, np.float32)
         out_i = np.full(out_q.shape, -1, np.int64)
         for r in range(len(states)):
@@ -473,8 +473,7 @@ class CorpusShards:
                     if problem is not None:
                         slot_problems.append(problem)
                         break  # later rows would land at the wrong positions
-                    shard.add(segment)
-                    shard.loaded[b["id"]] = b["shards"][slot]["vectors"]["sha256"]
+                    shard.add(segment, b["shards"][slot]["vectors"]["sha256"])
                     self.loaded_rows += len(segment.positions)
                 shard.restore_faiss()
                 self.shards[slot] = shard
