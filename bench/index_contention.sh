@@ -2,9 +2,9 @@
 # Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating: the default (books cut
 # into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at 0.2 ms while
 # feeding the GPU, chunks embedded by CUDA-graph replays, workers tokenising through the Rust
-# tokenizer's encode_batch_fast) against fewer tokenising processes and lower-priority ones.
-# Earlier rounds: index_contention_graphs_switch_h100/ (graphs, switch interval, each left out),
-# index_contention_fast_tokeniser_h100/ (encode_batch_fast against transformers' call).
+# tokenizer's encode_batch_fast, 3/4 of the cores tokenising) against the store writer in a child
+# process (qrag.index.writer_process). Earlier rounds: index_contention_docs_threads_h100/,
+# index_contention_graphs_switch_h100/, index_contention_fast_tokeniser_h100/, index_contention_workers_h100/.
 # Earlier rounds: bench/results/index_contention_10m_h100/ (nice 10, 8 tokenisers, stages one after
 # another) and index_contention_docs_threads_h100/; bench/index_stages.py times each stage alone.
 # Carry (ignored folder, ~21 MB), made here once:
@@ -18,9 +18,7 @@ mkdir -p "$OUT"
 summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);i=d['indexing'];s=i['stages'];print('$1', d['gpu'], 'sec',i['seconds'],'tok/s',i['tokens_per_s'],'bare',i['bare_forward_tokens_per_s'],'share',i['end_to_end_share_of_bare'],'embed_busy',s['embed_busy_seconds'],'wait_prep',s['embed_waiting_for_prep_seconds'],'prep_busy',s['prep_busy_seconds'],'write',s['write_busy_seconds'],'graphs',(i.get('chunk_graphs') or {}).get('replays'))"; }
 ARGS="--corpus $C/novels --encoder $C/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
 run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/index_$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
+run writer_process --writer process
 run default
-run workers12 --workers 12
-run workers10 --workers 10
-run nice10 --worker-nice 10
-run workers12_nice10 --workers 12 --worker-nice 10
+run writer_process_b --writer process
 run default_b

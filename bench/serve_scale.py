@@ -84,6 +84,8 @@ def args_parser() -> argparse.ArgumentParser:
                     "of the chunk encoder: one launch per batch, qrag.model.state_graphs)")
     ap.add_argument("--tokenise-via-transformers", action="store_true", help="workers tokenise through transformers' tokenizer call "
                     "(the baseline; the default calls the Rust tokenizer's encode_batch_fast, the same ids, twice as fast)")
+    ap.add_argument("--writer", choices=["thread", "process"], default="thread", help="where the pipeline writes the store: a thread of "
+                    "the GPU-feeding process, or a child process (qrag.index.writer_process: that process's GIL is left to gathering and feeding)")
     ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
                     "GPU-feeding thread gets a core first when every core is tokenising)")
     ap.add_argument("--steps", type=int, default=4)
@@ -234,7 +236,7 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
     with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice, args.tokenise_via_transformers)) as pool:
         _, stats = index_groups(index.store, name, model, groups(pool), chunk_batch=args.chunk_batch, pipelined=not args.sequential,
                                 depth=args.depth, host_threads=args.host_threads or None,
-                                switch_s=args.switch_ms / 1000 if args.switch_ms else None)
+                                switch_s=args.switch_ms / 1000 if args.switch_ms else None, writer=args.writer)
     wall = time.perf_counter() - t0
     m = index.store.read(name)
     st = stats.summary()
@@ -403,7 +405,7 @@ def main() -> None:
                      "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
                      "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
-                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
+                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
                      "chunk_graphs": chunk_graph_info(model)},
     }
     if args.index_only:

@@ -123,6 +123,66 @@ def test_writer_failure_is_raised_and_resume_finishes_without_reembedding(model,
     assert index.add_documents("c", docs, resume=True).version == store2.read("c").version  # nothing left to do
 
 
+def build_with_process_writer(model, root, docs, **kw):
+    store = CorpusStore(root)
+    index = LocalIndex(store, model, chunk_batch=4, commit_chunks=10, writer="process")
+    if "c" not in store.names():
+        index.create("c", chunk_tokens=24, shards=SHARDS)
+    index.add_documents("c", docs, **kw)
+    return store, index
+
+
+def test_a_writer_process_writes_the_same_files(model, tmp_path):
+    """The store writer in a child process (qrag.index.writer_process): the sequential run's files,
+    byte for byte, and the same commits reported in this process."""
+    docs = make_documents(14, seed=5)
+    seq_store, _ = build(model, tmp_path / "seq", docs, pipelined=False)
+    commits = []
+    proc_store, index = build_with_process_writer(model, tmp_path / "proc", docs, on_commit=commits.append)
+    m = proc_store.read("c")
+    assert len(m.batches) >= 4 and index.last_stats.writer == "process" and index.last_stats.commits == len(m.batches)
+    assert [c.version for c in commits] == sorted(c.version for c in commits) and commits[-1].version == m.version
+    assert index.last_stats.write_seconds > 0
+    assert snapshot(proc_store) == snapshot(seq_store)
+
+
+def test_a_writer_process_failure_is_raised_and_nothing_after_it_commits(model, tmp_path):
+    """A batch the store refuses in the child (a document already in the corpus, at the third
+    batch) is raised here; the batches after it are not written; resume of the rest works."""
+    docs = make_documents(14, seed=5)
+    ref_store, _ = build(model, tmp_path / "ref", docs, pipelined=False)
+    ref = ref_store.read("c")
+    store = CorpusStore(tmp_path / "run")
+    LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
+    groups = list(document_groups(docs, lambda block: model.chunk_documents(block, 24), 10))
+    assert len(groups) >= 4
+    groups[2].docs.append(groups[0].docs[0])  # committed with the first batch: the store refuses it
+    from qrag.index.store import CorpusConflict
+
+    with pytest.raises(CorpusConflict):
+        index_groups(store, "c", model, groups, chunk_batch=4, writer="process")
+    m = store.read("c")
+    assert [b["chunks"] for b in m.batches] == [b["chunks"] for b in ref.batches[:2]]
+    store2, _ = build_with_process_writer(model, tmp_path / "run", docs, resume=True)
+    assert snapshot(store2) == snapshot(ref_store)
+
+
+def test_a_writer_process_that_dies_is_an_error_not_a_hang(model, tmp_path):
+    import psutil
+
+    docs = make_documents(14, seed=5)
+
+    def kill_the_writer(manifest):
+        for child in psutil.Process().children():
+            if "qrag.index.writer_process" in " ".join(child.cmdline()):
+                child.kill()
+
+    with pytest.raises(RuntimeError, match="index writer process exited with code"):
+        build_with_process_writer(model, tmp_path / "run", docs, on_commit=kill_the_writer)
+    store = CorpusStore(tmp_path / "run", clean=False)
+    assert 1 <= len(store.read("c").batches) < 4  # whole batches only
+
+
 def test_prep_failure_is_raised_after_the_whole_batches_before_it(model, tmp_path):
     store = CorpusStore(tmp_path)
     index = LocalIndex(store, model)

@@ -52,13 +52,14 @@ class LocalIndex:
     """Index documents and search corpora in one process, every shard in memory."""
 
     def __init__(self, store: CorpusStore, model: Embedder, device: torch.device | str = "cpu", options: ShardOptions | None = None, chunk_batch: int = 4096,
-                 commit_chunks: int | None = 65536, pipelined: bool = True):
+                 commit_chunks: int | None = 65536, pipelined: bool = True, writer: str = "thread"):
         self.store, self.model = store, model
         self.device = torch.device(device)
         self.options = options or ShardOptions()
         self.chunk_batch = chunk_batch
         self.commit_chunks = commit_chunks  # chunks per committed batch (whole documents); None: one batch per call
         self.pipelined = pipelined  # prep, embedding and writing overlap (qrag.index.pipeline)
+        self.writer = writer  # "thread" or "process": where a pipelined run writes the store
         self.last_stats: IndexStats | None = None  # stage timings of the last add_documents
         self._open: dict[str, CorpusShards] = {}
 
@@ -95,7 +96,7 @@ class LocalIndex:
             return m
         groups = document_groups(docs, prepare, self.commit_chunks)
         manifest, self.last_stats = index_groups(self.store, name, self.model, groups, chunk_batch=self.chunk_batch,
-                                                 pipelined=self.pipelined, progress=progress, on_commit=on_commit)
+                                                 pipelined=self.pipelined, progress=progress, on_commit=on_commit, writer=self.writer)
         return manifest
 
     def shards(self, name: str) -> CorpusShards:

@@ -40,6 +40,7 @@ import numpy as np
 from qrag.data.documents import Document, DocumentChunk
 from qrag.model.encoder import FEEDING_SWITCH_S, host_settings_while_feeding
 from qrag.index.store import CorpusStore, Manifest
+from qrag.index.writer_process import ProcessWriter
 
 
 @dataclass
@@ -115,6 +116,7 @@ class IndexStats:
     embed_waiting_for_prep: float = 0.0  # the embed stage starved (prep slower)
     embed_waiting_for_writer: float = 0.0  # the embed stage held back (writer's queue full)
     depth: int = 0
+    writer: str = "caller"  # who wrote the store: the calling thread (sequential), a "thread" or a "process"
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
@@ -268,30 +270,33 @@ def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on
 def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], *, chunk_batch: int, pipelined: bool = True,
                  depth: int = 2, progress: Callable[[int, int], None] | None = None,
                  on_commit: Callable[[Manifest], None] | None = None, host_threads: int | None = 1,
-                 switch_s: float | None = FEEDING_SWITCH_S) -> tuple[Manifest, IndexStats]:
+                 switch_s: float | None = FEEDING_SWITCH_S, writer: str = "thread") -> tuple[Manifest, IndexStats]:
     """Embed and commit ``groups`` (in order, one ``store.append`` each) into corpus ``name``.
 
     ``progress(done, known)`` after every encoder call: chunks embedded and chunks prepared so far.
     ``on_commit(manifest)`` after every commit (on the writer thread when pipelined).
     ``host_threads`` and ``switch_s``: torch's CPU threads and the GIL's switch interval in this
     process meanwhile when the model is on a GPU (:func:`qrag.model.encoder.host_settings_while_feeding`;
-    None: unchanged). Returns the last manifest and the stage timings."""
+    None: unchanged). ``writer``: where a pipelined run writes the store, "thread" (a thread of this
+    process) or "process" (a child process: :mod:`qrag.index.writer_process`; the same files).
+    Returns the last manifest and the stage timings."""
     if chunk_batch < 1:
         raise ValueError(f"chunk_batch must be at least 1, got {chunk_batch}")
+    if writer not in ("thread", "process"):
+        raise ValueError(f"writer must be 'thread' or 'process', got {writer!r}")
     with host_settings_while_feeding(getattr(model, "device", "cpu"), host_threads, switch_s):
-        return _index_groups(store, name, model, groups, chunk_batch, pipelined, depth, progress, on_commit)
+        return _index_groups(store, name, model, groups, chunk_batch, pipelined, depth, progress, on_commit, writer)
 
 
 def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], chunk_batch: int, pipelined: bool, depth: int,
-                  progress: Callable[[int, int], None] | None, on_commit: Callable[[Manifest], None] | None) -> tuple[Manifest, IndexStats]:
-    stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0)
+                  progress: Callable[[int, int], None] | None, on_commit: Callable[[Manifest], None] | None,
+                  writer_kind: str = "thread") -> tuple[Manifest, IndexStats]:
+    stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0, writer=writer_kind if pipelined else "caller")
     dim = store.read(name).dim
     last: list[Manifest] = []
     counts = {"embedded": 0, "known": 0}
 
-    def write(item: tuple[Group, np.ndarray]) -> None:
-        group, vectors = item
-        m = store.append(name, group.docs, group.chunks, group.ids, vectors, model.fingerprint)
+    def committed(group: Group, m: Manifest) -> None:
         last[:] = [m]
         stats.commits += 1
         stats.documents += len(group.docs)
@@ -299,6 +304,10 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
         stats.tokens += sum(c.tokens for c in group.chunks)
         if on_commit is not None:
             on_commit(m)
+
+    def write(item: tuple[Group, np.ndarray]) -> None:
+        group, vectors = item
+        committed(group, store.append(name, group.docs, group.chunks, group.ids, vectors, model.fingerprint))
 
     def on_slice(n: int) -> None:
         counts["embedded"] += n
@@ -328,7 +337,8 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
             stats.write_seconds += time.perf_counter() - t0
     else:
         prep = _Prefetch(groups, depth, stats)
-        writer = _Writer(write, depth, stats)
+        writer = (_Writer(write, depth, stats) if writer_kind == "thread"
+                  else ProcessWriter(store.root, name, model.fingerprint, committed, depth, stats))
         try:
             for group in prep:
                 writer.put((group, embed(group)))
