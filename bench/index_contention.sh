@@ -3,10 +3,10 @@
 # into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at 0.2 ms while
 # feeding the GPU, chunks embedded by CUDA-graph replays, workers tokenising through the Rust
 # tokenizer's encode_batch_fast, 3/4 of the cores tokenising) against the store writer in a child
-# process (qrag.index.writer_process). Earlier rounds: index_contention_docs_threads_h100/,
-# index_contention_graphs_switch_h100/, index_contention_fast_tokeniser_h100/, index_contention_workers_h100/.
-# Earlier rounds: bench/results/index_contention_10m_h100/ (nice 10, 8 tokenisers, stages one after
-# another) and index_contention_docs_threads_h100/; bench/index_stages.py times each stage alone.
+# process (qrag.index.writer_process). Earlier rounds in bench/results/: index_contention_10m_h100/
+# (nice 10, 8 tokenisers, stages one after another), index_contention_docs_threads_h100/,
+# index_contention_graphs_switch_h100/, index_contention_fast_tokeniser_h100/,
+# index_contention_workers_h100/; bench/index_stages.py times each stage alone.
 # Carry (ignored folder, ~21 MB), made here once:
 #   mkdir -p .carry/idx && cp -r ../shared/data/gutenberg_novels .carry/idx/novels
 #   python bench/serve_scale.py --export-encoder .carry/idx/minilm16 && rm .carry/idx/minilm16/*.safetensors
