@@ -107,3 +107,40 @@ def test_embedding_model_embeds_chunks_through_its_graphed_chunk_encoder(tiny_en
     assert model.chunk_encoder.eager_calls == 1
     np.testing.assert_allclose(model.embed_chunks([*seqs, np.arange(80, dtype=np.int64)])[:5], plain, atol=2e-5, rtol=1e-4)
     assert model.chunk_encoder.eager_calls == 1  # 80 tokens: past the buckets, the plain path
+
+
+def test_threads_replaying_one_graph_get_their_own_vectors(tiny_encoder, monkeypatch):
+    """A captured graph reads and writes fixed tensors: two threads replaying one shape must not
+    swap each other's inputs or outputs. A fake graph (CPU) that reads its input, waits, then
+    writes its output shows the swap when the copy-in, replay and copy-out are not held together."""
+    import threading
+    import time
+
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
+    enc = GraphedEncoder(qnet, layout.pad_id, CPU, batch_buckets=(1,), length_buckets=(16,))
+    static_ids = torch.zeros(1, 16, dtype=torch.long)
+    static_mask = torch.zeros(1, 16, dtype=torch.bool)
+    out = torch.zeros(1, qnet.dim)
+
+    class FakeGraph:
+        def replay(self):
+            first = int(static_ids[0, 0])
+            time.sleep(0.002)  # another thread's copy-in would land here
+            out.fill_(first)
+
+    enc.graphs = True
+    monkeypatch.setattr(enc, "_graph", lambda batch, length: (FakeGraph(), static_ids, static_mask, out))
+    wrong = []
+
+    def ask(token):
+        for _ in range(30):
+            got = enc([np.array([token, 5, 6], dtype=np.int64)])
+            if int(got[0, 0]) != token:
+                wrong.append((token, int(got[0, 0])))
+
+    threads = [threading.Thread(target=ask, args=(t,)) for t in (101, 202, 303)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not wrong and enc.replays == 90

@@ -20,6 +20,7 @@ the same code everywhere; a shape whose capture fails falls back to eager once, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,6 +60,10 @@ class GraphedEncoder:
         self._pool = None  # one memory pool shared by every captured shape
         self.fallbacks: dict[tuple[int, int], str] = {}
         self.replays = 0
+        # A graph reads and writes fixed tensors: two threads replaying one shape (two appends in a
+        # replica, or queries from several threads) would swap each other's inputs and outputs.
+        # Copy-in, replay and copy-out are queued together on the stream, one thread at a time.
+        self._replay_lock = threading.Lock()
         self.eager_calls = 0
 
     @property
@@ -139,16 +144,18 @@ class GraphedEncoder:
             raise ValueError(f"a state of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}")
         batch = bucket_of(len(seqs), self.batch_buckets) or len(seqs)
         ids, mask = self._padded(seqs, batch, length)  # on the host
-        entry = self._graph(batch, length) if self.graphs else None
-        if entry is None:
-            self.eager_calls += 1
-            return self._forward(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True))[: len(seqs)]
-        graph, static_ids, static_mask, out = entry
-        static_ids.copy_(ids, non_blocking=True)  # straight into the graph's inputs: no device-side copy
-        static_mask.copy_(mask, non_blocking=True)
-        graph.replay()
-        self.replays += 1
-        return out[: len(seqs)].clone()
+        if self.graphs:
+            with self._replay_lock:
+                entry = self._graph(batch, length)
+                if entry is not None:
+                    graph, static_ids, static_mask, out = entry
+                    static_ids.copy_(ids, non_blocking=True)  # straight into the graph's inputs: no device-side copy
+                    static_mask.copy_(mask, non_blocking=True)
+                    graph.replay()
+                    self.replays += 1
+                    return out[: len(seqs)].clone()
+        self.eager_calls += 1
+        return self._forward(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True))[: len(seqs)]
 
     @torch.no_grad()
     def encode_sorted(self, seqs: Sequence[np.ndarray], max_tokens: int) -> torch.Tensor:
