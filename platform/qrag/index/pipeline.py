@@ -336,9 +336,10 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
             write((group, vectors))
             stats.write_seconds += time.perf_counter() - t0
     else:
-        prep = _Prefetch(groups, depth, stats)
+        # The writer first: a child process that cannot start fails the call before any prep runs.
         writer = (_Writer(write, depth, stats) if writer_kind == "thread"
                   else ProcessWriter(store.root, name, model.fingerprint, committed, depth, stats))
+        prep = _Prefetch(groups, depth, stats)
         try:
             for group in prep:
                 writer.put((group, embed(group)))
