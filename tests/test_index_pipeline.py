@@ -146,6 +146,18 @@ def test_a_writer_process_writes_the_same_files(model, tmp_path):
     assert snapshot(proc_store) == snapshot(seq_store)
 
 
+def test_a_batch_packed_for_the_writer_process_unpacks_to_itself(model):
+    from qrag.index.writer_process import pack_batch, unpack_batch
+
+    docs = make_documents(3, seed=2)
+    chunks, ids = model.chunk_documents(docs, 24)
+    vectors = np.arange(len(chunks) * 4, dtype=np.float32).reshape(len(chunks), 4)
+    got_docs, got_chunks, got_ids, got_vectors = unpack_batch(pack_batch(docs, chunks, ids, vectors))
+    assert got_docs == docs and got_chunks == chunks and got_vectors is vectors
+    assert len(got_ids) == len(ids) and all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got_ids, ids))
+    assert unpack_batch(pack_batch([], [], [], vectors[:0]))[1:3] == ([], [])
+
+
 def test_a_writer_process_failure_is_raised_and_nothing_after_it_commits(model, tmp_path):
     """A batch the store refuses in the child (a document already in the corpus, at the third
     batch) is raised here; the batches after it are not written; resume of the rest works."""
