@@ -40,7 +40,7 @@ import numpy as np
 from qrag.data.documents import Document, DocumentChunk
 from qrag.model.encoder import FEEDING_SWITCH_S, host_settings_while_feeding
 from qrag.index.store import CorpusStore, Manifest
-from qrag.index.writer_process import ProcessWriter
+from qrag.index.writer_process import ChildWriter
 
 
 @dataclass
@@ -305,9 +305,15 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
         if on_commit is not None:
             on_commit(m)
 
+    # Where a batch is appended: here, or (pipelined, writer "process") by a child process.
+    child = ChildWriter(store.root, name, model.fingerprint) if pipelined and writer_kind == "process" else None
+
     def write(item: tuple[Group, np.ndarray]) -> None:
         group, vectors = item
-        committed(group, store.append(name, group.docs, group.chunks, group.ids, vectors, model.fingerprint))
+        if child is not None:
+            committed(group, child.append(group.docs, group.chunks, group.ids, vectors))
+        else:
+            committed(group, store.append(name, group.docs, group.chunks, group.ids, vectors, model.fingerprint))
 
     def on_slice(n: int) -> None:
         counts["embedded"] += n
@@ -336,10 +342,8 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
             write((group, vectors))
             stats.write_seconds += time.perf_counter() - t0
     else:
-        # The writer first: a child process that cannot start fails the call before any prep runs.
-        writer = (_Writer(write, depth, stats) if writer_kind == "thread"
-                  else ProcessWriter(store.root, name, model.fingerprint, committed, depth, stats))
         prep = _Prefetch(groups, depth, stats)
+        writer = _Writer(write, depth, stats)
         try:
             for group in prep:
                 writer.put((group, embed(group)))
@@ -348,6 +352,9 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
             prep.close(wait=5.0)  # a prep step in progress finishes on its own (daemon thread)
             writer.close()  # whole groups already handed over are committed, nothing else
             raise
+        finally:
+            if child is not None:
+                child.close()
         prep.close()
     stats.seconds = time.perf_counter() - t_start
     return (last[0] if last else store.read(name)), stats

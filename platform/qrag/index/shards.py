@@ -215,6 +215,8 @@ class ShardIndex:
         return self.faiss.loaded_rows if self.faiss is not None else 0
 
     def _shard_faiss(self) -> ShardFaiss:
+        if self.faiss is not None:  # every FAISS query after the first: no lock
+            return self.faiss
         with self._lock:
             if self.faiss is None:
                 o = self.options

@@ -1,35 +1,28 @@
-"""The store writer of an indexing pipeline in a process of its own.
+"""The store appends of an indexing pipeline in a process of its own.
 
 Indexing 10M tokens on one H100, the main process's three threads (gathering tokenised input,
 feeding the GPU, writing the store) were busy 4.4, 3.8 and 3.5 s within 5.3 s of wall time, under
-one GIL (bench/results/README.md, "Indexing 10M tokens, rounds 2-5"). Here the writer's work
-(JSON text lines, safetensors, hashes, fsync) runs in a child process; the main process only
-pickles each batch onto a pipe, as a few flat objects (:func:`pack_batch`).
+one GIL (bench/results/README.md, "Indexing 10M tokens, rounds 2-5"). :class:`ChildWriter` does the
+writer's work (JSON text lines, safetensors, hashes, fsync) in a child process; the pipeline's
+writer thread (:class:`qrag.index.pipeline._Writer`: order, backpressure, no write after a
+failure) only pickles each batch onto a pipe, as a few flat objects (:func:`pack_batch`), and
+waits for the child's answer.
 
 The child is ``python -m qrag.index.writer_process``: it imports the store alone (no torch, and not
 the caller's ``__main__``, which multiprocessing's spawn would run again). Messages are pickles
-on its stdin and stdout. It appends batches in the order given, as the writer thread does; after a
-failure it writes nothing more (later batches are answered "skipped"), and the failure is raised
-in the caller. If the child dies, the caller gets an error naming its exit code, never a hang.
+on its stdin and stdout. A child that dies is an error naming its exit code, never a hang.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import queue
 import subprocess
 import sys
-import threading
-import time
-from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-
-_STOP = None
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -61,137 +54,50 @@ def unpack_batch(packed: tuple) -> tuple:
 
 
 def serve(root: str, name: str, fingerprint: str, inbox: BinaryIO, outbox: BinaryIO) -> None:
-    """The child's loop: (docs, chunks, token ids, vectors) in, ("ok", manifest, seconds) or
-    ("error", exception, seconds) or ("skipped", None, 0) out, ("done", None, 0) at the end."""
+    """The child's loop: a packed batch in, ("ok", manifest) or ("error", exception) out."""
     from qrag.index.store import CorpusStore
 
     store = CorpusStore(root, clean=False)  # the caller's store already cleaned what a crash left
-    failed = False
-
-    def reply(*message: Any) -> None:
-        pickle.dump(message, outbox, protocol=pickle.HIGHEST_PROTOCOL)
-        outbox.flush()
-
     while True:
         try:
-            item = pickle.load(inbox)
-        except EOFError:  # the caller went away
+            packed = pickle.load(inbox)
+        except EOFError:  # the caller is done (or gone)
             return
-        if item is _STOP:
-            reply("done", None, 0.0)
-            return
-        if failed:
-            reply("skipped", None, 0.0)
-            continue
-        t0 = time.perf_counter()
         try:
-            manifest = store.append(name, *unpack_batch(item), fingerprint)
+            reply = ("ok", store.append(name, *unpack_batch(packed), fingerprint))
         except BaseException as exc:  # noqa: BLE001 - raised in the caller
-            failed = True
-            reply("error", _picklable(exc), time.perf_counter() - t0)
-        else:
-            reply("ok", manifest, time.perf_counter() - t0)
+            reply = ("error", _picklable(exc))
+        pickle.dump(reply, outbox, protocol=pickle.HIGHEST_PROTOCOL)
+        outbox.flush()
 
 
-class ProcessWriter:
-    """The pipeline's writer stage (:class:`qrag.index.pipeline._Writer`'s interface) with the
-    appends done by a child process. ``committed(group, manifest)`` runs in this process, on a
-    receiving thread, in order; ``stats`` gets ``write_seconds`` (the child's append time) and
-    ``embed_waiting_for_writer`` (time :meth:`put` was held back)."""
+class ChildWriter:
+    """``store.append(name, ...)`` done by a child process, one batch at a time."""
 
-    def __init__(self, store_root: Path, name: str, fingerprint: str, committed: Callable[[Any, Any], None], depth: int, stats):
-        self.committed, self.stats = committed, stats
+    def __init__(self, store_root: Path, name: str, fingerprint: str):
         env = dict(os.environ)
         here = str(Path(__file__).resolve().parents[2])  # the folder holding the qrag package
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "qrag.index.writer_process", str(store_root), name, fingerprint],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self.outgoing: queue.Queue = queue.Queue(maxsize=depth)
-        self.pending: deque = deque()  # groups sent, not yet answered
-        self.lock = threading.Lock()
-        self.error: BaseException | None = None
-        self.closed = False
-        self.sender = threading.Thread(target=self._send, name="qrag-index-writer-send", daemon=True)
-        self.receiver = threading.Thread(target=self._receive, name="qrag-index-writer-receive", daemon=True)
-        self.sender.start()
-        self.receiver.start()
 
-    def _send(self) -> None:
-        while True:
-            item = self.outgoing.get()
-            try:
-                pickle.dump(item, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-                self.proc.stdin.flush()
-            except (BrokenPipeError, OSError):  # the child died: the receiver reports it
-                return
-            if item is _STOP:
-                return
-
-    def _receive(self) -> None:
-        while True:
-            try:
-                kind, payload, seconds = pickle.load(self.proc.stdout)
-            except (EOFError, OSError, pickle.UnpicklingError):
-                code = self.proc.wait()
-                with self.lock:
-                    if self.error is None and (self.pending or not self.closed):
-                        self.error = RuntimeError(f"the index writer process exited with code {code}, "
-                                                  f"{len(self.pending)} batch(es) unwritten; the corpus is committed up to the last whole batch")
-                return
-            if kind == "done":
-                return
-            with self.lock:
-                group = self.pending.popleft()
-            self.stats.write_seconds += seconds
-            if kind == "ok":
-                try:
-                    self.committed(group, payload)
-                except BaseException as exc:  # noqa: BLE001 - an on_commit callback's failure, raised in the caller
-                    with self.lock:
-                        self.error = self.error or exc
-            elif kind == "error":
-                with self.lock:
-                    self.error = self.error or payload
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            self.close()
-            raise self.error
-
-    def put(self, item) -> None:
-        group, vectors = item
-        packed = pack_batch(group.docs, group.chunks, group.ids, vectors)
-        t0 = time.perf_counter()
+    def append(self, docs, chunks, ids, vectors) -> Any:
+        """The committed manifest; the child's exception if the store refused the batch."""
+        packed = pack_batch(docs, chunks, ids, vectors)
         try:
-            while True:
-                self._raise()
-                try:
-                    with self.lock:
-                        self.pending.append(group)
-                    self.outgoing.put(packed, timeout=0.05)
-                    return
-                except queue.Full:
-                    with self.lock:
-                        self.pending.pop()
-                    if not self.receiver.is_alive():  # the child is gone: _raise has its error next round
-                        continue
-        finally:
-            self.stats.embed_waiting_for_writer += time.perf_counter() - t0
+            pickle.dump(packed, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.flush()
+            kind, payload = pickle.load(self.proc.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            raise RuntimeError(f"the index writer process exited with code {self.proc.wait()}; "
+                               "the corpus is committed up to the last whole batch") from None
+        if kind == "error":
+            raise payload
+        return payload
 
     def close(self) -> None:
-        """Write what was handed over (unless a write failed), then stop the child."""
-        if self.closed:
-            return
-        self.closed = True
-        while self.receiver.is_alive():
-            try:
-                self.outgoing.put(_STOP, timeout=0.05)
-                break
-            except queue.Full:
-                continue
-        self.receiver.join()
         try:
-            self.proc.stdin.close()
+            self.proc.stdin.close()  # the child's loop ends at EOF
         except OSError:
             pass
         try:
@@ -199,11 +105,6 @@ class ProcessWriter:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-    def finish(self) -> None:
-        self.close()
-        if self.error is not None:
-            raise self.error
 
 
 if __name__ == "__main__":

@@ -245,14 +245,7 @@ def encode(
             index_parts.append(idx)
             if stats is not None:
                 stats.padded_tokens += ids.size
-    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    order = np.concatenate(index_parts)
-    inverse = np.empty(n, dtype=np.int64)
-    inverse[order] = np.arange(n)
-    inverse_t = torch.from_numpy(inverse)
-    if device.type == "cuda":  # a pageable copy would wait for every batch above: keep the host ahead
-        inverse_t = inverse_t.pin_memory().to(out.device, non_blocking=True)
-    out = out.index_select(0, inverse_t.to(out.device))
+    out = in_input_order(pieces, np.concatenate(index_parts))
     if stats is not None:
         stats.tokens += int(lengths.sum())
         stats.sequences += n
@@ -264,6 +257,17 @@ def encode(
             stats.seconds += dt
             stats.by_kind[kind] = stats.by_kind.get(kind, 0.0) + dt
     return out
+
+
+def in_input_order(pieces: Sequence[torch.Tensor], order: np.ndarray) -> torch.Tensor:
+    """Rows computed in ``order`` (``pieces`` one after another) put back in input order."""
+    out = torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0]
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[order] = np.arange(len(order))
+    inverse_t = torch.from_numpy(inverse)
+    if out.device.type == "cuda":  # a pageable copy would wait for every batch queued before it: keep the host ahead
+        inverse_t = inverse_t.pin_memory().to(out.device, non_blocking=True)
+    return out.index_select(0, inverse_t)
 
 
 def pad_rows(flat: torch.Tensor, counts: np.ndarray) -> torch.Tensor:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from qrag.model.encoder import attention_mask_4d, autocast_for, mean_pool
+from qrag.model.encoder import attention_mask_4d, autocast_for, in_input_order, mean_pool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
@@ -177,9 +177,4 @@ class GraphedEncoder:
             rows = max([b for b in self.batch_buckets if b * length <= max_tokens], default=self.batch_buckets[0])
             pieces.append(self([seqs[i] for i in order[start : start + rows]]))
             start += rows
-        inverse = np.empty(n, dtype=np.int64)
-        inverse[order] = np.arange(n)
-        inverse_t = torch.from_numpy(inverse)
-        if self.device.type == "cuda":  # a pageable copy would wait for the batches above: keep the host ahead
-            inverse_t = inverse_t.pin_memory().to(self.device, non_blocking=True)
-        return torch.cat(pieces).index_select(0, inverse_t)
+        return in_input_order(pieces, order)
