@@ -1,12 +1,14 @@
 #!/bin/bash
-# Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating: the default (books cut
-# into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at 0.2 ms while
-# feeding the GPU, chunks embedded by CUDA-graph replays, workers tokenising through the Rust
-# tokenizer's encode_batch_fast, 3/4 of the cores tokenising) against the store writer in a child
-# process (qrag.index.writer_process). Earlier rounds in bench/results/: index_contention_10m_h100/
-# (nice 10, 8 tokenisers, stages one after another), index_contention_docs_threads_h100/,
-# index_contention_graphs_switch_h100/, index_contention_fast_tokeniser_h100/,
-# index_contention_workers_h100/; bench/index_stages.py times each stage alone.
+# Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating. Round 6: the default
+# (books cut into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at
+# 0.2 ms while feeding the GPU, chunks embedded by CUDA-graph replays, workers tokenising through
+# the Rust tokenizer's encode_batch_fast on 3/4 of the cores and handing chunks back packed) against
+# workers handing back DocumentChunks one by one (round 5's default), the store writer in a child
+# process (qrag.index.writer_process), and two feeder threads on the one GPU (--devices: the
+# 2-GPU path, run on one). Earlier rounds in bench/results/: index_contention_10m_h100/,
+# index_contention_docs_threads_h100/, index_contention_graphs_switch_h100/,
+# index_contention_fast_tokeniser_h100/, index_contention_workers_h100/,
+# index_contention_writer_process_h100/; bench/index_stages.py times each stage alone.
 # Carry (ignored folder, ~21 MB), made here once:
 #   mkdir -p .carry/idx && cp -r ../shared/data/gutenberg_novels .carry/idx/novels
 #   python bench/serve_scale.py --export-encoder .carry/idx/minilm16 && rm .carry/idx/minilm16/*.safetensors
@@ -15,10 +17,12 @@ export TOKENIZERS_PARALLELISM=false PYTHONPATH=platform
 C=$PWD/.carry/idx
 OUT=${OUT:-/tmp/index_contention}
 mkdir -p "$OUT"
-summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);i=d['indexing'];s=i['stages'];print('$1', d['gpu'], 'sec',i['seconds'],'tok/s',i['tokens_per_s'],'bare',i['bare_forward_tokens_per_s'],'share',i['end_to_end_share_of_bare'],'embed_busy',s['embed_busy_seconds'],'wait_prep',s['embed_waiting_for_prep_seconds'],'prep_busy',s['prep_busy_seconds'],'write',s['write_busy_seconds'],'graphs',(i.get('chunk_graphs') or {}).get('replays'))"; }
+summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);i=d['indexing'];s=i['stages'];print('$1', d['gpu'], 'sec',i['seconds'],'tok/s',i['tokens_per_s'],'bare',i['bare_forward_tokens_per_s'],'share',i['end_to_end_share_of_bare'],'embed_busy',s['embed_busy_seconds'],'wait_prep',s['embed_waiting_for_prep_seconds'],'prep_busy',s['prep_busy_seconds'],'write',s['write_busy_seconds'],'writer_wait',s.get('writer_waiting_for_embed_seconds'),'graphs',(i.get('chunk_graphs') or {}).get('replays'))"; }
 ARGS="--corpus $C/novels --encoder $C/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
 run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/index_$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
-run writer_process --writer process
 run default
-run writer_process_b --writer process
+run objects --worker-output objects
+run writer_process --writer process
+run two_feeders --devices cuda:0,cuda:0
 run default_b
+run writer_process_b --writer process

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info, write_result  # noqa: E402
 from qrag.config import SearchConfig  # noqa: E402
-from qrag.data.documents import Document  # noqa: E402
+from qrag.data.documents import Document, pack_chunks, unpack_chunks  # noqa: E402
 from qrag.data.haystack import book_files, read_document  # noqa: E402 - the books BabiLong reads, read alike
 from qrag.data.sample import DataError  # noqa: E402
 from qrag.retrieval.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
@@ -65,6 +65,11 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--positions", default="relative", choices=["none", "absolute", "relative"],
                     help="positions of the untrained encoder (relative = the exact rotated scoring path)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--devices", default=None, help="several GPUs, e.g. cuda:0,cuda:1: indexing embeds commit groups on each (a model "
+                    "replica per device, groups round robin, committed in order) and shard s is held on device s %% n; the bare "
+                    "forward is timed on the first (the share reported is of n times it)")
+    ap.add_argument("--variants", default="baseline,per_shard,one_pass,optimized",
+                    help="query paths timed (the serving path is 'optimized'; the others are earlier rounds' paths)")
     ap.add_argument("--chunk-batch", type=int, default=8192, help="chunks per encoder call while indexing")
     ap.add_argument("--encode-tokens", type=int, default=131072, help="padded tokens per encoder forward")
     ap.add_argument("--commit-chunks", type=int, default=16384, help="chunks per committed batch (whole books); 1 = one batch per book (the old bench)")
@@ -86,6 +91,8 @@ def args_parser() -> argparse.ArgumentParser:
                     "(the baseline; the default calls the Rust tokenizer's encode_batch_fast, the same ids, twice as fast)")
     ap.add_argument("--writer", choices=["thread", "process"], default="thread", help="where the pipeline writes the store: a thread of "
                     "the GPU-feeding process, or a child process (qrag.index.writer_process: that process's GIL is left to gathering and feeding)")
+    ap.add_argument("--worker-output", choices=["packed", "objects"], default="packed", help="how workers hand back a document's chunks: "
+                    "a few flat objects (qrag.data.documents.pack_chunks) or, the earlier rounds' way, DocumentChunks and token arrays one by one")
     ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
                     "GPU-feeding thread gets a core first when every core is tokenising)")
     ap.add_argument("--steps", type=int, default=4)
@@ -143,14 +150,18 @@ def random_weights_model(source, args) -> EmbeddingModel:
 _TOK: Tokenization | None = None
 
 
-def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0, via_transformers: bool = False) -> None:
-    global _TOK
+_PACKED = True
+
+
+def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0, via_transformers: bool = False, packed: bool = True) -> None:
+    global _TOK, _PACKED
     from qrag.model.encoder import load_tokenizer
 
     torch.set_num_threads(1)
     if nice:  # below the GPU-feeding thread: with every core tokenising, it must not wait for a core
         os.nice(nice)
     _TOK = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
+    _PACKED = packed
     if via_transformers:  # the baseline: texts through transformers' tokenizer call, not the Rust backend's encode_batch_fast
         _TOK.__dict__["_fast_backend"] = None
 
@@ -158,7 +169,9 @@ def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0
 def _prepare(job: tuple[str, str | None, str, int]):
     path, text, doc_id, budget = job
     chunks, ids = _TOK.chunk_documents([Document(doc_id, read_document(Path(path)) if text is None else text)], budget)
-    return doc_id, chunks, ids
+    # Packed: unpickling ~500 DocumentChunks and token arrays one by one per document kept the
+    # main process's gathering thread busy (it shares one GIL with the GPU feeder and the writer).
+    return doc_id, (pack_chunks(chunks, ids) if _PACKED else (chunks, ids))
 
 
 # A token is about 4 characters of English prose: parts are cut by characters, before tokenising.
@@ -201,7 +214,8 @@ def prepared_groups(pool, jobs: Iterator[tuple[str, str | None, str, int]], work
     pending = [pool.submit(_prepare, job) for job in itertools.islice(jobs, 2 * workers)]
     done = 0
     while pending and done < tokens:
-        doc_id, chunks, ids = pending.pop(0).result()  # documents stay in corpus order
+        doc_id, packed = pending.pop(0).result()  # documents stay in corpus order
+        chunks, ids = unpack_chunks(packed) if len(packed) == 5 else packed
         job = next(jobs, None)
         if job is not None:
             pending.append(pool.submit(_prepare, job))
@@ -233,10 +247,10 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
             yield group
 
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice, args.tokenise_via_transformers)) as pool:
+    with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice, args.tokenise_via_transformers, args.worker_output == "packed")) as pool:
         _, stats = index_groups(index.store, name, model, groups(pool), chunk_batch=args.chunk_batch, pipelined=not args.sequential,
                                 depth=args.depth, host_threads=args.host_threads or None,
-                                switch_s=args.switch_ms / 1000 if args.switch_ms else None, writer=args.writer)
+                                switch_s=args.switch_ms / 1000 if args.switch_ms else None, writer=args.writer, replicas=index.replicas)
     wall = time.perf_counter() - t0
     m = index.store.read(name)
     st = stats.summary()
@@ -247,7 +261,8 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
             "stages": {"pipelined": stats.pipelined, "depth": stats.depth, "commits": stats.commits, "commit_chunks": args.commit_chunks,
                        "pipeline_seconds": st["seconds"], "prep_busy_seconds": st["prep_seconds"], "embed_busy_seconds": st["embed_seconds"],
                        "write_busy_seconds": st["write_seconds"], "embed_waiting_for_prep_seconds": st["embed_waiting_for_prep"],
-                       "embed_waiting_for_writer_seconds": st["embed_waiting_for_writer"], "busy_over_wall": st["overlap"],
+                       "embed_waiting_for_writer_seconds": st["embed_waiting_for_writer"],
+                       "writer_waiting_for_embed_seconds": st["writer_waiting_for_embed"], "devices": st["devices"], "busy_over_wall": st["overlap"],
                        "note": "busy seconds of each stage; pipelined they overlap (busy_over_wall > 1). prep = the main process "
                                "gathering the workers' chunks + token ids (the workers' own CPU time is not counted)"}}
 
@@ -307,8 +322,9 @@ def measure_queries(index: LocalIndex, questions: list[str], cfg: SearchConfig, 
     each timed question got (to check that the variants agree)."""
     for q in questions[:10]:  # warm-up (kernels, graphs, compilation, allocator)
         index.retrieve("bench", q, cfg)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    gpus = [d for d in index.devices if d.type == "cuda"]
+    for d in gpus:
+        torch.cuda.reset_peak_memory_stats(d)
     lat, stages, chosen = [], {"tokenize": [], "encode": [], "score": [], "merge": []}, []
     for q in questions[10:]:
         r, _, t = index.retrieve("bench", q, cfg)
@@ -316,7 +332,7 @@ def measure_queries(index: LocalIndex, questions: list[str], cfg: SearchConfig, 
         chosen.append([s.chunk for s in r.steps])
         for k in stages:
             stages[k].append(getattr(t, k))
-    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    peak = sum(torch.cuda.max_memory_allocated(d) for d in gpus) if gpus else None  # all devices together
     curve = []
     for b in (int(x) for x in args.batches.split(",")):
         times = []
@@ -375,6 +391,9 @@ def main() -> None:
         export_encoder(args.export_encoder)
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    devices = [torch.device(d) for d in args.devices.split(",")] if args.devices else None
+    if devices:
+        args.device = str(devices[0])
     source = resolve_source(args.checkpoint, args.encoder)
     if args.random_weights:
         model = random_weights_model(source, args)
@@ -386,7 +405,11 @@ def main() -> None:
     dev = model.device
     tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder(args.encoder)
     storage = args.storage or tempfile.mkdtemp(prefix="qrag_serve_scale_")
-    index = LocalIndex(CorpusStore(storage), model, dev, ShardOptions(faiss="never"), chunk_batch=args.chunk_batch)
+    replicas = [model.replica(d) for d in devices[1:]] if devices else []
+    for replica in replicas if args.no_chunk_graphs else []:
+        replica.chunk_encoder = None
+    index = LocalIndex(CorpusStore(storage), model, devices or dev, ShardOptions(faiss="never"), chunk_batch=args.chunk_batch,
+                       replicas=replicas)
     try:
         files = book_files(args.corpus)
     except DataError as exc:
@@ -396,17 +419,18 @@ def main() -> None:
     ids = built.pop("ids")
     bare = bare_forward_tokens_per_s(model, ids, args.encode_tokens)
     head = {
-        "bench": "serve_scale", **machine_info(), "device": str(dev),
+        "bench": "serve_scale", **machine_info(), "device": str(dev), "devices": [str(d) for d in index.devices],
         "model": {"source": source.describe(), "positions": model.model_cfg.positions, "dim": model.dim, "fingerprint": model.fingerprint,
                   "random_weights": args.random_weights},
         "corpus": {"files": len(files), "chunk_tokens": args.chunk_tokens, "shards": args.shards,
                    **{k: v for k, v in built.items() if k in ("chunks", "text_tokens", "encoder_tokens", "documents", "bytes_on_disk")}},
         "indexing": {"seconds": round(built["seconds"], 2), "tokens_per_s": round(built["indexing_tokens_per_s"]),
                      "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
-                     "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / bare, 3),
+                     "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / (bare * len(index.devices)), 3),
+                     "bare_forward_note": "timed on the first device; the share is of the device count times it",
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
-                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
-                     "chunk_graphs": chunk_graph_info(model)},
+                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "worker_output": args.worker_output, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
+                     "chunk_graphs": chunk_graph_info(model), "replica_chunk_graphs": [chunk_graph_info(r) for r in replicas]},
     }
     if args.index_only:
         print(json.dumps(head))
@@ -415,16 +439,18 @@ def main() -> None:
         return
 
     # Shards on the device: memory per shard.
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated(dev)
+    gpus = [d for d in index.devices if d.type == "cuda"]
+    base = {}
+    for d in gpus:
+        torch.cuda.synchronize(d)
+        base[d] = torch.cuda.memory_allocated(d)
     cs = index.shards("bench")
-    per_shard = [{"shard": s, "rows": sh.n, "vector_bytes": sh.nbytes()} for s, sh in cs.shards.items()]
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        loaded = torch.cuda.memory_allocated(dev) - base
-        for row in per_shard:
-            row["gpu_bytes_allocated"] = int(loaded / len(per_shard))
+    per_shard = [{"shard": s, "device": str(sh.device), "rows": sh.n, "vector_bytes": sh.nbytes()} for s, sh in cs.shards.items()]
+    for d in gpus:
+        torch.cuda.synchronize(d)
+        on_d = [row for row in per_shard if torch.device(row["device"]) == d]
+        for row in on_d:  # the device's growth, shared out among its shards
+            row["gpu_bytes_allocated"] = int((torch.cuda.memory_allocated(d) - base[d]) / len(on_d))
 
     cfg = SearchConfig(max_steps=args.steps)
     questions = questions_from(index, args.queries + 10)
@@ -434,7 +460,7 @@ def main() -> None:
     graphs = model.state_encoder
     variants = {}
     answers = {}
-    for variant in ("baseline", "per_shard", "one_pass", "optimized"):
+    for variant in args.variants.split(","):
         model.state_encoder = None if variant == "baseline" else graphs
         index.options.fused = variant != "baseline"
         index.options.batched = variant in ("one_pass", "optimized")
@@ -442,6 +468,8 @@ def main() -> None:
         variants[variant], answers[variant] = measure_queries(index, questions, cfg, args, dev)
 
     def agree(a: str, b: str) -> float | None:
+        if a not in answers or b not in answers:
+            return None
         same = [x == y for x, y in zip(answers[a], answers[b])]
         return round(float(np.mean(same)), 4) if same else None
 
@@ -461,9 +489,9 @@ def main() -> None:
     result = {
         **head,
         "latency_concurrency_1": lat_row,
-        "baseline": variants["baseline"],
-        "per_shard": variants["per_shard"],
-        "one_pass": variants["one_pass"],
+        "baseline": variants.get("baseline"),
+        "per_shard": variants.get("per_shard"),
+        "one_pass": variants.get("one_pass"),
         "serving_path": serving_path,
         "throughput": {"method": "in-process lockstep batches of B concurrent questions (one state-encoder call and one scoring pass over the shards per step)",
                        "curve": curve, "p99_limit_ms": args.p99_ms,

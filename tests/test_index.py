@@ -326,3 +326,28 @@ def test_an_unwritable_faiss_folder_does_not_fail_queries(tiny_encoder, tmp_path
     exact = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(faiss="never"))
     q = "the king and the queen"
     assert index.retrieve("c", q, SearchConfig(max_steps=1))[0].selected == exact.retrieve("c", q, SearchConfig(max_steps=1))[0].selected
+
+
+def test_shards_spread_over_several_devices_answer_as_one_device(model, indexed, monkeypatch):
+    """``LocalIndex(device=[...])``: shard s lives on device[s % n] and each device's shards are
+    scored in one pass; the answers are those of one device. CI has one kind of device, so the
+    second 'device' is told apart by name only: ShardIndex records what it was given."""
+    index, corpus = indexed
+    import qrag.index.shards as shards_mod
+
+    given: dict[int, object] = {}
+    real = shards_mod.ShardIndex.__init__
+
+    def record(self, corpus_name, shard, n_shards, model_cfg, dim, device, options=None):
+        given[shard] = device
+        real(self, corpus_name, shard, n_shards, model_cfg, dim, device, options)
+
+    monkeypatch.setattr(shards_mod.ShardIndex, "__init__", record)
+    spread = LocalIndex(index.store, model, device=["cpu", torch.device("cpu")], replicas=[model.replica("cpu")])
+    assert spread.device == torch.device("cpu") and len(spread.devices) == 2
+    cfg = SearchConfig(max_steps=3)
+    for question in ["who met the painter near the harbour", "the ship and the lamp"]:
+        assert spread.retrieve("c4", question, cfg)[0].selected == index.retrieve("c4", question, cfg)[0].selected
+    assert sorted(given) == [0, 1, 2, 3] and all(given[s] == spread.devices[s % 2] for s in given)
+    with pytest.raises(ValueError, match="at least one device"):
+        LocalIndex(index.store, model, device=[])

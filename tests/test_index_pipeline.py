@@ -195,6 +195,72 @@ def test_a_writer_process_that_dies_is_an_error_not_a_hang(model, tmp_path):
     assert 1 <= len(store.read("c").batches) < 4  # whole batches only
 
 
+def test_a_writer_process_stops_when_closed_even_if_a_forked_process_holds_its_pipe(tmp_path):
+    """A process forked after the child started (as a fork-started pool grows its workers) holds
+    the write end of the child's stdin: end of file never came, close() waited 30 s and killed
+    the child. The explicit stop message ends it at once, with exit code 0."""
+    import multiprocessing
+
+    from qrag.index.writer_process import ChildWriter
+
+    store = CorpusStore(tmp_path)
+    writer = ChildWriter(store.root, "c", "fingerprint")
+    holder = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    holder.start()
+    try:
+        t0 = time.perf_counter()
+        writer.close()
+        assert writer.proc.returncode == 0 and time.perf_counter() - t0 < 10
+    finally:
+        holder.kill()
+        holder.join()
+
+
+class _Recorded:
+    """A model on one 'device': records the groups it embeds; can fail at its n-th group."""
+
+    def __init__(self, model, fail_at: int | None = None):
+        self.model, self.fail_at, self.calls = model, fail_at, []
+        self.fingerprint, self.device = model.fingerprint, "cpu"
+
+    def embed_chunks(self, seqs):
+        if self.fail_at is not None and len(self.calls) == self.fail_at:
+            raise RuntimeError("this device failed")
+        self.calls.append(len(seqs))
+        return self.model.embed_chunks(seqs)
+
+
+def test_replicas_embed_groups_round_robin_and_the_files_are_one_devices(model, tmp_path):
+    """``replicas``: groups go to the model and its replicas in turn (one feeder thread each) and
+    are committed in group order: the files of the sequential run on one device."""
+    docs = make_documents(14, seed=5)
+    seq_store, _ = build(model, tmp_path / "seq", docs, pipelined=False)
+    store = CorpusStore(tmp_path / "two")
+    LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
+    groups = list(document_groups(docs, lambda block: model.chunk_documents(block, 24), 10))
+    first, second = _Recorded(model), _Recorded(model.replica("cpu"))
+    _, stats = index_groups(store, "c", first, groups, chunk_batch=1000, replicas=[second])
+    assert stats.devices == 2 and stats.commits == len(groups) >= 4
+    assert first.calls == [len(g.ids) for g in groups[0::2]] and second.calls == [len(g.ids) for g in groups[1::2]]
+    assert snapshot(store) == snapshot(seq_store)
+
+
+def test_a_failing_replica_is_raised_and_only_the_groups_before_it_commit(model, tmp_path):
+    docs = make_documents(14, seed=5)
+    ref_store, _ = build(model, tmp_path / "ref", docs, pipelined=False)
+    store = CorpusStore(tmp_path / "run")
+    LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
+    groups = list(document_groups(docs, lambda block: model.chunk_documents(block, 24), 10))
+    with pytest.raises(RuntimeError, match="this device failed"):
+        index_groups(store, "c", _Recorded(model), groups, chunk_batch=1000, replicas=[_Recorded(model, fail_at=1)])  # group 3
+    m = store.read("c")
+    assert [b["chunks"] for b in m.batches] == [b["chunks"] for b in ref_store.read("c").batches[:3]]
+    with pytest.raises(ValueError, match="same model"):
+        other = _Recorded(model)
+        other.fingerprint = "another"
+        index_groups(store, "c", model, [], chunk_batch=4, replicas=[other])
+
+
 def test_prep_failure_is_raised_after_the_whole_batches_before_it(model, tmp_path):
     store = CorpusStore(tmp_path)
     index = LocalIndex(store, model)

@@ -51,10 +51,18 @@ class HeldShards:
 class LocalIndex:
     """Index documents and search corpora in one process, every shard in memory."""
 
-    def __init__(self, store: CorpusStore, model: Embedder, device: torch.device | str = "cpu", options: ShardOptions | None = None, chunk_batch: int = 4096,
-                 commit_chunks: int | None = 65536, pipelined: bool = True, writer: str = "thread"):
+    def __init__(self, store: CorpusStore, model: Embedder, device: torch.device | str | Sequence[torch.device | str] = "cpu",
+                 options: ShardOptions | None = None, chunk_batch: int = 4096, commit_chunks: int | None = 65536, pipelined: bool = True,
+                 writer: str = "thread", replicas: Sequence[Embedder] = ()):
+        """``device``: where the shards are held; several: shard s on ``device[s % n]``.
+        ``replicas``: the model on more devices (``EmbeddingModel.replica``): indexing embeds
+        commit groups on all of them (:func:`qrag.index.pipeline.index_groups`)."""
         self.store, self.model = store, model
-        self.device = torch.device(device)
+        self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
+        if not self.devices:
+            raise ValueError("LocalIndex needs at least one device for its shards")
+        self.device = self.devices[0]
+        self.replicas = list(replicas)
         self.options = options or ShardOptions()
         self.chunk_batch = chunk_batch
         self.commit_chunks = commit_chunks  # chunks per committed batch (whole documents); None: one batch per call
@@ -96,14 +104,15 @@ class LocalIndex:
             return m
         groups = document_groups(docs, prepare, self.commit_chunks)
         manifest, self.last_stats = index_groups(self.store, name, self.model, groups, chunk_batch=self.chunk_batch,
-                                                 pipelined=self.pipelined, progress=progress, on_commit=on_commit, writer=self.writer)
+                                                 pipelined=self.pipelined, progress=progress, on_commit=on_commit, writer=self.writer,
+                                                 replicas=self.replicas)
         return manifest
 
     def shards(self, name: str) -> CorpusShards:
         m = self.store.read(name)
         cs = self._open.get(name)
         if cs is None or cs.uid != m.uid:
-            cs = self._open[name] = CorpusShards(self.store, name, range(m.shards), self.device, self.options)
+            cs = self._open[name] = CorpusShards(self.store, name, range(m.shards), self.devices, self.options)
         cs.sync(m.version, m.uid)
         return cs
 

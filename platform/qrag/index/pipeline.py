@@ -4,9 +4,10 @@
 
     prep thread      chunk + tokenise the next documents (or take them from worker processes)
       -> queue (``depth`` groups)
-    calling thread   embed the current group: chunk_batch slices queued on the device, one slice
-                     ahead of the one waited for (EmbeddingModel.embed_chunks_start)
-      -> queue (``depth`` groups)
+    feeder thread    embed a group: chunk_batch slices queued on the device, one slice ahead of
+    (one per device) the one waited for (EmbeddingModel.embed_chunks_start); with replicas of the
+                     model on more devices, groups go to the devices round robin
+      -> queue (``depth`` groups per device), in group order
     writer thread    CorpusStore.append of the previous group (files written, then the manifest
                      committed atomically: the store's one writer, as for the HTTP and Ray paths)
 
@@ -32,10 +33,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from qrag.data.documents import Document, DocumentChunk
 from qrag.model.encoder import FEEDING_SWITCH_S, host_settings_while_feeding
@@ -115,6 +118,8 @@ class IndexStats:
     write_seconds: float = 0.0  # busy: store appends (files, checksums, fsync, manifest)
     embed_waiting_for_prep: float = 0.0  # the embed stage starved (prep slower)
     embed_waiting_for_writer: float = 0.0  # the embed stage held back (writer's queue full)
+    writer_waiting_for_embed: float = 0.0  # the writer starved (embedding slower)
+    devices: int = 1  # feeder threads, one per device the groups were embedded on
     depth: int = 0
     writer: str = "caller"  # who wrote the store: the calling thread (sequential), a "thread" or a "process"
 
@@ -179,8 +184,10 @@ class _Prefetch:
 
 
 class _Writer:
-    """One thread committing groups in the order given. After a failure it writes nothing more;
-    the failure is raised by the next :meth:`put` or by :meth:`close`."""
+    """One thread committing (group, vectors) items in the order given; vectors may be a future
+    (a feeder thread's work), waited for in that order. After a failure (the write's or the
+    future's) it writes nothing more; the failure is raised by the next :meth:`put` or by
+    :meth:`close`."""
 
     _STOP = object()
 
@@ -201,7 +208,13 @@ class _Writer:
                 continue  # drained, never written: the batch after a failed one must not commit
             t0 = time.perf_counter()
             try:
-                self.write(item)
+                group, vectors = item
+                if isinstance(vectors, Future):  # embedded by a feeder thread: wait in group order
+                    vectors = vectors.result()
+                    t1 = time.perf_counter()
+                    self.stats.writer_waiting_for_embed += t1 - t0
+                    t0 = t1
+                self.write((group, vectors))
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
                 self.error = exc
             finally:
@@ -267,10 +280,21 @@ def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
+def _on_device(device) -> Callable[[], None]:
+    """A feeder thread's initializer: CUDA work of the thread (graph captures, events, streams)
+    goes to its model's device, not to device 0."""
+    def init() -> None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is not None:
+            torch.cuda.set_device(dev)
+    return init
+
+
 def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], *, chunk_batch: int, pipelined: bool = True,
                  depth: int = 2, progress: Callable[[int, int], None] | None = None,
                  on_commit: Callable[[Manifest], None] | None = None, host_threads: int | None = 1,
-                 switch_s: float | None = FEEDING_SWITCH_S, writer: str = "thread") -> tuple[Manifest, IndexStats]:
+                 switch_s: float | None = FEEDING_SWITCH_S, writer: str = "thread",
+                 replicas: Sequence = ()) -> tuple[Manifest, IndexStats]:
     """Embed and commit ``groups`` (in order, one ``store.append`` each) into corpus ``name``.
 
     ``progress(done, known)`` after every encoder call: chunks embedded and chunks prepared so far.
@@ -279,22 +303,33 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
     process meanwhile when the model is on a GPU (:func:`qrag.model.encoder.host_settings_while_feeding`;
     None: unchanged). ``writer``: where a pipelined run writes the store, "thread" (a thread of this
     process) or "process" (a child process: :mod:`qrag.index.writer_process`; the same files).
+    ``replicas``: the same model on more devices (``EmbeddingModel.replica``); a pipelined run embeds
+    groups on ``model`` and each replica round robin, one feeder thread per device, and commits
+    them in order (the same files as one device).
     Returns the last manifest and the stage timings."""
     if chunk_batch < 1:
         raise ValueError(f"chunk_batch must be at least 1, got {chunk_batch}")
     if writer not in ("thread", "process"):
         raise ValueError(f"writer must be 'thread' or 'process', got {writer!r}")
+    models = [model, *replicas]
+    if any(m.fingerprint != model.fingerprint for m in models):
+        raise ValueError("replicas must be the same model (same fingerprint) on other devices")
+    if replicas and not pipelined:
+        raise ValueError("replicas embed groups side by side: they need pipelined=True")
     with host_settings_while_feeding(getattr(model, "device", "cpu"), host_threads, switch_s):
-        return _index_groups(store, name, model, groups, chunk_batch, pipelined, depth, progress, on_commit, writer)
+        return _index_groups(store, name, models, groups, chunk_batch, pipelined, depth, progress, on_commit, writer)
 
 
-def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], chunk_batch: int, pipelined: bool, depth: int,
+def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Iterable[Group], chunk_batch: int, pipelined: bool, depth: int,
                   progress: Callable[[int, int], None] | None, on_commit: Callable[[Manifest], None] | None,
                   writer_kind: str = "thread") -> tuple[Manifest, IndexStats]:
-    stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0, writer=writer_kind if pipelined else "caller")
+    stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0, writer=writer_kind if pipelined else "caller",
+                       devices=len(models))
     dim = store.read(name).dim
+    fingerprint = models[0].fingerprint
     last: list[Manifest] = []
     counts = {"embedded": 0, "known": 0}
+    counting = threading.Lock()  # feeder threads add to the counts and the embed seconds
 
     def committed(group: Group, m: Manifest) -> None:
         last[:] = [m]
@@ -306,27 +341,33 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
             on_commit(m)
 
     # Where a batch is appended: here, or (pipelined, writer "process") by a child process.
-    child = ChildWriter(store.root, name, model.fingerprint) if pipelined and writer_kind == "process" else None
+    child = ChildWriter(store.root, name, fingerprint) if pipelined and writer_kind == "process" else None
 
     def write(item: tuple[Group, np.ndarray]) -> None:
         group, vectors = item
         if child is not None:
             committed(group, child.append(group.docs, group.chunks, group.ids, vectors))
         else:
-            committed(group, store.append(name, group.docs, group.chunks, group.ids, vectors, model.fingerprint))
+            committed(group, store.append(name, group.docs, group.chunks, group.ids, vectors, fingerprint))
 
     def on_slice(n: int) -> None:
-        counts["embedded"] += n
+        with counting:
+            counts["embedded"] += n
+            done, known = counts["embedded"], counts["known"]
         if progress is not None:
-            progress(counts["embedded"], counts["known"])
+            progress(done, known)
 
-    def embed(group: Group) -> np.ndarray:
+    def embed(model, group: Group) -> np.ndarray:
         t0 = time.perf_counter()
-        counts["known"] += len(group.ids)
-        stats.encoder_tokens += sum(len(x) for x in group.ids)
         vectors = embed_group(model, group.ids, chunk_batch, dim, on_slice)
-        stats.embed_seconds += time.perf_counter() - t0
+        with counting:
+            stats.embed_seconds += time.perf_counter() - t0
         return vectors
+
+    def known(group: Group) -> None:
+        with counting:
+            counts["known"] += len(group.ids)
+        stats.encoder_tokens += sum(len(x) for x in group.ids)
 
     t_start = time.perf_counter()
     if not pipelined:
@@ -337,22 +378,29 @@ def _index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group],
             stats.prep_seconds += time.perf_counter() - t0
             if group is None:
                 break
-            vectors = embed(group)
+            known(group)
+            vectors = embed(models[0], group)
             t0 = time.perf_counter()
             write((group, vectors))
             stats.write_seconds += time.perf_counter() - t0
     else:
         prep = _Prefetch(groups, depth, stats)
-        writer = _Writer(write, depth, stats)
+        writer = _Writer(write, depth * len(models), stats)
+        feeders = [ThreadPoolExecutor(1, thread_name_prefix=f"qrag-index-feed-{i}", initializer=_on_device(getattr(m, "device", "cpu")))
+                   for i, m in enumerate(models)]
         try:
-            for group in prep:
-                writer.put((group, embed(group)))
+            for k, group in enumerate(prep):
+                known(group)
+                i = k % len(models)
+                writer.put((group, feeders[i].submit(embed, models[i], group)))
             writer.finish()
         except BaseException:
             prep.close(wait=5.0)  # a prep step in progress finishes on its own (daemon thread)
             writer.close()  # whole groups already handed over are committed, nothing else
             raise
         finally:
+            for feeder in feeders:
+                feeder.shutdown(wait=True, cancel_futures=True)
             if child is not None:
                 child.close()
         prep.close()

@@ -73,6 +73,10 @@ class ScoreGraphs:
     def _record(self, step, device: torch.device):
         """Warm ``step`` up on a side stream (the fused scorer compiles for these shapes there),
         capture it, replay it once for the inputs it was captured with; (graph, its outputs)."""
+        with torch.cuda.device(device):  # capture uses the current device's streams: shards may be on cuda:1
+            return self._record_on_device(step, device)
+
+    def _record_on_device(self, step, device: torch.device):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

@@ -435,8 +435,14 @@ class ShardUnhealthy(StoreError):
 class CorpusShards:
     """The shards ``slots`` of one corpus held by one process, kept in step with the store."""
 
-    def __init__(self, store: CorpusStore, name: str, slots: Sequence[int], device: torch.device, options: ShardOptions | None = None):
-        self.store, self.name, self.slots, self.device = store, name, list(slots), device
+    def __init__(self, store: CorpusStore, name: str, slots: Sequence[int], device: torch.device | Sequence[torch.device],
+                 options: ShardOptions | None = None):
+        """``device``: where the shards live; several: shard s on ``device[s % len(device)]`` (the
+        shards of a corpus spread over GPUs; each device's shards are scored in one pass)."""
+        self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
+        if not self.devices:
+            raise ValueError("CorpusShards needs at least one device")
+        self.store, self.name, self.slots, self.device = store, name, list(slots), self.devices[0]
         self.options = options or ShardOptions()
         self.uid: str | None = None
         self.version = -1
@@ -465,7 +471,7 @@ class CorpusShards:
                     b["id"] in shard.loaded and shard.loaded[b["id"]] != b["shards"][slot]["vectors"]["sha256"] for b in m.batches
                 )
                 if shard is None or replaced:
-                    shard = ShardIndex(m.name, slot, m.shards, m.model_cfg, m.dim, self.device, self.options)
+                    shard = ShardIndex(m.name, slot, m.shards, m.model_cfg, m.dim, self.devices[slot % len(self.devices)], self.options)
                     shard.faiss_folder, shard.uid = self.store.path(self.name) / "faiss", m.uid
                 new = [b for b in m.batches if b["id"] not in shard.loaded]
                 shard.reserve(shard.n + sum(b["shards"][slot]["chunks"] for b in new))

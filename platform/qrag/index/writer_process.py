@@ -34,34 +34,41 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def pack_batch(docs, chunks, ids, vectors) -> tuple:
-    """A batch as a few flat objects. Pickling ~16K ``DocumentChunk``s and token arrays one by one
-    took 226 ms per commit group on this VM (2.9 s per 10M tokens: as long as the writing it was to
-    take off this process); texts, document ids, counts and one flat id array take 33 ms."""
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    flat = np.concatenate([np.asarray(x).reshape(-1) for x in ids]) if len(ids) else np.zeros(0, np.int32)
-    return (docs, [c.doc_id for c in chunks], [c.text for c in chunks], np.fromiter((c.tokens for c in chunks), dtype=np.int64, count=len(chunks)),
-            flat, lengths, vectors)
+    """A batch as a few flat objects (:func:`qrag.data.documents.pack_chunks`): pickling ~16K
+    ``DocumentChunk``s and token arrays one by one took 226 ms per commit group on a 2-core VM
+    (2.9 s per 10M tokens: as long as the writing it was to take off this process); packed, 33 ms."""
+    from qrag.data.documents import pack_chunks
+
+    return docs, pack_chunks(chunks, ids), vectors
 
 
 def unpack_batch(packed: tuple) -> tuple:
     """:func:`pack_batch`'s input again: (docs, chunks, token id arrays, vectors)."""
-    from qrag.data.documents import DocumentChunk
+    from qrag.data.documents import unpack_chunks
 
-    docs, doc_ids, texts, counts, flat, lengths, vectors = packed
-    chunks = [DocumentChunk(d, t, n) for d, t, n in zip(doc_ids, texts, counts.tolist())]
-    ids = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
-    return docs, chunks, ids, vectors
+    docs, chunks, vectors = packed
+    return (docs, *unpack_chunks(chunks), vectors)
+
+
+# Sent by ChildWriter.close. End of file alone is not enough: a process forked from the caller
+# after the child started (a fork-started ProcessPoolExecutor grows its workers on demand) holds
+# the write end of the child's stdin, so the child saw no EOF until the pool shut down, and
+# close() waited its 30 s and killed it (bench/results/index_contention_writer_process_h100/).
+STOP = "stop"
 
 
 def serve(root: str, name: str, fingerprint: str, inbox: BinaryIO, outbox: BinaryIO) -> None:
-    """The child's loop: a packed batch in, ("ok", manifest) or ("error", exception) out."""
+    """The child's loop: a packed batch in, ("ok", manifest) or ("error", exception) out;
+    :data:`STOP` or end of file ends it."""
     from qrag.index.store import CorpusStore
 
     store = CorpusStore(root, clean=False)  # the caller's store already cleaned what a crash left
     while True:
         try:
             packed = pickle.load(inbox)
-        except EOFError:  # the caller is done (or gone)
+        except EOFError:  # the caller is gone
+            return
+        if isinstance(packed, str) and packed == STOP:
             return
         try:
             reply = ("ok", store.append(name, *unpack_batch(packed), fingerprint))
@@ -97,8 +104,9 @@ class ChildWriter:
 
     def close(self) -> None:
         try:
-            self.proc.stdin.close()  # the child's loop ends at EOF
-        except OSError:
+            pickle.dump(STOP, self.proc.stdin)
+            self.proc.stdin.close()
+        except OSError:  # the child is gone already
             pass
         try:
             self.proc.wait(timeout=30)

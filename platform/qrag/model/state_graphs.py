@@ -85,6 +85,12 @@ class GraphedEncoder:
         return self.qnet.finish(pooled)
 
     def _capture(self, batch: int, length: int):
+        # torch.cuda.graph captures on a stream of the *current* device: a model on cuda:1 used
+        # from a thread whose current device is cuda:0 (a second GPU indexing) must switch first.
+        with torch.cuda.device(self.device):
+            return self._capture_on_device(batch, length)
+
+    def _capture_on_device(self, batch: int, length: int):
         ids = torch.full((batch, length), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(batch, length, dtype=torch.bool, device=self.device)
         mask[:, 0] = True

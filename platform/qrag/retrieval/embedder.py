@@ -220,6 +220,14 @@ class EmbeddingModel(Tokenization):
         self.chunks_embedded = 0  # chunk sequences encoded since start (re-embedding shows here)
         self.states_embedded = 0
 
+    def replica(self, device: str | torch.device) -> EmbeddingModel:
+        """The same weights on another device (one more GPU embedding while indexing:
+        ``qrag.index.pipeline.index_groups(..., replicas=...)``)."""
+        dev = pick_device(str(device)) if not isinstance(device, torch.device) else device
+        qnet = copy.deepcopy(self.qnet).to(dev)
+        return EmbeddingModel(qnet, self.tokenizer, self.layout, dev, self.fingerprint, self.source, self.retriever.encode_tokens,
+                              self.question_tokens, self.chunk_batch)
+
     @property
     def model_cfg(self) -> ModelConfig:
         return self.qnet.cfg
