@@ -144,3 +144,51 @@ def test_threads_replaying_one_graph_get_their_own_vectors(tiny_encoder, monkeyp
     for t in threads:
         t.join(30)
     assert not wrong and enc.replays == 90
+
+
+def test_one_capture_lock_per_gpu():
+    from qrag.model.state_graphs import capture_lock
+
+    assert capture_lock("cuda:0") is capture_lock(torch.device("cuda", 0))
+    assert capture_lock("cuda:0") is not capture_lock("cuda:1")
+
+
+def test_captures_on_one_gpu_never_overlap_across_encoders(tiny_encoder, monkeypatch):
+    """Two encoders on one GPU (two feeder threads indexing on it; a query's state encoder beside
+    an append's chunk encoder) must not capture at once: that failed with "operation not
+    permitted when stream is capturing". A fake capture (CPU) records overlaps; another GPU's
+    captures may overlap."""
+    import threading
+    import time
+
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
+    active: dict[str, int] = {"cuda:0": 0, "cuda:1": 0}
+    overlaps: dict[str, int] = {"cuda:0": 0, "cuda:1": 0}
+    guard = threading.Lock()
+
+    def fake_capture(self, batch, length):
+        dev = str(self.device)
+        with guard:
+            active[dev] += 1
+            overlaps[dev] += active[dev] > 1
+        time.sleep(0.003)
+        with guard:
+            active[dev] -= 1
+        return ("graph", batch, length)
+
+    monkeypatch.setattr(GraphedEncoder, "_capture", fake_capture)
+    encoders = [GraphedEncoder(qnet, layout.pad_id, torch.device(d)) for d in ("cuda:0", "cuda:0", "cuda:1", "cuda:1")]
+    for enc in encoders:
+        enc.graphs = True
+
+    def capture_many(enc):
+        for length in (16, 32, 48, 64, 80, 96):
+            assert enc._graph(1, length) == ("graph", 1, length)
+
+    threads = [threading.Thread(target=capture_many, args=(e,)) for e in encoders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert overlaps["cuda:0"] == 0 and overlaps["cuda:1"] == 0
+    assert all(len(e.captured_shapes) == 6 for e in encoders)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qrag.model.state_graphs import BATCH_BUCKETS, bucket_of
+from qrag.model.state_graphs import BATCH_BUCKETS, bucket_of, capture_lock
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -73,7 +73,7 @@ class ScoreGraphs:
     def _record(self, step, device: torch.device):
         """Warm ``step`` up on a side stream (the fused scorer compiles for these shapes there),
         capture it, replay it once for the inputs it was captured with; (graph, its outputs)."""
-        with torch.cuda.device(device):  # capture uses the current device's streams: shards may be on cuda:1
+        with torch.cuda.device(device), capture_lock(device):  # the current device's streams capture: shards may be on cuda:1
             return self._record_on_device(step, device)
 
     def _record_on_device(self, step, device: torch.device):

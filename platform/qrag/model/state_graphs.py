@@ -36,6 +36,22 @@ CHUNK_LENGTH_BUCKETS = (16, 32, 48, 64, 72, 80, 96, 128, 160, 192, 256, 384, 512
 CHUNK_BATCH_BUCKETS = (64, 256, 1024, 4096)
 
 
+_CAPTURE_LOCKS: dict[tuple[str, int], threading.Lock] = {}
+_CAPTURE_LOCKS_GUARD = threading.Lock()
+
+
+def capture_lock(device: torch.device | str) -> threading.Lock:
+    """One lock per GPU for every CUDA-graph capture on it (chunk and state encoders, scoring).
+    Two captures at once on one device failed: two feeder threads indexing on one GPU, each
+    capturing its encoder's shapes, got "operation not permitted when stream is capturing"
+    (bench/results/index_contention_packed_h100/); a query's state-encoder capture beside an
+    append's chunk-encoder capture in a Serve replica could meet the same."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" and torch.cuda.is_available() else 0)
+    with _CAPTURE_LOCKS_GUARD:
+        return _CAPTURE_LOCKS.setdefault((dev.type, index), threading.Lock())
+
+
 def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket that holds ``value`` (None past the largest)."""
     for b in buckets:
@@ -115,12 +131,13 @@ class GraphedEncoder:
             return None
         entry = self._captured.get(key)
         if entry is None:
-            try:
-                entry = self._captured[key] = self._capture(batch, length)
-            except RuntimeError as exc:  # an op that cannot be captured: this shape runs eagerly
-                self.fallbacks[key] = f"{type(exc).__name__}: {exc}"[:300]
-                torch.cuda.synchronize(self.device)
-                return None
+            with capture_lock(self.device):
+                try:
+                    entry = self._captured[key] = self._capture(batch, length)
+                except RuntimeError as exc:  # an op that cannot be captured: this shape runs eagerly
+                    self.fallbacks[key] = f"{type(exc).__name__}: {exc}"[:300]
+                    torch.cuda.synchronize(self.device)
+                    return None
         return entry
 
     def _padded(self, seqs: Sequence[np.ndarray], batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
