@@ -15,6 +15,5 @@ run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 run index_10m_1gpu --tokens 10000000 --index-only --devices cuda:0
 run index_10m_2gpus --tokens 10000000 --index-only --devices cuda:0,cuda:1
-run index_10m_1gpu_b --tokens 10000000 --index-only --devices cuda:0
-run index_10m_2gpus_b --tokens 10000000 --index-only --devices cuda:0,cuda:1
+
 run serve_scale_100m_2gpus --tokens 100000000 --devices cuda:0,cuda:1 --variants optimized --batches 1,8,32,64

@@ -192,3 +192,42 @@ def test_captures_on_one_gpu_never_overlap_across_encoders(tiny_encoder, monkeyp
         t.join(30)
     assert overlaps["cuda:0"] == 0 and overlaps["cuda:1"] == 0
     assert all(len(e.captured_shapes) == 6 for e in encoders)
+
+
+def test_a_capture_runs_on_a_stream_of_the_encoders_own_device(tiny_encoder, monkeypatch):
+    """torch.cuda.graph's default capture stream is one per process, made on the device current at
+    its first use: a model on cuda:1 captured on it failed, and that GPU ran eagerly (2 GPUs
+    indexing). The capture must get the encoder's own side stream, on the encoder's device; the
+    CUDA calls are faked here (CPU)."""
+    import contextlib
+
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
+    enc = GraphedEncoder(qnet, layout.pad_id, torch.device("cuda:1"))
+
+    class FakeStream:
+        def __init__(self, device=None):
+            self.device = torch.device(device) if device is not None else torch.device("cuda:0")
+
+        def wait_stream(self, other):
+            pass
+
+    captured = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None, capture_error_mode="global"):
+        captured.append(stream.device if stream is not None else FakeStream().device)  # None: the process-wide default
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(enc, "_forward", lambda ids, mask: torch.zeros(len(ids), qnet.dim))
+    real_full, real_zeros = torch.full, torch.zeros
+    monkeypatch.setattr(torch, "full", lambda *a, device=None, **k: real_full(*a, **k))  # the buffers stay on the CPU
+    monkeypatch.setattr(torch, "zeros", lambda *a, device=None, **k: real_zeros(*a, **k))
+    enc._capture(1, 16)
+    assert captured == [torch.device("cuda:1")]

@@ -86,7 +86,7 @@ class ScoreGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):  # not the process-wide default stream: that one is on one device
             outputs = step()
         graph.replay()  # capture only records
         return graph, outputs

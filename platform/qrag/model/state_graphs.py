@@ -121,7 +121,9 @@ class GraphedEncoder:
             self._pool = torch.cuda.graph_pool_handle()
         # thread_local: a query or an append in another thread of the replica may allocate or
         # launch meanwhile (on its own stream); 'global', the default, would fail that call.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # stream=side: torch.cuda.graph's default capture stream is one per process, made on the
+        # device current at its first use; a capture on cuda:1 on it failed (2 GPUs indexing).
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             out = self._forward(ids, mask)
         return graph, ids, mask, out
 
