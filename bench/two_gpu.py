@@ -151,7 +151,7 @@ def build_corpus(args) -> dict:
     import numpy as np
     import torch
 
-    from qrag.data.documents import Document
+    from qrag.data.documents import Document, unpack_chunks
     from qrag.retrieval.embedder import load_embedding_model, resolve_source
     from qrag.model.encoder import resolve_encoder
     from qrag.index.local import LocalIndex
@@ -174,7 +174,7 @@ def build_corpus(args) -> dict:
     index = LocalIndex(CorpusStore(args.storage), model, model.device, ShardOptions(faiss="never"))
     index.create(CORPUS, chunk_tokens=args.chunk_tokens, shards=args.shards)
     files = book_files(args.corpus)
-    jobs = ((str(p), f"{p.name.split('.')[0]}~{rep}", args.chunk_tokens) for rep in itertools.count() for p in files)
+    jobs = ((str(p), None, f"{p.name.split('.')[0]}~{rep}", args.chunk_tokens) for rep in itertools.count() for p in files)  # whole books
     rng = random.Random(0)
     samples: list[str] = []
     tokens = chunks_total = 0
@@ -182,7 +182,8 @@ def build_corpus(args) -> dict:
     with ProcessPoolExecutor(args.corpus_workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64)) as pool:
         pending = [pool.submit(_prepare, next(jobs)) for _ in range(args.corpus_workers + 1)]
         while tokens < args.tokens:
-            doc_id, chunks, ids = pending.pop(0).result()
+            doc_id, packed = pending.pop(0).result()
+            chunks, ids = unpack_chunks(packed)
             pending.append(pool.submit(_prepare, next(jobs)))
             vectors = np.concatenate([model.embed_chunks(ids[i : i + 8192]) for i in range(0, len(ids), 8192)])
             store.append(CORPUS, [Document(doc_id, "")], chunks, ids, vectors, model.fingerprint)
