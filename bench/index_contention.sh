@@ -1,12 +1,12 @@
 #!/bin/bash
-# Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating. Round 6: the default
-# (books cut into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at
-# 0.2 ms while feeding the GPU, chunks embedded by CUDA-graph replays, workers tokenising through
-# the Rust tokenizer's encode_batch_fast on 3/4 of the cores and handing chunks back packed) against
-# workers handing back DocumentChunks one by one (round 5's default), the store writer in a child
-# process (qrag.index.writer_process), and two feeder threads on the one GPU (--devices: the
-# 2-GPU path, run on one). Earlier rounds in bench/results/: index_contention_10m_h100/,
-# index_contention_docs_threads_h100/, index_contention_graphs_switch_h100/,
+# Indexing 10M tokens on one GPU (issue 14), one call, one tree, alternating: the default (books cut
+# into ~32K-token documents, torch's CPU threads at 1 and the GIL's switch interval at 0.2 ms while
+# feeding the GPU, chunks embedded by CUDA-graph replays, workers tokenising through the Rust
+# tokenizer's encode_batch_fast on 3/4 of the cores and handing chunks back packed, the store
+# written by a child process: qrag.index.writer_process) against the writer thread and against
+# workers handing back DocumentChunks one by one. Round 6 (index_contention_packed_h100/) ran the
+# thread writer as its default, the process writer and the objects variant beside it. Earlier
+# rounds in bench/results/: index_contention_10m_h100/, index_contention_docs_threads_h100/, index_contention_graphs_switch_h100/,
 # index_contention_fast_tokeniser_h100/, index_contention_workers_h100/,
 # index_contention_writer_process_h100/; bench/index_stages.py times each stage alone.
 # Carry (ignored folder, ~21 MB), made here once:
@@ -21,8 +21,7 @@ summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().split
 ARGS="--corpus $C/novels --encoder $C/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
 run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/index_$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
 run default
+run writer_thread --writer thread
 run objects --worker-output objects
-run writer_process --writer process
-run two_feeders --devices cuda:0,cuda:0
 run default_b
-run writer_process_b --writer process
+run writer_thread_b --writer thread

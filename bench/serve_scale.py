@@ -89,8 +89,9 @@ def args_parser() -> argparse.ArgumentParser:
                     "of the chunk encoder: one launch per batch, qrag.model.state_graphs)")
     ap.add_argument("--tokenise-via-transformers", action="store_true", help="workers tokenise through transformers' tokenizer call "
                     "(the baseline; the default calls the Rust tokenizer's encode_batch_fast, the same ids, twice as fast)")
-    ap.add_argument("--writer", choices=["thread", "process"], default="thread", help="where the pipeline writes the store: a thread of "
-                    "the GPU-feeding process, or a child process (qrag.index.writer_process: that process's GIL is left to gathering and feeding)")
+    ap.add_argument("--writer", choices=["thread", "process"], default="process", help="where the pipeline writes the store: a child "
+                    "process (qrag.index.writer_process: this process's GIL is left to gathering and feeding; 2.15M tokens/s against "
+                    "1.76-2.11M for the thread, bench/results/index_contention_packed_h100/) or a thread of the GPU-feeding process")
     ap.add_argument("--worker-output", choices=["packed", "objects"], default="packed", help="how workers hand back a document's chunks: "
                     "a few flat objects (qrag.data.documents.pack_chunks) or, the earlier rounds' way, DocumentChunks and token arrays one by one")
     ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "

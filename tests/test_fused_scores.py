@@ -49,3 +49,17 @@ def test_fused_topk_gives_the_blocked_paths_hits(monkeypatch):
     fused = index._fused_topk(states, selected, index.vectors, rows, n_total, 5)
     for a, b in zip(blocked, fused):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_scorer_may_keep_a_variant_per_device_and_shape(monkeypatch):
+    """Shards on 2 GPUs at 100M tokens ran out of dynamo's default 8 compiled variants of
+    relative_scores (each device is its own guard) and the rest ran eagerly."""
+    import torch._dynamo.config as dynamo_config
+
+    import qrag.index.shards as shards_mod
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    monkeypatch.setattr(shards_mod, "_FUSED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: fn)  # compiling itself is not under test
+    assert shards_mod._fused() is shards_mod.relative_scores
+    assert dynamo_config.recompile_limit >= 2 * 8

@@ -38,3 +38,13 @@ def test_http_and_library_paths_agree_and_are_timed(tiny_encoder, shared_data, t
             assert mode[key]["queries"] == 6 and 0 < mode[key]["p50_ms"] <= mode[key]["p99_ms"]
         [loop] = mode["http_closed_loop"]
         assert loop["concurrency"] == 2 and loop["queries"] == 6 and loop["queries_per_s"] > 0
+
+
+def test_the_two_gpu_benchs_corpus_builder_runs_on_cpu(tiny_encoder, shared_data, tmp_path):
+    """`bench/two_gpu.py --build-only` builds its corpus through serve_scale's tokenising workers:
+    it sent them an outdated job shape and failed on the 2-GPU machine before anything was timed."""
+    books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
+    done = run("two_gpu.py", "--build-only", "--gpus", "0", "--storage", str(tmp_path / "corpus"), "--tokens", "3000",
+               "--corpus-workers", "1", "--shards", "2", "--corpus", str(books[0]), "--random-encoder", tiny_encoder)
+    corpus = json.loads(done.stdout.strip().splitlines()[-1])
+    assert corpus["tokens"] >= 3000 and corpus["shards"] == 2 and corpus["chunks"] > 0 and corpus["questions"]

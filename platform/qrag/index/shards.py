@@ -71,12 +71,20 @@ def relative_scores(states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Ten
 
 
 _FUSED: dict[str, Any] = {}
+# Compiled variants of relative_scores a process may keep. Each device is a guard of its own (and
+# one row or one selected chunk are specialised apart from many): with shards on 2 GPUs, the
+# default 8 ran out at 100M tokens ("recompile_limit ... Expected device index"), and dynamo runs
+# every variant past the limit eagerly (bench/results/index_two_gpus_h100x2/err.txt).
+FUSED_VARIANTS = 64
 
 
 def _fused():
     """``relative_scores`` compiled once per process (None where compiling failed: eager blocks)."""
     if "fn" not in _FUSED:
         try:
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, FUSED_VARIANTS)
             _FUSED["fn"] = torch.compile(relative_scores, dynamic=True)
         except Exception as exc:  # noqa: BLE001 - no compiler here: the blocked eager path serves
             _FUSED["fn"], _FUSED["error"] = None, f"{type(exc).__name__}: {exc}"
