@@ -364,3 +364,42 @@ def test_host_settings_while_feeding_a_gpu_are_set_then_restored(tmp_path):
     assert torch.get_num_threads() == 1 and sys.getswitchinterval() == pytest.approx(FEEDING_SWITCH_S)
     second.__exit__(None, None, None)
     assert (torch.get_num_threads(), sys.getswitchinterval()) == (threads, switch)
+
+
+def test_shard_files_written_side_by_side_are_the_serial_files(model, tmp_path, monkeypatch):
+    """A large batch's shard segments are written by threads at once (qrag.index.store
+    PARALLEL_SHARD_WRITES_FROM); the files are those of one shard after another, and a shard
+    whose write fails leaves the corpus as it was (no commit), cleaned up by the next write."""
+    import qrag.index.store as store_mod
+
+    docs = make_documents(14, seed=5)
+    monkeypatch.setattr(store_mod, "PARALLEL_SHARD_WRITES_FROM", 10**9)
+    serial, _ = build(model, tmp_path / "serial", docs, pipelined=False)
+    monkeypatch.setattr(store_mod, "PARALLEL_SHARD_WRITES_FROM", 1)
+    threads_seen = set()
+    real_write = CorpusStore._write_segment
+
+    def recording(self, m, shard, *args):
+        import threading
+
+        threads_seen.add(threading.current_thread().name.split("_")[0])
+        return real_write(self, m, shard, *args)
+
+    monkeypatch.setattr(CorpusStore, "_write_segment", recording)
+    parallel, _ = build(model, tmp_path / "parallel", docs, pipelined=False)
+    assert snapshot(parallel) == snapshot(serial) and threads_seen == {"qrag-store-shard"}
+
+    before = snapshot(parallel)
+
+    def failing(self, m, shard, *args):
+        if shard == 1:
+            raise OSError("disk full (shard 1)")
+        return real_write(self, m, shard, *args)
+
+    monkeypatch.setattr(CorpusStore, "_write_segment", failing)
+    more = make_documents(3, seed=9)
+    more = [type(d)(f"more-{d.id}", d.text) for d in more]
+    chunks, ids = model.chunk_documents(more, 24)
+    with pytest.raises(OSError, match="shard 1"):
+        parallel.append("c", more, chunks, ids, model.embed_chunks(ids), model.fingerprint)
+    assert snapshot(CorpusStore(tmp_path / "parallel")) == before  # opening the store removes the strays

@@ -231,3 +231,34 @@ def test_a_capture_runs_on_a_stream_of_the_encoders_own_device(tiny_encoder, mon
     monkeypatch.setattr(torch, "zeros", lambda *a, device=None, **k: real_zeros(*a, **k))
     enc._capture(1, 16)
     assert captured == [torch.device("cuda:1")]
+
+
+def test_warm_up_captures_every_shape_a_replica_can_meet(tiny_encoder, monkeypatch):
+    """A serving replica captures its state graphs at start: every batch bucket up to the largest
+    batch it can be sent and every length bucket up to the longest state (here faked captures on a
+    'cuda' device: CPU). With graphs off (CPU), nothing."""
+    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
+    monkeypatch.setattr(GraphedEncoder, "_capture", lambda self, batch, length: ("graph", batch, length))
+    enc = GraphedEncoder(qnet, layout.pad_id, torch.device("cuda:0"), batch_buckets=(1, 2, 4, 8, 16, 32, 64), length_buckets=(32, 64, 96, 128, 192))
+    enc.graphs = True
+    assert enc.warm_up(20, 100) == 6 * 4  # batches 1..32 (20 states fill bucket 32), lengths 32..128
+    assert enc.captured_shapes == [(b, n) for b in (1, 2, 4, 8, 16, 32) for n in (32, 64, 96, 128)]
+    assert GraphedEncoder(qnet, layout.pad_id, CPU).warm_up(20, 100) == 0
+
+
+def test_a_serving_replica_warms_its_encoder_up_at_start(monkeypatch):
+    import qrag.distributed.serving as serving
+    from qrag.serving.service_config import ServeConfig
+
+    calls = []
+
+    class FakeModel:
+        def warm_up(self, max_batch):
+            calls.append(max_batch)
+            return 1
+
+    monkeypatch.setattr(serving, "load_embedding_model", lambda *a, **k: FakeModel())
+    monkeypatch.setattr(serving, "serving_source", lambda c: None)
+    serving.serving_model(ServeConfig(state_batch_size=16, max_beam_width=24))
+    serving.serving_model(ServeConfig(warm_up=False))
+    assert calls == [24]

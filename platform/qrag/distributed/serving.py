@@ -75,8 +75,11 @@ def serving_source(c: ServeConfig):
 
 def serving_model(c: ServeConfig):
     """The encoders as the service runs them: the Encoder deployment's, or a colocated Ingress's."""
-    return load_embedding_model(serving_source(c), c.encoder_device, encode_tokens=c.encode_tokens,
-                                question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+    model = load_embedding_model(serving_source(c), c.encoder_device, encode_tokens=c.encode_tokens,
+                                 question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+    if c.warm_up:
+        model.warm_up(max(c.state_batch_size, c.max_beam_width))
+    return model
 
 
 @serve.deployment(name=ENCODER, ray_actor_options={"num_cpus": 0}, **BACKEND_LIMITS)

@@ -28,6 +28,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from qrag.config import ModelConfig, from_dict, to_dict
 from qrag.data.documents import Document, DocumentChunk
 
 FORMAT_VERSION = 1
+PARALLEL_SHARD_WRITES_FROM = 2048  # chunks in a batch; smaller ones (HTTP appends) stay in the calling thread
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would let "books\n" in
 DTYPES = ("float32", "float16")
 
@@ -406,12 +408,19 @@ class CorpusStore:
         docs_bytes = "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode()
         make_dir(root / "docs")
         write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
-        shard_entries = []
-        for s in range(m.shards):
+        def write_shard(s: int) -> dict[str, Any]:
             rows = np.nonzero(positions % m.shards == s)[0]
-            entry = self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],
-                                        [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
-            shard_entries.append(entry)
+            return self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],
+                                       [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
+
+        # The shards' files side by side: serialising, hashing, writing and fsync release the GIL,
+        # and the store's one writer was a serial stage of bulk indexing (bench/results/README.md,
+        # "Indexing 10M tokens"). The manifest is committed only after every shard's files.
+        if m.shards > 1 and len(chunks) >= PARALLEL_SHARD_WRITES_FROM:
+            with ThreadPoolExecutor(min(m.shards, 8), thread_name_prefix="qrag-store-shard") as pool:
+                shard_entries = list(pool.map(write_shard, range(m.shards)))
+        else:
+            shard_entries = [write_shard(s) for s in range(m.shards)]
         m.batches.append({
             "id": batch_id, "first": first, "chunks": len(chunks), "documents": len(docs),
             "tokens": int(sum(c.tokens for c in chunks)),

@@ -142,6 +142,21 @@ class GraphedEncoder:
                     return None
         return entry
 
+    def warm_up(self, max_batch: int, max_length: int) -> int:
+        """Capture every shape a call of at most ``max_batch`` sequences of at most ``max_length``
+        tokens can take, now rather than on the first call of each shape (a replica's first
+        queries paid the captures). Returns how many shapes are ready; 0 where graphs are off."""
+        if not self.graphs:
+            return 0
+        top_batch = bucket_of(max_batch, self.batch_buckets) or self.batch_buckets[-1]
+        top_length = bucket_of(max_length, self.length_buckets) or self.length_buckets[-1]
+        ready = 0
+        with self._replay_lock:
+            for batch in (b for b in self.batch_buckets if b <= top_batch):
+                for length in (n for n in self.length_buckets if n <= top_length):
+                    ready += self._graph(batch, length) is not None
+        return ready
+
     def _padded(self, seqs: Sequence[np.ndarray], batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)
         lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)

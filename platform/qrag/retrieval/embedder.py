@@ -266,6 +266,13 @@ class EmbeddingModel(Tokenization):
 
         return result
 
+    def warm_up(self, max_batch: int) -> int:
+        """Capture the state encoder's graphs for up to ``max_batch`` states of any length up to
+        the layout's (GPU; a no-op on CPU): a serving replica does it at start. Shapes ready."""
+        if self.state_encoder is None:
+            return 0
+        return self.state_encoder.warm_up(max_batch, self.layout.max_state_tokens)
+
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
         self.states_embedded += len(seqs)
         if self.state_encoder is not None and all(len(s) <= self.state_encoder.length_buckets[-1] for s in seqs):

@@ -36,6 +36,8 @@ class ServeConfig:
     encoder_device: str = opt("auto", "Device of the encoder replicas: auto | cpu | cuda.")
     shard_device: str = opt("auto", "Device of the shard replicas (exact rotated scoring): auto | cpu | cuda.")
     state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch; in process: the states arriving while a forward runs; 1 = none).")
+    warm_up: bool = opt(True, "A GPU encoder replica captures its state encoder's CUDA graphs at start, for every batch up to "
+                              "max(state_batch_size, max_beam_width) and every state length, instead of on the first queries of each shape.")
     state_batch_wait_s: float = opt(0.002, "How long a state batch waits to fill.")
     chunk_batch: int = opt(512, "Chunks per encoder call while indexing (progress is reported per call).")
     encode_tokens: int = opt(32768, "Padded tokens per encoder forward pass.")
