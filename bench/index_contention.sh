@@ -13,15 +13,11 @@
 #   mkdir -p .carry/idx && cp -r ../shared/data/gutenberg_novels .carry/idx/novels
 #   python bench/serve_scale.py --export-encoder .carry/idx/minilm16 && rm .carry/idx/minilm16/*.safetensors
 # On the GPU machine, from the repository root:  QRAG_COMMIT=<sha> bash bench/index_contention.sh   (carry .carry/idx)
-export TOKENIZERS_PARALLELISM=false PYTHONPATH=platform
-C=$PWD/.carry/idx
 OUT=${OUT:-/tmp/index_contention}
-mkdir -p "$OUT"
-summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);i=d['indexing'];s=i['stages'];print('$1', d['gpu'], 'sec',i['seconds'],'tok/s',i['tokens_per_s'],'bare',i['bare_forward_tokens_per_s'],'share',i['end_to_end_share_of_bare'],'embed_busy',s['embed_busy_seconds'],'wait_prep',s['embed_waiting_for_prep_seconds'],'prep_busy',s['prep_busy_seconds'],'write',s['write_busy_seconds'],'writer_wait',s.get('writer_waiting_for_embed_seconds'),'graphs',(i.get('chunk_graphs') or {}).get('replays'))"; }
-ARGS="--corpus $C/novels --encoder $C/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
-run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/index_$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
-run default
-run writer_thread --writer thread
-run objects --worker-output objects
-run default_b
-run writer_thread_b --writer thread
+ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
+source "$(dirname "$0")/index_runs.sh"
+run index_default
+run index_writer_thread --writer thread
+run index_objects --worker-output objects
+run index_default_b
+run index_writer_thread_b --writer thread

@@ -1,0 +1,8 @@
+# Sourced by bench/index_contention.sh and bench/index_two_gpus.sh (set OUT and ARGS first): the
+# environment, the carry folder $C, and `run NAME [serve_scale options]`, which writes
+# $OUT/NAME.json and prints one line of its indexing (and, when timed, query) figures.
+export TOKENIZERS_PARALLELISM=false PYTHONPATH=platform
+C=$PWD/.carry/idx
+mkdir -p "$OUT"
+summ() { python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);i=d['indexing'];s=i['stages'];l=d.get('latency_concurrency_1') or {};t=d.get('throughput') or {};print('$1', d['gpu'], d['devices'], 'tokens',d['corpus']['encoder_tokens'],'sec',i['seconds'],'tok/s',i['tokens_per_s'],'bare(1 GPU)',i['bare_forward_tokens_per_s'],'share',i['end_to_end_share_of_bare'],'embed_busy',s['embed_busy_seconds'],'wait_prep',s['embed_waiting_for_prep_seconds'],'prep_busy',s['prep_busy_seconds'],'write',s['write_busy_seconds'],'writer_wait',s['writer_waiting_for_embed_seconds'],'graphs',(i.get('chunk_graphs') or {}).get('replays'),'p50/p99',l.get('p50_ms'),l.get('p99_ms'),'q/s',t.get('max_queries_per_s_with_p99_under_limit'))"; }
+run() { local name=$1; shift; python bench/serve_scale.py $ARGS "$@" --out "$OUT/$name.json" 2>>"$OUT/err.txt" | summ "$name"; }
