@@ -153,7 +153,7 @@ def main() -> None:
         stop.set()
         busy.join()
     rows["embed_busy_cpu"] = t.row(tokens)
-    rows["bare"] = {"tokens_per_s": round(bare_forward_tokens_per_s(model, [x for g in groups for x in g.ids], args.encode_tokens))}
+    rows["bare"] = {"tokens_per_s": round(float(np.median(bare_forward_tokens_per_s(model, [x for g in groups for x in g.ids], args.encode_tokens, 3))))}
     with tempfile.TemporaryDirectory() as storage:
         store = CorpusStore(storage)
         store.create("bench", fingerprint=model.fingerprint, model=model.model_cfg, dim=model.dim, chunk_tokens=args.chunk_tokens, shards=4)

@@ -68,6 +68,7 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", default=None, help="several GPUs, e.g. cuda:0,cuda:1: indexing embeds commit groups on each (a model "
                     "replica per device, groups round robin, committed in order) and shard s is held on device s %% n; the bare "
                     "forward is timed on the first (the share reported is of n times it)")
+    ap.add_argument("--bare-repeats", type=int, default=3, help="passes of the bare forward timed after indexing (the median is reported)")
     ap.add_argument("--variants", default="baseline,per_shard,one_pass,optimized",
                     help="query paths timed (the serving path is 'optimized'; the others are earlier rounds' paths)")
     ap.add_argument("--chunk-batch", type=int, default=8192, help="chunks per encoder call while indexing")
@@ -278,9 +279,10 @@ def chunk_graph_info(model) -> dict | None:
 
 
 @torch.no_grad()
-def bare_forward_tokens_per_s(model, ids: list[np.ndarray], encode_tokens: int, repeats: int = 1) -> float:
+def bare_forward_tokens_per_s(model, ids: list[np.ndarray], encode_tokens: int, repeats: int = 1) -> list[float]:
     """The action encoder's forward alone on the same length-bucketed batches (padded on the
-    device beforehand; no host work timed)."""
+    device beforehand; no host work timed): tokens/s of each of ``repeats`` passes. One pass
+    moved from 3.4M to 4.8M tokens/s between runs of one call (index_contention_packed_h100/)."""
     dev = model.device
     lengths = np.fromiter((len(s) for s in ids), dtype=np.int64, count=len(ids))
     batches = []
@@ -296,13 +298,15 @@ def bare_forward_tokens_per_s(model, ids: list[np.ndarray], encode_tokens: int, 
     with autocast_for(dev):
         encoder(input_ids=batches[0][0][:8], attention_mask=batches[0][1][:8])  # warm-up
     sync()
-    t0 = time.perf_counter()
+    rates = []
     for _ in range(repeats):
+        t0 = time.perf_counter()
         with autocast_for(dev):
             for ids_t, mask in batches:
                 encoder(input_ids=ids_t, attention_mask=mask).last_hidden_state.sum()
-    sync()
-    return repeats * int(lengths.sum()) / (time.perf_counter() - t0)
+        sync()
+        rates.append(int(lengths.sum()) / (time.perf_counter() - t0))
+    return rates
 
 
 def questions_from(index: LocalIndex, n: int, seed: int = 0) -> list[str]:
@@ -418,7 +422,8 @@ def main() -> None:
 
     built = index_corpus(index, model, files, args, tokenizer_dir)
     ids = built.pop("ids")
-    bare = bare_forward_tokens_per_s(model, ids, args.encode_tokens)
+    bare_runs = bare_forward_tokens_per_s(model, ids, args.encode_tokens, args.bare_repeats)
+    bare = float(np.median(bare_runs))
     head = {
         "bench": "serve_scale", **machine_info(), "device": str(dev), "devices": [str(d) for d in index.devices],
         "model": {"source": source.describe(), "positions": model.model_cfg.positions, "dim": model.dim, "fingerprint": model.fingerprint,
@@ -426,9 +431,9 @@ def main() -> None:
         "corpus": {"files": len(files), "chunk_tokens": args.chunk_tokens, "shards": args.shards,
                    **{k: v for k, v in built.items() if k in ("chunks", "text_tokens", "encoder_tokens", "documents", "bytes_on_disk")}},
         "indexing": {"seconds": round(built["seconds"], 2), "tokens_per_s": round(built["indexing_tokens_per_s"]),
-                     "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare),
+                     "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]), "bare_forward_tokens_per_s": round(bare), "bare_forward_runs": [round(r) for r in bare_runs],
                      "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / (bare * len(index.devices)), 3),
-                     "bare_forward_note": "timed on the first device; the share is of the device count times it",
+                     "bare_forward_note": "median of --bare-repeats passes, timed on the first device; the share is of the device count times it",
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
                      "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "worker_output": args.worker_output, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
                      "chunk_graphs": chunk_graph_info(model), "replica_chunk_graphs": [chunk_graph_info(r) for r in replicas]},
