@@ -208,7 +208,8 @@ def document_jobs(files: list[Path], chunk_tokens: int, doc_tokens: int, passes:
                 yield str(p), part, f"{base}#{k}", chunk_tokens
 
 
-def prepared_groups(pool, jobs: Iterator[tuple[str, str | None, str, int]], workers: int, tokens: int, commit_chunks: int) -> Iterator[Group]:
+def prepared_groups(pool, jobs: Iterator[tuple[str, str | None, str, int]], workers: int, tokens: int, commit_chunks: int,
+                    packed_output: bool = True) -> Iterator[Group]:
     """Commit groups of whole documents, in corpus order, of ``jobs`` chunked and tokenised in
     ``pool`` (two jobs per worker in flight: a worker never waits for the next one to be sent),
     until ``tokens`` text tokens (the last document cut there)."""
@@ -217,7 +218,7 @@ def prepared_groups(pool, jobs: Iterator[tuple[str, str | None, str, int]], work
     done = 0
     while pending and done < tokens:
         doc_id, packed = pending.pop(0).result()  # documents stay in corpus order
-        chunks, ids = unpack_chunks(packed) if len(packed) == 5 else packed
+        chunks, ids = unpack_chunks(packed) if packed_output else packed
         job = next(jobs, None)
         if job is not None:
             pending.append(pool.submit(_prepare, job))
@@ -244,7 +245,7 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
 
     def groups(pool):  # runs on the pipeline's prep thread
         jobs = document_jobs(files, args.chunk_tokens, args.doc_tokens)
-        for group in prepared_groups(pool, jobs, args.workers, args.tokens, args.commit_chunks):
+        for group in prepared_groups(pool, jobs, args.workers, args.tokens, args.commit_chunks, args.worker_output == "packed"):
             all_ids.extend(group.ids)
             yield group
 
@@ -405,14 +406,13 @@ def main() -> None:
     else:
         model = load_embedding_model(source, args.device, positions=None if args.checkpoint else args.positions,
                                      encode_tokens=args.encode_tokens, chunk_batch=args.chunk_batch)
-    if args.no_chunk_graphs:
-        model.chunk_encoder = None
     dev = model.device
     tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder(args.encoder)
     storage = args.storage or tempfile.mkdtemp(prefix="qrag_serve_scale_")
     replicas = [model.replica(d) for d in devices[1:]] if devices else []
-    for replica in replicas if args.no_chunk_graphs else []:
-        replica.chunk_encoder = None
+    if args.no_chunk_graphs:
+        for m in (model, *replicas):
+            m.chunk_encoder = None
     index = LocalIndex(CorpusStore(storage), model, devices or dev, ShardOptions(faiss="never"), chunk_batch=args.chunk_batch,
                        replicas=replicas)
     try:

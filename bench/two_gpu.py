@@ -158,7 +158,7 @@ def build_corpus(args) -> dict:
     from qrag.index.shards import ShardOptions
     from qrag.index.store import CorpusStore
     from qrag.data.haystack import book_files
-    from serve_scale import _init_worker, _prepare
+    from serve_scale import _init_worker, _prepare, document_jobs
 
     store = CorpusStore(args.storage)
     if CORPUS in store.names():
@@ -174,7 +174,7 @@ def build_corpus(args) -> dict:
     index = LocalIndex(CorpusStore(args.storage), model, model.device, ShardOptions(faiss="never"))
     index.create(CORPUS, chunk_tokens=args.chunk_tokens, shards=args.shards)
     files = book_files(args.corpus)
-    jobs = ((str(p), None, f"{p.name.split('.')[0]}~{rep}", args.chunk_tokens) for rep in itertools.count() for p in files)  # whole books
+    jobs = document_jobs(files, args.chunk_tokens, doc_tokens=0)  # whole books, cycled, each repeat with its own ids
     rng = random.Random(0)
     samples: list[str] = []
     tokens = chunks_total = 0

@@ -13,7 +13,7 @@ from qrag.config import ModelConfig, SearchConfig
 from qrag.data.documents import Document
 from qrag.retrieval.multistep import Retrieval, SearchRun, Timings, search
 from qrag.data.tokens import TokenLayout
-from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions, score_shards
+from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions, as_devices, score_shards
 from qrag.retrieval.hits import ShardHits
 from qrag.index.pipeline import IndexStats, document_groups, index_groups
 from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
@@ -58,9 +58,7 @@ class LocalIndex:
         ``replicas``: the model on more devices (``EmbeddingModel.replica``): indexing embeds
         commit groups on all of them (:func:`qrag.index.pipeline.index_groups`)."""
         self.store, self.model = store, model
-        self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
-        if not self.devices:
-            raise ValueError("LocalIndex needs at least one device for its shards")
+        self.devices = as_devices(device)
         self.device = self.devices[0]
         self.replicas = list(replicas)
         self.options = options or ShardOptions()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qrag.model.state_graphs import BATCH_BUCKETS, bucket_of, capture_lock
+from qrag.model.state_graphs import BATCH_BUCKETS, bucket_of, capture_graph, capture_lock
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -73,22 +73,9 @@ class ScoreGraphs:
     def _record(self, step, device: torch.device):
         """Warm ``step`` up on a side stream (the fused scorer compiles for these shapes there),
         capture it, replay it once for the inputs it was captured with; (graph, its outputs)."""
-        with torch.cuda.device(device), capture_lock(device):  # the current device's streams capture: shards may be on cuda:1
-            return self._record_on_device(step, device)
-
-    def _record_on_device(self, step, device: torch.device):
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):  # not the process-wide default stream: that one is on one device
-            outputs = step()
-        graph.replay()  # capture only records
+        with capture_lock(device):
+            graph, outputs, self._pool = capture_graph(step, device, self._pool)
+            graph.replay()  # capture only records
         return graph, outputs
 
     def __init__(self, capacity: int = 48, batch_buckets: Sequence[int] = BATCH_BUCKETS):

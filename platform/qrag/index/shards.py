@@ -440,6 +440,14 @@ class ShardUnhealthy(StoreError):
         return (ShardUnhealthy, (self.problems,))
 
 
+def as_devices(device: torch.device | str | Sequence[torch.device | str]) -> list[torch.device]:
+    """One device or several (shards spread over GPUs: shard s on ``devices[s % n]``) as a list."""
+    devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
+    if not devices:
+        raise ValueError("shards need at least one device")
+    return devices
+
+
 class CorpusShards:
     """The shards ``slots`` of one corpus held by one process, kept in step with the store."""
 
@@ -447,9 +455,7 @@ class CorpusShards:
                  options: ShardOptions | None = None):
         """``device``: where the shards live; several: shard s on ``device[s % len(device)]`` (the
         shards of a corpus spread over GPUs; each device's shards are scored in one pass)."""
-        self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
-        if not self.devices:
-            raise ValueError("CorpusShards needs at least one device")
+        self.devices = as_devices(device)
         self.store, self.name, self.slots, self.device = store, name, list(slots), self.devices[0]
         self.options = options or ShardOptions()
         self.uid: str | None = None

@@ -408,6 +408,7 @@ class CorpusStore:
         docs_bytes = "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode()
         make_dir(root / "docs")
         write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
+
         def write_shard(s: int) -> dict[str, Any]:
             rows = np.nonzero(positions % m.shards == s)[0]
             return self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],

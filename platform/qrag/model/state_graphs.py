@@ -21,7 +21,8 @@ the same code everywhere; a shape whose capture fails falls back to eager once, 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +51,27 @@ def capture_lock(device: torch.device | str) -> threading.Lock:
     index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" and torch.cuda.is_available() else 0)
     with _CAPTURE_LOCKS_GUARD:
         return _CAPTURE_LOCKS.setdefault((dev.type, index), threading.Lock())
+
+
+def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any, error_mode: str = "global") -> tuple[Any, Any, Any]:
+    """Warm ``run`` up twice on a side stream of ``device`` (capture requires it; compiled code
+    compiles there), then capture it on that stream with ``device`` current: (graph, its outputs,
+    the memory pool, made when ``pool`` is None). Not on torch.cuda.graph's default capture
+    stream: that one is one per process, made on the device current at its first use, and every
+    capture on cuda:1 failed on it (bench/results/index_two_gpus_attempt1_h100x2/). The caller
+    holds :func:`capture_lock`."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode=error_mode):
+            outputs = run()
+    return graph, outputs, pool
 
 
 def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
@@ -101,30 +123,12 @@ class GraphedEncoder:
         return self.qnet.finish(pooled)
 
     def _capture(self, batch: int, length: int):
-        # torch.cuda.graph captures on a stream of the *current* device: a model on cuda:1 used
-        # from a thread whose current device is cuda:0 (a second GPU indexing) must switch first.
-        with torch.cuda.device(self.device):
-            return self._capture_on_device(batch, length)
-
-    def _capture_on_device(self, batch: int, length: int):
         ids = torch.full((batch, length), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(batch, length, dtype=torch.bool, device=self.device)
         mask[:, 0] = True
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up off the default stream, as graph capture requires
-                self._forward(ids, mask)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         # thread_local: a query or an append in another thread of the replica may allocate or
         # launch meanwhile (on its own stream); 'global', the default, would fail that call.
-        # stream=side: torch.cuda.graph's default capture stream is one per process, made on the
-        # device current at its first use; a capture on cuda:1 on it failed (2 GPUs indexing).
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-            out = self._forward(ids, mask)
+        graph, out, self._pool = capture_graph(lambda: self._forward(ids, mask), self.device, self._pool, "thread_local")
         return graph, ids, mask, out
 
     def _graph(self, batch: int, length: int):
