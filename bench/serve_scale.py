@@ -24,6 +24,7 @@ GPU (lead): see the report; needs only torch, transformers, numpy, safetensors o
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -95,6 +96,10 @@ def args_parser() -> argparse.ArgumentParser:
                     "1.76-2.11M for the thread, bench/results/index_contention_packed_h100/) or a thread of the GPU-feeding process")
     ap.add_argument("--worker-output", choices=["packed", "objects"], default="packed", help="how workers hand back a document's chunks: "
                     "a few flat objects (qrag.data.documents.pack_chunks) or, the earlier rounds' way, DocumentChunks and token arrays one by one")
+    ap.add_argument("--lanes", action="store_true", help="index with a process per device (qrag.index.lanes: each lane its own "
+                    "tokenising workers, GPU feeding and file writes; this process commits in order) instead of one process feeding "
+                    "every device")
+    ap.add_argument("--lane-workers", type=int, default=0, help="tokenising processes per lane (default: --workers shared out among the lanes)")
     ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
                     "GPU-feeding thread gets a core first when every core is tokenising)")
     ap.add_argument("--steps", type=int, default=4)
@@ -270,6 +275,72 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
                                "gathering the workers' chunks + token ids (the workers' own CPU time is not counted)"}}
 
 
+def lane_model(device: str, source, args) -> EmbeddingModel:
+    """A lane's model (qrag.index.lanes spawns a process per device and builds its model there)."""
+    lane_args = argparse.Namespace(**{**vars(args), "device": device})
+    if args.random_weights:
+        model = random_weights_model(source, lane_args)
+    else:
+        model = load_embedding_model(source, device, positions=None if args.checkpoint else args.positions,
+                                     encode_tokens=args.encode_tokens, chunk_batch=args.chunk_batch)
+    if args.no_chunk_graphs:
+        model.chunk_encoder = None
+    return model
+
+
+def lane_documents(files: list[Path], args) -> Iterator[Document]:
+    """The books cut into documents as for the one-process path, until about ``--tokens`` tokens
+    (by characters: a lane run does not see token counts before it embeds)."""
+    chars = 0
+    for _, text, doc_id, _ in document_jobs(files, args.chunk_tokens, max(args.doc_tokens, 1)):
+        if chars >= args.tokens * CHARS_PER_TOKEN:
+            return
+        chars += len(text)
+        yield Document(doc_id, text)
+
+
+def stored_token_ids(store: CorpusStore, name: str) -> list[np.ndarray]:
+    """Every chunk's token ids from the corpus's files (the bare forward's input after a lane run)."""
+    m = store.read(name)
+    rows: dict[int, np.ndarray] = {}
+    for batch in m.batches:
+        for s in range(m.shards):
+            seg, problem = store.read_segment(m, s, batch)
+            if problem is not None:
+                raise RuntimeError(str(problem))
+            rows.update(zip(seg.positions.tolist(), seg.tokens))
+    return [rows[p] for p in sorted(rows)]
+
+
+def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tokenizer_dir: str, source) -> dict:
+    """``--lanes``: one process per device (qrag.index.lanes), the same corpus as index_corpus."""
+    from qrag.index.lanes import LaneConfig, index_in_lanes
+
+    name = "bench"
+    index.create(name, chunk_tokens=args.chunk_tokens, shards=args.shards)
+    devices = [str(d) for d in index.devices]
+    workers = args.lane_workers or max(1, args.workers // len(devices))
+    cfg = LaneConfig(store_root=str(index.store.root), name=name, make_model=functools.partial(lane_model, source=source, args=args),
+                     tokenizer_dir=tokenizer_dir, layout=model.layout, chunk_tokens=args.chunk_tokens, workers=workers,
+                     chunk_batch=args.chunk_batch, depth=args.depth, worker_nice=args.worker_nice,
+                     block_chars=max(1, args.doc_tokens) * CHARS_PER_TOKEN)
+    commit_chars = args.commit_chunks * args.chunk_tokens * CHARS_PER_TOKEN
+    _, stats = index_in_lanes(index.store, name, lane_documents(files, args), cfg, devices, commit_chars=commit_chars)
+    m = index.store.read(name)
+    st = stats.summary()
+    embed_s = max((row["embed_seconds"] for row in stats.per_lane), default=0.0)
+    write_s = max((row["write_seconds"] for row in stats.per_lane), default=0.0)
+    return {"name": name, "chunks": stats.chunks, "text_tokens": stats.tokens, "encoder_tokens": stats.encoder_tokens, "documents": m.documents,
+            "seconds": stats.seconds, "embed_seconds": embed_s, "store_seconds": write_s,
+            "indexing_tokens_per_s": stats.encoder_tokens / stats.seconds, "embed_only_tokens_per_s": stats.encoder_tokens / max(embed_s * len(devices), 1e-9),
+            "bytes_on_disk": index.store.disk_bytes(name), "ids": stored_token_ids(index.store, name),
+            "stages": {"pipelined": True, "lanes": len(devices), "workers_per_lane": workers, "commits": stats.commits,
+                       "commit_chars": commit_chars, "startup_seconds": st["startup_seconds"], "commit_seconds": st["commit_seconds"],
+                       "per_lane": st["per_lane"],
+                       "note": "seconds: every lane ready (model loaded, workers up: startup_seconds before) to the last commit; "
+                               "per_lane: each lane's pipeline stages (busy seconds, as for the one-process path)"}}
+
+
 def chunk_graph_info(model) -> dict | None:
     """How the chunks were embedded: CUDA-graph replays, shapes captured, shapes that fell back."""
     graphed = getattr(model, "chunk_encoder", None)
@@ -420,7 +491,10 @@ def main() -> None:
     except DataError as exc:
         raise SystemExit(f"serve_scale: {exc}") from None
 
-    built = index_corpus(index, model, files, args, tokenizer_dir)
+    if args.lanes:
+        built = index_corpus_in_lanes(index, model, files, args, tokenizer_dir, source)
+    else:
+        built = index_corpus(index, model, files, args, tokenizer_dir)
     ids = built.pop("ids")
     bare_runs = bare_forward_tokens_per_s(model, ids, args.encode_tokens, args.bare_repeats)
     bare = float(np.median(bare_runs))
@@ -435,7 +509,7 @@ def main() -> None:
                      "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / (bare * len(index.devices)), 3),
                      "bare_forward_note": "median of --bare-repeats passes, timed on the first device; the share is of the device count times it",
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
-                     "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "worker_output": args.worker_output, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
+                     "lanes": args.lanes, "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "worker_output": args.worker_output, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
                      "chunk_graphs": chunk_graph_info(model), "replica_chunk_graphs": [chunk_graph_info(r) for r in replicas]},
     }
     if args.index_only:

@@ -294,7 +294,7 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
                  depth: int = 2, progress: Callable[[int, int], None] | None = None,
                  on_commit: Callable[[Manifest], None] | None = None, host_threads: int | None = 1,
                  switch_s: float | None = FEEDING_SWITCH_S, writer: str = "thread",
-                 replicas: Sequence = ()) -> tuple[Manifest, IndexStats]:
+                 replicas: Sequence = (), append: Callable[[Group, np.ndarray], None] | None = None) -> tuple[Manifest, IndexStats]:
     """Embed and commit ``groups`` (in order, one ``store.append`` each) into corpus ``name``.
 
     ``progress(done, known)`` after every encoder call: chunks embedded and chunks prepared so far.
@@ -306,6 +306,9 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
     ``replicas``: the same model on more devices (``EmbeddingModel.replica``); a pipelined run embeds
     groups on ``model`` and each replica round robin, one feeder thread per device, and commits
     them in order (the same files as one device).
+    ``append(group, vectors)``: what the writer does with each embedded group instead of
+    ``store.append`` (a lane of :mod:`qrag.index.lanes` writes the files and leaves the commit to
+    its caller); in group order, on the writer thread.
     Returns the last manifest and the stage timings."""
     if chunk_batch < 1:
         raise ValueError(f"chunk_batch must be at least 1, got {chunk_batch}")
@@ -316,13 +319,15 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
         raise ValueError("replicas must be the same model (same fingerprint) on other devices")
     if replicas and not pipelined:
         raise ValueError("replicas embed groups side by side: they need pipelined=True")
+    if append is not None and writer != "thread":
+        raise ValueError("a custom append runs on the writer thread: it needs writer='thread'")
     with host_settings_while_feeding(getattr(model, "device", "cpu"), host_threads, switch_s):
-        return _index_groups(store, name, models, groups, chunk_batch, pipelined, depth, progress, on_commit, writer)
+        return _index_groups(store, name, models, groups, chunk_batch, pipelined, depth, progress, on_commit, writer, append)
 
 
 def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Iterable[Group], chunk_batch: int, pipelined: bool, depth: int,
                   progress: Callable[[int, int], None] | None, on_commit: Callable[[Manifest], None] | None,
-                  writer_kind: str = "thread") -> tuple[Manifest, IndexStats]:
+                  writer_kind: str = "thread", append: Callable[[Group, np.ndarray], None] | None = None) -> tuple[Manifest, IndexStats]:
     stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0, writer=writer_kind if pipelined else "caller",
                        devices=len(models))
     dim = store.read(name).dim
@@ -331,13 +336,14 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
     counts = {"embedded": 0, "known": 0}
     counting = threading.Lock()  # feeder threads add to the counts and the embed seconds
 
-    def committed(group: Group, m: Manifest) -> None:
-        last[:] = [m]
+    def committed(group: Group, m: Manifest | None) -> None:
+        if m is not None:
+            last[:] = [m]
         stats.commits += 1
         stats.documents += len(group.docs)
         stats.chunks += len(group.chunks)
         stats.tokens += sum(c.tokens for c in group.chunks)
-        if on_commit is not None:
+        if on_commit is not None and m is not None:
             on_commit(m)
 
     # Where a batch is appended: here, or (pipelined, writer "process") by a child process.
@@ -345,7 +351,10 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
 
     def write(item: tuple[Group, np.ndarray]) -> None:
         group, vectors = item
-        if child is not None:
+        if append is not None:
+            append(group, vectors)
+            committed(group, None)
+        elif child is not None:
             committed(group, child.append(group.docs, group.chunks, group.ids, vectors))
         else:
             committed(group, store.append(name, group.docs, group.chunks, group.ids, vectors, fingerprint))

@@ -379,25 +379,29 @@ class CorpusStore:
         """Add documents (their chunks in corpus order, token ids and vectors) as one batch;
         durable when this returns. ``job`` is recorded with the batch (a restarted server can
         tell whether an interrupted job's documents made it)."""
-        with self.lock(name):
-            m = self.read(name)
+        with self.hold(name) as m:
             self.check_new(m, docs, fingerprint)
-            self._remove_strays(m)
-            for tmp in self.path(name).glob(f"*/.*{TMP_SUFFIX}"):
-                tmp.unlink(missing_ok=True)
             self._add_batch(m, docs, chunks, token_ids, vectors, fingerprint=fingerprint, job=job)
             self._write_manifest(m)
             return m
 
     def _add_batch(self, m: Manifest, docs, chunks, token_ids, vectors: np.ndarray, *, fingerprint: str, job: str | None) -> None:
         """Write one batch's files (each durable) and add it to ``m`` (not yet written)."""
+        batch_id = max((b["id"] for b in m.batches), default=0) + 1
+        self.add_written(m, self.write_batch_files(m, batch_id, m.chunks, docs, chunks, token_ids, vectors, fingerprint=fingerprint, job=job))
+
+    def write_batch_files(self, m: Manifest, batch_id: int, first: int, docs, chunks, token_ids, vectors: np.ndarray, *,
+                          fingerprint: str, job: str | None = None) -> dict[str, Any]:
+        """The files of batch ``batch_id`` whose chunks take the global positions ``first``...
+        (each file durable), and its manifest entry, which :meth:`add_written` commits. ``m``
+        gives only the corpus's fixed fields (name, shards, dim, dtype): several processes may
+        write batches of one corpus side by side while the process that holds the writer lock
+        (:meth:`hold`) commits them in order (:mod:`qrag.index.lanes`)."""
         name = m.name
         if not (len(chunks) == len(token_ids) == len(vectors)):
             raise StoreError(f"corpus {name!r}: {len(chunks)} chunks, {len(token_ids)} token arrays and {len(vectors)} vectors")
         if vectors.ndim != 2 or vectors.shape[1] != m.dim:
             raise StoreError(f"corpus {name!r}: vectors of shape {tuple(vectors.shape)}, expected [n, {m.dim}]")
-        batch_id = max((b["id"] for b in m.batches), default=0) + 1
-        first = m.chunks
         positions = np.arange(first, first + len(chunks), dtype=np.int64)
         root = self.path(name)
         tag = f"batch_{batch_id:06d}"
@@ -422,16 +426,45 @@ class CorpusStore:
                 shard_entries = list(pool.map(write_shard, range(m.shards)))
         else:
             shard_entries = [write_shard(s) for s in range(m.shards)]
-        m.batches.append({
+        return {
             "id": batch_id, "first": first, "chunks": len(chunks), "documents": len(docs),
             "tokens": int(sum(c.tokens for c in chunks)),
             "docs": {"file": f"docs/{tag}.jsonl", "sha256": _sha256(docs_bytes)},
             "shards": shard_entries, **({"job": job} if job else {}),
-        })
+        }
+
+    @staticmethod
+    def add_written(m: Manifest, entry: dict[str, Any]) -> None:
+        """Add a batch written by :meth:`write_batch_files` to ``m`` (not yet written). It must be
+        the next batch: its id after the last and its first position the corpus's chunk count."""
+        last_id = max((b["id"] for b in m.batches), default=0)
+        if entry["id"] <= last_id or entry["first"] != m.chunks:
+            raise StoreError(f"corpus {m.name!r}: batch {entry['id']} at position {entry['first']} does not follow "
+                             f"batch {last_id} ending at {m.chunks}")
+        m.batches.append(entry)
         m.version += 1
-        m.documents += len(docs)
-        m.chunks += len(chunks)
-        m.tokens += int(sum(c.tokens for c in chunks))
+        m.documents += entry["documents"]
+        m.chunks += entry["chunks"]
+        m.tokens += entry["tokens"]
+
+    @contextmanager
+    def hold(self, name: str) -> Iterator[Manifest]:
+        """The writer lock for a run of many batches, with the manifest at its start (debris of
+        crashed writes removed). While it is held, other processes may write batch files
+        (:meth:`write_batch_files`) that the holder commits with :meth:`commit_written`: no other
+        writer can remove them as strays meanwhile, and a crash leaves them as strays."""
+        with self.lock(name):
+            m = self.read(name)
+            self._remove_strays(m)
+            for tmp in self.path(name).glob(f"*/.*{TMP_SUFFIX}"):
+                tmp.unlink(missing_ok=True)
+            yield m
+
+    def commit_written(self, m: Manifest, entry: dict[str, Any]) -> Manifest:
+        """Commit one written batch (the caller holds :meth:`hold`): ``m`` updated and durable."""
+        self.add_written(m, entry)
+        self._write_manifest(m)
+        return m
 
     def _write_segment(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str) -> dict[str, Any]:
         folder = self.path(m.name) / f"shard_{shard:03d}"

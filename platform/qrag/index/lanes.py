@@ -1,0 +1,377 @@
+"""Bulk indexing on the GPUs of one machine: a process per GPU (a *lane*), the corpus committed in
+order by the caller.
+
+::
+
+    caller (holds the corpus's writer lock: CorpusStore.hold)
+      documents -> groups of whole documents of about ``commit_chars`` characters; group k to lane k % n
+    lane i (a spawned process: its GPU, its model, its own tokenising processes)
+      tokenise group k in its workers (blocks of ``block_chars``) -> report k's chunk count
+      embed it (qrag.index.pipeline.index_groups: tokenising, feeding and writing overlap)
+      write its files once the caller has said where they start (CorpusStore.write_batch_files)
+    caller: first positions handed out in group order as the counts come in; written groups
+            committed in group order (CorpusStore.commit_written), one manifest write each
+
+Why: one process feeding two GPUs was no faster than one GPU (bench/results/README.md, "Indexing
+10M tokens, round 6, and 2 GPUs": gathering tokenised chunks, feeding and handing over the writes
+share one GIL). A lane is that single-GPU pipeline in a process of its own; lanes only exchange
+counts, positions and manifest entries with the caller.
+
+The corpus is the one a single process makes from the same documents (same chunks, positions,
+vectors); only the batch boundaries differ (they depend on characters here, not on chunk counts).
+A crash or failure keeps every group committed before it; ``resume=True`` skips the documents the
+corpus holds, so a rerun embeds only the rest. Files a lane wrote for a group that was never
+committed are strays, removed by the next writer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qrag.data.documents import Document, unpack_chunks
+from qrag.index.pipeline import Group, index_groups
+from qrag.index.store import CorpusConflict, CorpusStore, Manifest
+from qrag.index.tokenise_workers import blocks_of, init_worker, prepare_block
+
+POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
+
+
+class LaneError(RuntimeError):
+    """A lane failed; the message names the lane, its device and the lane's traceback."""
+
+
+@dataclass
+class LaneConfig:
+    """What every lane is given (pickled into each spawned lane process)."""
+
+    store_root: str
+    name: str
+    make_model: Callable[[str], Any]  # device -> the embedding model on it (picklable: a module-level function or partial)
+    tokenizer_dir: str
+    layout: Any  # the model's TokenLayout: the tokenising workers start before the model loads
+    chunk_tokens: int
+    workers: int = 4  # tokenising processes per lane
+    chunk_batch: int = 4096
+    block_chars: int = 128 << 10  # text per tokenising job (~32K tokens of English prose)
+    depth: int = 2
+    worker_nice: int = 0
+
+
+@dataclass
+class LaneStats:
+    lanes: int = 0
+    devices: list[str] = field(default_factory=list)
+    commits: int = 0
+    documents: int = 0
+    chunks: int = 0
+    tokens: int = 0
+    encoder_tokens: int = 0
+    startup_seconds: float = 0.0  # lanes spawned to every lane ready (models loaded, workers up)
+    seconds: float = 0.0  # every lane ready to the last commit
+    commit_seconds: float = 0.0  # the caller's manifest writes
+    per_lane: list[dict[str, Any]] = field(default_factory=list)  # each lane's IndexStats summary
+
+    def summary(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def char_groups(docs: Iterable[Document], commit_chars: int) -> Iterator[list[Document]]:
+    """Whole documents in input order, in groups of at least ``commit_chars`` characters (the
+    last may be smaller). Boundaries depend on the documents alone."""
+    if commit_chars < 1:
+        raise ValueError(f"commit_chars must be at least 1, got {commit_chars}")
+    group: list[Document] = []
+    size = 0
+    for doc in docs:
+        group.append(doc)
+        size += len(doc.text)
+        if size >= commit_chars:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+# ---------------------------------------------------------------------------------------------
+# The lane process
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - whatever it was, the caller gets its type and message
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class _Stopped(Exception):
+    """The caller stopped the run (another lane failed, or the input did)."""
+
+
+def _get(q, parent: int):
+    """``q.get()`` that gives up when the caller is gone (a lane must never outlive it)."""
+    while True:
+        try:
+            return q.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                raise _Stopped("the indexing process is gone") from None
+
+
+def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, report) -> Iterator[Group]:
+    """The lane's groups, tokenised in its workers; the blocks of the next group are queued before
+    this one is gathered, so the workers do not wait between groups."""
+    ahead: deque = deque()
+
+    def take() -> bool:
+        msg = _get(inbox, parent)
+        if msg is None:
+            return False
+        k, docs = msg
+        blocks = blocks_of(docs, cfg.block_chars)
+        ahead.append((k, docs, [pool.submit(prepare_block, [(d.id, d.text) for d in b], cfg.chunk_tokens) for b in blocks]))
+        return True
+
+    more = take()
+    while ahead:
+        if more:
+            more = take()
+        k, docs, futures = ahead.popleft()
+        group = Group(docs=[Document(d.id, "") for d in docs])  # the texts live on in the chunks
+        for f in futures:
+            chunks, ids = unpack_chunks(f.result())
+            group.chunks.extend(chunks)
+            group.ids.extend(ids)
+        report(("count", k, len(group.chunks)))
+        keys.append(k)
+        yield group
+
+
+def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: int) -> None:
+    """A lane's process: tokenise, embed and write the groups it is sent (see the module doc)."""
+    import torch
+
+    def report(msg: tuple) -> None:
+        outbox.put((msg[0], i, *msg[1:]))
+
+    try:
+        # The workers fork before this process touches its GPU: a forked CUDA context is unusable.
+        pool = ProcessPoolExecutor(cfg.workers, initializer=init_worker, initargs=(cfg.tokenizer_dir, cfg.layout, 64, cfg.worker_nice))
+        list(pool.map(int, range(cfg.workers)))
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
+        model = cfg.make_model(device)
+        store = CorpusStore(cfg.store_root, clean=False)  # the caller holds the lock and cleaned already
+        fixed = store.read(cfg.name)  # name, shards, dim, dtype: what writing a batch needs
+        report(("ready", model.fingerprint))
+        keys: deque = deque()
+        starts: dict[int, tuple[int, int]] = {}
+
+        def append(group: Group, vectors: np.ndarray) -> None:
+            k = keys.popleft()
+            while k not in starts:
+                msg = _get(control, parent)
+                if msg is None:
+                    raise _Stopped("stopped by the indexing process")
+                starts[msg[0]] = (msg[1], msg[2])
+            batch_id, first = starts.pop(k)
+            entry = store.write_batch_files(fixed, batch_id, first, group.docs, group.chunks, group.ids, vectors,
+                                            fingerprint=model.fingerprint)
+            report(("written", k, entry, sum(len(x) for x in group.ids)))
+
+        with pool:
+            _, stats = index_groups(store, cfg.name, model, _tokenised_groups(pool, inbox, cfg, parent, keys, report),
+                                    chunk_batch=cfg.chunk_batch, depth=cfg.depth, append=append)
+        report(("done", stats.summary()))
+    except _Stopped:
+        report(("stopped",))
+    except BaseException as exc:  # noqa: BLE001 - raised in the caller
+        report(("error", _picklable(exc), traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The caller
+
+
+class _Run:
+    """The caller's side of one run: positions in group order, commits in group order."""
+
+    def __init__(self, store: CorpusStore, m: Manifest, lanes: int, on_commit: Callable[[Manifest], None] | None):
+        self.store, self.m, self.n, self.on_commit = store, m, lanes, on_commit
+        self.counts: dict[int, int] = {}
+        self.written: dict[int, dict[str, Any]] = {}
+        self.next_start = 0  # the next group to be told where it starts
+        self.next_commit = 0
+        self.first = m.chunks
+        self.base_id = max((b["id"] for b in m.batches), default=0)
+        self.stats = LaneStats()
+
+    def count(self, k: int, n: int, control: Sequence) -> None:
+        self.counts[k] = n
+        while self.next_start in self.counts:
+            k0 = self.next_start
+            control[k0 % self.n].put((k0, self.base_id + 1 + k0, self.first))
+            self.first += self.counts.pop(k0)
+            self.next_start += 1
+
+    def wrote(self, k: int, entry: dict[str, Any], encoder_tokens: int) -> None:
+        self.written[k] = (entry, encoder_tokens)
+        while self.next_commit in self.written:
+            entry, enc = self.written.pop(self.next_commit)
+            t0 = time.perf_counter()
+            self.store.commit_written(self.m, entry)
+            self.stats.commit_seconds += time.perf_counter() - t0
+            self.stats.commits += 1
+            self.stats.documents += entry["documents"]
+            self.stats.chunks += entry["chunks"]
+            self.stats.tokens += entry["tokens"]
+            self.stats.encoder_tokens += enc
+            self.next_commit += 1
+            if self.on_commit is not None:
+                self.on_commit(self.m)
+
+
+def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg: LaneConfig, devices: Sequence[str], *,
+                   commit_chars: int = 4 << 20, resume: bool = False,
+                   on_commit: Callable[[Manifest], None] | None = None) -> tuple[Manifest, LaneStats]:
+    """Embed and commit ``docs`` into corpus ``name`` with one lane per device (see the module
+    doc). ``resume``: documents the corpus holds are skipped (else they are an error, as for
+    ``CorpusStore.append``). ``on_commit(manifest)`` after every commit. Returns the last
+    manifest and the run's figures."""
+    if not devices:
+        raise ValueError("index_in_lanes needs at least one device")
+    ctx = mp.get_context("spawn")  # a lane starts CUDA itself; fork would copy the caller's
+    n = len(devices)
+    with store.hold(name) as m:
+        existing = set(store.doc_ids(m))
+        run = _Run(store, m, n, on_commit)
+        run.stats.lanes, run.stats.devices = n, [str(d) for d in devices]
+        outbox = ctx.Queue()
+        inboxes = [ctx.Queue(maxsize=cfg.depth) for _ in range(n)]
+        controls = [ctx.Queue() for _ in range(n)]
+        procs = [ctx.Process(target=_lane, args=(i, str(d), cfg, inboxes[i], controls[i], outbox, os.getpid()),
+                             name=f"qrag-lane-{i}") for i, d in enumerate(devices)]  # not daemonic: a lane has worker processes
+        t_spawn = time.perf_counter()
+        for p in procs:
+            p.start()
+        stop = threading.Event()
+        failure: list[BaseException] = []
+        sender = threading.Thread(target=_send, args=(docs, existing, resume, name, commit_chars, inboxes, stop, failure),
+                                  name="qrag-lanes-send", daemon=True)
+        finished: set[int] = set()
+        ready = 0
+        t_ready = None
+        try:
+            while len(finished) < n:
+                try:
+                    msg = outbox.get(timeout=POLL_S)
+                except queue.Empty:
+                    dead = [i for i, p in enumerate(procs) if i not in finished and not p.is_alive()]
+                    if dead:
+                        i = dead[0]
+                        raise LaneError(f"lane {i} ({devices[i]}) exited with code {procs[i].exitcode} without a word") from None
+                    continue  # a failure of the input ends the inboxes itself: the groups before it are committed
+                kind, i = msg[0], msg[1]
+                if kind == "ready":
+                    if msg[2] != m.fingerprint:
+                        raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}; lane {i} has {msg[2]}")
+                    ready += 1
+                    if ready == n:
+                        t_ready = time.perf_counter()
+                        run.stats.startup_seconds = t_ready - t_spawn
+                        sender.start()
+                elif kind == "count":
+                    run.count(msg[2], msg[3], controls)
+                elif kind == "written":
+                    run.wrote(msg[2], msg[3], msg[4])
+                elif kind == "done":
+                    finished.add(i)
+                    run.stats.per_lane.append({"lane": i, "device": str(devices[i]), **msg[2]})
+                elif kind == "stopped":
+                    finished.add(i)
+                elif kind == "error":
+                    finished.add(i)
+                    if not failure:
+                        failure.append(LaneError(f"lane {i} ({devices[i]}) failed: {msg[2]}\n--- the lane's traceback ---\n{msg[3]}"))
+                    _stop(stop, inboxes, controls)
+        except BaseException:
+            _stop(stop, inboxes, controls)
+            _end(procs)
+            raise
+        _end(procs)
+        if failure:
+            raise failure[0]
+        run.stats.per_lane.sort(key=lambda row: row["lane"])
+        run.stats.seconds = time.perf_counter() - (t_ready or t_spawn)
+        return m, run.stats
+
+
+def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str, commit_chars: int, inboxes: Sequence, stop: threading.Event,
+          failure: list[BaseException]) -> None:
+    """The sender thread: groups round robin to the lanes, then an end mark to each."""
+    seen = set(existing)
+
+    def fresh() -> Iterator[Document]:
+        for doc in docs:
+            if doc.id in seen:
+                if resume and doc.id in existing:
+                    continue
+                raise CorpusConflict(f"document id {doc.id!r} is already in corpus {name!r}")
+            seen.add(doc.id)
+            yield doc
+
+    try:
+        for k, group in enumerate(char_groups(fresh(), commit_chars)):
+            box = inboxes[k % len(inboxes)]
+            while not stop.is_set():
+                try:
+                    box.put((k, group), timeout=POLL_S)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set():
+                return
+    except BaseException as exc:  # noqa: BLE001 - raised by the caller's loop
+        failure.append(exc)
+    finally:
+        for box in inboxes:
+            while True:  # a full inbox empties unless its lane is gone (then stop is set)
+                try:
+                    box.put(None, timeout=POLL_S)
+                    break
+                except queue.Full:
+                    if stop.is_set():
+                        break
+
+
+def _stop(stop: threading.Event, inboxes: Sequence, controls: Sequence) -> None:
+    """No more groups, no more positions: lanes end after the groups they hold (never committed)."""
+    if stop.is_set():
+        return
+    stop.set()
+    for box in (*inboxes, *controls):
+        try:
+            box.put_nowait(None)
+        except queue.Full:
+            pass
+
+
+def _end(procs: Sequence) -> None:
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.terminate()
+            p.join()

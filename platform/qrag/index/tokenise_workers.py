@@ -1,0 +1,52 @@
+"""Chunking and tokenising documents in worker processes: the CPU stage of bulk indexing.
+
+A worker holds one :class:`qrag.retrieval.embedder.Tokenization` (made by :func:`init_worker`, a
+``ProcessPoolExecutor`` initializer) and turns a block of documents into their chunks and token
+ids (:func:`prepare_block`), handed back packed (:func:`qrag.data.documents.pack_chunks`: a few
+flat objects, cheap to unpickle for the process that feeds the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from qrag.data.documents import Document, pack_chunks
+
+_TOKENIZATION = None
+
+
+def init_worker(tokenizer_dir: str, layout, question_tokens: int = 64, nice: int = 0) -> None:
+    """Load the tokenizer once per worker (``layout``: the model's TokenLayout)."""
+    global _TOKENIZATION
+    import torch
+
+    from qrag.model.encoder import load_tokenizer
+    from qrag.retrieval.embedder import Tokenization
+
+    torch.set_num_threads(1)  # a worker tokenises; torch's thread pool would only take cores
+    if nice:  # below the GPU-feeding process: with every core tokenising, it must not wait for a core
+        os.nice(nice)
+    _TOKENIZATION = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
+
+
+def prepare_block(docs: Sequence[tuple[str, str]], chunk_tokens: int) -> tuple:
+    """(id, text) documents -> their chunks in order and the chunks' encoder ids, packed."""
+    if _TOKENIZATION is None:
+        raise RuntimeError("prepare_block runs in a worker set up by init_worker")
+    chunks, ids = _TOKENIZATION.chunk_documents([Document(i, t) for i, t in docs], chunk_tokens)
+    return pack_chunks(chunks, ids)
+
+
+def blocks_of(docs: Sequence[Document], block_chars: int) -> list[list[Document]]:
+    """Consecutive documents in blocks of about ``block_chars`` characters (a document longer
+    than that is a block of its own): one tokenising job each."""
+    blocks: list[list[Document]] = []
+    size = block_chars
+    for doc in docs:
+        if size >= block_chars:
+            blocks.append([])
+            size = 0
+        blocks[-1].append(doc)
+        size += len(doc.text)
+    return blocks

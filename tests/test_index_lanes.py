@@ -1,0 +1,127 @@
+"""Indexing in lanes (qrag.index.lanes: a process per device, commits in order by the caller): the
+corpus one process makes; a failure keeps the whole groups before it and resume finishes the rest;
+batches written elsewhere commit only in order."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from qrag.data.documents import Document
+from qrag.index.lanes import LaneConfig, LaneError, char_groups, index_in_lanes
+from qrag.index.local import LocalIndex
+from qrag.index.store import CorpusConflict, CorpusStore, StoreError
+from qrag.index.tokenise_workers import blocks_of
+from qrag.retrieval.embedder import load_embedding_model, resolve_source
+from test_index import corpus_rows, make_documents
+from test_index_pipeline import snapshot
+
+SHARDS = 3
+CHUNK_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model(tiny_encoder):
+    return load_embedding_model(resolve_source(None, tiny_encoder), "cpu", positions="relative")
+
+
+def one_process_corpus(model, root, docs):
+    store = CorpusStore(root)
+    index = LocalIndex(store, model, chunk_batch=4, commit_chunks=10, pipelined=False)
+    index.create("c", chunk_tokens=CHUNK_TOKENS, shards=SHARDS)
+    index.add_documents("c", docs)
+    return store
+
+
+def lane_config(model, tiny_encoder, root, **kw) -> LaneConfig:
+    make_model = functools.partial(load_embedding_model, resolve_source(None, tiny_encoder), positions="relative")
+    return LaneConfig(store_root=str(root), name="c", make_model=make_model, tokenizer_dir=tiny_encoder, layout=model.layout,
+                      chunk_tokens=CHUNK_TOKENS, workers=1, chunk_batch=4, block_chars=600, **kw)
+
+
+def new_corpus(model, root) -> CorpusStore:
+    store = CorpusStore(root)
+    LocalIndex(store, model).create("c", chunk_tokens=CHUNK_TOKENS, shards=SHARDS)
+    return store
+
+
+def assert_same_corpus(a: CorpusStore, b: CorpusStore) -> None:
+    rows_a, vec_a, ids_a = corpus_rows(a, "c")
+    rows_b, vec_b, ids_b = corpus_rows(b, "c")
+    assert rows_a == rows_b
+    assert ids_a == ids_b
+    np.testing.assert_allclose(vec_a, vec_b, atol=1e-5)  # batched differently: float sums in another order
+
+
+def test_two_lanes_make_the_corpus_one_process_makes(model, tiny_encoder, tmp_path):
+    docs = make_documents(24, seed=3)
+    reference = one_process_corpus(model, tmp_path / "one", docs)
+    store = new_corpus(model, tmp_path / "lanes")
+    commits = []
+    m, stats = index_in_lanes(store, "c", docs, lane_config(model, tiny_encoder, tmp_path / "lanes"), ["cpu", "cpu"],
+                              commit_chars=1500, on_commit=lambda man: commits.append(man.chunks))
+    assert_same_corpus(reference, store)
+    assert stats.commits == len(store.read("c").batches) == len(commits) >= 4
+    assert commits == sorted(commits)  # committed in group order
+    assert [row["lane"] for row in stats.per_lane] == [0, 1]
+    assert all(row["commits"] >= 2 for row in stats.per_lane)  # both lanes embedded and wrote groups
+    assert stats.chunks == m.chunks == reference.read("c").chunks
+    assert stats.encoder_tokens > stats.tokens > 0
+    _, _, listed, on_disk = snapshot(store)
+    assert sorted(listed) == [p for p in on_disk if p != "corpus.json"]  # no stray files
+
+
+def test_a_lane_failure_keeps_whole_groups_and_resume_finishes(model, tiny_encoder, tmp_path):
+    docs = make_documents(24, seed=4)
+    bad = list(docs)
+    bad[15] = Document(docs[15].id, "   ")  # no text to index: the lane tokenising it fails
+    store = new_corpus(model, tmp_path / "lanes")
+    cfg = lane_config(model, tiny_encoder, tmp_path / "lanes")
+    with pytest.raises(LaneError, match="doc-15"):
+        index_in_lanes(store, "c", bad, cfg, ["cpu", "cpu"], commit_chars=1500)
+    held = store.doc_ids(store.read("c"))
+    assert held == [d.id for d in docs[: len(held)]] and len(held) <= 15  # whole groups before the failure, in order
+    with pytest.raises(CorpusConflict, match="already in corpus"):  # without resume the committed documents are refused
+        index_in_lanes(store, "c", docs, cfg, ["cpu"], commit_chars=1500)
+    _, stats = index_in_lanes(store, "c", docs, cfg, ["cpu", "cpu"], commit_chars=1500, resume=True)
+    assert stats.documents == len(docs) - len(held)  # nothing committed is embedded again
+    assert_same_corpus(one_process_corpus(model, tmp_path / "one", docs), store)
+    _, _, listed, on_disk = snapshot(store)
+    assert sorted(listed) == [p for p in on_disk if p != "corpus.json"]  # the failed run's files are gone
+
+
+def test_a_duplicate_input_document_commits_the_groups_before_it(model, tiny_encoder, tmp_path):
+    docs = make_documents(12, seed=5)
+    store = new_corpus(model, tmp_path / "lanes")
+    with pytest.raises(CorpusConflict, match="doc-2"):
+        index_in_lanes(store, "c", [*docs, docs[2]], lane_config(model, tiny_encoder, tmp_path / "lanes"), ["cpu", "cpu"], commit_chars=1500)
+    assert store.doc_ids(store.read("c")) == [d.id for d in docs]  # every group before the duplicate committed
+
+
+def test_groups_and_blocks_are_whole_documents_by_characters():
+    docs = [Document(f"d{i}", "x" * n) for i, n in enumerate([5, 5, 12, 1, 1, 1, 30])]
+    assert [[d.id for d in g] for g in char_groups(docs, 10)] == [["d0", "d1"], ["d2"], ["d3", "d4", "d5", "d6"]]
+    assert [[d.id for d in b] for b in blocks_of(docs, 10)] == [["d0", "d1"], ["d2"], ["d3", "d4", "d5", "d6"]]
+    assert list(char_groups([], 10)) == []
+    with pytest.raises(ValueError):
+        list(char_groups(docs, 0))
+
+
+def test_batches_written_elsewhere_commit_only_in_order(model, tmp_path):
+    store = new_corpus(model, tmp_path)
+    docs = make_documents(2, seed=6)
+    chunks, ids = model.chunk_documents(docs, CHUNK_TOKENS)
+    vectors = model.embed_chunks(ids)
+    half = [c for c in chunks if c.doc_id == docs[0].id]
+    with store.hold("c") as m:
+        first = store.write_batch_files(m, 1, 0, docs[:1], half, ids[: len(half)], vectors[: len(half)], fingerprint=model.fingerprint)
+        second = store.write_batch_files(m, 2, len(half), docs[1:], chunks[len(half):], ids[len(half):], vectors[len(half):],
+                                         fingerprint=model.fingerprint)
+        with pytest.raises(StoreError, match="does not follow"):
+            store.commit_written(m, second)
+        store.commit_written(m, first)
+        store.commit_written(m, second)
+    reference = one_process_corpus(model, tmp_path / "one", docs)
+    assert_same_corpus(reference, store)
