@@ -93,6 +93,29 @@ def busy_tokenisers(pool, jobs, workers: int, stop: threading.Event) -> threadin
     return thread
 
 
+def prep_rates(jobs: list, workers: int, init: tuple, args, dev) -> tuple[dict, dict]:
+    """Tokenising ``--tokens`` with ``workers`` processes: gathered into groups, then raw."""
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=init) as pool:
+        list(pool.map(int, range(workers)))
+        with Timer(dev) as t:
+            groups = list(prepared_groups(pool, iter(jobs), workers, args.tokens, args.commit_chunks))
+        gathered = t.row(sum(len(x) for g in groups for x in g.ids))
+        n_jobs = sum(1 for _ in groups for _ in _.docs)
+        with Timer(dev) as t:
+            pending = [pool.submit(_prepare, job) for job in jobs[: 2 * workers]]
+            tokens, k = 0, 2 * workers
+            for _ in range(n_jobs):
+                _, packed = pending.pop(0).result()
+                tokens += int(packed[4].sum())
+                if k < len(jobs):
+                    pending.append(pool.submit(_prepare, jobs[k]))
+                    k += 1
+            for f in pending:
+                f.cancel()
+        raw = t.row(tokens)
+    return gathered, raw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=None, help="books folder (default $QRAG_DATA_DIR/gutenberg_novels)")
@@ -105,6 +128,9 @@ def main() -> None:
     ap.add_argument("--encode-tokens", type=int, default=131072)
     ap.add_argument("--commit-chunks", type=int, default=16384)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--prep-workers", default=None, metavar="N,N,...", help="only the tokenising stage, with each of these worker "
+                    "counts: gathered into commit groups as the pipeline does (unpacked chunks), and raw (the packed results only), "
+                    "to tell the workers' ceiling from the gathering process's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.positions = "relative"
@@ -117,6 +143,15 @@ def main() -> None:
     jobs = list(document_jobs(files, args.chunk_tokens, args.doc_tokens, passes=3))
     rows: dict[str, dict] = {}
     init = (tokenizer_dir, model.layout, 64, 0)
+    if args.prep_workers:
+        for n in [int(x) for x in args.prep_workers.split(",")]:
+            rows[f"prep_{n}_workers"], rows[f"raw_{n}_workers"] = prep_rates(jobs, n, init, args, dev)
+        result = {"bench": "index_stages", **machine_info(), "device": str(dev), "cpu_count": os.cpu_count(), "stages": rows,
+                  "settings": {k: getattr(args, k) for k in ("tokens", "commit_chunks", "chunk_tokens", "doc_tokens")}}
+        print(json.dumps(result))
+        if args.out:
+            write_result(args.out, result)
+        return
 
     with ProcessPoolExecutor(1, initializer=_init_worker, initargs=init) as pool:
         pool.submit(int).result()  # the worker's start is not the rate

@@ -44,11 +44,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info, write_result  # noqa: E402
 from qrag.config import SearchConfig  # noqa: E402
-from qrag.data.documents import Document, pack_chunks, unpack_chunks  # noqa: E402
+from qrag.data.documents import Document, unpack_chunks  # noqa: E402
 from qrag.data.haystack import book_files, read_document  # noqa: E402 - the books BabiLong reads, read alike
 from qrag.data.sample import DataError  # noqa: E402
-from qrag.retrieval.embedder import EmbeddingModel, Tokenization, load_embedding_model, resolve_source  # noqa: E402
+from qrag.retrieval.embedder import EmbeddingModel, load_embedding_model, resolve_source  # noqa: E402
 from qrag.model.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
+from qrag.index import tokenise_workers  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
 from qrag.index.pipeline import Group, GroupBuilder, index_groups  # noqa: E402
 from qrag.index.shards import ShardOptions  # noqa: E402
@@ -154,31 +155,25 @@ def random_weights_model(source, args) -> EmbeddingModel:
 
 # -- worker processes: text -> chunks -> token ids ------------------------------------------------
 
-_TOK: Tokenization | None = None
-
-
 _PACKED = True
 
 
 def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0, via_transformers: bool = False, packed: bool = True) -> None:
-    global _TOK, _PACKED
-    from qrag.model.encoder import load_tokenizer
-
-    torch.set_num_threads(1)
-    if nice:  # below the GPU-feeding thread: with every core tokenising, it must not wait for a core
-        os.nice(nice)
-    _TOK = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
+    global _PACKED
+    tokenise_workers.init_worker(tokenizer_dir, layout, question_tokens, nice)
     _PACKED = packed
     if via_transformers:  # the baseline: texts through transformers' tokenizer call, not the Rust backend's encode_batch_fast
-        _TOK.__dict__["_fast_backend"] = None
+        tokenise_workers.tokenization().__dict__["_fast_backend"] = None
 
 
 def _prepare(job: tuple[str, str | None, str, int]):
     path, text, doc_id, budget = job
-    chunks, ids = _TOK.chunk_documents([Document(doc_id, read_document(Path(path)) if text is None else text)], budget)
+    doc = (doc_id, read_document(Path(path)) if text is None else text)
     # Packed: unpickling ~500 DocumentChunks and token arrays one by one per document kept the
     # main process's gathering thread busy (it shares one GIL with the GPU feeder and the writer).
-    return doc_id, (pack_chunks(chunks, ids) if _PACKED else (chunks, ids))
+    if _PACKED:
+        return doc_id, tokenise_workers.prepare_block([doc], budget)
+    return doc_id, tokenise_workers.tokenization().chunk_documents([Document(*doc)], budget)
 
 
 # A token is about 4 characters of English prose: parts are cut by characters, before tokenising.

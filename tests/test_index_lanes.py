@@ -5,6 +5,7 @@ batches written elsewhere commit only in order."""
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -125,3 +126,20 @@ def test_batches_written_elsewhere_commit_only_in_order(model, tmp_path):
         store.commit_written(m, second)
     reference = one_process_corpus(model, tmp_path / "one", docs)
     assert_same_corpus(reference, store)
+
+
+def test_the_serving_bench_indexes_in_lanes(tiny_encoder, shared_data, tmp_path):
+    """`bench/serve_scale.py --lanes` (bench/index_lanes.sh on the 2-GPU machine): its lanes build
+    their model from a function of the script, in spawned processes."""
+    from test_serve_http_bench import run
+
+    books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
+    out = tmp_path / "lanes.json"
+    run("serve_scale.py", "--tokens", "6000", "--encoder", tiny_encoder, "--corpus", str(books[0]), "--shards", "2", "--lanes",
+        "--lane-workers", "1", "--index-only", "--device", "cpu", "--bare-repeats", "1", "--commit-chunks", "40", "--doc-tokens", "500",
+        "--out", str(out))
+    result = json.loads(out.read_text())
+    stages = result["indexing"]["stages"]
+    assert stages["lanes"] == 1 and stages["workers_per_lane"] == 1 and stages["commits"] >= 2
+    assert result["corpus"]["encoder_tokens"] > 3000 and result["indexing"]["tokens_per_s"] > 0
+    assert [row["lane"] for row in stages["per_lane"]] == [0]

@@ -30,11 +30,16 @@ def init_worker(tokenizer_dir: str, layout, question_tokens: int = 64, nice: int
     _TOKENIZATION = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
 
 
+def tokenization():
+    """This worker's Tokenization (:func:`init_worker` made it)."""
+    if _TOKENIZATION is None:
+        raise RuntimeError("tokenising runs in a worker set up by qrag.index.tokenise_workers.init_worker")
+    return _TOKENIZATION
+
+
 def prepare_block(docs: Sequence[tuple[str, str]], chunk_tokens: int) -> tuple:
     """(id, text) documents -> their chunks in order and the chunks' encoder ids, packed."""
-    if _TOKENIZATION is None:
-        raise RuntimeError("prepare_block runs in a worker set up by init_worker")
-    chunks, ids = _TOKENIZATION.chunk_documents([Document(i, t) for i, t in docs], chunk_tokens)
+    chunks, ids = tokenization().chunk_documents([Document(i, t) for i, t in docs], chunk_tokens)
     return pack_chunks(chunks, ids)
 
 
