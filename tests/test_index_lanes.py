@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from qrag.data.documents import Document
+from qrag.data.sample import DataError
 from qrag.index.lanes import LaneConfig, LaneError, char_groups, index_in_lanes
 from qrag.index.local import LocalIndex
 from qrag.index.store import CorpusConflict, CorpusStore, StoreError
@@ -80,7 +81,7 @@ def test_a_lane_failure_keeps_whole_groups_and_resume_finishes(model, tiny_encod
     bad[15] = Document(docs[15].id, "   ")  # no text to index: the lane tokenising it fails
     store = new_corpus(model, tmp_path / "lanes")
     cfg = lane_config(model, tiny_encoder, tmp_path / "lanes")
-    with pytest.raises(LaneError, match="doc-15"):
+    with pytest.raises(DataError, match="doc-15"):  # the input's error, as the one-process path raises it
         index_in_lanes(store, "c", bad, cfg, ["cpu", "cpu"], commit_chars=1500)
     held = store.doc_ids(store.read("c"))
     assert held == [d.id for d in docs[: len(held)]] and len(held) <= 15  # whole groups before the failure, in order
@@ -143,3 +144,43 @@ def test_the_serving_bench_indexes_in_lanes(tiny_encoder, shared_data, tmp_path)
     assert stages["lanes"] == 1 and stages["workers_per_lane"] == 1 and stages["commits"] >= 2
     assert result["corpus"]["encoder_tokens"] > 3000 and result["indexing"]["tokens_per_s"] > 0
     assert [row["lane"] for row in stages["per_lane"]] == [0]
+
+
+def test_a_lane_that_dies_is_an_error_naming_it_not_a_hang(model, tiny_encoder, tmp_path):
+    store = new_corpus(model, tmp_path / "lanes")
+    cfg = lane_config(model, tiny_encoder, tmp_path / "lanes")
+    cfg.make_model = functools.partial(exit_in_lane, 3)
+    with pytest.raises(LaneError, match=r"lane 0 \(cpu\) exited with code 3"):
+        index_in_lanes(store, "c", make_documents(4, seed=7), cfg, ["cpu"], commit_chars=1500)
+    assert store.read("c").chunks == 0
+
+
+def exit_in_lane(code: int, device: str):
+    import os
+
+    os._exit(code)
+
+
+def test_qrag_index_lanes_makes_the_corpus_and_a_rerun_adds_nothing(model, tiny_encoder, tmp_path, capsys):
+    """`qrag index --lanes cpu`: no Ray; the corpus of the one-process path; documents the corpus
+    holds are skipped (as the Ray path skips them)."""
+    from qrag.cli import main
+
+    docs = make_documents(10, seed=8)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in docs))
+    argv = ["index", "--lanes", "cpu", "--lane-workers", "1", "--corpus", "c", "--input", str(path), "--storage", str(tmp_path / "s"),
+            "--encoder", tiny_encoder, "--chunk-tokens", str(CHUNK_TOKENS), "--shards", str(SHARDS), "--commit-chunks", "8", "--no-progress"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["corpus"]["documents"] == 10 and out["lanes"]["commits"] >= 2
+    store = CorpusStore(tmp_path / "s")
+    reference = CorpusStore(tmp_path / "one")
+    index = LocalIndex(reference, load_embedding_model(resolve_source(None, tiny_encoder), "cpu"))
+    index.create("c", chunk_tokens=CHUNK_TOKENS, shards=SHARDS)
+    index.add_documents("c", docs)
+    assert_same_corpus(reference, store)
+    assert main(argv) == 0  # every document is in the corpus: nothing to do
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["lanes"]["documents"] == 0
+    assert main([*argv[:2], "cuda:7", *argv[3:]]) == 2
+    assert "cuda:7 is not on this machine" in capsys.readouterr().err

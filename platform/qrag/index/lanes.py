@@ -43,7 +43,8 @@ import numpy as np
 
 from qrag.data.documents import Document, unpack_chunks
 from qrag.index.pipeline import Group, index_groups
-from qrag.index.store import CorpusConflict, CorpusStore, Manifest
+from qrag.data.sample import DataError
+from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
 from qrag.index.tokenise_workers import blocks_of, init_worker, prepare_block
 
 POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
@@ -308,8 +309,9 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
                     finished.add(i)
                 elif kind == "error":
                     finished.add(i)
-                    if not failure:
-                        failure.append(LaneError(f"lane {i} ({devices[i]}) failed: {msg[2]}\n--- the lane's traceback ---\n{msg[3]}"))
+                    if not failure:  # bad input or a refusal of the store names its record itself
+                        user = isinstance(msg[2], (DataError, StoreError))
+                        failure.append(msg[2] if user else LaneError(f"lane {i} ({devices[i]}) failed: {msg[2]}\n--- the lane's traceback ---\n{msg[3]}"))
                     _stop(stop, inboxes, controls)
         except BaseException:
             _stop(stop, inboxes, controls)
