@@ -95,6 +95,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--writer", choices=["thread", "process"], default="process", help="where the pipeline writes the store: a child "
                     "process (qrag.index.writer_process: this process's GIL is left to gathering and feeding; 2.15M tokens/s against "
                     "1.76-2.11M for the thread, bench/results/index_contention_packed_h100/) or a thread of the GPU-feeding process")
+    ap.add_argument("--no-word-cache", action="store_true", help="workers tokenise every sentence through the Rust tokenizer "
+                    "(the default looks ASCII words up in a cache of their WordPiece ids: qrag.data.word_cache, the same ids)")
     ap.add_argument("--worker-output", choices=["packed", "objects"], default="packed", help="how workers hand back a document's chunks: "
                     "a few flat objects (qrag.data.documents.pack_chunks) or, the earlier rounds' way, DocumentChunks and token arrays one by one")
     ap.add_argument("--lanes", action="store_true", help="index with a process per device (qrag.index.lanes: each lane its own "
@@ -160,10 +162,13 @@ def random_weights_model(source, args) -> EmbeddingModel:
 _PACKED = True
 
 
-def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0, via_transformers: bool = False, packed: bool = True) -> None:
+def _init_worker(tokenizer_dir: str, layout, question_tokens: int, nice: int = 0, via_transformers: bool = False, packed: bool = True,
+                 word_cache: bool = True) -> None:
     global _PACKED
     tokenise_workers.init_worker(tokenizer_dir, layout, question_tokens, nice)
     _PACKED = packed
+    if not word_cache:  # every sentence through the Rust tokenizer (the rounds before qrag.data.word_cache)
+        tokenise_workers.tokenization().__dict__["_word_cache"] = None
     if via_transformers:  # the baseline: texts through transformers' tokenizer call, not the Rust backend's encode_batch_fast
         tokenise_workers.tokenization().__dict__["_fast_backend"] = None
 
@@ -252,7 +257,8 @@ def index_corpus(index: LocalIndex, model, files: list[Path], args, tokenizer_di
             yield group
 
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice, args.tokenise_via_transformers, args.worker_output == "packed")) as pool:
+    with ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64, args.worker_nice, args.tokenise_via_transformers, args.worker_output == "packed",
+                                                                                  not args.no_word_cache)) as pool:
         _, stats = index_groups(index.store, name, model, groups(pool), chunk_batch=args.chunk_batch, pipelined=not args.sequential,
                                 depth=args.depth, host_threads=args.host_threads or None,
                                 switch_s=args.switch_ms / 1000 if args.switch_ms else None, writer=args.writer, replicas=index.replicas)
@@ -506,7 +512,7 @@ def main() -> None:
                      "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / (bare * len(index.devices)), 3),
                      "bare_forward_note": "median of --bare-repeats passes, timed on the first device; the share is of the device count times it",
                      "embed_seconds": round(built["embed_seconds"], 2), "store_seconds": round(built["store_seconds"], 2),
-                     "lanes": args.lanes, "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "worker_output": args.worker_output, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
+                     "lanes": args.lanes, "workers": args.workers, "doc_tokens": args.doc_tokens, "host_threads": args.host_threads, "switch_ms": args.switch_ms, "tokenise_via_transformers": args.tokenise_via_transformers, "word_cache": not args.no_word_cache, "worker_output": args.worker_output, "writer": args.writer, "pipelined": built["stages"]["pipelined"], "stages": built["stages"],
                      "chunk_graphs": chunk_graph_info(model), "replica_chunk_graphs": [chunk_graph_info(r) for r in replicas]},
     }
     if args.index_only:

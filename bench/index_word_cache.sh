@@ -1,0 +1,22 @@
+#!/bin/bash
+# Indexing 10M tokens on ONE GPU with 16 cores (issue 14, item 2: end to end >= 50 % of the bare
+# forward), one call, one tree, alternating: tokenising workers with the word cache
+# (qrag.data.word_cache: ASCII words' WordPiece ids looked up, the same ids; 0.40-0.45M -> 1.23-1.29M
+# tokens/s per process on a 2-core VM) against every sentence through the Rust tokenizer (the rounds
+# before), one process (the bench default) and lanes (qrag.index.lanes) feeding the GPU.
+# The previous round (index_lanes_one_gpu_h100/) found the 16 cores' tokenising the bound.
+# Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
+#   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
+OUT=${OUT:-/tmp/index_word_cache}
+ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
+source "$(dirname "$0")/index_runs.sh"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nproc
+python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens ${TOKENS:-10000000} --doc-tokens 32768 \
+  --prep-workers ${PREP_WORKERS:-4,8,12} --out "$OUT/tokenise_workers.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
+run cache --devices cuda:0
+run no_cache --no-word-cache --devices cuda:0
+run lanes_2x6 --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
+run cache_b --devices cuda:0
+run cache_8w --workers 8 --devices cuda:0
+run no_cache_b --no-word-cache --devices cuda:0
