@@ -48,3 +48,15 @@ def test_the_two_gpu_benchs_corpus_builder_runs_on_cpu(tiny_encoder, shared_data
                "--corpus-workers", "1", "--shards", "2", "--corpus", str(books[0]), "--random-encoder", tiny_encoder)
     corpus = json.loads(done.stdout.strip().splitlines()[-1])
     assert corpus["tokens"] >= 3000 and corpus["shards"] == 2 and corpus["chunks"] > 0 and corpus["questions"]
+
+
+def test_index_stages_times_tokenising_per_worker_count(tiny_encoder, shared_data, tmp_path):
+    """`bench/index_stages.py --prep-workers` (bench/index_lanes.sh, index_word_cache.sh): tokenising
+    alone with each worker count, gathered into groups and raw, on the same tokens."""
+    books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
+    out = tmp_path / "stages.json"
+    run("index_stages.py", "--corpus", str(books[0]), "--encoder", tiny_encoder, "--tokens", "20000", "--doc-tokens", "2000",
+        "--prep-workers", "1,2", "--device", "cpu", "--out", str(out))
+    stages = json.loads(out.read_text())["stages"]
+    assert sorted(stages) == ["prep_1_workers", "prep_2_workers", "raw_1_workers", "raw_2_workers"]
+    assert all(row["tokens_per_s"] > 0 and row["seconds"] > 0 for row in stages.values())
