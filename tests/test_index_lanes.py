@@ -184,3 +184,13 @@ def test_qrag_index_lanes_makes_the_corpus_and_a_rerun_adds_nothing(model, tiny_
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["lanes"]["documents"] == 0
     assert main([*argv[:2], "cuda:7", *argv[3:]]) == 2
     assert "cuda:7 is not on this machine" in capsys.readouterr().err
+
+
+def test_lane_devices_from_the_command_line():
+    from qrag.cli.index import lane_devices
+
+    assert lane_devices("cpu", None) == ["cpu"]  # one lane on the CPU unless asked
+    assert lane_devices("cpu, cpu", 2) == ["cpu"] * 4
+    for spec, per_device, message in [("", None, "no device given"), ("tpu:0", None, "is no device"), ("cpu", 0, "at least 1")]:
+        with pytest.raises(DataError, match=message):
+            lane_devices(spec, per_device)
