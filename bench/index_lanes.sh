@@ -4,7 +4,9 @@
 # GPU), then the one-process pipeline on one GPU (the bench default: 16 tokenising workers, writer
 # process) against lanes (qrag.index.lanes: a process per GPU with its own tokenising workers, GPU
 # feeding and file writes; this process commits in order) on two GPUs with 12 and 16 workers each.
-# Round 1 (index_lanes_h200x2/) timed lanes to their processes' exit; now to the last commit.
+# Round 1 (index_lanes_h200x2/) timed lanes to their processes' exit; now to the last commit. Round 2
+# (index_lanes_round2_h200x2/, cf7e534) ran before the word cache with one lane per GPU (12 and 16
+# workers); this round: the word cache, one GPU against two, two lanes per GPU (the qrag index default).
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_lanes.sh
 OUT=${OUT:-/tmp/index_lanes}
@@ -13,9 +15,10 @@ source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 lscpu | grep -E "^(Thread|Core|Socket|Model name)" || true
 python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens ${TOKENS:-10000000} --doc-tokens 32768 \
-  --prep-workers ${PREP_WORKERS:-8,12,16,24,30} --out "$OUT/tokenise_workers.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
+  --prep-workers ${PREP_WORKERS:-8,12,24} --out "$OUT/tokenise_workers.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
 run one_process_1gpu --devices cuda:0
+run lanes_1gpu_2x6 --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
 run lanes_2gpus_12w --lanes --lane-workers 12 --devices cuda:0,cuda:1
-run lanes_2gpus_16w --lanes --lane-workers 16 --devices cuda:0,cuda:1
-run one_process_1gpu_b --devices cuda:0
-run lanes_2gpus_16w_b --lanes --lane-workers 16 --devices cuda:0,cuda:1
+run lanes_2gpus_2x6 --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0,cuda:1
+run lanes_1gpu_2x6_b --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
+run lanes_2gpus_2x6_b --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0,cuda:1

@@ -4,7 +4,10 @@
 # (qrag.data.word_cache: ASCII words' WordPiece ids looked up, the same ids; 0.40-0.45M -> 1.23-1.29M
 # tokens/s per process on a 2-core VM) against every sentence through the Rust tokenizer (the rounds
 # before), one process (the bench default) and lanes (qrag.index.lanes) feeding the GPU.
-# The previous round (index_lanes_one_gpu_h100/) found the 16 cores' tokenising the bound.
+# The previous round (index_lanes_one_gpu_h100/) found the 16 cores' tokenising the bound. Round 1
+# (index_word_cache_h100/, d26cf8f) compared the cache with the Rust tokenizer (no gain for one process:
+# its writer hand-over is the bound then) and ran 2 x 6 lanes once (0.45); this round repeats the lanes
+# and tries 3 x 4 and 2 x 5 against one process.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -15,8 +18,8 @@ nproc
 python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens ${TOKENS:-10000000} --doc-tokens 32768 \
   --prep-workers ${PREP_WORKERS:-4,8,12} --out "$OUT/tokenise_workers.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
 run cache --devices cuda:0
-run no_cache --no-word-cache --devices cuda:0
 run lanes_2x6 --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
-run cache_b --devices cuda:0
+run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
 run cache_8w --workers 8 --devices cuda:0
-run no_cache_b --no-word-cache --devices cuda:0
+run lanes_2x6_b --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
+run lanes_2x5 --lanes --lanes-per-device 2 --lane-workers 5 --devices cuda:0
