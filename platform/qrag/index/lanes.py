@@ -134,13 +134,15 @@ def _get(q, parent: int):
                 raise _Stopped("the indexing process is gone") from None
 
 
-def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, report) -> Iterator[Group]:
-    """The lane's groups, tokenised in its workers; the blocks of the next group are queued before
-    this one is gathered, so the workers do not wait between groups."""
+def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, report, first) -> Iterator[Group]:
+    """The lane's groups (``first``: the first message, already read), tokenised in its workers;
+    the blocks of the next group are queued before this one is gathered, so the workers do not
+    wait between groups."""
     ahead: deque = deque()
+    pending = [first]
 
     def take() -> bool:
-        msg = _get(inbox, parent)
+        msg = pending.pop() if pending else _get(inbox, parent)
         if msg is None:
             return False
         k, docs = msg
@@ -195,8 +197,10 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
                                             fingerprint=model.fingerprint)
             report(("written", k, entry, sum(len(x) for x in group.ids)))
 
+        # The lane's figures start with its first group, not while the other lanes are starting.
+        first = _get(inbox, parent)
         with pool:
-            _, stats = index_groups(store, cfg.name, model, _tokenised_groups(pool, inbox, cfg, parent, keys, report),
+            _, stats = index_groups(store, cfg.name, model, _tokenised_groups(pool, inbox, cfg, parent, keys, report, first),
                                     chunk_batch=cfg.chunk_batch, depth=cfg.depth, append=append)
         graphed = getattr(model, "chunk_encoder", None)  # CUDA-graph replays of the chunk encoder, where it has them
         graphs = {"graph_replays": graphed.replays, "eager_calls": graphed.eager_calls} if hasattr(graphed, "replays") else {}
