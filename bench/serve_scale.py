@@ -481,7 +481,7 @@ def main() -> None:
         model = load_embedding_model(source, args.device, positions=None if args.checkpoint else args.positions,
                                      encode_tokens=args.encode_tokens, chunk_batch=args.chunk_batch)
     dev = model.device
-    tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder(args.encoder)
+    tokenizer_dir = source.tokenizer_dir
     storage = args.storage or tempfile.mkdtemp(prefix="qrag_serve_scale_")
     replicas = [model.replica(d) for d in devices[1:]] if devices else []
     if args.no_chunk_graphs:

@@ -153,7 +153,6 @@ def build_corpus(args) -> dict:
 
     from qrag.data.documents import Document, unpack_chunks
     from qrag.retrieval.embedder import load_embedding_model, resolve_source
-    from qrag.model.encoder import resolve_encoder
     from qrag.index.local import LocalIndex
     from qrag.index.shards import ShardOptions
     from qrag.index.store import CorpusStore
@@ -170,7 +169,7 @@ def build_corpus(args) -> dict:
     source = resolve_source(args.checkpoint, "minilm")
     # As Serve's Encoder loads it (qrag.distributed.serving), so the fingerprints agree.
     model = load_embedding_model(source, device, chunk_batch=8192, encode_tokens=131072)
-    tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder("minilm")
+    tokenizer_dir = source.tokenizer_dir
     index = LocalIndex(CorpusStore(args.storage), model, model.device, ShardOptions(faiss="never"))
     index.create(CORPUS, chunk_tokens=args.chunk_tokens, shards=args.shards)
     files = book_files(args.corpus)

@@ -58,10 +58,10 @@ def run_index(args: argparse.Namespace) -> int:
 
     try:
         cfg = index_config(args)
-        expand_inputs(cfg.inputs, cfg.format)  # a missing file fails here, before Ray starts
-        resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache)
+        files = expand_inputs(cfg.inputs, cfg.format)  # a missing file fails here, before Ray starts
+        source = resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache)
         if args.lanes:
-            stats = index_in_lanes_here(args)
+            stats = index_in_lanes_here(args, files, source)
             print(json.dumps(stats))
             return 0
         ensure_ray()
@@ -99,39 +99,33 @@ def lane_devices(spec: str, per_device: int | None) -> list[str]:
     return [d for d in devices for _ in range(per_device or (2 if torch.device(d).type == "cuda" else 1))]
 
 
-def index_in_lanes_here(args: argparse.Namespace) -> dict:
+def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], source) -> dict:
     """``qrag index --lanes``: the same corpus as the Ray path (documents the corpus holds are
-    skipped, so a rerun after a crash embeds only the rest), on this machine's devices."""
+    skipped, so a rerun after a crash embeds only the rest), on this machine's devices. ``files``:
+    (path, format) of the inputs; ``source``: the resolved model."""
     import functools
     import os
     import time
 
-    from qrag.distributed.bulk_index import expand_inputs, read_records  # readers only: Ray is not imported
+    from qrag.distributed.bulk_index import read_records  # readers only: Ray is not imported
     from qrag.index.lanes import LaneConfig, index_in_lanes
     from qrag.index.local import LocalIndex
-    from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore
-    from qrag.model.encoder import resolve_encoder
-    from qrag.retrieval.embedder import load_embedding_model, resolve_source
+    from qrag.index.store import CorpusNotFound, CorpusStore
+    from qrag.retrieval.embedder import load_embedding_model
 
     devices = lane_devices(args.lanes, args.lanes_per_device)
-    files = expand_inputs(args.inputs, args.format)
-    source = resolve_source(args.checkpoint, args.encoder, args.model_cache)
-    model = load_embedding_model(source, "cpu")  # fingerprint, dimensions, tokenizer: the lanes load their own copies
+    model = load_embedding_model(source, "cpu")  # fingerprint, dimensions, layout: the lanes load their own copies
     store = CorpusStore(args.storage)
     try:
         m = store.read(args.corpus)
-        for key in ("chunk_tokens", "shards", "dtype"):
-            asked = getattr(args, key)
-            if asked is not None and asked != getattr(m, key):
-                raise CorpusConflict(f"corpus {args.corpus!r} has {key} {getattr(m, key)}, not {asked}")
+        m.check_settings(chunk_tokens=args.chunk_tokens, shards=args.shards, dtype=args.dtype)
     except CorpusNotFound:
         m = LocalIndex(store, model).create(args.corpus, chunk_tokens=args.chunk_tokens or 64, shards=args.shards or 2,
                                             dtype=args.dtype or "float32")
-    tokenizer_dir = str(source.directory / "tokenizer") if source.directory else resolve_encoder(model.model_cfg.encoder)
     workers = args.lane_workers or max(1, (os.cpu_count() or 2) * 3 // 4 // len(devices))
     cfg = LaneConfig(store_root=str(store.root), name=args.corpus,
                      make_model=functools.partial(load_embedding_model, source, encode_tokens=args.encode_tokens, chunk_batch=args.encode_batch),
-                     tokenizer_dir=tokenizer_dir, layout=model.layout, chunk_tokens=m.chunk_tokens, workers=workers,
+                     tokenizer_dir=source.tokenizer_dir, layout=model.layout, chunk_tokens=m.chunk_tokens, workers=workers,
                      chunk_batch=args.encode_batch)
     docs = (doc for path, fmt in files for _, doc in read_records(path, fmt))
     t0 = time.perf_counter()

@@ -74,14 +74,14 @@ class WordCache:
         rest: list[int] = []
         words = self.words.__getitem__
         for i, text in enumerate(texts):
-            low = text.lower()
+            low = text.lower() if text.isascii() else None
             # Added tokens ([CLS], [MASK], ...) are matched in the raw text: such a text goes to the backend.
-            if text.isascii() and not any(a in low for a in self.added):
-                clean = (low if self.lowercase else text).translate(_CONTROL)
-                out.append(list(chain.from_iterable(map(words, self.split.findall(clean)))))
-            else:
+            if low is None or any(a in low for a in self.added):
                 out.append(None)
                 rest.append(i)
+                continue
+            clean = (low if self.lowercase else text).translate(_CONTROL)
+            out.append(list(chain.from_iterable(map(words, self.split.findall(clean)))))
         if rest:
             for i, enc in zip(rest, self.backend.encode_batch_fast([texts[i] for i in rest], add_special_tokens=False)):
                 out[i] = enc.ids

@@ -463,10 +463,7 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
     if manifest is not None:
         if manifest.fingerprint != fingerprint:
             raise CorpusConflict(f"corpus {cfg.corpus!r} was indexed with model {manifest.fingerprint}; {source.describe()} is {fingerprint}")
-        for key in ("chunk_tokens", "shards", "dtype"):
-            asked = getattr(cfg, key)
-            if asked is not None and asked != getattr(manifest, key):
-                raise CorpusConflict(f"corpus {cfg.corpus!r} has {key} {getattr(manifest, key)}, not {asked}")
+        manifest.check_settings(chunk_tokens=cfg.chunk_tokens, shards=cfg.shards, dtype=cfg.dtype)
         committed = frozenset(store.doc_ids(manifest))
         chunk_tokens = manifest.chunk_tokens
     else:

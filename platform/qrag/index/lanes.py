@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import threading
 import time
@@ -48,6 +47,7 @@ from qrag.index.pipeline import Group, index_groups
 from qrag.data.sample import DataError
 from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
 from qrag.index.tokenise_workers import blocks_of, init_worker, prepare_block
+from qrag.index.writer_process import picklable_error
 
 POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
 
@@ -110,14 +110,6 @@ def char_groups(docs: Iterable[Document], commit_chars: int) -> Iterator[list[Do
 
 # ---------------------------------------------------------------------------------------------
 # The lane process
-
-
-def _picklable(exc: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - whatever it was, the caller gets its type and message
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 class _Stopped(Exception):
@@ -208,7 +200,7 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
     except _Stopped:
         report(("stopped",))
     except BaseException as exc:  # noqa: BLE001 - raised in the caller
-        report(("error", _picklable(exc), traceback.format_exc()))
+        report(("error", picklable_error(exc), traceback.format_exc()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,16 +210,16 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
 class _Run:
     """The caller's side of one run: positions in group order, commits in group order."""
 
-    def __init__(self, store: CorpusStore, m: Manifest, lanes: int, on_commit: Callable[[Manifest], None] | None):
-        self.store, self.m, self.n, self.on_commit = store, m, lanes, on_commit
+    def __init__(self, store: CorpusStore, m: Manifest, devices: Sequence[str], on_commit: Callable[[Manifest], None] | None):
+        self.store, self.m, self.n, self.on_commit = store, m, len(devices), on_commit
         self.counts: dict[int, int] = {}
-        self.written: dict[int, dict[str, Any]] = {}
+        self.written: dict[int, tuple[dict[str, Any], int]] = {}  # group -> (manifest entry, encoder tokens)
         self.next_start = 0  # the next group to be told where it starts
         self.next_commit = 0
         self.first = m.chunks
         self.base_id = max((b["id"] for b in m.batches), default=0)
         self.last_commit: float | None = None
-        self.stats = LaneStats()
+        self.stats = LaneStats(lanes=len(devices), devices=[str(d) for d in devices])
 
     def count(self, k: int, n: int, control: Sequence) -> None:
         self.counts[k] = n
@@ -268,8 +260,7 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
     n = len(devices)
     with store.hold(name) as m:
         existing = set(store.doc_ids(m))
-        run = _Run(store, m, n, on_commit)
-        run.stats.lanes, run.stats.devices = n, [str(d) for d in devices]
+        run = _Run(store, m, devices, on_commit)
         outbox = ctx.Queue()
         inboxes = [ctx.Queue(maxsize=cfg.depth) for _ in range(n)]
         controls = [ctx.Queue() for _ in range(n)]

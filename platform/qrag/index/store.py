@@ -92,6 +92,12 @@ class Manifest:
     def positions(self) -> str:
         return str(self.model.get("positions", "none"))
 
+    def check_settings(self, **asked: Any) -> None:
+        """CorpusConflict when a setting asked for (chunk_tokens, shards, dtype; None: any) is not the corpus's."""
+        for key, value in asked.items():
+            if value is not None and value != getattr(self, key):
+                raise CorpusConflict(f"corpus {self.name!r} has {key} {getattr(self, key)}, not {value}")
+
     def summary(self) -> dict[str, Any]:
         keys = ("name", "fingerprint", "dim", "chunk_tokens", "shards", "dtype", "version", "documents", "chunks", "tokens", "created", "updated")
         return {**{k: getattr(self, k) for k in keys}, "positions": self.positions, "batches": len(self.batches)}

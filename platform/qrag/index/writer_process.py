@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
 
-
-def _picklable(exc: BaseException) -> BaseException:
+def picklable_error(exc: BaseException) -> BaseException:
+    """``exc`` if it crosses a process boundary intact, else a RuntimeError with its type and message."""
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001 - whatever it was, the caller gets its type and message
         return RuntimeError(f"{type(exc).__name__}: {exc}")
@@ -73,7 +72,7 @@ def serve(root: str, name: str, fingerprint: str, inbox: BinaryIO, outbox: Binar
         try:
             reply = ("ok", store.append(name, *unpack_batch(packed), fingerprint))
         except BaseException as exc:  # noqa: BLE001 - raised in the caller
-            reply = ("error", _picklable(exc))
+            reply = ("error", picklable_error(exc))
         pickle.dump(reply, outbox, protocol=pickle.HIGHEST_PROTOCOL)
         outbox.flush()
 

@@ -48,6 +48,11 @@ class ModelSource:
     def describe(self) -> str:
         return self.spec if self.spec else f"untrained encoder {self.encoder!r} (no checkpoint configured)"
 
+    @property
+    def tokenizer_dir(self) -> str:
+        """The tokenizer's folder: the checkpoint's copy, or the untrained encoder's own."""
+        return str(self.directory / "tokenizer") if self.directory is not None else resolve_encoder(self.encoder)
+
 
 def resolve_source(spec: str | None, encoder: str = "minilm", cache_dir: str | Path = ".qrag_models", tracking_uri: str | None = None) -> ModelSource:
     """A checkpoint directory or MLflow URI -> a local checkpoint directory (downloading once).
