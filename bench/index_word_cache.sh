@@ -7,7 +7,8 @@
 # The previous round (index_lanes_one_gpu_h100/) found the 16 cores' tokenising the bound. Round 1
 # (index_word_cache_h100/, d26cf8f) compared the cache with the Rust tokenizer (no gain for one process:
 # its writer hand-over is the bound then) and ran 2 x 6 lanes once (0.45); this round repeats the lanes
-# and tries 3 x 4 and 2 x 5 against one process.
+# and tries 3 x 4 and 2 x 5 against one process. Round 3 (this file now): the host's cores (lscpu), one
+# tokenising process's rate on this host (2M tokens), lanes 2 x 6 twice, 2 x 7, 3 x 4 and 4 x 3.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -15,11 +16,14 @@ ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --rando
 source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc
+lscpu | grep -E "^(Thread|Core|Socket|Model name|CPU max MHz)" || true
+python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens 2000000 --doc-tokens 32768 \
+  --prep-workers 1 --out "$OUT/tokenise_one_worker.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
 python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens ${TOKENS:-10000000} --doc-tokens 32768 \
   --prep-workers ${PREP_WORKERS:-4,8,12} --out "$OUT/tokenise_workers.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
-run cache --devices cuda:0
 run lanes_2x6 --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
+run lanes_2x7 --lanes --lanes-per-device 2 --lane-workers 7 --devices cuda:0
 run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
-run cache_8w --workers 8 --devices cuda:0
+run lanes_4x3 --lanes --lanes-per-device 4 --lane-workers 3 --devices cuda:0
+run cache --devices cuda:0
 run lanes_2x6_b --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
-run lanes_2x5 --lanes --lanes-per-device 2 --lane-workers 5 --devices cuda:0
