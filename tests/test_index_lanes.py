@@ -73,6 +73,21 @@ def test_two_lanes_make_the_corpus_one_process_makes(model, tiny_encoder, tmp_pa
     assert stats.encoder_tokens > stats.tokens > 0
     _, _, listed, on_disk = snapshot(store)
     assert sorted(listed) == [p for p in on_disk if p != "corpus.json"]  # no stray files
+    # Where the time went: each lane's start in parts, and the wall time the caller waited.
+    assert sorted(row["lane"] for row in stats.lane_startup) == [0, 1]
+    for row in stats.lane_startup:
+        assert 0 <= row["model_seconds"] + row["workers_after_model_seconds"] <= row["seconds"] + 2e-3  # rounded to ms
+        assert row["seconds"] <= stats.startup_seconds + 1e-3
+    assert stats.total_seconds >= stats.seconds > 0
+
+
+def test_a_lanes_tokenising_workers_are_forked_with_its_imports():
+    """A lane's workers fork (the start method that copies the lane's imports: each worker importing
+    torch and transformers itself made a lane's start 22-34 s on the GPU machines)."""
+    from qrag.index.lanes import _worker_context
+
+    ctx = _worker_context()
+    assert ctx is not None and ctx.get_start_method() == "fork"
 
 
 def test_a_lane_failure_keeps_whole_groups_and_resume_finishes(model, tiny_encoder, tmp_path):
