@@ -18,6 +18,11 @@ states, for corpora of 1M, 10M and 100M tokens (20K, 200K and 2M chunks of ~50 t
 Each figure is the median of ``--repeats`` timed calls after warm-up, ending with the picks on
 the host (numpy). Agreement: the fraction of states whose exact picks equal torch's.
 
+Measured on an H100 (bench/results/faiss_gpu_h100/): the PyPI build has kernels for compute
+capability 7.0-8.9 only, and its first GPU kernel fails there ("no kernel image is available"), so
+qrag ships no GPU FAISS extra. The script stays for GPUs that build runs on (Volta to Ada) and for a
+FAISS built for Hopper.
+
 The lent GPUs have CUDA 13 only; the faiss-gpu-cu12 wheel needs CUDA 12's runtime (carried, 3 MB)
 and cuBLAS (a 600 MB wheel, not carried): ``bench/faiss_gpu/`` builds a stand-in libcublas.so.12
 that forwards FAISS's eight cuBLAS calls to CUDA 13's. ``bench/faiss_gpu.sh`` sets it all up.

@@ -189,7 +189,7 @@ def test_one_torch_pin_ray_pinned_and_faiss_extras_apart(tmp_path, monkeypatch):
     makefile.write_text(makefile.read_text().replace("TORCH_SPEC ?= torch==2.13.0", "TORCH_SPEC ?= torch==2.12.0"))
     assert "torch pins disagree" in "\n".join(validate.check_pins(image))
     pyproject = root / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('gpu = ["faiss-gpu-cu12>=1.8"]', 'gpu = ["faiss-gpu-cu12>=1.8", "faiss-cpu>=1.8"]'))
+    pyproject.write_text(pyproject.read_text().replace('faiss = ["faiss-cpu>=1.8"]', 'faiss = ["faiss-cpu>=1.8", "faiss-gpu-cu12>=1.8"]'))
     assert "FAISS wheels overwrite each other" in "\n".join(validate.check_pins(image))
 
 

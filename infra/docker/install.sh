@@ -5,7 +5,7 @@
 #
 #   bash infra/docker/install.sh [SOURCE_DIR]      # default SOURCE_DIR: the repository root
 #
-# QRAG_EXTRAS (default "ray,faiss") picks the extras ("ray,gpu": FAISS for CUDA 12 instead);
+# QRAG_EXTRAS (default "ray,faiss") picks the extras ("ray": no FAISS, host shards score in torch);
 # TORCH_SPEC (default: the tested torch, as in the Makefile and the Dockerfile) is the PyTorch
 # requirement. PyPI's Linux wheels of torch are CUDA builds; PIP_EXTRA_INDEX_URL works as usual.
 set -euo pipefail
