@@ -8,7 +8,10 @@
 # (index_word_cache_h100/, d26cf8f) compared the cache with the Rust tokenizer (no gain for one process:
 # its writer hand-over is the bound then) and ran 2 x 6 lanes once (0.45); this round repeats the lanes
 # and tries 3 x 4 and 2 x 5 against one process. Round 3 (this file now): the host's cores (lscpu), one
-# tokenising process's rate on this host (2M tokens), lanes 2 x 6 twice, 2 x 7, 3 x 4 and 4 x 3.
+# tokenising process's rate on this host (2M tokens), lanes 2 x 6 twice, 2 x 7, 3 x 4 and 4 x 3
+# (index_word_cache_round3_h100/, 64e2350: 3 x 4 best, 0.49). Round 4 (ROUND=4): lanes that start
+# faster (workers forked with the lane's imports) and a cheaper gathering process; 3 x 4 three times
+# against one process and 2 x 6, no tokenising stage.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -17,6 +20,14 @@ source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc
 lscpu | grep -E "^(Thread|Core|Socket|Model name|CPU max MHz)" || true
+if [ "${ROUND:-3}" = 4 ]; then
+  run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
+  run cache --devices cuda:0
+  run lanes_3x4_b --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
+  run lanes_2x6 --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
+  run lanes_3x4_c --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
+  exit 0
+fi
 python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens 2000000 --doc-tokens 32768 \
   --prep-workers 1 --out "$OUT/tokenise_one_worker.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
 python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens ${TOKENS:-10000000} --doc-tokens 32768 \

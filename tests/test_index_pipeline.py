@@ -403,3 +403,17 @@ def test_shard_files_written_side_by_side_are_the_serial_files(model, tmp_path, 
     with pytest.raises(OSError, match="shard 1"):
         parallel.append("c", more, chunks, ids, model.embed_chunks(ids), model.fingerprint)
     assert snapshot(CorpusStore(tmp_path / "parallel")) == before  # opening the store removes the strays
+
+
+def test_packed_chunks_come_back_as_they_went():
+    """What crosses from a tokenising worker: chunks and their id arrays, packed and unpacked."""
+    import numpy as np
+
+    from qrag.data.documents import DocumentChunk, pack_chunks, unpack_chunks
+
+    chunks = [DocumentChunk("a", "one two", 2), DocumentChunk("a", "three", 1), DocumentChunk("b", "", 0)]
+    ids = [np.array([101, 7, 8, 102]), np.array([101, 9, 102]), np.array([101, 102])]
+    back_chunks, back_ids = unpack_chunks(pack_chunks(chunks, ids))
+    assert back_chunks == chunks
+    assert [x.tolist() for x in back_ids] == [x.tolist() for x in ids]
+    assert unpack_chunks(pack_chunks([], [])) == ([], [])

@@ -167,7 +167,8 @@ class GraphedEncoder:
         ids = np.full((batch, length), self.pad_id, dtype=np.int64)
         mask = np.zeros((batch, length), dtype=bool)
         mask[:n] = np.arange(length)[None, :] < lengths[:, None]
-        ids[:n][mask[:n]] = np.concatenate([np.asarray(s).reshape(-1) for s in seqs])  # row-major: each row's tokens in turn
+        flat = np.concatenate(seqs) if all(type(s) is np.ndarray and s.ndim == 1 for s in seqs) else np.concatenate([np.asarray(s).reshape(-1) for s in seqs])
+        ids[:n][mask[:n]] = flat  # row-major: each row's tokens in turn
         mask[n:, 0] = True  # rows beyond the request: one visible token keeps the pool finite
         ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
         if self.device.type == "cuda":  # pinned: the copies to the device (or the graph's inputs) run async
