@@ -24,7 +24,7 @@ qrag ships no GPU FAISS extra. The script stays for GPUs that build runs on (Vol
 FAISS built for Hopper.
 
 The lent GPUs have CUDA 13 only; the faiss-gpu-cu12 wheel needs CUDA 12's runtime (carried, 3 MB)
-and cuBLAS (a 600 MB wheel, not carried): ``bench/faiss_gpu/`` builds a stand-in libcublas.so.12
+and cuBLAS (a 600 MB wheel, not carried): ``bench/cublas12/`` builds a stand-in libcublas.so.12
 that forwards FAISS's eight cuBLAS calls to CUDA 13's. ``bench/faiss_gpu.sh`` sets it all up.
 """
 
@@ -204,7 +204,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     result = {"bench": "faiss_gpu", **machine_info(), "faiss": faiss.__version__, "faiss_gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0, "device": str(dev),
               "settings": {k: getattr(args, k) for k in ("dim", "shards", "k", "selected", "repeats", "ivf_nprobe")},
-              "cublas_note": "faiss-gpu-cu12 1.14.1 with CUDA 12.9's runtime; its cuBLAS calls forwarded to CUDA 13's (bench/faiss_gpu/)",
+              "cublas_note": "faiss-gpu-cu12 1.14.1 with CUDA 12.9's runtime; its cuBLAS calls forwarded to CUDA 13's (bench/cublas12/)",
               "rows": rows}
     if args.out:
         write_result(args.out, result)

@@ -4,14 +4,14 @@
 # (nvidia-cuda-runtime-cu12), downloaded with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
 #     -d .carry/faiss faiss-gpu-cu12==1.14.1.post1 nvidia-cuda-runtime-cu12==12.9.79
-# CUDA 12's cuBLAS is a 600 MB wheel: bench/faiss_gpu/ builds a stand-in that forwards FAISS's eight
+# CUDA 12's cuBLAS is a 600 MB wheel: bench/cublas12/ builds a stand-in that forwards FAISS's eight
 # cuBLAS calls to CUDA 13's. On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/faiss_gpu.sh
 set -e
 OUT=${OUT:-/tmp/faiss_gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/faiss_site .carry/faiss/*.whl
-shim=$(bash bench/faiss_gpu/build.sh /tmp/cublas12)
+shim=$(bash bench/cublas12/build.sh /tmp/cublas12)
 cublas13=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')" /usr/local -name 'libcublas.so.13*' 2>/dev/null | head -1)
 echo "CUDA 13 cuBLAS: $cublas13"
 export QRAG_CUBLAS13=$cublas13 LD_LIBRARY_PATH=$shim:/tmp/faiss_site/nvidia/cuda_runtime/lib:$LD_LIBRARY_PATH
