@@ -21,6 +21,6 @@ fi
 run one_process_1gpu --devices cuda:0
 run lanes_1gpu_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
 run lanes_2gpus_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0,cuda:1
-run lanes_2gpus_2x7 --lanes --lanes-per-device 2 --lane-workers 7 --devices cuda:0,cuda:1
+if [ "${ROUND:-3}" = 3 ]; then run lanes_2gpus_2x7 --lanes --lanes-per-device 2 --lane-workers 7 --devices cuda:0,cuda:1; fi
 run lanes_1gpu_3x4_b --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
 run lanes_2gpus_3x4_b --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0,cuda:1

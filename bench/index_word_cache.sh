@@ -11,7 +11,9 @@
 # tokenising process's rate on this host (2M tokens), lanes 2 x 6 twice, 2 x 7, 3 x 4 and 4 x 3
 # (index_word_cache_round3_h100/, 64e2350: 3 x 4 best, 0.49). Round 4 (ROUND=4): lanes that start
 # faster (workers forked with the lane's imports) and a cheaper gathering process; 3 x 4 three times
-# against one process and 2 x 6, no tokenising stage.
+# against one process and 2 x 6, no tokenising stage (index_one_gpu_round4_h100/: groups were sent
+# from the start and the rate timed from the first lane ready, so a lane ready early indexed alone
+# for 1-3 s inside the window: 0.31-0.35). Round 5 (ROUND=5): the window from every lane ready again.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -20,6 +22,13 @@ source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc
 lscpu | grep -E "^(Thread|Core|Socket|Model name|CPU max MHz)" || true
+if [ "${ROUND:-3}" = 5 ]; then
+  run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
+  run cache --devices cuda:0
+  run lanes_3x4_b --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
+  run lanes_3x4_c --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
+  exit 0
+fi
 if [ "${ROUND:-3}" = 4 ]; then
   run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
   run cache --devices cuda:0

@@ -340,7 +340,7 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
             "stages": {"pipelined": True, "lanes": len(devices), "lanes_per_device": args.lanes_per_device, "workers_per_lane": workers, "commits": stats.commits,
                        "commit_chars": commit_chars, "startup_seconds": st["startup_seconds"], "total_seconds": st["total_seconds"], "lane_startup": st["lane_startup"], "commit_seconds": st["commit_seconds"],
                        "per_lane": st["per_lane"],
-                       "note": "seconds: the first lane ready (model loaded, workers up; groups are sent from the start) to the last commit; "
+                       "note": "seconds: every lane ready (model loaded, workers up; groups are sent from then) to the last commit; "
                                "startup_seconds: spawn to every lane ready; total_seconds: spawn to the last commit; "
                                "per_lane: each lane's pipeline stages (busy seconds, as for the one-process path)"}}
 
