@@ -6,7 +6,10 @@
 # feeding and file writes; this process commits in order) on two GPUs with 12 and 16 workers each.
 # Round 1 (index_lanes_h200x2/) timed lanes to their processes' exit; now to the last commit. Round 2
 # (index_lanes_round2_h200x2/, cf7e534) ran before the word cache with one lane per GPU (12 and 16
-# workers); this round: the word cache, one GPU against two, two lanes per GPU (the qrag index default).
+# workers). Round 3 (index_lanes_round3_h200x2/, 37d279a): the word cache, one GPU against two, three
+# lanes of 4 workers per GPU (the best on one H100), 2 x 7; its lanes were timed from the first lane
+# ready with groups sent from the start (1-4 s of some lanes indexing while others started, inside the
+# window). Round 4 (ROUND=4): timed from every lane ready again, no 2 x 7. TOKENISE=1: the tokenising stage.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_lanes.sh
 OUT=${OUT:-/tmp/index_lanes}
