@@ -14,6 +14,8 @@
 # against one process and 2 x 6, no tokenising stage (index_one_gpu_round4_h100/: groups were sent
 # from the start and the rate timed from the first lane ready, so a lane ready early indexed alone
 # for 1-3 s inside the window: 0.31-0.35). Round 5 (ROUND=5): the window from every lane ready again.
+# Round 6 (ROUND=6): commit groups of 4,096 and 2,048 chunks instead of 16,384 (10M tokens were 10
+# groups: 4/3/3 over three lanes, each lane's first group tokenised whole before its GPU work).
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -22,6 +24,16 @@ source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc
 lscpu | grep -E "^(Thread|Core|Socket|Model name|CPU max MHz)" || true
+if [ "${ROUND:-3}" = 6 ]; then  # smaller commit groups: 10 groups of ~1M tokens gave 3 lanes 4/3/3 and a slow first group each
+  L="--lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0"
+  run lanes_3x4_cc4096 $L --commit-chunks 4096
+  run lanes_3x4_cc2048 $L --commit-chunks 2048
+  run cache_cc4096 --devices cuda:0 --commit-chunks 4096
+  run lanes_3x4_cc4096_b $L --commit-chunks 4096
+  run lanes_3x4 $L
+  run lanes_3x4_cc2048_b $L --commit-chunks 2048
+  exit 0
+fi
 if [ "${ROUND:-3}" = 5 ]; then
   run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
   run cache --devices cuda:0
