@@ -201,6 +201,38 @@ def test_qrag_index_lanes_makes_the_corpus_and_a_rerun_adds_nothing(model, tiny_
     assert "cuda:7 is not on this machine" in capsys.readouterr().err
 
 
+def test_qrag_index_lanes_defaults_three_lanes_a_gpu_and_lane_sized_groups(tmp_path, tiny_encoder, monkeypatch, capsys):
+    """Without --lanes-per-device and --commit-chunks: three lanes per GPU and groups of
+    LANE_COMMIT_CHUNKS chunks (the Ray path's 65,536 made a 10M-token corpus 3 groups)."""
+    import torch
+
+    import qrag.index.lanes as lanes
+    from qrag.cli import main
+    from qrag.cli.index import LANE_COMMIT_CHUNKS, lane_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert lane_devices("cuda:0", None) == ["cuda:0"] * 3
+    assert lane_devices("gpus", None) == ["cuda:0"] * 3 + ["cuda:1"] * 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    seen = {}
+
+    def fake_index_in_lanes(store, name, docs, cfg, devices, *, commit_chars, resume, on_commit):
+        seen.update(devices=devices, commit_chars=commit_chars)
+        return store.read(name), lanes.LaneStats()
+
+    monkeypatch.setattr(lanes, "index_in_lanes", fake_index_in_lanes)
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"id": "a", "text": "One sentence."}) + "\n")
+    argv = ["index", "--lanes", "cpu", "--corpus", "c", "--input", str(path), "--storage", str(tmp_path / "s"), "--encoder", tiny_encoder,
+            "--chunk-tokens", "16", "--no-progress"]
+    assert main(argv) == 0
+    assert seen == {"devices": ["cpu"], "commit_chars": LANE_COMMIT_CHUNKS * 16 * 4}
+    assert main([*argv, "--commit-chunks", "100"]) == 0
+    assert seen["commit_chars"] == 100 * 16 * 4
+    capsys.readouterr()
+
+
 def test_lane_devices_from_the_command_line():
     from qrag.cli.index import lane_devices
 

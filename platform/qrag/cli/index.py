@@ -11,6 +11,16 @@ import sys
 
 from qrag.cli.commands import command
 
+COMMIT_CHUNKS = 65536  # the Ray path's commit group
+# With --lanes a group is also a lane's unit of work: 65,536 chunks (~4M tokens) made a 10M-token
+# corpus 3 groups for 3 lanes, each tokenised whole before its GPU work. 16,384 is the size the
+# lane figures were measured with (bench/results/index_one_gpu_round6_h100/: 2,048-16,384 alike).
+LANE_COMMIT_CHUNKS = 16384
+# Lanes per GPU: on one H100 with 16 cores 3 x 4 workers gave 0.45-0.51 of the bare forward in 8
+# of 9 runs, 2 x 6 0.29-0.45, 4 x 3 0.46 (bench/results/index_one_gpu_round{3,5,6}_h100/ and
+# index_word_cache_round3_h100/).
+LANES_PER_GPU = 3
+
 
 def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", required=True, help="corpus name (created when missing; an existing one is appended to)")
@@ -29,14 +39,15 @@ def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenize-actors", type=int, help="most read+tokenise actors (default: the CPUs the encoder actors leave)")
     p.add_argument("--encode-batch", type=int, default=4096, help="chunks per encoder call")
     p.add_argument("--encode-tokens", type=int, default=32768, help="padded tokens per forward pass")
-    p.add_argument("--commit-chunks", type=int, default=65536, help="chunks per committed group (a crash loses at most one group)")
+    p.add_argument("--commit-chunks", type=int, default=None, help="chunks per committed group (a crash loses at most one group; "
+                   f"default {COMMIT_CHUNKS}, with --lanes {LANE_COMMIT_CHUNKS}: a group is a lane's unit of work)")
     p.add_argument("--file-part-mb", type=float, default=16.0, help="large uncompressed JSONL and parquet files are read and tokenised "
                    "as parts of about this many MiB, one task each (default 16)")
     p.add_argument("--model-cache", default=".qrag_models", help="where MLflow checkpoints are downloaded to")
     p.add_argument("--lanes", metavar="DEVICES", help="no Ray: index on this machine with a process per device, e.g. cuda:0,cuda:1, "
                    "'gpus' (every GPU) or cpu (qrag.index.lanes; 3.46M tokens/s on 2 H200s against 2.2M for one process on one)")
-    p.add_argument("--lanes-per-device", type=int, help="with --lanes: processes feeding each device (default 2 on a GPU: on one "
-                   "H100 two lanes beat one in every run, 1.82-2.58M tokens/s against 1.57M; 1 on cpu)")
+    p.add_argument("--lanes-per-device", type=int, help="with --lanes: processes feeding each device (default 3 on a GPU: on one "
+                   "H100 with 16 cores, 3 lanes of 4 workers 2.6-3.0M tokens/s, 2 x 6 2.3-2.6M, one process 1.7-2.3M; 1 on cpu)")
     p.add_argument("--lane-workers", type=int, help="with --lanes: tokenising processes per lane (default: 3/4 of the cores shared out)")
     p.add_argument("--no-progress", action="store_true", help="no progress line per commit")
 
@@ -48,7 +59,7 @@ def index_config(args: argparse.Namespace):
                            model_cache=args.model_cache, storage=args.storage, chunk_tokens=args.chunk_tokens, shards=args.shards,
                            dtype=args.dtype, encoder_actors=args.encoder_actors, encoder_gpus=args.encoder_gpus,
                            tokenize_actors=args.tokenize_actors, encode_batch=args.encode_batch, encode_tokens=args.encode_tokens,
-                           commit_chunks=args.commit_chunks, file_part_bytes=max(1, int(args.file_part_mb * 2**20)))
+                           commit_chunks=args.commit_chunks or COMMIT_CHUNKS, file_part_bytes=max(1, int(args.file_part_mb * 2**20)))
 
 
 def run_index(args: argparse.Namespace) -> int:
@@ -96,7 +107,7 @@ def lane_devices(spec: str, per_device: int | None) -> list[str]:
                 raise DataError(f"--lanes: {d} is not on this machine")
     if not devices:
         raise DataError("--lanes: no device given")
-    return [d for d in devices for _ in range(per_device or (2 if torch.device(d).type == "cuda" else 1))]
+    return [d for d in devices for _ in range(per_device or (LANES_PER_GPU if torch.device(d).type == "cuda" else 1))]
 
 
 def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], source) -> dict:
@@ -136,7 +147,8 @@ def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], 
             print(f"qrag index: {man.name}: {man.documents - before} documents, {man.chunks} chunks in the corpus, "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
-    m, stats = index_in_lanes(store, args.corpus, docs, cfg, devices, commit_chars=args.commit_chunks * m.chunk_tokens * 4,
+    commit_chars = (args.commit_chunks or LANE_COMMIT_CHUNKS) * m.chunk_tokens * 4  # ~4 characters a token
+    m, stats = index_in_lanes(store, args.corpus, docs, cfg, devices, commit_chars=commit_chars,
                               resume=True, on_commit=progress)
     return {"corpus": m.summary(), "lanes": stats.summary(), "seconds": round(time.perf_counter() - t0, 3),
             "tokens_per_s": round(stats.encoder_tokens / stats.seconds) if stats.seconds else 0}
