@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from typing import Any, Callable
 
@@ -199,7 +198,7 @@ def main() -> None:
             row["torch_shard_bytes"] = int(sum(s.vectors.numel() * 4 for s in shards) // args.shards)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del shards, flat, flat16, one, ivf, vectors
+        shards = flat = flat16 = one = ivf = vectors = None  # this size's memory goes before the next size's
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     result = {"bench": "faiss_gpu", **machine_info(), "faiss": faiss.__version__, "faiss_gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0, "device": str(dev),

@@ -50,6 +50,7 @@ from qrag.data.sample import DataError  # noqa: E402
 from qrag.retrieval.embedder import EmbeddingModel, load_embedding_model, resolve_source  # noqa: E402
 from qrag.model.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
 from qrag.index import tokenise_workers  # noqa: E402
+from qrag.index.lanes import LANES_PER_GPU  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
 from qrag.index.pipeline import Group, GroupBuilder, index_groups  # noqa: E402
 from qrag.index.shards import ShardOptions  # noqa: E402
@@ -102,8 +103,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lanes", action="store_true", help="index with a process per device (qrag.index.lanes: each lane its own "
                     "tokenising workers, GPU feeding and file writes; this process commits in order) instead of one process feeding "
                     "every device")
-    ap.add_argument("--lanes-per-device", type=int, default=1, help="lanes on each device (--lanes): more than one feeds a GPU from "
-                    "several processes, each with its own GIL")
+    ap.add_argument("--lanes-per-device", type=int, default=0, help="lanes on each device (--lanes; default as qrag index --lanes: 3 on "
+                    "a GPU, 1 on the CPU): more than one feeds a GPU from several processes, each with its own GIL")
     ap.add_argument("--lane-workers", type=int, default=0, help="tokenising processes per lane (default: --workers shared out among the lanes)")
     ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
                     "GPU-feeding thread gets a core first when every core is tokenising)")
@@ -321,7 +322,8 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
 
     name = "bench"
     index.create(name, chunk_tokens=args.chunk_tokens, shards=args.shards)
-    devices = [str(d) for d in index.devices for _ in range(args.lanes_per_device)]
+    per_device = args.lanes_per_device or (LANES_PER_GPU if index.devices[0].type == "cuda" else 1)
+    devices = [str(d) for d in index.devices for _ in range(per_device)]
     workers = args.lane_workers or max(1, args.workers // len(devices))
     cfg = LaneConfig(store_root=str(index.store.root), name=name, make_model=functools.partial(lane_model, source=source, args=args),
                      tokenizer_dir=tokenizer_dir, layout=model.layout, chunk_tokens=args.chunk_tokens, workers=workers,
@@ -337,7 +339,7 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
             "seconds": stats.seconds, "embed_seconds": embed_s, "store_seconds": write_s,
             "indexing_tokens_per_s": stats.encoder_tokens / stats.seconds, "embed_only_tokens_per_s": stats.encoder_tokens / max(embed_s * len(index.devices), 1e-9),
             "bytes_on_disk": index.store.disk_bytes(name), "ids": stored_token_ids(index.store, name),
-            "stages": {"pipelined": True, "lanes": len(devices), "lanes_per_device": args.lanes_per_device, "workers_per_lane": workers, "commits": stats.commits,
+            "stages": {"pipelined": True, "lanes": len(devices), "lanes_per_device": per_device, "workers_per_lane": workers, "commits": stats.commits,
                        "commit_chars": commit_chars, "startup_seconds": st["startup_seconds"], "total_seconds": st["total_seconds"], "lane_startup": st["lane_startup"], "commit_seconds": st["commit_seconds"],
                        "per_lane": st["per_lane"],
                        "note": "seconds: every lane ready (model loaded, workers up; groups are sent from then) to the last commit; "

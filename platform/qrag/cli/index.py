@@ -16,10 +16,6 @@ COMMIT_CHUNKS = 65536  # the Ray path's commit group
 # corpus 3 groups for 3 lanes, each tokenised whole before its GPU work. 16,384 is the size the
 # lane figures were measured with (bench/results/index_one_gpu_round6_h100/: 2,048-16,384 alike).
 LANE_COMMIT_CHUNKS = 16384
-# Lanes per GPU: on one H100 with 16 cores 3 x 4 workers gave 0.45-0.51 of the bare forward in 8
-# of 9 runs, 2 x 6 0.29-0.45, 4 x 3 0.46 (bench/results/index_one_gpu_round{3,5,6}_h100/ and
-# index_word_cache_round3_h100/).
-LANES_PER_GPU = 3
 
 
 def index_args(p: argparse.ArgumentParser) -> None:
@@ -107,6 +103,8 @@ def lane_devices(spec: str, per_device: int | None) -> list[str]:
                 raise DataError(f"--lanes: {d} is not on this machine")
     if not devices:
         raise DataError("--lanes: no device given")
+    from qrag.index.lanes import LANES_PER_GPU
+
     return [d for d in devices for _ in range(per_device or (LANES_PER_GPU if torch.device(d).type == "cuda" else 1))]
 
 

@@ -50,6 +50,10 @@ from qrag.index.tokenise_workers import blocks_of, init_worker, prepare_block
 from qrag.index.writer_process import picklable_error
 
 POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
+# Lanes feeding one GPU (qrag index --lanes, serve_scale.py --lanes): on one H100 with 16 cores,
+# 3 lanes x 4 workers gave 0.45-0.51 of the bare forward in 8 of 9 runs, 2 x 6 0.29-0.45, 4 x 3
+# 0.46 (bench/results/index_word_cache_round3_h100/, index_one_gpu_round{5,6}_h100/).
+LANES_PER_GPU = 3
 
 
 class LaneError(RuntimeError):
@@ -170,9 +174,11 @@ def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, re
 
 def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: int) -> None:
     """A lane's process: tokenise, embed and write the groups it is sent (see the module doc)."""
+    import importlib
+
     import torch
 
-    import qrag.retrieval.embedder  # noqa: F401 - what a worker's tokenizer needs, imported once here and inherited
+    importlib.import_module("qrag.retrieval.embedder")  # what a worker's tokenizer needs: imported once here, inherited
 
     def report(msg: tuple) -> None:
         outbox.put((msg[0], i, *msg[1:]))

@@ -1,0 +1,37 @@
+"""bench/faiss_gpu.py (FAISS against the shards' torch scoring) as a CPU smoke run: FAISS's CPU
+indexes, the shards' own path, the same picks. On the GPU machines it runs through
+bench/faiss_gpu.sh with the CUDA-12 build."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from test_serve_http_bench import ROOT, run
+
+pytest.importorskip("faiss")
+
+
+def test_faiss_and_the_shards_pick_the_same_chunks(tmp_path):
+    out = tmp_path / "faiss.json"
+    run("faiss_gpu.py", "--device", "cpu", "--chunks", "3000", "--states", "1,4", "--repeats", "2", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [(r["chunks"], r["states"]) for r in result["rows"]] == [(3000, 1), (3000, 4)]
+    for row in result["rows"]:
+        assert row["agreement_with_torch"] == {"faiss_flat": 1.0, "faiss_flat_fp16": 1.0, "faiss_one_index": 1.0}
+        assert row["torch_ms"] > 0 and row["faiss_flat_ms"] > 0 and 0 <= row["faiss_ivf_recall"] <= 1
+    assert result["device"] == "cpu" and result["commit"]
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+def test_the_cublas_stand_in_exports_cuda_12s_versioned_names(tmp_path):
+    """bench/cublas12/: FAISS's cuBLAS calls are bound to version node libcublas.so.12."""
+    out = subprocess.run(["bash", str(ROOT / "bench" / "cublas12" / "build.sh"), str(tmp_path)], capture_output=True, text=True, check=True)
+    lib = tmp_path / "libcublas.so.12"
+    assert out.stdout.strip() == str(tmp_path) and lib.exists() and (tmp_path / "libcublasLt.so.12").exists()
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    for name in ("cublasCreate_v2", "cublasSetStream_v2", "cublasGemmEx", "cublasSgemmEx", "cublasGemmStridedBatchedEx"):
+        assert f"{name}@@libcublas.so.12" in symbols
