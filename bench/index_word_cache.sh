@@ -24,29 +24,21 @@ source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc
 lscpu | grep -E "^(Thread|Core|Socket|Model name|CPU max MHz)" || true
-if [ "${ROUND:-3}" = 6 ]; then  # smaller commit groups: 10 groups of ~1M tokens gave 3 lanes 4/3/3 and a slow first group each
-  L="--lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0"
-  run lanes_3x4_cc4096 $L --commit-chunks 4096
-  run lanes_3x4_cc2048 $L --commit-chunks 2048
-  run cache_cc4096 --devices cuda:0 --commit-chunks 4096
-  run lanes_3x4_cc4096_b $L --commit-chunks 4096
-  run lanes_3x4 $L
-  run lanes_3x4_cc2048_b $L --commit-chunks 2048
-  exit 0
-fi
-if [ "${ROUND:-3}" = 5 ]; then
-  run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
-  run cache --devices cuda:0
-  run lanes_3x4_b --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
-  run lanes_3x4_c --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
-  exit 0
-fi
-if [ "${ROUND:-3}" = 4 ]; then
-  run lanes_3x4 --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
-  run cache --devices cuda:0
-  run lanes_3x4_b --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
-  run lanes_2x6 --lanes --lanes-per-device 2 --lane-workers 6 --devices cuda:0
-  run lanes_3x4_c --lanes --lanes-per-device 3 --lane-workers 4 --devices cuda:0
+# Later rounds: NAME:OPTIONS (commas for spaces), each run on cuda:0; the results folders name the round.
+L=--lanes,--lanes-per-device,3,--lane-workers,4
+case "${ROUND:-3}" in
+  4) RUNS="lanes_3x4:$L cache: lanes_3x4_b:$L lanes_2x6:--lanes,--lanes-per-device,2,--lane-workers,6 lanes_3x4_c:$L" ;;
+  5) RUNS="lanes_3x4:$L cache: lanes_3x4_b:$L lanes_3x4_c:$L" ;;
+  # smaller commit groups: 10 groups of ~1M tokens gave 3 lanes 4/3/3 and a slow first group each
+  6) RUNS="lanes_3x4_cc4096:$L,--commit-chunks,4096 lanes_3x4_cc2048:$L,--commit-chunks,2048 cache_cc4096:--commit-chunks,4096
+           lanes_3x4_cc4096_b:$L,--commit-chunks,4096 lanes_3x4:$L lanes_3x4_cc2048_b:$L,--commit-chunks,2048" ;;
+  *) RUNS="" ;;
+esac
+if [ -n "$RUNS" ]; then
+  for spec in $RUNS; do
+    opts=${spec#*:}
+    run "${spec%%:*}" --devices cuda:0 ${opts//,/ }
+  done
   exit 0
 fi
 python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens 2000000 --doc-tokens 32768 \
