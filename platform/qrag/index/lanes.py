@@ -16,8 +16,10 @@ Why: one process feeding two GPUs was no faster than one GPU (bench/results/READ
 10M tokens, round 6, and 2 GPUs": gathering tokenised chunks, feeding and handing over the writes
 share one GIL). A lane is that single-GPU pipeline in a process of its own; lanes only exchange
 counts, positions and manifest entries with the caller. Measured ("Indexing in lanes, the word
-cache, 100M tokens on 2 GPUs"): two lanes on 2 H200s 3.46M tokens/s against 2.15-2.27M for one
-process on one; two lanes feeding one H100 2.58M against 1.70-2.19M for one process.
+cache, 100M tokens on 2 GPUs" and "Lanes again, FAISS on the GPU"): three lanes feeding one H100
+2.6-3.0M tokens/s (0.45-0.51 of the bare forward in 8 of 9 runs) against 1.7-2.3M for one process;
+on 2 H100s three lanes per GPU 2.86-3.35M against 2.60M on one GPU of the same machine (the host's
+tokenising is the bound).
 
 The corpus is the one a single process makes from the same documents (same chunks, positions,
 vectors); only the batch boundaries differ (they depend on characters here, not on chunk counts).
