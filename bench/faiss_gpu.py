@@ -40,7 +40,7 @@ import torch
 
 from bench_common import machine_info, write_result
 from qrag.config import ModelConfig
-from qrag.index.shards import ShardIndex, ShardOptions, score_shards
+from qrag.index.shards import ShardIndex, ShardOptions, best_unselected, score_shards
 from qrag.index.store import Segment
 
 
@@ -78,17 +78,6 @@ def torch_shards(vectors: torch.Tensor, n_shards: int, device: torch.device) -> 
     return shards
 
 
-def filtered(dist: np.ndarray, local: np.ndarray, banned: list[set[int]], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's best ``k`` that are not banned (what ShardIndex._faiss_topk keeps)."""
-    out_q = np.full((len(dist), k), -np.inf, np.float32)
-    out_i = np.full((len(dist), k), -1, np.int64)
-    for r in range(len(dist)):
-        keep = [(d, i) for d, i in zip(dist[r], local[r]) if i >= 0 and int(i) not in banned[r]][:k]
-        out_q[r, : len(keep)] = [d for d, _ in keep]
-        out_i[r, : len(keep)] = [i for _, i in keep]
-    return out_q, out_i
-
-
 def faiss_shards(faiss, res, vectors: np.ndarray, n_shards: int, fp16: bool) -> list[Any]:
     """``n_shards`` flat inner-product indexes on GPU 0 (``res`` None: on the host, a CPU smoke run)."""
     out = []
@@ -114,7 +103,7 @@ def search_shards(indexes: list[Any], n_shards: int, states: np.ndarray, selecte
     for s, index in enumerate(indexes):
         banned = [{g // n_shards for g in sel if g % n_shards == s} for sel in selected]
         dist, local = index.search(states, k + extra)
-        res.append(filtered(dist, local, banned, k))
+        res.append(best_unselected(dist, local, banned, k, index.ntotal))
     return res
 
 

@@ -50,7 +50,7 @@ from qrag.data.sample import DataError  # noqa: E402
 from qrag.retrieval.embedder import EmbeddingModel, load_embedding_model, resolve_source  # noqa: E402
 from qrag.model.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
 from qrag.index import tokenise_workers  # noqa: E402
-from qrag.index.lanes import LANES_PER_GPU  # noqa: E402
+from qrag.index.lanes import CHARS_PER_TOKEN, commit_chars_for, lanes_on  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
 from qrag.index.pipeline import Group, GroupBuilder, index_groups  # noqa: E402
 from qrag.index.shards import ShardOptions  # noqa: E402
@@ -184,8 +184,6 @@ def _prepare(job: tuple[str, str | None, str, int]):
     return doc_id, tokenise_workers.tokenization().chunk_documents([Document(*doc)], budget)
 
 
-# A token is about 4 characters of English prose: parts are cut by characters, before tokenising.
-CHARS_PER_TOKEN = 4
 
 
 def book_parts(text: str, part_chars: int) -> list[str]:
@@ -322,14 +320,14 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
 
     name = "bench"
     index.create(name, chunk_tokens=args.chunk_tokens, shards=args.shards)
-    per_device = args.lanes_per_device or (LANES_PER_GPU if index.devices[0].type == "cuda" else 1)
-    devices = [str(d) for d in index.devices for _ in range(per_device)]
+    devices = lanes_on([str(d) for d in index.devices], args.lanes_per_device or None)
+    per_device = len(devices) // len(index.devices)
     workers = args.lane_workers or max(1, args.workers // len(devices))
     cfg = LaneConfig(store_root=str(index.store.root), name=name, make_model=functools.partial(lane_model, source=source, args=args),
                      tokenizer_dir=tokenizer_dir, layout=model.layout, chunk_tokens=args.chunk_tokens, workers=workers,
                      chunk_batch=args.chunk_batch, depth=args.depth, worker_nice=args.worker_nice,
                      block_chars=max(1, args.doc_tokens) * CHARS_PER_TOKEN)
-    commit_chars = args.commit_chunks * args.chunk_tokens * CHARS_PER_TOKEN
+    commit_chars = commit_chars_for(args.commit_chunks, args.chunk_tokens)
     _, stats = index_in_lanes(index.store, name, lane_documents(files, args), cfg, devices, commit_chars=commit_chars)
     m = index.store.read(name)
     st = stats.summary()

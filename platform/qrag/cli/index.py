@@ -81,10 +81,11 @@ def run_index(args: argparse.Namespace) -> int:
 
 
 def lane_devices(spec: str, per_device: int | None) -> list[str]:
-    """``--lanes`` -> one device name per lane (``per_device`` None: 2 on a GPU, 1 on the CPU)."""
+    """``--lanes`` -> one device name per lane (``per_device`` None: :func:`qrag.index.lanes.lanes_on`'s default)."""
     import torch
 
     from qrag.data.sample import DataError
+    from qrag.index.lanes import lanes_on
 
     if per_device is not None and per_device < 1:
         raise DataError(f"--lanes-per-device must be at least 1, got {per_device}")
@@ -103,9 +104,7 @@ def lane_devices(spec: str, per_device: int | None) -> list[str]:
                 raise DataError(f"--lanes: {d} is not on this machine")
     if not devices:
         raise DataError("--lanes: no device given")
-    from qrag.index.lanes import LANES_PER_GPU
-
-    return [d for d in devices for _ in range(per_device or (LANES_PER_GPU if torch.device(d).type == "cuda" else 1))]
+    return lanes_on(devices, per_device)
 
 
 def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], source) -> dict:
@@ -117,7 +116,7 @@ def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], 
     import time
 
     from qrag.distributed.bulk_index import read_records  # readers only: Ray is not imported
-    from qrag.index.lanes import LaneConfig, index_in_lanes
+    from qrag.index.lanes import LaneConfig, commit_chars_for, index_in_lanes
     from qrag.index.local import LocalIndex
     from qrag.index.store import CorpusNotFound, CorpusStore
     from qrag.retrieval.embedder import load_embedding_model
@@ -145,7 +144,7 @@ def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], 
             print(f"qrag index: {man.name}: {man.documents - before} documents, {man.chunks} chunks in the corpus, "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
-    commit_chars = (args.commit_chunks or LANE_COMMIT_CHUNKS) * m.chunk_tokens * 4  # ~4 characters a token
+    commit_chars = commit_chars_for(args.commit_chunks or LANE_COMMIT_CHUNKS, m.chunk_tokens)
     m, stats = index_in_lanes(store, args.corpus, docs, cfg, devices, commit_chars=commit_chars,
                               resume=True, on_commit=progress)
     return {"corpus": m.summary(), "lanes": stats.summary(), "seconds": round(time.perf_counter() - t0, 3),

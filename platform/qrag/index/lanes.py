@@ -48,7 +48,7 @@ from qrag.data.documents import Document, unpack_chunks
 from qrag.index.pipeline import Group, index_groups
 from qrag.data.sample import DataError
 from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
-from qrag.index.tokenise_workers import blocks_of, init_worker, prepare_block
+from qrag.index.tokenise_workers import blocks_of, char_groups, init_worker, prepare_block
 from qrag.index.writer_process import picklable_error
 
 POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
@@ -56,6 +56,7 @@ POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side 
 # 3 lanes x 4 workers gave 0.45-0.51 of the bare forward in 8 of 9 runs, 2 x 6 0.29-0.45, 4 x 3
 # 0.46 (bench/results/index_word_cache_round3_h100/, index_one_gpu_round{5,6}_h100/).
 LANES_PER_GPU = 3
+CHARS_PER_TOKEN = 4  # English prose: groups and tokenising jobs are cut by characters, before tokenising
 
 
 class LaneError(RuntimeError):
@@ -102,21 +103,19 @@ class LaneStats:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def char_groups(docs: Iterable[Document], commit_chars: int) -> Iterator[list[Document]]:
-    """Whole documents in input order, in groups of at least ``commit_chars`` characters (the
-    last may be smaller). Boundaries depend on the documents alone."""
-    if commit_chars < 1:
-        raise ValueError(f"commit_chars must be at least 1, got {commit_chars}")
-    group: list[Document] = []
-    size = 0
-    for doc in docs:
-        group.append(doc)
-        size += len(doc.text)
-        if size >= commit_chars:
-            yield group
-            group, size = [], 0
-    if group:
-        yield group
+def lanes_on(devices: Sequence[str], per_device: int | None = None) -> list[str]:
+    """One device name per lane: ``per_device`` lanes on each (None: LANES_PER_GPU on a GPU, 1 on
+    the CPU)."""
+    def count(device: str) -> int:
+        return per_device or (LANES_PER_GPU if device.startswith("cuda") else 1)
+
+    return [d for d in devices for _ in range(count(d))]
+
+
+def commit_chars_for(commit_chunks: int, chunk_tokens: int) -> int:
+    """A lane's group size in characters for groups of about ``commit_chunks`` full chunks (lanes
+    cut groups before tokenising, so by characters)."""
+    return commit_chunks * chunk_tokens * CHARS_PER_TOKEN
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from qrag.config import ModelConfig, SearchConfig
-from qrag.data.documents import Document
+from qrag.data.documents import Document, DocumentChunk
 from qrag.retrieval.multistep import Retrieval, SearchRun, Timings, search
 from qrag.data.tokens import TokenLayout
 from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions, as_devices, score_shards

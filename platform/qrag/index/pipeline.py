@@ -294,7 +294,8 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
                  depth: int = 2, progress: Callable[[int, int], None] | None = None,
                  on_commit: Callable[[Manifest], None] | None = None, host_threads: int | None = 1,
                  switch_s: float | None = FEEDING_SWITCH_S, writer: str = "thread",
-                 replicas: Sequence = (), append: Callable[[Group, np.ndarray], None] | None = None) -> tuple[Manifest, IndexStats]:
+                 replicas: Sequence = (), append: Callable[[Group, np.ndarray], Manifest | None] | None = None
+                 ) -> tuple[Manifest, IndexStats]:
     """Embed and commit ``groups`` (in order, one ``store.append`` each) into corpus ``name``.
 
     ``progress(done, known)`` after every encoder call: chunks embedded and chunks prepared so far.
@@ -307,8 +308,8 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
     groups on ``model`` and each replica round robin, one feeder thread per device, and commits
     them in order (the same files as one device).
     ``append(group, vectors)``: what the writer does with each embedded group instead of
-    ``store.append`` (a lane of :mod:`qrag.index.lanes` writes the files and leaves the commit to
-    its caller); in group order, on the writer thread.
+    ``store.append``, returning the committed manifest or None (a lane of :mod:`qrag.index.lanes`
+    writes the files and leaves the commit to its caller); in group order, on the writer thread.
     Returns the last manifest and the stage timings."""
     if chunk_batch < 1:
         raise ValueError(f"chunk_batch must be at least 1, got {chunk_batch}")
@@ -327,7 +328,8 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
 
 def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Iterable[Group], chunk_batch: int, pipelined: bool, depth: int,
                   progress: Callable[[int, int], None] | None, on_commit: Callable[[Manifest], None] | None,
-                  writer_kind: str = "thread", append: Callable[[Group, np.ndarray], None] | None = None) -> tuple[Manifest, IndexStats]:
+                  writer_kind: str = "thread", append: Callable[[Group, np.ndarray], Manifest | None] | None = None
+                  ) -> tuple[Manifest, IndexStats]:
     stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0, writer=writer_kind if pipelined else "caller",
                        devices=len(models))
     dim = store.read(name).dim
@@ -346,18 +348,19 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
         if on_commit is not None and m is not None:
             on_commit(m)
 
-    # Where a batch is appended: here, or (pipelined, writer "process") by a child process.
+    # Where a batch is appended: the caller's function (files only: a lane), here, or (pipelined,
+    # writer "process") by a child process. Each gives the committed manifest, or None.
     child = ChildWriter(store.root, name, fingerprint) if pipelined and writer_kind == "process" else None
+    if append is None and child is not None:
+        def append(group: Group, vectors: np.ndarray) -> Manifest:
+            return child.append(group.docs, group.chunks, group.ids, vectors)
+    elif append is None:
+        def append(group: Group, vectors: np.ndarray) -> Manifest:
+            return store.append(name, group.docs, group.chunks, group.ids, vectors, fingerprint)
 
     def write(item: tuple[Group, np.ndarray]) -> None:
         group, vectors = item
-        if append is not None:
-            append(group, vectors)
-            committed(group, None)
-        elif child is not None:
-            committed(group, child.append(group.docs, group.chunks, group.ids, vectors))
-        else:
-            committed(group, store.append(name, group.docs, group.chunks, group.ids, vectors, fingerprint))
+        committed(group, append(group, vectors))
 
     def on_slice(n: int) -> None:
         with counting:

@@ -373,15 +373,20 @@ class ShardIndex:
             if found is not None:
                 break
         dist, local = found
-        out_q = np.full((len(states), min(k, n)), -np.inf, np.float32)
-        out_i = np.full(out_q.shape, -1, np.int64)
-        for r in range(len(states)):
-            banned = set(mine[r])
-            keep = [(float(d) / 2.0, int(i)) for d, i in zip(dist[r], local[r]) if 0 <= i < n and int(i) not in banned]
-            keep = keep[: out_q.shape[1]]
-            out_q[r, : len(keep)] = [d for d, _ in keep]  # Q = mean of the twin halves = <s, a> / 2
-            out_i[r, : len(keep)] = [i for _, i in keep]
-        return out_q, out_i
+        out_q, out_i = best_unselected(dist, local, [set(m) for m in mine], min(k, n), n)
+        return out_q / 2.0, out_i  # Q = mean of the twin halves = <s, a> / 2
+
+
+def best_unselected(dist: np.ndarray, local: np.ndarray, banned: Sequence[set[int]], k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's best ``k`` of a FAISS answer (``dist``, ``local`` rows, best first) that are rows
+    below ``n`` and not in the row's ``banned`` set; -inf and -1 pad rows with fewer."""
+    out_q = np.full((len(dist), k), -np.inf, np.float32)
+    out_i = np.full(out_q.shape, -1, np.int64)
+    for r in range(len(dist)):
+        keep = [(float(d), int(i)) for d, i in zip(dist[r], local[r]) if 0 <= i < n and int(i) not in banned[r]][:k]
+        out_q[r, : len(keep)] = [d for d, _ in keep]
+        out_i[r, : len(keep)] = [i for _, i in keep]
+    return out_q, out_i
 
 
 _FAISS: Any = None

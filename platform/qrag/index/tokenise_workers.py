@@ -9,7 +9,7 @@ flat objects, cheap to unpickle for the process that feeds the GPU).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from qrag.data.documents import Document, pack_chunks
 
@@ -43,15 +43,24 @@ def prepare_block(docs: Sequence[tuple[str, str]], chunk_tokens: int) -> tuple:
     return pack_chunks(chunks, ids)
 
 
+def char_groups(docs: Iterable[Document], min_chars: int) -> Iterator[list[Document]]:
+    """Whole documents in input order, in groups of at least ``min_chars`` characters (the last
+    may be smaller). Boundaries depend on the documents alone."""
+    if min_chars < 1:
+        raise ValueError(f"a group needs at least 1 character, got {min_chars}")
+    group: list[Document] = []
+    size = 0
+    for doc in docs:
+        group.append(doc)
+        size += len(doc.text)
+        if size >= min_chars:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
 def blocks_of(docs: Sequence[Document], block_chars: int) -> list[list[Document]]:
     """Consecutive documents in blocks of about ``block_chars`` characters (a document longer
     than that is a block of its own): one tokenising job each."""
-    blocks: list[list[Document]] = []
-    size = block_chars
-    for doc in docs:
-        if size >= block_chars:
-            blocks.append([])
-            size = 0
-        blocks[-1].append(doc)
-        size += len(doc.text)
-    return blocks
+    return list(char_groups(docs, block_chars))
