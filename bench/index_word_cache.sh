@@ -16,6 +16,8 @@
 # for 1-3 s inside the window: 0.31-0.35). Round 5 (ROUND=5): the window from every lane ready again.
 # Round 6 (ROUND=6): commit groups of 4,096 and 2,048 chunks instead of 16,384 (10M tokens were 10
 # groups: 4/3/3 over three lanes, each lane's first group tokenised whole before its GPU work).
+# Round 7 (ROUND=7): streamed groups and a feeder that never pauses between groups
+# (qrag.index.pipeline._Feeder): 3 x 4 with groups of 16,384 and 4,096 chunks, one process.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -32,6 +34,8 @@ case "${ROUND:-3}" in
   # smaller commit groups: 10 groups of ~1M tokens gave 3 lanes 4/3/3 and a slow first group each
   6) RUNS="lanes_3x4_cc4096:$L,--commit-chunks,4096 lanes_3x4_cc2048:$L,--commit-chunks,2048 cache_cc4096:--commit-chunks,4096
            lanes_3x4_cc4096_b:$L,--commit-chunks,4096 lanes_3x4:$L lanes_3x4_cc2048_b:$L,--commit-chunks,2048" ;;
+  7) RUNS="lanes_3x4:$L lanes_3x4_cc4096:$L,--commit-chunks,4096 cache: lanes_3x4_b:$L lanes_3x4_cc4096_b:$L,--commit-chunks,4096
+           lanes_3x4_c:$L lanes_3x4_cc4096_c:$L,--commit-chunks,4096" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then

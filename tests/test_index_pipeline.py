@@ -5,6 +5,7 @@ corpus committed up to the last whole batch, and resume finishes it without re-e
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import numpy as np
@@ -417,3 +418,129 @@ def test_packed_chunks_come_back_as_they_went():
     assert back_chunks == chunks
     assert [x.tolist() for x in back_ids] == [x.tolist() for x in ids]
     assert unpack_chunks(pack_chunks([], [])) == ([], [])
+
+
+class _Queued:
+    """A model whose calls are queued (``embed_chunks_start``) and waited for later, as on a GPU:
+    records ("start", n) and ("wait", n) in the order they happen."""
+
+    def __init__(self, model):
+        self.model, self.events = model, []
+        self.fingerprint, self.device = model.fingerprint, "cpu"
+        self.lock = threading.Lock()
+
+    def embed_chunks_start(self, seqs):
+        with self.lock:
+            self.events.append(("start", len(seqs)))
+        out = self.model.embed_chunks(seqs)
+
+        def wait():
+            with self.lock:
+                self.events.append(("wait", len(seqs)))
+            return out
+        return wait
+
+
+def test_slices_cut_the_blocks_as_they_would_cut_one_list():
+    from qrag.index.pipeline import id_slices
+
+    seqs = [np.array([k], np.int32) for k in range(11)]
+    for blocks in ([seqs], [seqs[:3], [], seqs[3:4], seqs[4:11]], [[s] for s in seqs]):
+        got = [[int(x[0]) for x in s] for s in id_slices(blocks, 4)]
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert list(id_slices([[], []], 4)) == []
+
+
+def test_the_device_gets_the_next_groups_slice_before_the_last_one_is_waited_for(model, tmp_path):
+    """Groups of one slice each: the next slice is queued while the one ahead of it is still being
+    waited for, across group boundaries (group by group, the device waited for the host at each
+    group's end), and never two ahead."""
+    docs = make_documents(14, seed=5)
+    seq_store, _ = build(model, tmp_path / "seq", docs, pipelined=False)
+    store = CorpusStore(tmp_path / "run")
+    LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
+    groups = list(document_groups(docs, lambda block: model.chunk_documents(block, 24), 10))
+    started = [threading.Event() for _ in groups]
+
+    class Gated(_Queued):
+        """A slice's wait ends only once the next slice is queued (as a GPU still busy with it)."""
+
+        def embed_chunks_start(self, seqs):
+            k = sum(e == "start" for e, _ in self.events)
+            started[k].set()
+            inner = super().embed_chunks_start(seqs)
+
+            def wait():
+                if k + 1 < len(started) and not started[k + 1].wait(10):
+                    self.events.append(("late", k))
+                out = inner()
+                self.events.append(("done", k))
+                return out
+            return wait
+
+    queued = Gated(model)
+    index_groups(store, "c", queued, groups, chunk_batch=1000)
+    sizes = [len(g.ids) for g in groups]
+    assert len(sizes) >= 4 and [n for e, n in queued.events if e == "start"] == sizes
+    assert not [k for e, k in queued.events if e == "late"]
+    order = [e for e, _ in queued.events if e in ("start", "done")]
+    for k in range(len(sizes) - 2):  # slice k+2 is queued only after slice k is done
+        assert [i for i, e in enumerate(order) if e == "start"][k + 2] > [i for i, e in enumerate(order) if e == "done"][k]
+    assert snapshot(store) == snapshot(seq_store)
+
+
+def test_a_streamed_group_is_embedded_as_its_blocks_come_and_writes_the_same_files(model, tmp_path):
+    """Group.pending: the device starts on a group's first blocks while its last block is still
+    being tokenised; the files are those of whole groups, byte for byte (the same slices)."""
+    docs = make_documents(14, seed=5)
+    seq_store, _ = build(model, tmp_path / "seq", docs, pipelined=False, chunk_batch=4)
+    whole = list(document_groups(docs, lambda block: model.chunk_documents(block, 24), 10))
+    last_block = threading.Event()
+    counts = []
+
+    def streamed(g):
+        def blocks():
+            for lo in range(0, len(g.ids), 3):  # blocks of 3 chunks, slices of 4: cut across blocks
+                if lo + 3 >= len(g.ids) and g is whole[0]:
+                    assert last_block.wait(10)
+                yield g.chunks[lo : lo + 3], g.ids[lo : lo + 3]
+            counts.append(len(g.ids))
+        return Group(docs=list(g.docs), pending=blocks())
+
+    class Releasing(_Queued):
+        def embed_chunks_start(self, seqs):
+            last_block.set()  # only a slice started before the first group's last block releases it
+            return super().embed_chunks_start(seqs)
+
+    store = CorpusStore(tmp_path / "run")
+    LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
+    _, stats = index_groups(store, "c", Releasing(model), [streamed(g) for g in whole], chunk_batch=4)
+    assert counts == [len(g.ids) for g in whole]
+    assert stats.commits == len(whole) and stats.encoder_tokens == sum(len(x) for g in whole for x in g.ids)
+    assert snapshot(store) == snapshot(seq_store)
+
+    # Sequential: the same files from streamed groups.
+    store2 = CorpusStore(tmp_path / "seq2")
+    LocalIndex(store2, model).create("c", chunk_tokens=24, shards=SHARDS)
+    last_block.set()
+    index_groups(store2, "c", model, [streamed(g) for g in whole], chunk_batch=4, pipelined=False)
+    assert snapshot(store2) == snapshot(seq_store)
+
+
+def test_a_streamed_groups_failing_block_is_raised_after_the_groups_before_it(model, tmp_path):
+    docs = make_documents(14, seed=5)
+    whole = list(document_groups(docs, lambda block: model.chunk_documents(block, 24), 10))
+
+    def streamed(k, g):
+        def blocks():
+            yield g.chunks[:2], g.ids[:2]
+            if k == 2:
+                raise RuntimeError("a tokenising worker died")
+            yield g.chunks[2:], g.ids[2:]
+        return Group(docs=list(g.docs), pending=blocks())
+
+    store = CorpusStore(tmp_path / "run")
+    LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
+    with pytest.raises(RuntimeError, match="worker died"):
+        index_groups(store, "c", _Queued(model), [streamed(k, g) for k, g in enumerate(whole)], chunk_batch=4)
+    assert [b["chunks"] for b in store.read("c").batches] == [len(g.ids) for g in whole[:2]]

@@ -143,34 +143,27 @@ def _get(q, parent: int):
 
 
 def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, report, first) -> Iterator[Group]:
-    """The lane's groups (``first``: the first message, already read), tokenised in its workers;
-    the blocks of the next group are queued before this one is gathered, so the workers do not
-    wait between groups."""
-    ahead: deque = deque()
-    pending = [first]
-
-    def take() -> bool:
-        msg = pending.pop() if pending else _get(inbox, parent)
-        if msg is None:
-            return False
+    """The lane's groups (``first``: the first message, already read), each handed on as soon as its
+    tokenising jobs are queued in the lane's workers: the feeder embeds its blocks as they come
+    (Group.pending) and the group's chunk count is reported once its last block is in. Handing on
+    whole tokenised groups made every group wait for its last block, the device idle meanwhile."""
+    msg = first
+    while msg is not None:
         k, docs = msg
-        blocks = blocks_of(docs, cfg.block_chars)
-        ahead.append((k, docs, [pool.submit(prepare_block, [(d.id, d.text) for d in b], cfg.chunk_tokens) for b in blocks]))
-        return True
-
-    more = take()
-    while ahead:
-        if more:
-            more = take()
-        k, docs, futures = ahead.popleft()
-        group = Group(docs=[Document(d.id, "") for d in docs])  # the texts live on in the chunks
-        for f in futures:
-            chunks, ids = unpack_chunks(f.result())
-            group.chunks.extend(chunks)
-            group.ids.extend(ids)
-        report(("count", k, len(group.chunks)))
+        futures = [pool.submit(prepare_block, [(d.id, d.text) for d in b], cfg.chunk_tokens) for b in blocks_of(docs, cfg.block_chars)]
         keys.append(k)
-        yield group
+        yield Group(docs=[Document(d.id, "") for d in docs], pending=_gathered(k, futures, report))  # the texts live on in the chunks
+        msg = _get(inbox, parent)
+
+
+def _gathered(k: int, futures: Sequence, report) -> Iterator[tuple[list, list[np.ndarray]]]:
+    """Group ``k``'s blocks from the workers, in order; then its chunk count to the caller."""
+    n = 0
+    for f in futures:
+        chunks, ids = unpack_chunks(f.result())
+        n += len(chunks)
+        yield chunks, ids
+    report(("count", k, n))
 
 
 def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: int) -> None:

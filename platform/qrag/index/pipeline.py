@@ -4,9 +4,12 @@
 
     prep thread      chunk + tokenise the next documents (or take them from worker processes)
       -> queue (``depth`` groups)
-    feeder thread    embed a group: chunk_batch slices queued on the device, one slice ahead of
-    (one per device) the one waited for (EmbeddingModel.embed_chunks_start); with replicas of the
-                     model on more devices, groups go to the devices round robin
+    feeder           a device's embedding, group after group without a pause between them: a
+    (per device)     launching thread queues slices of chunk_batch chunks on the device
+                     (EmbeddingModel.embed_chunks_start), one slice ahead of the one a collecting
+                     thread waits for, across group boundaries; a streamed group (blocks still
+                     being tokenised: Group.pending) is embedded block by block as they come; with
+                     replicas of the model on more devices, groups go to the devices round robin
       -> queue (``depth`` groups per device), in group order
     writer thread    CorpusStore.append of the previous group (files written, then the manifest
                      committed atomically: the store's one writer, as for the HTTP and Ray paths)
@@ -33,7 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,11 +51,32 @@ from qrag.index.writer_process import ChildWriter
 
 @dataclass
 class Group:
-    """Whole documents with their chunks (corpus order) and token ids: one commit."""
+    """Whole documents with their chunks (corpus order) and token ids: one commit.
+
+    ``pending``: the rest of the chunks as (chunks, ids) blocks still being prepared (tokenising
+    workers), taken by the feeder as they come (:meth:`id_blocks`): the device starts on a group's
+    first block, not once the whole group is tokenised. Its chunks and ids are complete once it is
+    embedded."""
 
     docs: list[Document] = field(default_factory=list)
     chunks: list[DocumentChunk] = field(default_factory=list)
     ids: list[np.ndarray] = field(default_factory=list)
+    pending: Iterator[tuple[list[DocumentChunk], list[np.ndarray]]] | None = None
+
+    def id_blocks(self) -> Iterator[list[np.ndarray]]:
+        """The group's token ids block by block: those it holds, then each pending block as it
+        comes (added to the group's chunks and ids)."""
+        if self.ids:
+            yield list(self.ids)
+        while self.pending is not None:
+            block = next(self.pending, None)
+            if block is None:
+                self.pending = None
+                return
+            chunks, ids = block
+            self.chunks.extend(chunks)
+            self.ids.extend(ids)
+            yield list(ids)
 
 
 class GroupBuilder:
@@ -113,10 +137,10 @@ class IndexStats:
     tokens: int = 0  # text tokens of the chunks
     encoder_tokens: int = 0  # token ids embedded (with [CLS]/[SEP])
     seconds: float = 0.0  # wall, first group asked for to last commit
-    prep_seconds: float = 0.0  # busy: producing groups (chunking, tokenising or waiting on workers)
-    embed_seconds: float = 0.0  # busy: queueing forwards and waiting for the vectors
+    prep_seconds: float = 0.0  # busy: producing groups (chunking, tokenising or waiting on workers; a streamed group: handing it over)
+    embed_seconds: float = 0.0  # busy: queueing forwards and waiting for the device to take more
     write_seconds: float = 0.0  # busy: store appends (files, checksums, fsync, manifest)
-    embed_waiting_for_prep: float = 0.0  # the embed stage starved (prep slower)
+    embed_waiting_for_prep: float = 0.0  # the embed stage starved: no group, or a streamed group's next block not ready
     embed_waiting_for_writer: float = 0.0  # the embed stage held back (writer's queue full)
     writer_waiting_for_embed: float = 0.0  # the writer starved (embedding slower)
     devices: int = 1  # feeder threads, one per device the groups were embedded on
@@ -169,9 +193,7 @@ class _Prefetch:
 
     def __iter__(self) -> Iterator:
         while True:
-            t0 = time.perf_counter()
-            exc, item = self.q.get()
-            self.stats.embed_waiting_for_prep += time.perf_counter() - t0
+            exc, item = self.q.get()  # a wait here starves a feeder only once its queue is empty: counted there
             if exc is not None:
                 raise exc
             if item is _END:
@@ -251,15 +273,53 @@ class _Writer:
             raise self.error
 
 
+def id_slices(blocks: Iterable[Sequence[np.ndarray]], size: int) -> Iterator[list[np.ndarray]]:
+    """Consecutive slices of ``size`` sequences (the last may be smaller) across ``blocks``: the
+    cuts of their concatenation, however it was blocked (the same encoder calls, the same vectors)."""
+    buf: list[np.ndarray] = []
+    for block in blocks:
+        lo = 0
+        while lo < len(block):
+            take = min(size - len(buf), len(block) - lo)
+            buf.extend(block[lo : lo + take])
+            lo += take
+            if len(buf) == size:
+                yield buf
+                buf = []
+    if buf:
+        yield buf
+
+
+def _starter(model) -> Callable[[Sequence[np.ndarray]], Callable[[], np.ndarray]]:
+    """``model.embed_chunks_start`` (queue the work, wait later), or its blocking ``embed_chunks``
+    in that shape."""
+    start = getattr(model, "embed_chunks_start", None)
+    if start is not None:
+        return start
+
+    def start_now(seqs, _embed=model.embed_chunks):
+        out = _embed(seqs)
+        return lambda: out
+    return start_now
+
+
+def _joined(parts: list[np.ndarray], dim: int) -> np.ndarray:
+    if not parts:
+        return np.zeros((0, dim), np.float32)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on_slice: Callable[[int], None] | None = None) -> np.ndarray:
     """Vectors of a group, ``chunk_batch`` chunks per encoder call; with a model that can start a
     call before the previous one is waited for (``embed_chunks_start``), one call stays queued
     ahead so the device never waits for the host between calls."""
-    start = getattr(model, "embed_chunks_start", None)
-    if start is None:
-        def start(seqs, _embed=model.embed_chunks):
-            out = _embed(seqs)
-            return lambda: out
+    return embed_blocks(model, [ids], chunk_batch, dim, on_slice)
+
+
+def embed_blocks(model, blocks: Iterable[Sequence[np.ndarray]], chunk_batch: int, dim: int,
+                 on_slice: Callable[[int], None] | None = None) -> np.ndarray:
+    """:func:`embed_group` of the sequences of ``blocks`` one after another (a streamed group)."""
+    start = _starter(model)
     parts: list[np.ndarray] = []
     queued: list[tuple[Callable[[], np.ndarray], int]] = []  # at most one call ahead of the one waited for
 
@@ -269,15 +329,122 @@ def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on
         if on_slice is not None:
             on_slice(n)
 
-    for lo in range(0, len(ids), chunk_batch):
-        queued.append((start(ids[lo : lo + chunk_batch]), min(len(ids), lo + chunk_batch) - lo))
+    for ids in id_slices(blocks, chunk_batch):
+        queued.append((start(ids), len(ids)))
         if len(queued) > 1:
             wait_oldest()
     while queued:
         wait_oldest()
-    if not parts:
-        return np.zeros((0, dim), np.float32)
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return _joined(parts, dim)
+
+
+class _Feeder:
+    """One device's embedding in a pipelined run, without a pause between groups: a launching
+    thread queues each group's slices of ``chunk_batch`` chunks (a streamed group's blocks as they
+    come), at most one beyond the slice a collecting thread waits for, whatever group it belongs to;
+    the collector completes each group's future with its vectors, in order. Embedding group by
+    group instead (one call ahead within a group, none across) left the device idle at every
+    group's end and made every group wait until all of it was tokenised."""
+
+    _END = object()
+
+    def __init__(self, model, chunk_batch: int, dim: int, stats: IndexStats, counting: threading.Lock,
+                 on_block: Callable[[Sequence[np.ndarray]], None], on_slice: Callable[[int], None], name: str):
+        self.model, self.chunk_batch, self.dim, self.stats, self.counting = model, chunk_batch, dim, stats, counting
+        self.on_block, self.on_slice = on_block, on_slice
+        self.inbox: queue.Queue = queue.Queue()
+        self.launched: queue.Queue = queue.Queue()
+        self.room = threading.Semaphore(2)  # slices on the device: the one waited for and one queued behind it
+        self.closed = False
+        self.threads = [threading.Thread(target=self._launch, name=f"{name}-launch", daemon=True),
+                        threading.Thread(target=self._collect, name=f"{name}-collect", daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, group: Group) -> Future:
+        future: Future = Future()
+        self.inbox.put((group, future))
+        return future
+
+    def _blocks(self, group: Group) -> Iterator[Sequence[np.ndarray]]:
+        """The group's blocks, the wait for each counted as the feeder starving."""
+        blocks = group.id_blocks()
+        while True:
+            t0 = time.perf_counter()
+            block = next(blocks, None)
+            with self.counting:
+                self.stats.embed_waiting_for_prep += time.perf_counter() - t0
+            if block is None:
+                return
+            self.on_block(block)
+            yield block
+
+    def _launch(self) -> None:
+        _on_device(getattr(self.model, "device", "cpu"))()
+        start = _starter(self.model)
+        while True:
+            t0 = time.perf_counter()
+            item = self.inbox.get()
+            with self.counting:
+                self.stats.embed_waiting_for_prep += time.perf_counter() - t0
+            if item is self._END:
+                self.launched.put(self._END)
+                return
+            group, future = item
+            try:
+                for ids in id_slices(self._blocks(group), self.chunk_batch):
+                    t0 = time.perf_counter()
+                    self.room.acquire()
+                    try:
+                        wait = start(ids)
+                    except BaseException:
+                        self.room.release()
+                        raise
+                    finally:
+                        with self.counting:
+                            self.stats.embed_seconds += time.perf_counter() - t0
+                    self.launched.put((future, wait, len(ids)))
+                self.launched.put((future, None, 0))  # the group's last slice is queued
+            except BaseException as exc:  # noqa: BLE001 - the group's future carries it to the writer
+                self.launched.put((future, exc, 0))
+
+    def _collect(self) -> None:
+        parts: list[np.ndarray] = []
+        error: BaseException | None = None
+        while True:
+            item = self.launched.get()
+            if item is self._END:
+                return
+            future, wait, n = item
+            if wait is None or isinstance(wait, BaseException):  # the group ends (or failed while launching)
+                error = wait if wait is not None and error is None else error
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(_joined(parts, self.dim))
+                parts, error = [], None
+                continue
+            try:
+                if error is None:  # after a failed slice the group's other slices are only waited out
+                    parts.append(wait())
+                    self.on_slice(n)
+            except BaseException as exc:  # noqa: BLE001 - the group's future carries it
+                error = exc
+            finally:
+                self.room.release()
+
+    def close(self, cancel: bool = False) -> None:
+        """Embed what was submitted (``cancel``: only the group in hand), then stop both threads."""
+        if not self.closed:
+            self.closed = True
+            while cancel:
+                try:
+                    self.inbox.get_nowait()[1].cancel()
+                except queue.Empty:
+                    break
+            self.inbox.put(self._END)
+            for t in self.threads:
+                t.join()
 
 
 def _on_device(device) -> Callable[[], None]:
@@ -369,17 +536,15 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
         if progress is not None:
             progress(done, known)
 
-    def embed(model, group: Group) -> np.ndarray:
-        t0 = time.perf_counter()
-        vectors = embed_group(model, group.ids, chunk_batch, dim, on_slice)
+    def known(block: Sequence[np.ndarray]) -> None:
         with counting:
-            stats.embed_seconds += time.perf_counter() - t0
-        return vectors
+            counts["known"] += len(block)
+            stats.encoder_tokens += sum(len(x) for x in block)
 
-    def known(group: Group) -> None:
-        with counting:
-            counts["known"] += len(group.ids)
-        stats.encoder_tokens += sum(len(x) for x in group.ids)
+    def counted(blocks: Iterator[Sequence[np.ndarray]]) -> Iterator[Sequence[np.ndarray]]:
+        for block in blocks:
+            known(block)
+            yield block
 
     t_start = time.perf_counter()
     if not pipelined:
@@ -390,29 +555,29 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
             stats.prep_seconds += time.perf_counter() - t0
             if group is None:
                 break
-            known(group)
-            vectors = embed(models[0], group)
+            t0 = time.perf_counter()
+            vectors = embed_blocks(models[0], counted(group.id_blocks()), chunk_batch, dim, on_slice)
+            stats.embed_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             write((group, vectors))
             stats.write_seconds += time.perf_counter() - t0
     else:
         prep = _Prefetch(groups, depth, stats)
         writer = _Writer(write, depth * len(models), stats)
-        feeders = [ThreadPoolExecutor(1, thread_name_prefix=f"qrag-index-feed-{i}", initializer=_on_device(getattr(m, "device", "cpu")))
-                   for i, m in enumerate(models)]
+        feeders = [_Feeder(m, chunk_batch, dim, stats, counting, known, on_slice, f"qrag-index-feed-{i}") for i, m in enumerate(models)]
+        failed = True
         try:
             for k, group in enumerate(prep):
-                known(group)
-                i = k % len(models)
-                writer.put((group, feeders[i].submit(embed, models[i], group)))
+                writer.put((group, feeders[k % len(models)].submit(group)))
             writer.finish()
+            failed = False
         except BaseException:
             prep.close(wait=5.0)  # a prep step in progress finishes on its own (daemon thread)
             writer.close()  # whole groups already handed over are committed, nothing else
             raise
         finally:
             for feeder in feeders:
-                feeder.shutdown(wait=True, cancel_futures=True)
+                feeder.close(cancel=failed)
             if child is not None:
                 child.close()
         prep.close()
