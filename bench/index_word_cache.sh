@@ -17,7 +17,8 @@
 # Round 6 (ROUND=6): commit groups of 4,096 and 2,048 chunks instead of 16,384 (10M tokens were 10
 # groups: 4/3/3 over three lanes, each lane's first group tokenised whole before its GPU work).
 # Round 7 (ROUND=7): streamed groups and a feeder that never pauses between groups
-# (qrag.index.pipeline._Feeder): 3 x 4 with groups of 16,384 and 4,096 chunks, one process.
+# (qrag.index.pipeline._Feeder): 3 x 4 with groups of 16,384 and 4,096 chunks, one process
+# (index_one_gpu_round7_h100/, db21b0d). Round 8 (ROUND=8): slices of 2,048 chunks.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -36,6 +37,8 @@ case "${ROUND:-3}" in
            lanes_3x4_cc4096_b:$L,--commit-chunks,4096 lanes_3x4:$L lanes_3x4_cc2048_b:$L,--commit-chunks,2048" ;;
   7) RUNS="lanes_3x4:$L lanes_3x4_cc4096:$L,--commit-chunks,4096 cache: lanes_3x4_b:$L lanes_3x4_cc4096_b:$L,--commit-chunks,4096
            lanes_3x4_c:$L lanes_3x4_cc4096_c:$L,--commit-chunks,4096" ;;
+  # slices of 2,048 chunks instead of 8,192: a lane's first slice needs a quarter of the tokenising
+  8) RUNS="lanes_3x4_cc4096_cb2048:$L,--commit-chunks,4096,--chunk-batch,2048 lanes_3x4_cc4096_cb2048_b:$L,--commit-chunks,4096,--chunk-batch,2048" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then
