@@ -85,9 +85,9 @@ def main() -> None:
     for r in rows:
         r["of_first_row"] = round(r["tokens_per_s"] / base, 3)
     result = {"bench": "gpu_share", **machine_info(), "settings": vars(args), "rows": rows}
-    print(json.dumps(result))
-    if args.out:
+    if args.out:  # before printing: a closed stdout (a pipe into head) must not lose the file
         write_result(args.out, result)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@
 # groups: 4/3/3 over three lanes, each lane's first group tokenised whole before its GPU work).
 # Round 7 (ROUND=7): streamed groups and a feeder that never pauses between groups
 # (qrag.index.pipeline._Feeder): 3 x 4 with groups of 16,384 and 4,096 chunks, one process
-# (index_one_gpu_round7_h100/, db21b0d). Round 8 (ROUND=8): slices of 2,048 chunks.
+# (index_one_gpu_round7_h100/, db21b0d). Round 8 (ROUND=8): slices of 2,048 chunks (worse: 0.47-0.48).
+# Round 9 (ROUND=9): lanes x workers around 3 x 4, groups of 4,096 chunks.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -39,6 +40,11 @@ case "${ROUND:-3}" in
            lanes_3x4_c:$L lanes_3x4_cc4096_c:$L,--commit-chunks,4096" ;;
   # slices of 2,048 chunks instead of 8,192: a lane's first slice needs a quarter of the tokenising
   8) RUNS="lanes_3x4_cc4096_cb2048:$L,--commit-chunks,4096,--chunk-batch,2048 lanes_3x4_cc4096_cb2048_b:$L,--commit-chunks,4096,--chunk-batch,2048" ;;
+  # workers and lanes around 3 x 4 with groups of 4,096 chunks (the best of rounds 7 and 8)
+  9) C4=--commit-chunks,4096
+     RUNS="lanes_3x4_cc4096:$L,$C4 lanes_3x5_cc4096:--lanes,--lanes-per-device,3,--lane-workers,5,$C4
+           lanes_3x4_cc4096_nice5:$L,$C4,--worker-nice,5 lanes_4x3_cc4096:--lanes,--lanes-per-device,4,--lane-workers,3,$C4
+           lanes_2x6_cc4096:--lanes,--lanes-per-device,2,--lane-workers,6,$C4 lanes_3x4_cc4096_b:$L,$C4" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then
