@@ -19,7 +19,8 @@
 # Round 7 (ROUND=7): streamed groups and a feeder that never pauses between groups
 # (qrag.index.pipeline._Feeder): 3 x 4 with groups of 16,384 and 4,096 chunks, one process
 # (index_one_gpu_round7_h100/, db21b0d). Round 8 (ROUND=8): slices of 2,048 chunks (worse: 0.47-0.48).
-# Round 9 (ROUND=9): lanes x workers around 3 x 4, groups of 4,096 chunks.
+# Round 9 (ROUND=9): lanes x workers around 3 x 4, groups of 4,096 chunks (index_one_gpu_round9_h100/,
+# 9b42910). Round 10 (ROUND=10): lanes capture their chunk shapes at start; workers at nice 5.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -45,6 +46,12 @@ case "${ROUND:-3}" in
      RUNS="lanes_3x4_cc4096:$L,$C4 lanes_3x5_cc4096:--lanes,--lanes-per-device,3,--lane-workers,5,$C4
            lanes_3x4_cc4096_nice5:$L,$C4,--worker-nice,5 lanes_4x3_cc4096:--lanes,--lanes-per-device,4,--lane-workers,3,$C4
            lanes_2x6_cc4096:--lanes,--lanes-per-device,2,--lane-workers,6,$C4 lanes_3x4_cc4096_b:$L,$C4" ;;
+  # lanes that capture their chunk shapes while they start (round 9's first run, on a fresh
+  # machine, was 0.35 against 0.50 after it), with and without the workers below the lanes
+  10) C4=--commit-chunks,4096
+      RUNS="lanes_3x4_cc4096:$L,$C4 lanes_3x4_cc4096_nice5:$L,$C4,--worker-nice,5 lanes_3x4_cc4096_b:$L,$C4
+            lanes_3x4_cc4096_nice5_b:$L,$C4,--worker-nice,5 lanes_2x6_cc4096_nice5:--lanes,--lanes-per-device,2,--lane-workers,6,$C4,--worker-nice,5
+            lanes_3x4_cc4096_nice5_c:$L,$C4,--worker-nice,5" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then

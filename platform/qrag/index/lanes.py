@@ -91,8 +91,8 @@ class LaneStats:
     encoder_tokens: int = 0
     startup_seconds: float = 0.0  # lanes spawned to every lane ready (models loaded, workers up)
     # Each lane's start: seconds from spawn to ready, of which model_seconds forking the workers and
-    # loading the model, then workers_after_model_seconds waiting for the workers (the rest: the
-    # process's start and imports).
+    # loading the model, warm_up_seconds capturing its chunk shapes (warm_shapes of them), then
+    # workers_after_model_seconds waiting for the workers (the rest: the process's start and imports).
     lane_startup: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0  # every lane ready (groups sent from then) to the last commit
     total_seconds: float = 0.0  # lanes spawned to the last commit: what the caller waits
@@ -190,13 +190,19 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
             torch.cuda.set_device(torch.device(device))
         model = cfg.make_model(device)  # while the workers load their tokenizers
         t_model = time.perf_counter()
+        # The chunk encoder's shapes captured now: captures and each kernel's first use inside the
+        # indexing made the first run on a fresh GPU machine 0.35 of the bare forward against
+        # 0.50 for the runs after it (bench/results/index_one_gpu_round9_h100/).
+        warm = getattr(model, "warm_up_chunks", None)
+        shapes = warm(cfg.chunk_tokens) if warm is not None else 0
+        t_warm = time.perf_counter()
         for f in workers_up:
             f.result()
         store = CorpusStore(cfg.store_root, clean=False)  # the caller holds the lock and cleaned already
         fixed = store.read(cfg.name)  # name, shards, dim, dtype: what writing a batch needs
         t_ready = time.perf_counter()
-        report(("ready", model.fingerprint, {"model_seconds": round(t_model - t_fork, 3),
-                                             "workers_after_model_seconds": round(t_ready - t_model, 3)}))
+        report(("ready", model.fingerprint, {"model_seconds": round(t_model - t_fork, 3), "warm_up_seconds": round(t_warm - t_model, 3),
+                                             "warm_shapes": shapes, "workers_after_model_seconds": round(t_ready - t_warm, 3)}))
         keys: deque = deque()
         starts: dict[int, tuple[int, int]] = {}
 

@@ -287,6 +287,13 @@ class EmbeddingModel(Tokenization):
             return 0
         return self.state_encoder.warm_up(max_batch, self.layout.max_state_tokens)
 
+    def warm_up_chunks(self, chunk_tokens: int) -> int:
+        """Capture the chunk encoder's graphs for every shape indexing chunks of up to
+        ``chunk_tokens`` tokens takes (GPU; a no-op on CPU). Shapes ready."""
+        if self.chunk_encoder is None:
+            return 0
+        return self.chunk_encoder.warm_up_sorted(chunk_tokens + len(self.layout.wrap([])), self.retriever.encode_tokens)
+
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
         self.states_embedded += len(seqs)
         if self.state_encoder is not None and all(len(s) <= self.state_encoder.length_buckets[-1] for s in seqs):
