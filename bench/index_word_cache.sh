@@ -20,7 +20,8 @@
 # (qrag.index.pipeline._Feeder): 3 x 4 with groups of 16,384 and 4,096 chunks, one process
 # (index_one_gpu_round7_h100/, db21b0d). Round 8 (ROUND=8): slices of 2,048 chunks (worse: 0.47-0.48).
 # Round 9 (ROUND=9): lanes x workers around 3 x 4, groups of 4,096 chunks (index_one_gpu_round9_h100/,
-# 9b42910). Round 10 (ROUND=10): lanes capture their chunk shapes at start; workers at nice 5.
+# 9b42910). Round 10 (ROUND=10): lanes capture their main chunk shape at start; workers at nice 5
+# (e41e5c0 captured every shape: out of memory, and the process hung at exit: err_oom_every_shape.txt).
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}

@@ -242,3 +242,39 @@ def test_lane_devices_from_the_command_line():
     for spec, per_device, message in [("", None, "no device given"), ("tpu:0", None, "is no device"), ("cpu", 0, "at least 1")]:
         with pytest.raises(DataError, match=message):
             lane_devices(spec, per_device)
+
+
+def test_the_caller_exits_at_once_after_a_lane_failed_with_large_groups_on_their_way(tiny_encoder, tmp_path):
+    """Groups larger than a pipe's buffer still on their way to a lane that failed: the caller raises
+    and its process exits (it waited at exit for a pipe nobody read: a benchmark hung for minutes)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        import functools
+        from qrag.data.documents import Document
+        from qrag.data.sample import DataError
+        from qrag.index.lanes import LaneConfig, index_in_lanes
+        from qrag.index.local import LocalIndex
+        from qrag.index.store import CorpusStore
+        from qrag.retrieval.embedder import load_embedding_model, resolve_source
+
+        source = resolve_source(None, {tiny_encoder!r})
+        model = load_embedding_model(source, "cpu", positions="relative")
+        store = CorpusStore({str(tmp_path / "c")!r})
+        LocalIndex(store, model).create("c", chunk_tokens=24, shards=1)
+        cfg = LaneConfig(store_root=str(store.root), name="c", make_model=functools.partial(load_embedding_model, source, positions="relative"),
+                         tokenizer_dir={tiny_encoder!r}, layout=model.layout, chunk_tokens=24, workers=1, chunk_batch=64)
+        big = "The river met the castle near the forest. " * 6000  # ~250 KB a document, a group each
+        docs = [Document("doc-0", "   "), *(Document(f"doc-{{k}}", big) for k in range(1, 40))]
+        try:
+            index_in_lanes(store, "c", docs, cfg, ["cpu"], commit_chars=200_000)
+        except DataError as exc:
+            print("raised:", exc, flush=True)
+    """)
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "platform")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised:" in done.stdout and "doc-0" in done.stdout

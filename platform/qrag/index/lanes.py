@@ -190,9 +190,10 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
             torch.cuda.set_device(torch.device(device))
         model = cfg.make_model(device)  # while the workers load their tokenizers
         t_model = time.perf_counter()
-        # The chunk encoder's shapes captured now: captures and each kernel's first use inside the
-        # indexing made the first run on a fresh GPU machine 0.35 of the bare forward against
-        # 0.50 for the runs after it (bench/results/index_one_gpu_round9_h100/).
+        # The main chunk shape captured now, not inside the indexing: the first run on a fresh GPU
+        # machine gave 0.35-0.36 of the bare forward against about 0.50 for the runs after it
+        # (bench/results/index_one_gpu_round{7,9}_h100/); a capture and kernels used for the first
+        # time are what differs.
         warm = getattr(model, "warm_up_chunks", None)
         shapes = warm(cfg.chunk_tokens) if warm is not None else 0
         t_warm = time.perf_counter()
@@ -220,9 +221,11 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
 
         # The lane's figures start with its first group, not while the other lanes are starting.
         first = _get(inbox, parent)
-        with pool:
+        try:
             _, stats = index_groups(store, cfg.name, model, _tokenised_groups(pool, inbox, cfg, parent, keys, report, first),
                                     chunk_batch=cfg.chunk_batch, depth=cfg.depth, append=append)
+        finally:  # after a failure: the groups queued ahead are not tokenised for nothing
+            pool.shutdown(wait=True, cancel_futures=True)
         graphed = getattr(model, "chunk_encoder", None)  # CUDA-graph replays of the chunk encoder, where it has them
         graphs = {"graph_replays": graphed.replays, "eager_calls": graphed.eager_calls} if hasattr(graphed, "replays") else {}
         report(("done", {**stats.summary(), **graphs}))
@@ -399,11 +402,15 @@ def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str,
 
 
 def _stop(stop: threading.Event, inboxes: Sequence, controls: Sequence) -> None:
-    """No more groups, no more positions: lanes end after the groups they hold (never committed)."""
+    """No more groups, no more positions: lanes end after the groups they hold (never committed).
+    Groups still on their way to a lane that has ended are dropped: this process must not wait at
+    its exit for a pipe nobody reads (a group is larger than a pipe's buffer; after a lane failed
+    on a GPU machine the benchmark's process hung there for minutes)."""
     if stop.is_set():
         return
     stop.set()
     for box in (*inboxes, *controls):
+        box.cancel_join_thread()
         try:
             box.put_nowait(None)
         except queue.Full:

@@ -162,20 +162,19 @@ class GraphedEncoder:
         return ready
 
     def warm_up_sorted(self, max_length: int, max_tokens: int) -> int:
-        """Capture every shape :meth:`encode_sorted` takes for sequences of at most ``max_length``
-        ids and ``max_tokens`` per forward (an indexing lane does it while it starts: the captures,
-        and each kernel's first use, were otherwise paid inside the indexing, most of all on a
-        machine's first run). Returns how many shapes are ready; 0 where graphs are off."""
+        """Capture the shape of :meth:`encode_sorted`'s full batches of its longest sequences (of at
+        most ``max_length`` ids, ``max_tokens`` per forward): nearly every batch of an index, as
+        chunks fill their budget but at a document's end. An indexing lane does it while it starts,
+        so the capture and the kernels' first use are not paid inside the indexing; other shapes
+        are captured at first use. (Every shape encode_sorted can take, 17 for MiniLM, captured by
+        three lanes at once ran an H100 out of memory: bench/results/index_one_gpu_round10_h100/.)
+        Returns how many shapes are ready (0 or 1); 0 where graphs are off."""
         if not self.graphs:
             return 0
-        top_length = bucket_of(max_length, self.length_buckets) or self.length_buckets[-1]
-        ready = 0
+        length = bucket_of(max_length, self.length_buckets) or self.length_buckets[-1]
+        rows = max([b for b in self.batch_buckets if b * length <= max_tokens], default=self.batch_buckets[0])
         with self._replay_lock:
-            for length in (n for n in self.length_buckets if n <= top_length):
-                rows = max([b for b in self.batch_buckets if b * length <= max_tokens], default=self.batch_buckets[0])
-                for batch in (b for b in self.batch_buckets if b <= rows):
-                    ready += self._graph(batch, length) is not None
-        return ready
+            return int(self._graph(rows, length) is not None)
 
     def _padded(self, seqs: Sequence[np.ndarray], batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)
