@@ -228,6 +228,8 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
             pool.shutdown(wait=True, cancel_futures=True)
         graphed = getattr(model, "chunk_encoder", None)  # CUDA-graph replays of the chunk encoder, where it has them
         graphs = {"graph_replays": graphed.replays, "eager_calls": graphed.eager_calls} if hasattr(graphed, "replays") else {}
+        if torch.device(device).type == "cuda":  # several lanes share a GPU's memory
+            graphs["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved(torch.device(device)) / 2**30, 2)
         report(("done", {**stats.summary(), **graphs}))
     except _Stopped:
         report(("stopped",))
