@@ -22,6 +22,7 @@
 # Round 9 (ROUND=9): lanes x workers around 3 x 4, groups of 4,096 chunks (index_one_gpu_round9_h100/,
 # 9b42910). Round 10 (ROUND=10): lanes capture their main chunk shape at start; workers at nice 5
 # (e41e5c0 captured every shape: out of memory, and the process hung at exit: err_oom_every_shape.txt).
+# Round 11 (ROUND=11): the lanes' defaults chosen from rounds 7-10, against one process.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -53,6 +54,8 @@ case "${ROUND:-3}" in
       RUNS="lanes_3x4_cc4096:$L,$C4 lanes_3x4_cc4096_nice5:$L,$C4,--worker-nice,5 lanes_3x4_cc4096_b:$L,$C4
             lanes_3x4_cc4096_nice5_b:$L,$C4,--worker-nice,5 lanes_2x6_cc4096_nice5:--lanes,--lanes-per-device,2,--lane-workers,6,$C4,--worker-nice,5
             lanes_3x4_cc4096_nice5_c:$L,$C4,--worker-nice,5" ;;
+  # the lanes' defaults (qrag.index.lanes: groups of 4,096 chunks, slices of 8,192, workers at nice 5)
+  11) RUNS="lanes:--lanes,--lane-workers,4 cache: lanes_b:--lanes,--lane-workers,4 lanes_c:--lanes,--lane-workers,4" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then

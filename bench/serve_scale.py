@@ -50,7 +50,7 @@ from qrag.data.sample import DataError  # noqa: E402
 from qrag.retrieval.embedder import EmbeddingModel, load_embedding_model, resolve_source  # noqa: E402
 from qrag.model.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
 from qrag.index import tokenise_workers  # noqa: E402
-from qrag.index.lanes import CHARS_PER_TOKEN, commit_chars_for, lanes_on  # noqa: E402
+from qrag.index.lanes import CHARS_PER_TOKEN, LANE_COMMIT_CHUNKS, LANE_WORKER_NICE, commit_chars_for, lanes_on  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
 from qrag.index.pipeline import Group, GroupBuilder, index_groups  # noqa: E402
 from qrag.index.shards import ShardOptions  # noqa: E402
@@ -76,7 +76,8 @@ def args_parser() -> argparse.ArgumentParser:
                     help="query paths timed (the serving path is 'optimized'; the others are earlier rounds' paths)")
     ap.add_argument("--chunk-batch", type=int, default=8192, help="chunks per encoder call while indexing")
     ap.add_argument("--encode-tokens", type=int, default=131072, help="padded tokens per encoder forward")
-    ap.add_argument("--commit-chunks", type=int, default=16384, help="chunks per committed batch (whole books); 1 = one batch per book (the old bench)")
+    ap.add_argument("--commit-chunks", type=int, default=None, help="chunks per committed batch (whole books; default 16384, with --lanes "
+                    "qrag.index.lanes.LANE_COMMIT_CHUNKS); 1 = one batch per book (the old bench)")
     ap.add_argument("--depth", type=int, default=2, help="groups queued between the pipeline's stages")
     ap.add_argument("--sequential", action="store_true", help="the same groups, stages one after another (no overlap)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) * 3 // 4)),
@@ -106,8 +107,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lanes-per-device", type=int, default=0, help="lanes on each device (--lanes; default as qrag index --lanes: 3 on "
                     "a GPU, 1 on the CPU): more than one feeds a GPU from several processes, each with its own GIL")
     ap.add_argument("--lane-workers", type=int, default=0, help="tokenising processes per lane (default: --workers shared out among the lanes)")
-    ap.add_argument("--worker-nice", type=int, default=0, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
-                    "GPU-feeding thread gets a core first when every core is tokenising)")
+    ap.add_argument("--worker-nice", type=int, default=None, help="scheduling niceness of the worker processes (e.g. 10: the main process's "
+                    "GPU-feeding thread gets a core first when every core is tokenising; default 0, with --lanes qrag.index.lanes.LANE_WORKER_NICE)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--queries", type=int, default=200, help="questions timed at concurrency 1")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="lockstep batch sizes (concurrency) for the throughput curve")
@@ -465,6 +466,11 @@ def plot_growth(paths: list[str], out: str) -> str:
 
 def main() -> None:
     args = args_parser().parse_args()
+    # The lanes' own defaults where not given (the one-process path keeps its measured ones).
+    if args.commit_chunks is None:
+        args.commit_chunks = LANE_COMMIT_CHUNKS if args.lanes else 16384
+    if args.worker_nice is None:
+        args.worker_nice = LANE_WORKER_NICE if args.lanes else 0
     if args.plot:
         print(plot_growth(args.plot, args.out or "serve_scale_growth.png"))
         return

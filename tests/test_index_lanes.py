@@ -203,13 +203,15 @@ def test_qrag_index_lanes_makes_the_corpus_and_a_rerun_adds_nothing(model, tiny_
 
 
 def test_qrag_index_lanes_defaults_three_lanes_a_gpu_and_lane_sized_groups(tmp_path, tiny_encoder, monkeypatch, capsys):
-    """Without --lanes-per-device and --commit-chunks: three lanes per GPU and groups of
-    LANE_COMMIT_CHUNKS chunks (the Ray path's 65,536 made a 10M-token corpus 3 groups)."""
+    """Without --lanes-per-device, --commit-chunks and --encode-batch: three lanes per GPU, groups of
+    LANE_COMMIT_CHUNKS chunks (the Ray path's 65,536 made a 10M-token corpus 3 groups), the lanes'
+    measured slices and worker niceness (not the Ray path's encoder calls)."""
     import torch
 
     import qrag.index.lanes as lanes
     from qrag.cli import main
-    from qrag.cli.index import LANE_COMMIT_CHUNKS, lane_devices
+    from qrag.cli.index import lane_devices
+    from qrag.index.lanes import LANE_CHUNK_BATCH, LANE_COMMIT_CHUNKS, LANE_WORKER_NICE
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -219,7 +221,8 @@ def test_qrag_index_lanes_defaults_three_lanes_a_gpu_and_lane_sized_groups(tmp_p
     seen = {}
 
     def fake_index_in_lanes(store, name, docs, cfg, devices, *, commit_chars, resume, on_commit):
-        seen.update(devices=devices, commit_chars=commit_chars)
+        seen.update(devices=devices, commit_chars=commit_chars, batch=cfg.chunk_batch, nice=cfg.worker_nice,
+                    model_batch=cfg.make_model.keywords["chunk_batch"], encode_tokens=cfg.make_model.keywords["encode_tokens"])
         return store.read(name), lanes.LaneStats()
 
     monkeypatch.setattr(lanes, "index_in_lanes", fake_index_in_lanes)
@@ -228,9 +231,11 @@ def test_qrag_index_lanes_defaults_three_lanes_a_gpu_and_lane_sized_groups(tmp_p
     argv = ["index", "--lanes", "cpu", "--corpus", "c", "--input", str(path), "--storage", str(tmp_path / "s"), "--encoder", tiny_encoder,
             "--chunk-tokens", "16", "--no-progress"]
     assert main(argv) == 0
-    assert seen == {"devices": ["cpu"], "commit_chars": LANE_COMMIT_CHUNKS * 16 * 4}
-    assert main([*argv, "--commit-chunks", "100"]) == 0
-    assert seen["commit_chars"] == 100 * 16 * 4
+    assert seen == {"devices": ["cpu"], "commit_chars": LANE_COMMIT_CHUNKS * 16 * 4, "batch": LANE_CHUNK_BATCH, "nice": LANE_WORKER_NICE,
+                    "model_batch": LANE_CHUNK_BATCH, "encode_tokens": 131072}
+    assert (LANE_COMMIT_CHUNKS, LANE_CHUNK_BATCH, LANE_WORKER_NICE) == (4096, 8192, 5)
+    assert main([*argv, "--commit-chunks", "100", "--encode-batch", "64", "--encode-tokens", "4096"]) == 0
+    assert (seen["commit_chars"], seen["batch"], seen["model_batch"], seen["encode_tokens"]) == (100 * 16 * 4, 64, 64, 4096)
     capsys.readouterr()
 
 

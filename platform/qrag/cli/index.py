@@ -11,11 +11,8 @@ import sys
 
 from qrag.cli.commands import command
 
-COMMIT_CHUNKS = 65536  # the Ray path's commit group
-# With --lanes a group is also a lane's unit of work: 65,536 chunks (~4M tokens) made a 10M-token
-# corpus 3 groups for 3 lanes, each tokenised whole before its GPU work. 16,384 is the size the
-# lane figures were measured with (bench/results/index_one_gpu_round6_h100/: 2,048-16,384 alike).
-LANE_COMMIT_CHUNKS = 16384
+COMMIT_CHUNKS = 65536  # the Ray path's commit group (with --lanes: qrag.index.lanes.LANE_COMMIT_CHUNKS)
+ENCODE_BATCH, ENCODE_TOKENS = 4096, 32768  # the Ray path's encoder calls (with --lanes: LANE_CHUNK_BATCH, LANE_ENCODE_TOKENS)
 
 
 def index_args(p: argparse.ArgumentParser) -> None:
@@ -33,10 +30,10 @@ def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-actors", type=int, default=1, help="encoder actors (a GPU each when the cluster has GPUs)")
     p.add_argument("--encoder-gpus", type=float, help="GPUs per encoder actor (default 1 when the cluster has a GPU, else 0)")
     p.add_argument("--tokenize-actors", type=int, help="most read+tokenise actors (default: the CPUs the encoder actors leave)")
-    p.add_argument("--encode-batch", type=int, default=4096, help="chunks per encoder call")
-    p.add_argument("--encode-tokens", type=int, default=32768, help="padded tokens per forward pass")
+    p.add_argument("--encode-batch", type=int, help=f"chunks per encoder call (default {ENCODE_BATCH}, with --lanes 8192)")
+    p.add_argument("--encode-tokens", type=int, help=f"padded tokens per forward pass (default {ENCODE_TOKENS}, with --lanes 131072)")
     p.add_argument("--commit-chunks", type=int, default=None, help="chunks per committed group (a crash loses at most one group; "
-                   f"default {COMMIT_CHUNKS}, with --lanes {LANE_COMMIT_CHUNKS}: a group is a lane's unit of work)")
+                   f"default {COMMIT_CHUNKS}, with --lanes 4096: a group is a lane's unit of work)")
     p.add_argument("--file-part-mb", type=float, default=16.0, help="large uncompressed JSONL and parquet files are read and tokenised "
                    "as parts of about this many MiB, one task each (default 16)")
     p.add_argument("--model-cache", default=".qrag_models", help="where MLflow checkpoints are downloaded to")
@@ -54,7 +51,8 @@ def index_config(args: argparse.Namespace):
     return BulkIndexConfig(corpus=args.corpus, inputs=args.inputs, format=args.format, checkpoint=args.checkpoint, encoder=args.encoder,
                            model_cache=args.model_cache, storage=args.storage, chunk_tokens=args.chunk_tokens, shards=args.shards,
                            dtype=args.dtype, encoder_actors=args.encoder_actors, encoder_gpus=args.encoder_gpus,
-                           tokenize_actors=args.tokenize_actors, encode_batch=args.encode_batch, encode_tokens=args.encode_tokens,
+                           tokenize_actors=args.tokenize_actors, encode_batch=args.encode_batch or ENCODE_BATCH,
+                           encode_tokens=args.encode_tokens or ENCODE_TOKENS,
                            commit_chunks=args.commit_chunks or COMMIT_CHUNKS, file_part_bytes=max(1, int(args.file_part_mb * 2**20)))
 
 
@@ -116,7 +114,7 @@ def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], 
     import time
 
     from qrag.distributed.bulk_index import read_records  # readers only: Ray is not imported
-    from qrag.index.lanes import LaneConfig, commit_chars_for, index_in_lanes
+    from qrag.index.lanes import LANE_CHUNK_BATCH, LANE_COMMIT_CHUNKS, LANE_ENCODE_TOKENS, LaneConfig, commit_chars_for, index_in_lanes
     from qrag.index.local import LocalIndex
     from qrag.index.store import CorpusNotFound, CorpusStore
     from qrag.retrieval.embedder import load_embedding_model
@@ -131,10 +129,12 @@ def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], 
         m = LocalIndex(store, model).create(args.corpus, chunk_tokens=args.chunk_tokens or 64, shards=args.shards or 2,
                                             dtype=args.dtype or "float32")
     workers = args.lane_workers or max(1, (os.cpu_count() or 2) * 3 // 4 // len(devices))
+    batch = args.encode_batch or LANE_CHUNK_BATCH
     cfg = LaneConfig(store_root=str(store.root), name=args.corpus,
-                     make_model=functools.partial(load_embedding_model, source, encode_tokens=args.encode_tokens, chunk_batch=args.encode_batch),
+                     make_model=functools.partial(load_embedding_model, source, encode_tokens=args.encode_tokens or LANE_ENCODE_TOKENS,
+                                                  chunk_batch=batch),
                      tokenizer_dir=source.tokenizer_dir, layout=model.layout, chunk_tokens=m.chunk_tokens, workers=workers,
-                     chunk_batch=args.encode_batch)
+                     chunk_batch=batch)
     docs = (doc for path, fmt in files for _, doc in read_records(path, fmt))
     t0 = time.perf_counter()
     before = m.documents

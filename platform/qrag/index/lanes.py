@@ -57,6 +57,17 @@ POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side 
 # 0.46 (bench/results/index_word_cache_round3_h100/, index_one_gpu_round{5,6}_h100/).
 LANES_PER_GPU = 3
 CHARS_PER_TOKEN = 4  # English prose: groups and tokenising jobs are cut by characters, before tokenising
+# A lane's defaults where the caller does not choose (qrag index --lanes, serve_scale.py --lanes),
+# picked on the novels benchmark (bench/results/index_one_gpu_round{7,8,9,10}_h100/): groups of
+# 4,096 chunks (0.50-0.61 of the bare forward in 9 of 10 runs against 0.36-0.50 for 16,384: a
+# lane's groups are streamed, so small ones cost no device time, and the last groups balance the
+# lanes); slices of 8,192 chunks (2,048: 0.47-0.48) of 131,072 tokens a forward; the tokenising
+# workers at nice 5, below the lane's threads that feed the GPU (0.57-0.60 against 0.50-0.61 in
+# the same calls; 0.54 against 0.35-0.50 in round 9).
+LANE_COMMIT_CHUNKS = 4096
+LANE_CHUNK_BATCH = 8192
+LANE_ENCODE_TOKENS = 131072
+LANE_WORKER_NICE = 5
 
 
 class LaneError(RuntimeError):
@@ -74,10 +85,10 @@ class LaneConfig:
     layout: Any  # the model's TokenLayout: the tokenising workers start before the model loads
     chunk_tokens: int
     workers: int = 4  # tokenising processes per lane
-    chunk_batch: int = 4096
+    chunk_batch: int = LANE_CHUNK_BATCH
     block_chars: int = 128 << 10  # text per tokenising job (~32K tokens of English prose)
     depth: int = 2
-    worker_nice: int = 0
+    worker_nice: int = LANE_WORKER_NICE
 
 
 @dataclass
