@@ -264,20 +264,22 @@ def test_a_serving_replica_warms_its_encoder_up_at_start(monkeypatch):
     assert calls == [24]
 
 
-def test_warming_up_for_indexing_captures_the_full_batches_of_the_longest_chunks(tiny_encoder, monkeypatch):
-    """A lane captures its main chunk shape while it starts (warm_up_sorted): the full batch of the
-    longest chunks, the shape encode_sorted replays for nearly every batch of an index."""
+def test_warming_up_for_indexing_captures_the_main_shape_and_runs_the_others_once(tiny_encoder, monkeypatch):
+    """A lane makes its chunk encoder ready while it starts (warm_up_sorted): the full batch of the
+    longest chunks, the shape encode_sorted replays for nearly every batch of an index, is captured;
+    every other shape encode_sorted can take runs once eagerly (its kernels loaded), none captured."""
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
     enc = GraphedEncoder.for_chunks(qnet, layout.pad_id, CPU, batch_buckets=(2, 8, 32), length_buckets=(16, 32, 48, 64))
     assert enc.warm_up_sorted(40, max_tokens=8 * 32) == 0  # CPU: no graphs
     enc.graphs = True  # the shapes chosen, without a GPU: record instead of capturing
-    captured, used = [], []
+    captured, eager, used = [], [], set()
     monkeypatch.setattr(enc, "_graph", lambda batch, length: captured.append((batch, length)) or None)
+    monkeypatch.setattr(enc, "_forward", lambda ids, mask: eager.append(tuple(ids.shape)) or torch.zeros(ids.shape[0], qnet.dim))
     enc.warm_up_sorted(40, max_tokens=8 * 32)
     assert captured == [(2, 48)]  # 8 rows of 48 ids are more than 256 tokens: 2 rows
-    enc.warm_up_sorted(30, max_tokens=8 * 32)
-    assert captured[-1] == (8, 32)
-    monkeypatch.setattr(enc, "_graph", lambda batch, length: used.append((batch, length)) or None)
-    monkeypatch.setattr(enc, "_forward", lambda ids, mask: torch.zeros(ids.shape[0], qnet.dim))
-    enc.encode_sorted([np.ones(30, np.int64)] * 20 + [np.ones(5, np.int64)], max_tokens=8 * 32)
-    assert used[:2] == [(8, 32), (8, 32)]  # full batches of the longest chunks first, in the warmed shape
+    assert sorted(eager) == [(2, 16), (2, 32), (8, 16), (8, 32)]  # no 32 rows: 32 x 16 > 256 tokens
+    monkeypatch.setattr(enc, "_graph", lambda batch, length: used.add((batch, length)) or None)
+    rng = np.random.default_rng(1)
+    for n in (1, 3, 9, 40):
+        enc.encode_sorted([np.ones(k, np.int64) for k in rng.integers(2, 41, size=n)], max_tokens=8 * 32)
+    assert used and used <= {*captured, *eager}  # every shape indexing takes was made ready

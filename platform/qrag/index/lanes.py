@@ -201,10 +201,7 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
             torch.cuda.set_device(torch.device(device))
         model = cfg.make_model(device)  # while the workers load their tokenizers
         t_model = time.perf_counter()
-        # The main chunk shape captured now, not inside the indexing: the first run on a fresh GPU
-        # machine gave 0.35-0.36 of the bare forward against about 0.50 for the runs after it
-        # (bench/results/index_one_gpu_round{7,9}_h100/); a capture and kernels used for the first
-        # time are what differs.
+        # The chunk encoder made ready now, not inside the indexing (GraphedEncoder.warm_up_sorted).
         warm = getattr(model, "warm_up_chunks", None)
         shapes = warm(cfg.chunk_tokens) if warm is not None else 0
         t_warm = time.perf_counter()
