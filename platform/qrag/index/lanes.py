@@ -6,8 +6,9 @@ order by the caller.
     caller (holds the corpus's writer lock: CorpusStore.hold)
       documents -> groups of whole documents of about ``commit_chars`` characters; group k to lane k % n
     lane i (a spawned process: its GPU, its model, its own tokenising processes)
-      tokenise group k in its workers (blocks of ``block_chars``) -> report k's chunk count
-      embed it (qrag.index.pipeline.index_groups: tokenising, feeding and writing overlap)
+      queue group k's tokenising jobs in its workers (blocks of ``block_chars``) and hand the group
+      on at once: its blocks are embedded as they come (qrag.index.pipeline.index_groups with
+      Group.pending; tokenising, feeding and writing overlap) -> report k's chunk count at its last block
       write its files once the caller has said where they start (CorpusStore.write_batch_files)
     caller: first positions handed out in group order as the counts come in; written groups
             committed in group order (CorpusStore.commit_written), one manifest write each
@@ -15,11 +16,11 @@ order by the caller.
 Why: one process feeding two GPUs was no faster than one GPU (bench/results/README.md, "Indexing
 10M tokens, round 6, and 2 GPUs": gathering tokenised chunks, feeding and handing over the writes
 share one GIL). A lane is that single-GPU pipeline in a process of its own; lanes only exchange
-counts, positions and manifest entries with the caller. Measured ("Indexing in lanes, the word
-cache, 100M tokens on 2 GPUs" and "Lanes again, FAISS on the GPU"): three lanes feeding one H100
-2.6-3.0M tokens/s (0.45-0.51 of the bare forward in 8 of 9 runs) against 1.7-2.3M for one process;
-on 2 H100s three lanes per GPU 2.86-3.35M against 2.60M on one GPU of the same machine (the host's
-tokenising is the bound).
+counts, positions and manifest entries with the caller. Measured ("Streamed groups, the lanes'
+defaults, 2 GPUs on 30M tokens"): three lanes feeding one H100 with this module's defaults
+2.8-3.6M tokens/s (0.49-0.61 of the bare forward in 8 runs, median 0.58) against 1.6-2.3M for one
+process; on 2 H100s x1.40-1.62 over one GPU at 10M tokens, x1.72 at 30M (the host's tokenising is
+the bound).
 
 The corpus is the one a single process makes from the same documents (same chunks, positions,
 vectors); only the batch boundaries differ (they depend on characters here, not on chunk counts).
@@ -54,7 +55,8 @@ from qrag.index.writer_process import picklable_error
 POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
 # Lanes feeding one GPU (qrag index --lanes, serve_scale.py --lanes): on one H100 with 16 cores,
 # 3 lanes x 4 workers gave 0.45-0.51 of the bare forward in 8 of 9 runs, 2 x 6 0.29-0.45, 4 x 3
-# 0.46 (bench/results/index_word_cache_round3_h100/, index_one_gpu_round{5,6}_h100/).
+# 0.46 (bench/results/index_word_cache_round3_h100/, index_one_gpu_round{5,6}_h100/); with streamed
+# groups 3 x 4 0.50-0.61, 2 x 6 0.52-0.58, 4 x 3 0.49, 3 x 5 0.51 (index_one_gpu_round{9,10}_h100/).
 LANES_PER_GPU = 3
 CHARS_PER_TOKEN = 4  # English prose: groups and tokenising jobs are cut by characters, before tokenising
 # A lane's defaults where the caller does not choose (qrag index --lanes, serve_scale.py --lanes),
