@@ -23,6 +23,7 @@
 # 9b42910). Round 10 (ROUND=10): lanes capture their main chunk shape at start; workers at nice 5
 # (e41e5c0 captured every shape: out of memory, and the process hung at exit: err_oom_every_shape.txt).
 # Round 11 (ROUND=11): the lanes' defaults chosen from rounds 7-10, against one process.
+# Round 12 (ROUND=12): the defaults with fd23d50's warm-up, first runs of a fresh machine.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -56,6 +57,8 @@ case "${ROUND:-3}" in
             lanes_3x4_cc4096_nice5_c:$L,$C4,--worker-nice,5" ;;
   # the lanes' defaults (qrag.index.lanes: groups of 4,096 chunks, slices of 8,192, workers at nice 5)
   11) RUNS="lanes:--lanes,--lane-workers,4 cache: lanes_b:--lanes,--lane-workers,4 lanes_c:--lanes,--lane-workers,4" ;;
+  # the final warm-up (every other chunk shape run once at lane start) on a fresh 16-core machine
+  12) RUNS="lanes:--lanes lanes_b:--lanes" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then
