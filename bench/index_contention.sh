@@ -14,7 +14,7 @@
 #   python bench/serve_scale.py --export-encoder .carry/idx/minilm16 && rm .carry/idx/minilm16/*.safetensors
 # On the GPU machine, from the repository root:  QRAG_COMMIT=<sha> bash bench/index_contention.sh   (carry .carry/idx)
 OUT=${OUT:-/tmp/index_contention}
-ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
+ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only --no-lanes"
 source "$(dirname "$0")/index_runs.sh"
 run index_default
 run index_writer_thread --writer thread

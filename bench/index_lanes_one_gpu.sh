@@ -8,7 +8,7 @@
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_lanes_one_gpu.sh
 OUT=${OUT:-/tmp/index_lanes_one_gpu}
-ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only"
+ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only --no-lanes"
 source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc

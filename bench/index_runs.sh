@@ -1,6 +1,8 @@
 # Sourced by bench/index_contention.sh and bench/index_two_gpus.sh (set OUT and ARGS first): the
 # environment, the carry folder $C, and `run NAME [serve_scale options]`, which writes
 # $OUT/NAME.json and prints one line of its indexing (and, when timed, query) figures.
+# serve_scale.py indexes in lanes on GPUs by default since session 10: ARGS carry --no-lanes so a run
+# without --lanes is the one-process path these rounds measured.
 export TOKENIZERS_PARALLELISM=false PYTHONPATH=platform
 C=$PWD/.carry/idx
 mkdir -p "$OUT"

@@ -6,7 +6,7 @@
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_two_gpus.sh
 OUT=${OUT:-/tmp/index_two_gpus}
-ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --writer process"
+ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --writer process --no-lanes"
 source "$(dirname "$0")/index_runs.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 run index_10m_1gpu --tokens 10000000 --index-only --devices cuda:0

@@ -101,9 +101,10 @@ def args_parser() -> argparse.ArgumentParser:
                     "(the default looks ASCII words up in a cache of their WordPiece ids: qrag.data.word_cache, the same ids)")
     ap.add_argument("--worker-output", choices=["packed", "objects"], default="packed", help="how workers hand back a document's chunks: "
                     "a few flat objects (qrag.data.documents.pack_chunks) or, the earlier rounds' way, DocumentChunks and token arrays one by one")
-    ap.add_argument("--lanes", action="store_true", help="index with a process per device (qrag.index.lanes: each lane its own "
-                    "tokenising workers, GPU feeding and file writes; this process commits in order) instead of one process feeding "
-                    "every device")
+    ap.add_argument("--lanes", action=argparse.BooleanOptionalAction, default=None, help="index with processes per device "
+                    "(qrag.index.lanes, as qrag index --lanes: each lane its own tokenising workers, GPU feeding and file writes; this "
+                    "process commits in order) or, --no-lanes, in this process feeding every device (default: lanes on GPUs, one "
+                    "process on the CPU)")
     ap.add_argument("--lanes-per-device", type=int, default=0, help="lanes on each device (--lanes; default as qrag index --lanes: 3 on "
                     "a GPU, 1 on the CPU): more than one feeds a GPU from several processes, each with its own GIL")
     ap.add_argument("--lane-workers", type=int, default=0, help="tokenising processes per lane (default: --workers shared out among the lanes)")
@@ -464,13 +465,19 @@ def plot_growth(paths: list[str], out: str) -> str:
     return out
 
 
-def main() -> None:
-    args = args_parser().parse_args()
-    # The lanes' own defaults where not given (the one-process path keeps its measured ones).
+def indexing_defaults(args, devices: list[torch.device]) -> None:
+    """Lanes on GPUs unless told (the way `qrag index --lanes` indexes on one machine), with the
+    lanes' defaults where not given; one process on the CPU, with its measured ones."""
+    if args.lanes is None:
+        args.lanes = all(d.type == "cuda" for d in devices)
     if args.commit_chunks is None:
         args.commit_chunks = LANE_COMMIT_CHUNKS if args.lanes else 16384
     if args.worker_nice is None:
         args.worker_nice = LANE_WORKER_NICE if args.lanes else 0
+
+
+def main() -> None:
+    args = args_parser().parse_args()
     if args.plot:
         print(plot_growth(args.plot, args.out or "serve_scale_growth.png"))
         return
@@ -488,6 +495,7 @@ def main() -> None:
         model = load_embedding_model(source, args.device, positions=None if args.checkpoint else args.positions,
                                      encode_tokens=args.encode_tokens, chunk_batch=args.chunk_batch)
     dev = model.device
+    indexing_defaults(args, devices or [dev])
     tokenizer_dir = source.tokenizer_dir
     storage = args.storage or tempfile.mkdtemp(prefix="qrag_serve_scale_")
     replicas = [model.replica(d) for d in devices[1:]] if devices else []

@@ -283,3 +283,27 @@ def test_the_caller_exits_at_once_after_a_lane_failed_with_large_groups_on_their
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "raised:" in done.stdout and "doc-0" in done.stdout
+
+
+def test_the_serving_bench_indexes_in_lanes_on_gpus_unless_told():
+    """`bench/serve_scale.py` indexes as `qrag index --lanes` does on GPUs (its figures are the
+    product's path), with the lanes' defaults; one process on the CPU or with --no-lanes."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import serve_scale
+    from qrag.index.lanes import LANE_COMMIT_CHUNKS, LANE_WORKER_NICE
+
+    def resolved(argv, devices):
+        args = serve_scale.args_parser().parse_args(argv)
+        serve_scale.indexing_defaults(args, [torch.device(d) for d in devices])
+        return args.lanes, args.commit_chunks, args.worker_nice
+
+    assert resolved([], ["cuda:0"]) == (True, LANE_COMMIT_CHUNKS, LANE_WORKER_NICE)
+    assert resolved([], ["cuda:0", "cuda:1"]) == (True, LANE_COMMIT_CHUNKS, LANE_WORKER_NICE)
+    assert resolved([], ["cpu"]) == (False, 16384, 0)
+    assert resolved(["--no-lanes"], ["cuda:0"]) == (False, 16384, 0)
+    assert resolved(["--lanes", "--commit-chunks", "40", "--worker-nice", "0"], ["cpu"]) == (True, 40, 0)
