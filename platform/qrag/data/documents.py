@@ -8,8 +8,10 @@ longer than the budget is cut at word boundaries, so no text is lost to encoder 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from typing import Any
 
 import numpy as np
@@ -134,17 +136,28 @@ def chunk_documents(docs: Sequence[Document], count: TokenCounter, budget: int) 
     return _chunk(docs, budget, count, None)[0]
 
 
-def chunk_and_encode(docs: Sequence[Document], encode: TokenEncoder, budget: int) -> tuple[list[DocumentChunk], list[list[int]]]:
-    """:func:`chunk_documents` and each chunk's token ids, every sentence tokenised once: a chunk's
-    ids are its sentences' ids one after another. That equals tokenising the chunk's text only for
-    a tokenizer that never merges tokens across a space (WordPiece does; byte-level BPE does not):
-    :meth:`qrag.retrieval.embedder.Tokenization.chunk_documents` checks before it takes this path."""
-    chunks, ids = _chunk(docs, budget, lambda texts: [len(x) for x in encode(texts)], encode)
+def chunk_and_encode(docs: Sequence[Document], encode: TokenEncoder, budget: int) -> tuple[list[DocumentChunk], list[np.ndarray]]:
+    """:func:`chunk_documents` and each chunk's token ids (int32), every sentence tokenised once: a
+    chunk's ids are its sentences' ids one after another. That equals tokenising the chunk's text
+    only for a tokenizer that never merges tokens across a space (WordPiece does; byte-level BPE does
+    not): :meth:`qrag.retrieval.embedder.Tokenization.chunk_documents` checks before it takes this path."""
+    known: dict[str, list[int]] = {}
+
+    def encode_once(texts: list[str]) -> list[list[int]]:
+        """Each text encoded once per call: the pieces of a sentence over the budget are encoded to
+        be counted, then their ids are needed (three encodes of those texts were a fifth of a
+        tokenising worker's time on the novels)."""
+        todo = list(dict.fromkeys(t for t in texts if t not in known))
+        if todo:
+            known.update(zip(todo, encode(todo)))
+        return [known[t] for t in texts]
+
+    chunks, ids = _chunk(docs, budget, lambda texts: [len(x) for x in encode_once(texts)], encode_once)
     return chunks, ids  # type: ignore[return-value]
 
 
 def _chunk(docs: Sequence[Document], budget: int, count: TokenCounter, encode: TokenEncoder | None
-           ) -> tuple[list[DocumentChunk], list[list[int]] | None]:
+           ) -> tuple[list[DocumentChunk], list[np.ndarray] | None]:
     if budget < 1:
         raise DataError(f"chunk budget must be at least 1 token, got {budget}")
     per_doc = [split_sentences(d.text) for d in docs]
@@ -153,21 +166,45 @@ def _chunk(docs: Sequence[Document], budget: int, count: TokenCounter, encode: T
     counts = [len(x) for x in flat_ids] if flat_ids is not None else count(flat)
     long = {k: s for k, (s, n) in enumerate(zip(flat, counts)) if n > budget}
     cut = _cut_long(long, {k: counts[k] for k in long}, budget, count) if long else {}
-    # Each sentence as its pieces (text, tokens, ids or None); the few cut pieces get their own ids.
-    cut_ids = iter(encode([t for k in sorted(cut) for t, _ in cut[k]]) if encode is not None and cut else [])
-    pieces = [[(t, m, next(cut_ids, None)) for t, m in cut[k]] if k in cut else [(sentence, n, flat_ids[k] if flat_ids else None)]
-              for k, (sentence, n) in enumerate(zip(flat, counts))]
+    # Units: the sentences, each one over the budget replaced by its cut pieces (their own ids);
+    # the runs between cut sentences are copied whole.
+    texts, sizes, unit_ids, units_per_doc = flat, counts, flat_ids, [len(sents) for sents in per_doc]
+    if cut:
+        cut_ids = iter(encode([t for k in sorted(cut) for t, _ in cut[k]]) if encode is not None else [])
+        texts, sizes, unit_ids = [], [], [] if encode is not None else None
+        doc_starts = list(accumulate(units_per_doc[:-1], initial=0))
+        prev = 0
+        for k in sorted(cut):
+            pieces = cut[k]
+            texts += flat[prev:k]
+            texts += [t for t, _ in pieces]
+            sizes += counts[prev:k]
+            sizes += [m for _, m in pieces]
+            if unit_ids is not None:
+                unit_ids += flat_ids[prev:k]
+                unit_ids += [next(cut_ids) for _ in pieces]
+            units_per_doc[bisect_right(doc_starts, k) - 1] += len(pieces) - 1
+            prev = k + 1
+        texts += flat[prev:]
+        sizes += counts[prev:]
+        if unit_ids is not None:
+            unit_ids += flat_ids[prev:]
+    # Every unit's ids in one array: a chunk's ids are a slice of it, no Python loop over tokens
+    # (building each chunk's id list token by token was a fifth of a tokenising worker's time).
+    ends = list(accumulate(sizes))
+    if unit_ids is not None:
+        tokens = np.fromiter(chain.from_iterable(unit_ids), dtype=np.int32, count=ends[-1] if ends else 0)
     out: list[DocumentChunk] = []
-    out_ids: list[list[int]] = []
-    k = 0
-    for doc, sents in zip(docs, per_doc):
-        parts = [p for j in range(k, k + len(sents)) for p in pieces[j]]
-        k += len(sents)
-        if not parts:
+    out_ids: list[np.ndarray] = []
+    u = 0
+    for doc, n_units in zip(docs, units_per_doc):
+        if not n_units:
             raise DataError(f"document {doc.id!r}: no text to index")
-        for start, end in pack_sentences([t for t, _, _ in parts], [n for _, n, _ in parts], budget):
-            run = parts[start:end]
-            out.append(DocumentChunk(doc.id, " ".join(t for t, _, _ in run), sum(n for _, n, _ in run)))
-            if flat_ids is not None:
-                out_ids.append([i for _, _, ids in run for i in ids])
-    return out, (out_ids if flat_ids is not None else None)
+        for start, end in pack_sentences(texts[u : u + n_units], sizes[u : u + n_units], budget):
+            a, b = u + start, u + end
+            first, last = (ends[a - 1] if a else 0), ends[b - 1]
+            out.append(DocumentChunk(doc.id, " ".join(texts[a:b]), last - first))
+            if unit_ids is not None:
+                out_ids.append(tokens[first:last])
+        u += n_units
+    return out, (out_ids if unit_ids is not None else None)

@@ -51,9 +51,15 @@ class TokenLayout:
         return 0 if self.cls_id is None else 1
 
     def wrap(self, ids: Sequence[int]) -> np.ndarray:
-        head = [] if self.cls_id is None else [self.cls_id]
-        tail = [] if self.sep_id is None else [self.sep_id]
-        return np.asarray(head + list(ids) + tail, dtype=np.int32)
+        """``ids`` between the special tokens, int32 (one copy, whether ``ids`` is a list or an array)."""
+        head = 0 if self.cls_id is None else 1
+        out = np.empty(head + len(ids) + (self.sep_id is not None), dtype=np.int32)
+        if head:
+            out[0] = self.cls_id
+        out[head : head + len(ids)] = ids
+        if self.sep_id is not None:
+            out[-1] = self.sep_id
+        return out
 
     def state(self, question: np.ndarray, chunks: Sequence[np.ndarray]) -> np.ndarray:
         """The state's input ids; ``chunks`` must already be in document order."""

@@ -52,6 +52,8 @@ class WordCache:
         self.words = _Words(backend.model)
         self.split = re.compile(r"[a-z0-9]+|[^a-z0-9\s]" if lowercase else r"[A-Za-z0-9]+|[^A-Za-z0-9\s]")
         self.added = [a.lower() for a in added if a]  # an added token is matched in the raw text: those texts go to the backend
+        # One search for any of them (a generator of `in` tests per text was 4 % of a worker's time).
+        self.added_search = re.compile("|".join(map(re.escape, self.added))).search if self.added else None
 
     @classmethod
     def for_backend(cls, backend: Any) -> WordCache | None:
@@ -76,7 +78,7 @@ class WordCache:
         for i, text in enumerate(texts):
             low = text.lower() if text.isascii() else None
             # Added tokens ([CLS], [MASK], ...) are matched in the raw text: such a text goes to the backend.
-            if low is None or any(a in low for a in self.added):
+            if low is None or (self.added_search is not None and self.added_search(low)):
                 out.append(None)
                 rest.append(i)
                 continue
