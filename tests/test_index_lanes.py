@@ -307,3 +307,25 @@ def test_the_serving_bench_indexes_in_lanes_on_gpus_unless_told():
     assert resolved([], ["cpu"]) == (False, 16384, 0)
     assert resolved(["--no-lanes"], ["cuda:0"]) == (False, 16384, 0)
     assert resolved(["--lanes", "--commit-chunks", "40", "--worker-nice", "0"], ["cpu"]) == (True, 40, 0)
+
+
+def test_qrag_index_help_names_the_defaults_each_path_takes():
+    """--encode-batch, --encode-tokens and --commit-chunks unset take the Ray path's defaults
+    (BulkIndexConfig) or the lanes' (qrag.index.lanes): the help, which imports neither, names them."""
+    import argparse
+    import dataclasses
+
+    from qrag.cli.index import index_args, index_config
+    from qrag.distributed.bulk_index import BulkIndexConfig
+    from qrag.index.lanes import LANE_CHUNK_BATCH, LANE_COMMIT_CHUNKS, LANE_ENCODE_TOKENS
+
+    p = argparse.ArgumentParser()
+    index_args(p)
+    helps = {a.dest: a.help for a in p._actions}
+    ray = {f.name: f.default for f in dataclasses.fields(BulkIndexConfig)}
+    for dest, lanes in (("encode_batch", LANE_CHUNK_BATCH), ("encode_tokens", LANE_ENCODE_TOKENS), ("commit_chunks", LANE_COMMIT_CHUNKS)):
+        assert f"default {ray[dest]}, with --lanes {lanes}" in helps[dest]
+    cfg = index_config(p.parse_args(["--corpus", "c", "--input", "x.jsonl"]))
+    assert (cfg.encode_batch, cfg.encode_tokens, cfg.commit_chunks) == (ray["encode_batch"], ray["encode_tokens"], ray["commit_chunks"])
+    cfg = index_config(p.parse_args(["--corpus", "c", "--input", "x.jsonl", "--encode-batch", "7", "--commit-chunks", "9"]))
+    assert (cfg.encode_batch, cfg.commit_chunks) == (7, 9)

@@ -11,9 +11,6 @@ import sys
 
 from qrag.cli.commands import command
 
-COMMIT_CHUNKS = 65536  # the Ray path's commit group (with --lanes: qrag.index.lanes.LANE_COMMIT_CHUNKS)
-ENCODE_BATCH, ENCODE_TOKENS = 4096, 32768  # the Ray path's encoder calls (with --lanes: LANE_CHUNK_BATCH, LANE_ENCODE_TOKENS)
-
 
 def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", required=True, help="corpus name (created when missing; an existing one is appended to)")
@@ -30,10 +27,12 @@ def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-actors", type=int, default=1, help="encoder actors (a GPU each when the cluster has GPUs)")
     p.add_argument("--encoder-gpus", type=float, help="GPUs per encoder actor (default 1 when the cluster has a GPU, else 0)")
     p.add_argument("--tokenize-actors", type=int, help="most read+tokenise actors (default: the CPUs the encoder actors leave)")
-    p.add_argument("--encode-batch", type=int, help=f"chunks per encoder call (default {ENCODE_BATCH}, with --lanes 8192)")
-    p.add_argument("--encode-tokens", type=int, help=f"padded tokens per forward pass (default {ENCODE_TOKENS}, with --lanes 131072)")
-    p.add_argument("--commit-chunks", type=int, default=None, help="chunks per committed group (a crash loses at most one group; "
-                   f"default {COMMIT_CHUNKS}, with --lanes 4096: a group is a lane's unit of work)")
+    # Unset, these three take the Ray path's defaults (BulkIndexConfig) or, with --lanes, the lanes'
+    # (qrag.index.lanes.LANE_*): the help names them without importing either.
+    p.add_argument("--encode-batch", type=int, help="chunks per encoder call (default 4096, with --lanes 8192)")
+    p.add_argument("--encode-tokens", type=int, help="padded tokens per forward pass (default 32768, with --lanes 131072)")
+    p.add_argument("--commit-chunks", type=int, help="chunks per committed group (a crash loses at most one group; "
+                   "default 65536, with --lanes 4096: a group is a lane's unit of work)")
     p.add_argument("--file-part-mb", type=float, default=16.0, help="large uncompressed JSONL and parquet files are read and tokenised "
                    "as parts of about this many MiB, one task each (default 16)")
     p.add_argument("--model-cache", default=".qrag_models", help="where MLflow checkpoints are downloaded to")
@@ -49,12 +48,12 @@ def index_args(p: argparse.ArgumentParser) -> None:
 def index_config(args: argparse.Namespace):
     from qrag.distributed.bulk_index import BulkIndexConfig  # noqa: PLC0415 (Ray lives under qrag.distributed)
 
+    given = {k: v for k, v in (("encode_batch", args.encode_batch), ("encode_tokens", args.encode_tokens),
+                               ("commit_chunks", args.commit_chunks)) if v is not None}
     return BulkIndexConfig(corpus=args.corpus, inputs=args.inputs, format=args.format, checkpoint=args.checkpoint, encoder=args.encoder,
                            model_cache=args.model_cache, storage=args.storage, chunk_tokens=args.chunk_tokens, shards=args.shards,
                            dtype=args.dtype, encoder_actors=args.encoder_actors, encoder_gpus=args.encoder_gpus,
-                           tokenize_actors=args.tokenize_actors, encode_batch=args.encode_batch or ENCODE_BATCH,
-                           encode_tokens=args.encode_tokens or ENCODE_TOKENS,
-                           commit_chunks=args.commit_chunks or COMMIT_CHUNKS, file_part_bytes=max(1, int(args.file_part_mb * 2**20)))
+                           tokenize_actors=args.tokenize_actors, file_part_bytes=max(1, int(args.file_part_mb * 2**20)), **given)
 
 
 def run_index(args: argparse.Namespace) -> int:

@@ -49,10 +49,10 @@ def unpack_chunks(packed: tuple) -> tuple[list[DocumentChunk], list[np.ndarray]]
     """:func:`pack_chunks`'s input again (the token arrays are views of one flat array)."""
     doc_ids, texts, counts, flat, lengths = packed
     chunks = [DocumentChunk(d, t, n) for d, t, n in zip(doc_ids, texts, counts.tolist())]
-    ends = np.cumsum(lengths).tolist()
+    bounds = [0, *np.cumsum(lengths).tolist()]
     # Slices, not np.split: its per-piece swapaxes made it 2x slower for ~16K chunks a group,
     # in the process that feeds the GPU.
-    ids = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+    ids = [flat[a:b] for a, b in zip(bounds, bounds[1:])]
     return chunks, ids
 
 
@@ -145,8 +145,8 @@ def chunk_and_encode(docs: Sequence[Document], encode: TokenEncoder, budget: int
 
     def encode_once(texts: list[str]) -> list[list[int]]:
         """Each text encoded once per call: the pieces of a sentence over the budget are encoded to
-        be counted, then their ids are needed (three encodes of those texts were a fifth of a
-        tokenising worker's time on the novels)."""
+        be counted, and their ids are needed after (encoding them again was most of the cutting's
+        cost, which was a fifth of a tokenising worker's time on the novels)."""
         todo = list(dict.fromkeys(t for t in texts if t not in known))
         if todo:
             known.update(zip(todo, encode(todo)))
@@ -191,9 +191,9 @@ def _chunk(docs: Sequence[Document], budget: int, count: TokenCounter, encode: T
             unit_ids += flat_ids[prev:]
     # Every unit's ids in one array: a chunk's ids are a slice of it, no Python loop over tokens
     # (building each chunk's id list token by token was a fifth of a tokenising worker's time).
-    ends = list(accumulate(sizes))
+    bounds = list(accumulate(sizes, initial=0))  # unit j's tokens: bounds[j] to bounds[j + 1]
     if unit_ids is not None:
-        tokens = np.fromiter(chain.from_iterable(unit_ids), dtype=np.int32, count=ends[-1] if ends else 0)
+        tokens = np.fromiter(chain.from_iterable(unit_ids), dtype=np.int32, count=bounds[-1])
     out: list[DocumentChunk] = []
     out_ids: list[np.ndarray] = []
     u = 0
@@ -202,9 +202,8 @@ def _chunk(docs: Sequence[Document], budget: int, count: TokenCounter, encode: T
             raise DataError(f"document {doc.id!r}: no text to index")
         for start, end in pack_sentences(texts[u : u + n_units], sizes[u : u + n_units], budget):
             a, b = u + start, u + end
-            first, last = (ends[a - 1] if a else 0), ends[b - 1]
-            out.append(DocumentChunk(doc.id, " ".join(texts[a:b]), last - first))
+            out.append(DocumentChunk(doc.id, " ".join(texts[a:b]), bounds[b] - bounds[a]))
             if unit_ids is not None:
-                out_ids.append(tokens[first:last])
+                out_ids.append(tokens[bounds[a] : bounds[b]])
         u += n_units
     return out, (out_ids if unit_ids is not None else None)

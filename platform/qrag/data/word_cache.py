@@ -51,9 +51,10 @@ class WordCache:
         self.lowercase = lowercase
         self.words = _Words(backend.model)
         self.split = re.compile(r"[a-z0-9]+|[^a-z0-9\s]" if lowercase else r"[A-Za-z0-9]+|[^A-Za-z0-9\s]")
-        self.added = [a.lower() for a in added if a]  # an added token is matched in the raw text: those texts go to the backend
-        # One search for any of them (a generator of `in` tests per text was 4 % of a worker's time).
-        self.added_search = re.compile("|".join(map(re.escape, self.added))).search if self.added else None
+        # An added token is matched in the raw text: those texts go to the backend. One search for any
+        # of them (a generator of `in` tests per text was 4 % of a worker's time).
+        lowered = [a.lower() for a in added if a]
+        self.added_search = re.compile("|".join(map(re.escape, lowered))).search if lowered else None
 
     @classmethod
     def for_backend(cls, backend: Any) -> WordCache | None:

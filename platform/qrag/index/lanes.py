@@ -104,7 +104,7 @@ class LaneStats:
     encoder_tokens: int = 0
     startup_seconds: float = 0.0  # lanes spawned to every lane ready (models loaded, workers up)
     # Each lane's start: seconds from spawn to ready, of which model_seconds forking the workers and
-    # loading the model, warm_up_seconds capturing its chunk shapes (warm_shapes of them), then
+    # loading the model, warm_up_seconds making its chunk encoder ready (warm_shapes captured), then
     # workers_after_model_seconds waiting for the workers (the rest: the process's start and imports).
     lane_startup: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0  # every lane ready (groups sent from then) to the last commit

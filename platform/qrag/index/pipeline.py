@@ -67,7 +67,7 @@ class Group:
         """The group's token ids block by block: those it holds, then each pending block as it
         comes (added to the group's chunks and ids)."""
         if self.ids:
-            yield list(self.ids)
+            yield list(self.ids)  # a copy: the pending blocks extend self.ids
         while self.pending is not None:
             block = next(self.pending, None)
             if block is None:
@@ -76,7 +76,7 @@ class Group:
             chunks, ids = block
             self.chunks.extend(chunks)
             self.ids.extend(ids)
-            yield list(ids)
+            yield ids
 
 
 class GroupBuilder:
@@ -312,13 +312,8 @@ def _joined(parts: list[np.ndarray], dim: int) -> np.ndarray:
 def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on_slice: Callable[[int], None] | None = None) -> np.ndarray:
     """Vectors of a group, ``chunk_batch`` chunks per encoder call; with a model that can start a
     call before the previous one is waited for (``embed_chunks_start``), one call stays queued
-    ahead so the device never waits for the host between calls."""
-    return embed_blocks(model, [ids], chunk_batch, dim, on_slice)
-
-
-def embed_blocks(model, blocks: Iterable[Sequence[np.ndarray]], chunk_batch: int, dim: int,
-                 on_slice: Callable[[int], None] | None = None) -> np.ndarray:
-    """:func:`embed_group` of the sequences of ``blocks`` one after another (a streamed group)."""
+    ahead so the device never waits for the host between calls. (A pipelined run's :class:`_Feeder`
+    does the same across groups.)"""
     start = _starter(model)
     parts: list[np.ndarray] = []
     queued: list[tuple[Callable[[], np.ndarray], int]] = []  # at most one call ahead of the one waited for
@@ -329,8 +324,8 @@ def embed_blocks(model, blocks: Iterable[Sequence[np.ndarray]], chunk_batch: int
         if on_slice is not None:
             on_slice(n)
 
-    for ids in id_slices(blocks, chunk_batch):
-        queued.append((start(ids), len(ids)))
+    for part in id_slices([ids], chunk_batch):
+        queued.append((start(part), len(part)))
         if len(queued) > 1:
             wait_oldest()
     while queued:
@@ -416,12 +411,12 @@ class _Feeder:
             if item is self._END:
                 return
             future, wait, n = item
-            if wait is None or isinstance(wait, BaseException):  # the group ends (or failed while launching)
-                error = wait if wait is not None and error is None else error
-                if error is not None:
-                    future.set_exception(error)
-                else:
+            if not callable(wait):  # the group's end: None, or what stopped its launching
+                error = error or wait
+                if error is None:
                     future.set_result(_joined(parts, self.dim))
+                else:
+                    future.set_exception(error)
                 parts, error = [], None
                 continue
             try:
@@ -541,11 +536,6 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
             counts["known"] += len(block)
             stats.encoder_tokens += sum(len(x) for x in block)
 
-    def counted(blocks: Iterator[Sequence[np.ndarray]]) -> Iterator[Sequence[np.ndarray]]:
-        for block in blocks:
-            known(block)
-            yield block
-
     t_start = time.perf_counter()
     if not pipelined:
         it = iter(groups)
@@ -555,8 +545,10 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
             stats.prep_seconds += time.perf_counter() - t0
             if group is None:
                 break
+            for block in group.id_blocks():  # a streamed group whole (nothing overlaps here)
+                known(block)
             t0 = time.perf_counter()
-            vectors = embed_blocks(models[0], counted(group.id_blocks()), chunk_batch, dim, on_slice)
+            vectors = embed_group(models[0], group.ids, chunk_batch, dim, on_slice)
             stats.embed_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             write((group, vectors))

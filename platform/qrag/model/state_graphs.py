@@ -175,20 +175,21 @@ class GraphedEncoder:
         if not self.graphs:
             return 0
         top = bucket_of(max_length, self.length_buckets) or self.length_buckets[-1]
-
-        def rows_for(length: int) -> int:
-            return max([b for b in self.batch_buckets if b * length <= max_tokens], default=self.batch_buckets[0])
-
-        main = (rows_for(top), top)
+        main = (self._rows_for(top, max_tokens), top)
         with self._replay_lock:
             ready = int(self._graph(*main) is not None)
             with torch.no_grad():
                 for length in (n for n in self.length_buckets if n <= top):
-                    for batch in (b for b in self.batch_buckets if b <= rows_for(length)):
+                    for batch in (b for b in self.batch_buckets if b <= self._rows_for(length, max_tokens)):
                         if (batch, length) != main:
                             ids, mask = self._padded([np.full(length, self.pad_id, np.int64)], batch, length)
                             self._forward(ids.to(self.device), mask.to(self.device))
         return ready
+
+    def _rows_for(self, length: int, max_tokens: int) -> int:
+        """Rows of :meth:`encode_sorted`'s full batches of ``length``: the largest batch bucket of at
+        most ``max_tokens`` padded tokens (the smallest bucket if none is)."""
+        return max([b for b in self.batch_buckets if b * length <= max_tokens], default=self.batch_buckets[0])
 
     def _padded(self, seqs: Sequence[np.ndarray], batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)
@@ -248,7 +249,7 @@ class GraphedEncoder:
             length = bucket_of(longest, self.length_buckets)
             if length is None:
                 raise ValueError(f"a sequence of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}")
-            rows = max([b for b in self.batch_buckets if b * length <= max_tokens], default=self.batch_buckets[0])
+            rows = self._rows_for(length, max_tokens)
             pieces.append(self([seqs[i] for i in order[start : start + rows]]))
             start += rows
         return in_input_order(pieces, order)

@@ -288,8 +288,8 @@ class EmbeddingModel(Tokenization):
         return self.state_encoder.warm_up(max_batch, self.layout.max_state_tokens)
 
     def warm_up_chunks(self, chunk_tokens: int) -> int:
-        """Capture the chunk encoder's graphs for every shape indexing chunks of up to
-        ``chunk_tokens`` tokens takes (GPU; a no-op on CPU). Shapes ready."""
+        """Make the chunk encoder ready for indexing chunks of up to ``chunk_tokens`` tokens
+        (:meth:`GraphedEncoder.warm_up_sorted`; GPU, a no-op on CPU). Shapes captured."""
         if self.chunk_encoder is None:
             return 0
         return self.chunk_encoder.warm_up_sorted(chunk_tokens + len(self.layout.wrap([])), self.retriever.encode_tokens)
