@@ -23,7 +23,8 @@
 # 9b42910). Round 10 (ROUND=10): lanes capture their main chunk shape at start; workers at nice 5
 # (e41e5c0 captured every shape: out of memory, and the process hung at exit: err_oom_every_shape.txt).
 # Round 11 (ROUND=11): the lanes' defaults chosen from rounds 7-10, against one process.
-# Round 12 (ROUND=12): the defaults with fd23d50's warm-up, first runs of a fresh machine.
+# Round 12 (ROUND=12): the defaults with the final warm-up and the faster tokenising worker (8e3e9e1),
+# the first run on a fresh machine, against one process.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -58,7 +59,7 @@ case "${ROUND:-3}" in
   # the lanes' defaults (qrag.index.lanes: groups of 4,096 chunks, slices of 8,192, workers at nice 5)
   11) RUNS="lanes:--lanes,--lane-workers,4 cache: lanes_b:--lanes,--lane-workers,4 lanes_c:--lanes,--lane-workers,4" ;;
   # the final warm-up (every other chunk shape run once at lane start) on a fresh 16-core machine
-  12) RUNS="lanes:--lanes lanes_b:--lanes" ;;
+  12) RUNS="lanes:--lanes cache: lanes_b:--lanes" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then
