@@ -329,3 +329,51 @@ def test_qrag_index_help_names_the_defaults_each_path_takes():
     assert (cfg.encode_batch, cfg.encode_tokens, cfg.commit_chunks) == (ray["encode_batch"], ray["encode_tokens"], ray["commit_chunks"])
     cfg = index_config(p.parse_args(["--corpus", "c", "--input", "x.jsonl", "--encode-batch", "7", "--commit-chunks", "9"]))
     assert (cfg.encode_batch, cfg.commit_chunks) == (7, 9)
+
+
+def test_a_groups_count_is_reported_once_its_tokenising_is_done_not_when_it_is_embedded():
+    """Counted when the lane's feeder took the group's last block, a lane's writes waited for the
+    other lanes' GPU work; now the count goes out from the job that finishes last."""
+    from concurrent.futures import Future
+
+    from qrag.data.documents import DocumentChunk, pack_chunks
+    from qrag.index.lanes import report_count_when_done
+
+    def block(n: int) -> tuple:
+        return pack_chunks([DocumentChunk("d", "t", 1)] * n, [np.arange(3)] * n)
+
+    jobs = [Future() for _ in range(3)]
+    reports: list[int] = []
+    report_count_when_done(jobs, reports.append)
+    jobs[2].set_result(block(5))
+    jobs[0].set_result(block(2))
+    assert reports == []  # a job still running
+    jobs[1].set_result(block(4))
+    assert reports == [11]  # once, nobody having read a block
+    failed = [Future(), Future()]
+    report_count_when_done(failed, reports.append)
+    failed[0].set_exception(DataError("doc-1: no text"))
+    failed[1].set_result(block(1))
+    cancelled = [Future()]
+    report_count_when_done(cancelled, reports.append)
+    cancelled[0].cancel()
+    assert reports == [11]  # never for a group that failed or was cancelled: its feeder raises that
+    report_count_when_done([], reports.append)
+    assert reports == [11, 0]
+
+
+def test_groups_go_to_the_lanes_with_room_not_strictly_round_robin():
+    import queue
+    import threading
+
+    from qrag.index.lanes import put_where_room
+
+    boxes = [queue.Queue(maxsize=1) for _ in range(3)]
+    stop = threading.Event()
+    assert [put_where_room(boxes, k, k, stop) for k in range(3)] == [0, 1, 2]  # round robin while all keep pace
+    boxes[2].get()
+    assert put_where_room(boxes, 3, 0, stop) == 2  # lanes 0 and 1 are behind: the next group goes where there is room
+    threading.Timer(0.05, boxes[1].get).start()
+    assert put_where_room(boxes, 4, 0, stop) == 1  # all full: waits for the first to make room
+    threading.Timer(0.05, stop.set).start()
+    assert put_where_room(boxes, 5, 0, stop) is None  # stopped while waiting

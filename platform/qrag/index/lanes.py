@@ -4,11 +4,12 @@ order by the caller.
 ::
 
     caller (holds the corpus's writer lock: CorpusStore.hold)
-      documents -> groups of whole documents of about ``commit_chars`` characters; group k to lane k % n
+      documents -> groups of whole documents of about ``commit_chars`` characters; each to the next lane
+      with room in its inbox
     lane i (a spawned process: its GPU, its model, its own tokenising processes)
       queue group k's tokenising jobs in its workers (blocks of ``block_chars``) and hand the group
       on at once: its blocks are embedded as they come (qrag.index.pipeline.index_groups with
-      Group.pending; tokenising, feeding and writing overlap) -> report k's chunk count at its last block
+      Group.pending; tokenising, feeding and writing overlap); k's chunk count to the caller once tokenised
       write its files once the caller has said where they start (CorpusStore.write_batch_files)
     caller: first positions handed out in group order as the counts come in; written groups
             committed in group order (CorpusStore.commit_written), one manifest write each
@@ -39,7 +40,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,25 +159,47 @@ def _get(q, parent: int):
 def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, report, first) -> Iterator[Group]:
     """The lane's groups (``first``: the first message, already read), each handed on as soon as its
     tokenising jobs are queued in the lane's workers: the feeder embeds its blocks as they come
-    (Group.pending) and the group's chunk count is reported once its last block is in. Handing on
-    whole tokenised groups made every group wait for its last block, the device idle meanwhile."""
+    (Group.pending). Handing on whole tokenised groups made every group wait for its last block, the
+    device idle meanwhile. The group's chunk count goes to the caller once its workers are done."""
     msg = first
     while msg is not None:
         k, docs = msg
         futures = [pool.submit(prepare_block, [(d.id, d.text) for d in b], cfg.chunk_tokens) for b in blocks_of(docs, cfg.block_chars)]
+        report_count_when_done(futures, lambda n, k=k: report(("count", k, n)))
         keys.append(k)
-        yield Group(docs=[Document(d.id, "") for d in docs], pending=_gathered(k, futures, report))  # the texts live on in the chunks
+        yield Group(docs=[Document(d.id, "") for d in docs], pending=_gathered(futures))  # the texts live on in the chunks
         msg = _get(inbox, parent)
 
 
-def _gathered(k: int, futures: Sequence, report) -> Iterator[tuple[list, list[np.ndarray]]]:
-    """Group ``k``'s blocks from the workers, in order; then its chunk count to the caller."""
-    n = 0
+def report_count_when_done(futures: Sequence[Future], report: Callable[[int], None]) -> None:
+    """``report(chunks)`` once every one of a group's tokenising jobs has succeeded (from the thread
+    that completes the last; never after a failure or a cancel: the group's feeder raises those).
+    Counted when the lane's feeder took the group's last block, a lane's writes waited for the
+    other lanes' GPU work (a group's files are written once the counts of every group before it
+    are in) and the lanes went at the pace of the slowest."""
+    left = [len(futures), 0]  # jobs not done, chunks so far
+    lock = threading.Lock()
+
+    def done(f: Future) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return
+        with lock:
+            left[0] -= 1
+            left[1] += len(f.result()[4])  # pack_chunks's lengths: one per chunk
+            finished = left[0] == 0
+        if finished:
+            report(left[1])
+
+    if not futures:
+        report(0)
     for f in futures:
-        chunks, ids = unpack_chunks(f.result())
-        n += len(chunks)
-        yield chunks, ids
-    report(("count", k, n))
+        f.add_done_callback(done)
+
+
+def _gathered(futures: Sequence[Future]) -> Iterator[tuple[list, list[np.ndarray]]]:
+    """A group's blocks from the workers, in order."""
+    for f in futures:
+        yield unpack_chunks(f.result())
 
 
 def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: int) -> None:
@@ -255,8 +278,8 @@ class _Run:
     """The caller's side of one run: positions in group order, commits in group order."""
 
     def __init__(self, store: CorpusStore, m: Manifest, devices: Sequence[str], on_commit: Callable[[Manifest], None] | None):
-        self.store, self.m, self.n, self.on_commit = store, m, len(devices), on_commit
-        self.counts: dict[int, int] = {}
+        self.store, self.m, self.on_commit = store, m, on_commit
+        self.counts: dict[int, tuple[int, int]] = {}  # group -> (chunks, its lane)
         self.written: dict[int, tuple[dict[str, Any], int]] = {}  # group -> (manifest entry, encoder tokens)
         self.next_start = 0  # the next group to be told where it starts
         self.next_commit = 0
@@ -265,12 +288,15 @@ class _Run:
         self.last_commit: float | None = None
         self.stats = LaneStats(lanes=len(devices), devices=[str(d) for d in devices])
 
-    def count(self, k: int, n: int, control: Sequence) -> None:
-        self.counts[k] = n
+    def count(self, k: int, n: int, lane: int, control: Sequence) -> None:
+        """Group ``k`` (sent to ``lane``) holds ``n`` chunks: tell it where it starts once every
+        group before it is counted."""
+        self.counts[k] = (n, lane)
         while self.next_start in self.counts:
             k0 = self.next_start
-            control[k0 % self.n].put((k0, self.base_id + 1 + k0, self.first))
-            self.first += self.counts.pop(k0)
+            n0, lane0 = self.counts.pop(k0)
+            control[lane0].put((k0, self.base_id + 1 + k0, self.first))
+            self.first += n0
             self.next_start += 1
 
     def wrote(self, k: int, entry: dict[str, Any], encoder_tokens: int) -> None:
@@ -345,7 +371,7 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
                         run.stats.startup_seconds = t_ready - t_spawn
                         sender.start()
                 elif kind == "count":
-                    run.count(msg[2], msg[3], controls)
+                    run.count(msg[2], msg[3], i, controls)
                 elif kind == "written":
                     run.wrote(msg[2], msg[3], msg[4])
                 elif kind == "done":
@@ -377,7 +403,8 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
 
 def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str, commit_chars: int, inboxes: Sequence, stop: threading.Event,
           failure: list[BaseException]) -> None:
-    """The sender thread: groups round robin to the lanes, then an end mark to each."""
+    """The sender thread: each group to the next lane with room in its inbox (round robin while the
+    lanes keep pace; a lane that falls behind gets fewer), then an end mark to each."""
     seen = set(existing)
 
     def fresh() -> Iterator[Document]:
@@ -390,15 +417,10 @@ def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str,
             yield doc
 
     try:
+        lane = -1
         for k, group in enumerate(char_groups(fresh(), commit_chars)):
-            box = inboxes[k % len(inboxes)]
-            while not stop.is_set():
-                try:
-                    box.put((k, group), timeout=POLL_S)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+            lane = put_where_room(inboxes, (k, group), lane + 1, stop)
+            if lane is None:
                 return
     except BaseException as exc:  # noqa: BLE001 - raised by the caller's loop
         failure.append(exc)
@@ -411,6 +433,24 @@ def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str,
                 except queue.Full:
                     if stop.is_set():
                         break
+
+
+def put_where_room(boxes: Sequence, item: Any, first: int, stop: threading.Event, poll_s: float = 0.005) -> int | None:
+    """Put ``item`` in the first of ``boxes`` with room, looking from ``first`` round; wait while
+    all are full. Returns the box's index, or None once ``stop`` is set. Groups dealt strictly
+    round robin made every lane wait for the slowest: the sender blocked on a full inbox while the
+    others ran dry (the lanes on one GPU get its time unevenly; two GPUs' lanes start apart)."""
+    n = len(boxes)
+    while not stop.is_set():
+        for j in range(n):
+            i = (first + j) % n
+            try:
+                boxes[i].put_nowait(item)
+                return i
+            except queue.Full:
+                continue
+        time.sleep(poll_s)
+    return None
 
 
 def _stop(stop: threading.Event, inboxes: Sequence, controls: Sequence) -> None:
