@@ -24,7 +24,7 @@
 # (e41e5c0 captured every shape: out of memory, and the process hung at exit: err_oom_every_shape.txt).
 # Round 11 (ROUND=11): the lanes' defaults chosen from rounds 7-10, against one process.
 # Round 12 (ROUND=12): the defaults with the final warm-up and the faster tokenising worker (8e3e9e1),
-# the first run on a fresh machine, against one process.
+# the first run on a fresh machine, against one process. Round 13 (ROUND=13): the lanes' ramp and tail.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -60,6 +60,8 @@ case "${ROUND:-3}" in
   11) RUNS="lanes:--lanes,--lane-workers,4 cache: lanes_b:--lanes,--lane-workers,4 lanes_c:--lanes,--lane-workers,4" ;;
   # the final warm-up (every other chunk shape run once at lane start) on a fresh 16-core machine
   12) RUNS="lanes:--lanes cache: lanes_b:--lanes" ;;
+  # each lane's ramp and tail (when it began, its first block, first slice, last slice back)
+  13) RUNS="lanes:--lanes lanes_b:--lanes lanes_30m:--lanes,--tokens,30000000" ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then

@@ -80,6 +80,9 @@ def test_two_lanes_make_the_corpus_one_process_makes(model, tiny_encoder, tmp_pa
         assert row["warm_shapes"] == 0  # CPU: no graphs to capture
         assert row["seconds"] <= stats.startup_seconds + 1e-3
     assert stats.total_seconds >= stats.seconds > 0
+    for row in stats.per_lane:  # when each lane began, from the moment groups went out (one clock across processes)
+        assert 0 <= row["started_after_ready"] <= stats.seconds
+        assert 0 <= row["first_slice_at"] <= row["last_slice_done_at"] <= row["seconds"]
 
 
 def test_a_lanes_tokenising_workers_are_forked_with_its_imports():

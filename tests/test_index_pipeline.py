@@ -518,6 +518,9 @@ def test_a_streamed_group_is_embedded_as_its_blocks_come_and_writes_the_same_fil
     assert counts == [len(g.ids) for g in whole]
     assert stats.commits == len(whole) and stats.encoder_tokens == sum(len(x) for g in whole for x in g.ids)
     assert snapshot(store) == snapshot(seq_store)
+    # The ramp and the tail: first block in hand, first slice queued, last slice back, all within the run.
+    assert 0 <= stats.first_block_at <= stats.first_slice_at <= stats.last_slice_done_at <= stats.seconds
+    assert stats.started_at > 0
 
     # Sequential: the same files from streamed groups.
     store2 = CorpusStore(tmp_path / "seq2")

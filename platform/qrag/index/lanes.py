@@ -376,7 +376,9 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
                     run.wrote(msg[2], msg[3], msg[4])
                 elif kind == "done":
                     finished.add(i)
-                    run.stats.per_lane.append({"lane": i, "device": str(devices[i]), **msg[2]})
+                    # When the lane began its first group, from the moment groups went out (perf_counter: one clock for the machine)
+                    begun = round(msg[2]["started_at"] - t_ready, 3) if t_ready is not None else None
+                    run.stats.per_lane.append({"lane": i, "device": str(devices[i]), "started_after_ready": begun, **msg[2]})
                 elif kind == "stopped":
                     finished.add(i)
                 elif kind == "error":

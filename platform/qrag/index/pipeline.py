@@ -146,6 +146,12 @@ class IndexStats:
     devices: int = 1  # feeder threads, one per device the groups were embedded on
     depth: int = 0
     writer: str = "caller"  # who wrote the store: the calling thread (sequential), a "thread" or a "process"
+    # A pipelined run's ramp and tail, in seconds from its start: the first block of token ids in
+    # hand, the first slice queued on a device, the last slice's vectors back (then: writes).
+    first_block_at: float | None = None
+    first_slice_at: float | None = None
+    last_slice_done_at: float | None = None
+    started_at: float = 0.0  # time.perf_counter() at the start: one clock for a machine's processes (lanes)
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
@@ -371,8 +377,15 @@ class _Feeder:
                 self.stats.embed_waiting_for_prep += time.perf_counter() - t0
             if block is None:
                 return
+            self._stamp("first_block_at")
             self.on_block(block)
             yield block
+
+    def _stamp(self, what: str, last: bool = False) -> None:
+        """Seconds since the run's start into ``stats.<what>``: the first time only, or (``last``) every time."""
+        with self.counting:
+            if last or getattr(self.stats, what) is None:
+                setattr(self.stats, what, time.perf_counter() - self.stats.started_at)
 
     def _launch(self) -> None:
         _on_device(getattr(self.model, "device", "cpu"))()
@@ -398,6 +411,7 @@ class _Feeder:
                     finally:
                         with self.counting:
                             self.stats.embed_seconds += time.perf_counter() - t0
+                    self._stamp("first_slice_at")
                     self.launched.put((future, wait, len(ids)))
                 self.launched.put((future, None, 0))  # the group's last slice is queued
             except BaseException as exc:  # noqa: BLE001 - the group's future carries it to the writer
@@ -422,6 +436,7 @@ class _Feeder:
             try:
                 if error is None:  # after a failed slice the group's other slices are only waited out
                     parts.append(wait())
+                    self._stamp("last_slice_done_at", last=True)
                     self.on_slice(n)
             except BaseException as exc:  # noqa: BLE001 - the group's future carries it
                 error = exc
@@ -536,7 +551,7 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
             counts["known"] += len(block)
             stats.encoder_tokens += sum(len(x) for x in block)
 
-    t_start = time.perf_counter()
+    t_start = stats.started_at = time.perf_counter()
     if not pipelined:
         it = iter(groups)
         while True:
