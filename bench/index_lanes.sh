@@ -12,7 +12,8 @@
 # window). Round 4 (ROUND=4): timed from every lane ready again, no 2 x 7. Rounds 5 and 6: streamed groups
 # at 10M and 30M tokens. Round 7 (ROUND=7, OLD_COMMIT=<sha> with that commit's platform/ in .carry/old):
 # lanes that report a group's count once it is tokenised and take groups when they have room, against
-# the old tree in the same call. TOKENISE=1: the tokenising stage.
+# the old tree in the same call. Round 8 (ROUND=8): each lane's first group a quarter of the others.
+# TOKENISE=1: the tokenising stage.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_lanes.sh
 OUT=${OUT:-/tmp/index_lanes}
@@ -23,6 +24,16 @@ lscpu | grep -E "^(Thread|Core|Socket|Model name)" || true
 if [ "${TOKENISE:-0}" = 1 ]; then
 python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --tokens ${TOKENS:-10000000} --doc-tokens 32768 \
   --prep-workers ${PREP_WORKERS:-8,12,24} --out "$OUT/tokenise_workers.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
+fi
+if [ "${ROUND:-3}" = 8 ]; then  # each lane's first group a quarter of the others: against OLD_COMMIT's tree in .carry/old
+  old() { local name=$1; shift; QRAG_PLATFORM=$PWD/.carry/old/platform QRAG_COMMIT=$OLD_COMMIT run "$name" "$@"; }
+  run new_2gpus --lanes --devices cuda:0,cuda:1
+  old old_2gpus --lanes --devices cuda:0,cuda:1
+  run new_1gpu --lanes --devices cuda:0
+  old old_1gpu --lanes --devices cuda:0
+  run new_2gpus_b --lanes --devices cuda:0,cuda:1
+  run new_1gpu_b --lanes --devices cuda:0
+  exit 0
 fi
 if [ "${ROUND:-3}" = 7 ]; then  # counts sent once tokenised, groups to the lane with room: against OLD_COMMIT's tree in .carry/old
   old() { local name=$1; shift; QRAG_PLATFORM=$PWD/.carry/old/platform QRAG_COMMIT=$OLD_COMMIT run "$name" "$@"; }

@@ -71,6 +71,11 @@ LANE_COMMIT_CHUNKS = 4096
 LANE_CHUNK_BATCH = 8192
 LANE_ENCODE_TOKENS = 131072
 LANE_WORKER_NICE = 5
+# Each lane's first group is this many times smaller: a group is one slice on the device, queued
+# once all of it is tokenised, so full-sized first groups kept the GPU idle for the run's first
+# ~0.5 s (10M tokens on one H100: the first slice at 0.49-0.58 s, the first block at 0.08-0.13 s;
+# index_one_gpu_round13_h100/), a fifth of a 2-GPU run.
+FIRST_GROUP_SHRINK = 4
 
 
 class LaneError(RuntimeError):
@@ -420,7 +425,8 @@ def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str,
 
     try:
         lane = -1
-        for k, group in enumerate(char_groups(fresh(), commit_chars)):
+        first_chars = max(1, commit_chars // FIRST_GROUP_SHRINK)
+        for k, group in enumerate(char_groups(fresh(), commit_chars, first_groups=len(inboxes), first_chars=first_chars)):
             lane = put_where_room(inboxes, (k, group), lane + 1, stop)
             if lane is None:
                 return

@@ -43,19 +43,21 @@ def prepare_block(docs: Sequence[tuple[str, str]], chunk_tokens: int) -> tuple:
     return pack_chunks(chunks, ids)
 
 
-def char_groups(docs: Iterable[Document], min_chars: int) -> Iterator[list[Document]]:
+def char_groups(docs: Iterable[Document], min_chars: int, first_groups: int = 0, first_chars: int = 1) -> Iterator[list[Document]]:
     """Whole documents in input order, in groups of at least ``min_chars`` characters (the last
-    may be smaller). Boundaries depend on the documents alone."""
-    if min_chars < 1:
-        raise ValueError(f"a group needs at least 1 character, got {min_chars}")
+    may be smaller); the first ``first_groups`` groups of at least ``first_chars`` instead.
+    Boundaries depend on the documents alone."""
+    if min_chars < 1 or first_chars < 1:
+        raise ValueError(f"a group needs at least 1 character, got {min(min_chars, first_chars)}")
     group: list[Document] = []
-    size = 0
+    size = made = 0
     for doc in docs:
         group.append(doc)
         size += len(doc.text)
-        if size >= min_chars:
+        if size >= (first_chars if made < first_groups else min_chars):
             yield group
             group, size = [], 0
+            made += 1
     if group:
         yield group
 
