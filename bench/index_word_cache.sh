@@ -25,6 +25,8 @@
 # Round 11 (ROUND=11): the lanes' defaults chosen from rounds 7-10, against one process.
 # Round 12 (ROUND=12): the defaults with the final warm-up and the faster tokenising worker (8e3e9e1),
 # the first run on a fresh machine, against one process. Round 13 (ROUND=13): the lanes' ramp and tail.
+# Round 14 (ROUND=14, OLD_COMMIT=<sha> with that commit's platform/ in .carry/old): each lane's first
+# group a quarter of the others, against the old tree in the same call.
 # Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
 #   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
 OUT=${OUT:-/tmp/index_word_cache}
@@ -62,6 +64,11 @@ case "${ROUND:-3}" in
   12) RUNS="lanes:--lanes cache: lanes_b:--lanes" ;;
   # each lane's ramp and tail (when it began, its first block, first slice, last slice back)
   13) RUNS="lanes:--lanes lanes_b:--lanes lanes_30m:--lanes,--tokens,30000000" ;;
+  # each lane's first group a quarter of the others, against OLD_COMMIT's tree in .carry/old
+  14) old() { local name=$1; shift; QRAG_PLATFORM=$PWD/.carry/old/platform QRAG_COMMIT=$OLD_COMMIT run "$name" "$@"; }
+      run new --lanes --devices cuda:0; old old --lanes --devices cuda:0
+      run new_b --lanes --devices cuda:0; old old_b --lanes --devices cuda:0
+      exit 0 ;;
   *) RUNS="" ;;
 esac
 if [ -n "$RUNS" ]; then
