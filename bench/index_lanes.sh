@@ -26,7 +26,6 @@ python bench/index_stages.py --corpus "$C/novels" --encoder "$C/minilm16" --toke
   --prep-workers ${PREP_WORKERS:-8,12,24} --out "$OUT/tokenise_workers.json" 2>>"$OUT/err.txt" | python3 -c "import json,sys;d=json.loads(sys.stdin.read().strip().splitlines()[-1]);print('tokenising', {k:v['tokens_per_s'] for k,v in d['stages'].items()})"
 fi
 if [ "${ROUND:-3}" = 8 ]; then  # each lane's first group a quarter of the others: against OLD_COMMIT's tree in .carry/old
-  old() { local name=$1; shift; QRAG_PLATFORM=$PWD/.carry/old/platform QRAG_COMMIT=$OLD_COMMIT run "$name" "$@"; }
   run new_2gpus --lanes --devices cuda:0,cuda:1
   old old_2gpus --lanes --devices cuda:0,cuda:1
   run new_1gpu --lanes --devices cuda:0
@@ -36,7 +35,6 @@ if [ "${ROUND:-3}" = 8 ]; then  # each lane's first group a quarter of the other
   exit 0
 fi
 if [ "${ROUND:-3}" = 7 ]; then  # counts sent once tokenised, groups to the lane with room: against OLD_COMMIT's tree in .carry/old
-  old() { local name=$1; shift; QRAG_PLATFORM=$PWD/.carry/old/platform QRAG_COMMIT=$OLD_COMMIT run "$name" "$@"; }
   run new_2gpus --lanes --devices cuda:0,cuda:1
   old old_2gpus --lanes --devices cuda:0,cuda:1
   run new_1gpu --lanes --devices cuda:0

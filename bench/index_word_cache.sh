@@ -65,8 +65,7 @@ case "${ROUND:-3}" in
   # each lane's ramp and tail (when it began, its first block, first slice, last slice back)
   13) RUNS="lanes:--lanes lanes_b:--lanes lanes_30m:--lanes,--tokens,30000000" ;;
   # each lane's first group a quarter of the others, against OLD_COMMIT's tree in .carry/old
-  14) old() { local name=$1; shift; QRAG_PLATFORM=$PWD/.carry/old/platform QRAG_COMMIT=$OLD_COMMIT run "$name" "$@"; }
-      run new --lanes --devices cuda:0; old old --lanes --devices cuda:0
+  14) run new --lanes --devices cuda:0; old old --lanes --devices cuda:0
       run new_b --lanes --devices cuda:0; old old_b --lanes --devices cuda:0
       exit 0 ;;
   *) RUNS="" ;;
