@@ -17,11 +17,11 @@ order by the caller.
 Why: one process feeding two GPUs was no faster than one GPU (bench/results/README.md, "Indexing
 10M tokens, round 6, and 2 GPUs": gathering tokenised chunks, feeding and handing over the writes
 share one GIL). A lane is that single-GPU pipeline in a process of its own; lanes only exchange
-counts, positions and manifest entries with the caller. Measured ("Streamed groups, the lanes'
-defaults, 2 GPUs on 30M tokens"): three lanes feeding one H100 with this module's defaults
-2.8-3.6M tokens/s (0.49-0.61 of the bare forward in 8 runs, median 0.58) against 1.6-2.3M for one
-process; on 2 H100s x1.40-1.62 over one GPU at 10M tokens, x1.72 at 30M (the host's tokenising is
-the bound).
+counts, positions and manifest entries with the caller. Measured (bench/results/README.md, "The
+final defaults on fresh machines, the lanes' ramp, 2 GPUs again"): three lanes feeding one H100
+with this module's defaults 3.2-3.7M tokens/s, 0.57-0.63 of the bare forward in 12 runs, against
+0.36 for one process; on 2 H100s x1.47-1.68 over one GPU at 10M tokens, x1.62-1.83 at 30M (the
+rate between the two x2.0: a run's ramp and tail are what is not linear).
 
 The corpus is the one a single process makes from the same documents (same chunks, positions,
 vectors); only the batch boundaries differ (they depend on characters here, not on chunk counts).
