@@ -72,9 +72,10 @@ LANE_CHUNK_BATCH = 8192
 LANE_ENCODE_TOKENS = 131072
 LANE_WORKER_NICE = 5
 # Each lane's first group is this many times smaller: a group is one slice on the device, queued
-# once all of it is tokenised, so full-sized first groups kept the GPU idle for the run's first
-# ~0.5 s (10M tokens on one H100: the first slice at 0.49-0.58 s, the first block at 0.08-0.13 s;
-# index_one_gpu_round13_h100/), a fifth of a 2-GPU run.
+# once all of it is tokenised, and the lanes start together, so full-sized first groups kept the
+# GPU idle at the start of a run (one H100 with 16 cores: the first slice at 0.49-0.58 s, the first
+# block at 0.07-0.13 s, index_one_gpu_round13_h100/; with this, on the 32-core 2-GPU machine, the
+# first slice at 0.21-0.29 s, index_lanes_round8_h100x2/; not yet timed against the old tree in one call).
 FIRST_GROUP_SHRINK = 4
 
 
@@ -179,9 +180,10 @@ def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, re
 def report_count_when_done(futures: Sequence[Future], report: Callable[[int], None]) -> None:
     """``report(chunks)`` once every one of a group's tokenising jobs has succeeded (from the thread
     that completes the last; never after a failure or a cancel: the group's feeder raises those).
-    Counted when the lane's feeder took the group's last block, a lane's writes waited for the
+    Counted when the lane's feeder took the group's last block, a lane's writes could wait for
     other lanes' GPU work (a group's files are written once the counts of every group before it
-    are in) and the lanes went at the pace of the slowest."""
+    are in), tying every lane to the slowest. (No gain measured on evenly running lanes:
+    index_lanes_round7_h100x2/.)"""
     left = [len(futures), 0]  # jobs not done, chunks so far
     lock = threading.Lock()
 
@@ -445,9 +447,9 @@ def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str,
 
 def put_where_room(boxes: Sequence, item: Any, first: int, stop: threading.Event, poll_s: float = 0.005) -> int | None:
     """Put ``item`` in the first of ``boxes`` with room, looking from ``first`` round; wait while
-    all are full. Returns the box's index, or None once ``stop`` is set. Groups dealt strictly
-    round robin made every lane wait for the slowest: the sender blocked on a full inbox while the
-    others ran dry (the lanes on one GPU get its time unevenly; two GPUs' lanes start apart)."""
+    all are full. Returns the box's index, or None once ``stop`` is set. Dealt strictly round
+    robin, the sender blocked on one full inbox while the other lanes could run dry (lanes on one
+    GPU get its time unevenly; two GPUs' lanes start apart)."""
     n = len(boxes)
     while not stop.is_set():
         for j in range(n):
