@@ -37,8 +37,8 @@ def index_args(p: argparse.ArgumentParser) -> None:
                    "as parts of about this many MiB, one task each (default 16)")
     p.add_argument("--model-cache", default=".qrag_models", help="where MLflow checkpoints are downloaded to")
     p.add_argument("--lanes", metavar="DEVICES", help="no Ray: index on this machine with a process per device, e.g. cuda:0,cuda:1, "
-                   "'gpus' (every GPU) or cpu (qrag.index.lanes; 10M tokens on one H100 at 2.8-3.6M tokens/s against 1.6-2.3M "
-                   "for one process; 30M on 2 H100s at 7.1M)")
+                   "'gpus' (every GPU) or cpu (qrag.index.lanes; 10M tokens on one H100 at 3.2-3.7M tokens/s against 2.0M "
+                   "for one process; 30M on 2 H100s at 6.3-7.6M)")
     p.add_argument("--lanes-per-device", type=int, help="with --lanes: processes feeding each device (default 3 on a GPU: on one "
                    "H100 with 16 cores, 3 lanes of 4 workers 2.8-3.6M tokens/s, 2 x 6 3.0-3.4M, 4 x 3 2.9M; 1 on cpu)")
     p.add_argument("--lane-workers", type=int, help="with --lanes: tokenising processes per lane (default: 3/4 of the cores shared out)")

@@ -270,7 +270,7 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
         graphs = {"graph_replays": graphed.replays, "eager_calls": graphed.eager_calls} if hasattr(graphed, "replays") else {}
         if torch.device(device).type == "cuda":  # several lanes share a GPU's memory
             graphs["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved(torch.device(device)) / 2**30, 2)
-        report(("done", {**stats.summary(), **graphs}))
+        report(("done", {**stats.summary(), **graphs}, stats.started_at))
     except _Stopped:
         report(("stopped",))
     except BaseException as exc:  # noqa: BLE001 - raised in the caller
@@ -384,7 +384,7 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
                 elif kind == "done":
                     finished.add(i)
                     # When the lane began its first group, from the moment groups went out (perf_counter: one clock for the machine)
-                    begun = round(msg[2]["started_at"] - t_ready, 3) if t_ready is not None else None
+                    begun = round(msg[3] - t_ready, 3) if t_ready is not None else None
                     run.stats.per_lane.append({"lane": i, "device": str(devices[i]), "started_after_ready": begun, **msg[2]})
                 elif kind == "stopped":
                     finished.add(i)

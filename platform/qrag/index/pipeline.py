@@ -154,7 +154,9 @@ class IndexStats:
     started_at: float = 0.0  # time.perf_counter() at the start: one clock for a machine's processes (lanes)
 
     def summary(self) -> dict[str, Any]:
+        """The figures, rounded; not ``started_at`` (a clock reading, meaningless in a report)."""
         out = asdict(self)
+        del out["started_at"]
         for key, value in out.items():
             if isinstance(value, float):
                 out[key] = round(value, 3)
