@@ -71,13 +71,14 @@ def app(checkpoint, tmp_path_factory):
     storage = tmp_path_factory.mktemp("serve") / "indexes"
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())["applications"][0]
     args = config["args"]
-    # serve/config.yaml's deployments, as `serve run` applies them, with two fixed ingress replicas
-    # and small request limits (the overload tests), one encoder (no autoscaling on a 2-CPU box).
+    # serve/config.yaml's deployments, as `serve run` applies them, with two ingress replicas and
+    # small request limits (the overload tests), and the layout for corpora beyond one GPU: a
+    # Shard deployment per shard (the fault test kills one of two). test_default_layout_*
+    # deploys the shipped layout (the shards in the ingress) beside it.
     deployments = {d["name"]: d for d in config["deployments"]}
     deployments["Ingress"] = {"name": "Ingress", "num_replicas": 2, "max_ongoing_requests": 4, "max_queued_requests": 4}
-    deployments["Encoder"] = {**{k: v for k, v in deployments["Encoder"].items() if k != "autoscaling_config"}, "num_replicas": 1}
-    # One deployment per shard (not the shipped one for both): the fault test kills one of two.
-    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, shard_deployments=None, chunk_tokens=CHUNK_TOKENS, max_body_bytes=100_000, state_batch_wait_s=0.001,
+    deployments.update({f"Shard{i}": {"name": f"Shard{i}", "num_replicas": 1} for i in range(2)})
+    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, shard_deployments=2, chunk_tokens=CHUNK_TOKENS, max_body_bytes=100_000,
                 max_jobs=6, max_jobs_per_corpus=3, shard_memory_bytes=64 * 2**20, max_documents=500)
     cfg = ServeConfig(**args)
     # The keys reach the replicas the way a Kubernetes Secret does: in their environment.
@@ -183,15 +184,16 @@ def test_serve_config_deployments_are_the_apps_and_valid_for_serve():
     app = data["applications"][0]
     cfg = ServeConfig(**app["args"])
     names = [d["name"] for d in app["deployments"]]
-    assert sorted(names) == sorted(deployment_names(cfg.shard_holders()))
-    autoscaled = {d.name: d.autoscaling_config for d in schema.applications[0].deployments}
-    assert autoscaled["Ingress"]["max_replicas"] > autoscaled["Ingress"]["min_replicas"] >= 1 and autoscaled["Encoder"]["max_replicas"] >= 1
+    assert sorted(names) == sorted(deployment_names(cfg.shard_deployments)) == ["Ingress"]
+    ingress = {d.name: d for d in schema.applications[0].deployments}["Ingress"]
+    # One replica steps every concurrent request together: it takes a full round's worth.
+    assert ingress.num_replicas == 1 and ingress.max_ongoing_requests >= cfg.state_batch_size
     args = argparse.Namespace(config=str(ROOT / "serve" / "config.yaml"))
     assert serve_deployments(args) == app["deployments"]
     build_app(cfg, {}, app["deployments"])  # Deployment.options accepts every option (Serve validates them there)
-    assert cfg.shards == 2 and cfg.shard_holders() == 1  # the shipped layout: one Shard deployment holds both shards
-    with pytest.raises(ConfigError, match="no deployment 'Shard1' in the app with 1 shard deployment"):
-        build_app(cfg, {}, [{"name": "Shard1", "num_replicas": 1}])
+    assert cfg.shards == 2 and cfg.shard_deployments == 0  # the shipped layout: the Ingress holds both shards
+    with pytest.raises(ConfigError, match="no deployment 'Shard0' in the app with its shards in the Ingress"):
+        build_app(cfg, {}, [{"name": "Shard0", "num_replicas": 1}])
     with pytest.raises(Exception, match="target_ongoing_request"):
         build_app(cfg, {}, [{"name": "Ingress", "autoscaling_config": {"target_ongoing_request": 2}}])
 
@@ -204,11 +206,11 @@ def test_fewer_shard_deployments_each_hold_several_shards(tmp_path, tiny_encoder
     from qrag.serving.service import local_service
 
     cfg = ServeConfig(storage=str(tmp_path / "idx"), shards=4, shard_deployments=1)
-    assert cfg.shard_holders() == 1 and ServeConfig(shards=4).shard_holders() == 4
+    assert cfg.shard_holders() == 1 and ServeConfig(shards=4).shard_holders() == 1 and ServeConfig(shards=4, shard_deployments=4).shard_holders() == 4
     build_app(cfg, {}, [{"name": "Shard0", "num_replicas": 1}])
     with pytest.raises(ConfigError, match="no deployment 'Shard1'"):
         build_app(cfg, {}, [{"name": "Shard1", "num_replicas": 1}])
-    with pytest.raises(ValueError, match="shard_deployments must be between 1 and shards"):
+    with pytest.raises(ValueError, match="shard_deployments must be between 0 and shards"):
         ServeConfig(shards=2, shard_deployments=3).shard_holders()
 
     from qrag.retrieval.embedder import load_embedding_model, resolve_source
@@ -415,17 +417,18 @@ def test_overload_answers_503_with_retry_after_and_keeps_serving(app):
     assert retrieve(app["client"], question=QUESTIONS[0]).status_code == 200
 
 
-def test_colocated_ingress_answers_as_the_split_app(app, offline):
-    """colocate: true deploys the Ingress alone, holding the encoder and both shards itself (no
-    handle calls per step): the same corpus gives the offline search's answers, nothing re-embedded."""
+def test_default_layout_answers_as_the_shard_deployments(app, offline):
+    """The shipped layout (shard_deployments: 0): the Ingress holds the encoder and both shards
+    (no handle call per query), loads the stored corpus at start, steps concurrent requests
+    together, and gives the offline search's answers with nothing re-embedded."""
     from ray import serve
 
     from qrag.distributed.serving import build_app
 
-    cfg = dataclasses.replace(app["cfg"], colocate=True, shard_deployments=1)
-    serve.run(build_app(cfg, {}, [{"name": "Ingress", "num_replicas": 1}]), name="colocated", route_prefix="/colocated")
+    cfg = dataclasses.replace(app["cfg"], shard_deployments=0)
+    serve.run(build_app(cfg, {}, [{"name": "Ingress", "num_replicas": 1}]), name="inprocess", route_prefix="/inprocess")
     try:
-        client = httpx.Client(base_url=app["url"] + "/colocated", timeout=120, headers=READ)
+        client = httpx.Client(base_url=app["url"] + "/inprocess", timeout=120, headers=READ)
         for question in QUESTIONS[:3]:
             for search in (dict(max_steps=3), dict(max_steps=3, beam_width=3)):
                 r = client.post("/v1/retrieve", json={"corpus": "books", "question": question, **search})
@@ -435,27 +438,53 @@ def test_colocated_ingress_answers_as_the_split_app(app, offline):
                 assert [s["q"] for s in r.json()["steps"]] == pytest.approx([s.q for s in ref.steps], abs=1e-5)
         stats = client.get("/v1/encoder").json()
         assert stats["chunks_embedded"] == 0 and stats["states_embedded"] > 0  # the corpus was read from disk
+        holders = client.get("/v1/corpora/books").json()["shard_holders"]
+        assert len(holders) == 1 and holders[0]["loaded_rows"] == holders[0]["rows"] == len(offline.chunks)
+
+        async def together():
+            async with httpx.AsyncClient(base_url=app["url"] + "/inprocess", timeout=120, headers=READ) as c:
+                return await asyncio.gather(*(c.post("/v1/retrieve", json={"corpus": "books", "question": q, "max_steps": 3})
+                                              for q in QUESTIONS))
+
+        before = client.get("/v1/encoder").json()
+        answers = asyncio.run(together())
+        after = client.get("/v1/encoder").json()
+        for q, r in zip(QUESTIONS, answers):
+            assert [s["chunk_id"] for s in r.json()["steps"]] == offline(q, SearchConfig(max_steps=3)).selected
+        # Eight concurrent 3-step requests took fewer rounds than eight alone (24).
+        assert after["rows"] - before["rows"] == 24 and after["rounds"] - before["rounds"] < 24
         assert client.get("/v1/retrieve", headers={}).status_code in (401, 405)  # the same guarded API
     finally:
-        serve.delete("colocated")
+        serve.delete("inprocess")
 
 
-def test_colocated_app_has_the_ingress_only():
+def test_default_layout_has_the_ingress_only():
     from qrag.config import ConfigError
     from qrag.distributed.serving import build_app
 
-    cfg = ServeConfig(storage="unused", shards=2, colocate=True)
+    cfg = ServeConfig(storage="unused", shards=2)
     build_app(cfg, {}, [{"name": "Ingress", "num_replicas": 2}])
-    with pytest.raises(ConfigError, match="no deployment 'Shard0' in the colocated app"):
+    with pytest.raises(ConfigError, match="no deployment 'Shard0' in the app with its shards in the Ingress"):
         build_app(cfg, {}, [{"name": "Shard0", "num_replicas": 1}])
+
+
+def chunks_embedded(client, replicas: int = 2) -> dict[str, int]:
+    """Chunks embedded by each ingress replica (each holds its own encoder), asked until all answered."""
+    seen: dict[str, int] = {}
+    for _ in range(50):
+        stats = client.get("/v1/encoder").json()
+        seen[stats["replica"]] = stats["chunks_embedded"]
+        if len(seen) == replicas:
+            return seen
+    raise AssertionError(f"only {len(seen)} of {replicas} ingress replicas answered")
 
 
 def test_killed_shard_replica_recovers_without_reembedding(app, offline):
     import ray
 
     client = app["client"]
-    embedded = client.get("/v1/encoder").json()["chunks_embedded"]
-    assert embedded >= len(offline.chunks)  # the corpus, plus the inline contexts of other tests
+    embedded = chunks_embedded(client)
+    assert sum(embedded.values()) >= len(offline.chunks)  # the corpus, plus the inline contexts of other tests
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Shard1#" in a["name"]]
     assert len(names) == 1
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
@@ -470,7 +499,7 @@ def test_killed_shard_replica_recovers_without_reembedding(app, offline):
         time.sleep(0.5)
     assert r.status_code == 200, seen
     assert [s["chunk_id"] for s in r.json()["steps"]] == ref.selected
-    assert client.get("/v1/encoder").json()["chunks_embedded"] == embedded  # nothing re-embedded
+    assert chunks_embedded(client) == embedded  # nothing re-embedded, by either ingress replica
     holders = client.get("/v1/corpora/books").json()["shard_holders"]
     new = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Shard1#" in a["name"]]
     assert new and new != names

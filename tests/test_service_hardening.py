@@ -18,7 +18,8 @@ from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.index.holder import ShardHolder, ShardOverBudget
 from qrag.index.jobs import Job, JobBoard
 from qrag.index.store import CorpusStore
-from qrag.serving.service import ServiceError, local_service
+from qrag.serving.errors import ServiceError
+from qrag.serving.service import local_service
 
 from test_index import make_documents
 from test_service_api import LoopThread, docs_json, make_client, serve_cfg
@@ -202,7 +203,7 @@ def test_corrupt_manifest_is_503_without_paths_and_can_be_deleted(model, tmp_pat
 
 
 def test_model_source_in_health_hides_server_paths():
-    from qrag.serving.service import public_source
+    from qrag.serving.identity import public_source
 
     assert public_source("/srv/secret/runs/hotpot/best") == ".../hotpot/best"
     assert public_source("runs:/abc/checkpoint") == "runs:/abc/checkpoint" and public_source("minilm") == "minilm"
@@ -324,7 +325,7 @@ def test_every_job_ends_with_a_reason_and_create_is_atomic(model, tmp_path, loop
 
 
 def test_local_encoder_failures_are_503(model, tmp_path, loop):
-    from qrag.serving.service import LocalEncoder
+    from qrag.serving.backends import LocalEncoder
 
     class Boom:
         def embed_chunks(self, seqs):
@@ -365,7 +366,7 @@ def test_over_budget_is_507_and_delete_frees_the_shards(model, tmp_path, loop):
     client = make_client(service, loop)
     assert client("POST", "/v1/corpora", json={"name": "small", "documents": docs_json(1)}).status_code == 201
     assert client("POST", "/v1/retrieve", json={"corpus": "small", "question": "q"}).status_code == 200
-    assert sum(s.holder.stats()["corpora"] for s in service.shards) == 2
+    assert sum(s.holder.stats()["corpora"] for s in service.shards) == len(service.shards)
     r = client("POST", "/v1/corpora", json={"name": "big", "documents": docs_json(40, seed=2)})
     assert r.status_code == 507 and "shard_memory_bytes" in r.json()["error"]["message"]
     assert client("GET", "/v1/corpora/big").status_code == 404
@@ -456,13 +457,13 @@ def test_disk_full_and_delete_during_repair_are_not_500s(model, tmp_path, loop, 
     m = store.read("books")
     vec = store.path("books") / m.batches[0]["shards"][0]["vectors"]["file"]
     vec.write_bytes(vec.read_bytes()[:-10])
-    repair = service._reembed_segment
+    repair = service.corpora._reembed_segment
 
     async def deleted_meanwhile(m, shard, batch):
         await asyncio.to_thread(store.delete, "books")
         return await repair(m, shard, batch)
 
-    service._reembed_segment = deleted_meanwhile
+    service.corpora._reembed_segment = deleted_meanwhile
     r = client("POST", "/v1/retrieve", json={"corpus": "books", "question": "the painter"})
     assert r.status_code == 404 and r.json()["error"]["field"] == "corpus", r.text
 
@@ -551,47 +552,3 @@ def test_a_slow_wait_true_job_answers_202_before_the_deadline(model, tmp_path, l
     assert r.status_code == 202 and r.json()["job"]["state"] in ("queued", "running")  # not the deadline's 503
     loop.loop.call_soon_threadsafe(gated.gate.set)
     assert wait_job(client, r.json()["job"]["id"])["state"] == "done"
-
-
-def test_local_encoder_batches_concurrent_states_and_keeps_each_answer(loop):
-    """Concurrent requests' states share forwards (whole requests, at most batch_size states);
-    each request gets exactly its own vectors, and a failed forward fails every request in it."""
-    import asyncio
-
-    import numpy as np
-
-    from qrag.serving.service import LocalEncoder
-
-    class Recording:
-        def __init__(self):
-            self.calls: list[int] = []
-
-        def embed_states(self, seqs):
-            self.calls.append(len(seqs))
-            return np.stack([np.full(3, float(s[0])) for s in seqs])
-
-    model = Recording()
-    enc = LocalEncoder(model, batch_size=4)
-
-    async def many():
-        requests = [[np.array([10 * r + b]) for b in range(1 + r % 2)] for r in range(6)]  # 1 or 2 states each
-        out = await asyncio.gather(*(enc.embed_states(q) for q in requests))
-        return requests, out
-
-    requests, out = loop.run(many())
-    for q, v in zip(requests, out):
-        assert v.shape == (len(q), 3) and [row[0] for row in v] == [float(s[0]) for s in q]
-    assert sum(model.calls) == 9 and len(model.calls) < 6 and max(model.calls) <= 4  # batched, within the limit
-    assert enc.forwards == len(model.calls)
-
-    class Boom(Recording):
-        def embed_states(self, seqs):
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-
-    failing = LocalEncoder(Boom(), batch_size=4)
-
-    async def both():
-        return await asyncio.gather(*(failing.embed_states([np.array([1])]) for _ in range(2)), return_exceptions=True)
-
-    errors = loop.run(both())
-    assert all(isinstance(e, ServiceError) and e.status == 503 for e in errors)

@@ -149,6 +149,43 @@ class ShardHolder:
     def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int) -> ShardHits:
         return self.ensure(corpus, uid, version).topk(states, selected, n_total, k)
 
+    def preload(self, fingerprint: str | None = None) -> list[str]:
+        """Load every stored corpus (of the model ``fingerprint``, when given), most recently
+        written last, within the budget; the names loaded. A corpus that cannot load now is left
+        for its first query to report."""
+        loaded = []
+        for name in self.store.names():
+            try:
+                m = self.store.read(name)
+                if m.chunks == 0 or (fingerprint is not None and m.fingerprint != fingerprint):
+                    continue
+                self.ensure(name, m.uid, m.version)
+                loaded.append(name)
+            except StoreError:
+                continue
+        return loaded
+
+    @torch.no_grad()
+    def warm_scoring(self, corpus: str, max_rows: int, max_selected: int, k: int) -> int:
+        """Run the scoring step of ``corpus`` once for every batch bucket up to ``max_rows`` and
+        every selected-set size up to ``max_selected`` (GPU: its CUDA graphs are captured now,
+        not on the first queries of each shape). Shapes run."""
+        from qrag.model.state_graphs import BATCH_BUCKETS  # noqa: PLC0415
+
+        with self._lock:
+            cs = self.corpora.get(corpus)
+        if cs is None or not cs.shards:
+            return 0
+        m = self.store.read(corpus)
+        n_total = m.chunks
+        runs = 0
+        for rows in [b for b in BATCH_BUCKETS if b <= max_rows]:
+            states = np.zeros((rows, m.dim), np.float32)
+            for width in range(0, max(0, min(max_selected, n_total - 1)) + 1):
+                cs.topk(states, [list(range(width))] * rows, n_total, min(k, n_total))
+                runs += 1
+        return runs
+
     def nbytes(self) -> int:
         with self._lock:
             return sum(cs.nbytes() for cs in self.corpora.values())

@@ -6,7 +6,7 @@ embeds the states of every live path of every run in one call, asks a scoring ba
 state's top-k chunks, and advances every run. Backends differ only in where the chunk vectors
 live — in memory for the contexts of evaluation (:class:`qrag.retrieval.search.ContextVectors`), in shards
 held by this process (:class:`qrag.index.shards.HeldShards`: the library index, an inline
-context), or behind Serve handles (:class:`qrag.serving.service.ShardClients`) — so every path of the
+context), or behind Serve handles (:class:`qrag.serving.backends.ShardClients`) — so every path of the
 platform returns the same steps. :func:`search` and :func:`search_async` are the two transports
 (the Serve ingress awaits its encoder and shards); the logic they drive lives here once.
 

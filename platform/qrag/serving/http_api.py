@@ -31,7 +31,9 @@ from starlette.routing import Match
 from qrag.serving.auth import allows, scope_of
 from qrag.serving.http_headers import PAGE_HEADERS, strip_headers
 from qrag.index.store import StoreError
-from qrag.serving.service import RetrievalService, RetrieveParams, ServiceError, os_error, store_error
+from qrag.serving.errors import ServiceError, os_error, store_error
+from qrag.serving.retrieval import RetrieveParams
+from qrag.serving.service import RetrievalService
 
 log = logging.getLogger("qrag.http")
 

@@ -26,19 +26,20 @@ class ServeConfig:
     dtype: str = opt("float32", "Vectors on disk: float32 | float16 (half the bytes; scores then differ slightly from offline search).")
     chunk_tokens: int = opt(64, "Default token budget per chunk of new corpora and inline contexts.")
     question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
-    shards: int = opt(2, "A corpus is split into this many shards when created; by default each has its own index-shard deployment (Shard0..Shard{N-1}).")
-    shard_deployments: int | None = opt(None, "Index-shard deployments the shards are spread over (deployment i holds shards i, i + D, ...); null = shards. "
-                                              "Fewer, each holding several shards on one GPU, score them in one pass per step: with 1 deployment per GPU "
-                                              "a 10M-token query took 10.3 ms instead of 16.6 (4 shards, one H100, bench/results/serve_http_10m_h100.json).")
-    colocate: bool = opt(False, "Run the encoder and every shard inside each Ingress replica (give it the GPU): a query then makes no "
-                                "deployment-handle call, where the split app makes two per step. No Encoder or Shard deployments are created; "
-                                "each Ingress replica holds its own copy of the model and the loaded corpora (one replica per GPU).")
-    encoder_device: str = opt("auto", "Device of the encoder replicas: auto | cpu | cuda.")
-    shard_device: str = opt("auto", "Device of the shard replicas (exact rotated scoring): auto | cpu | cuda.")
-    state_batch_size: int = opt(32, "Concurrent state sequences batched into one encoder call (@serve.batch; in process: the states arriving while a forward runs; 1 = none).")
-    warm_up: bool = opt(True, "A GPU encoder replica captures its state encoder's CUDA graphs at start, for every batch up to "
-                              "max(state_batch_size, max_beam_width) and every state length, instead of on the first queries of each shape.")
-    state_batch_wait_s: float = opt(0.002, "How long a state batch waits to fill.")
+    shards: int = opt(2, "A corpus is split into this many shards when created.")
+    shard_deployments: int = opt(0, "0: every Ingress replica holds the encoder and all shards itself, and a query makes no "
+                                    "deployment-handle call (one replica per GPU). D > 0: the shards live in D Shard deployments "
+                                    "(deployment i holds shards i, i + D, ...), for corpora beyond one GPU's memory; each is "
+                                    "called once per retrieval step for all the requests of that step.")
+    encoder_device: str = opt("auto", "Device of the encoder (in the Ingress replicas): auto | cpu | cuda | cuda:N.")
+    shard_device: str = opt("auto", "Device of the shards (exact rotated scoring): auto | cpu | cuda | cuda:N.")
+    state_batch_size: int = opt(64, "State rows per retrieval round: the concurrent requests of a replica are stepped together, "
+                                    "one encoder call and one scoring pass per corpus a round, up to this many states; more wait a round.")
+    warm_up: bool = opt(True, "On a GPU, capture at replica start what queries replay: the state encoder's CUDA graphs for every "
+                              "batch up to state_batch_size and every state length, and the scoring graphs of every corpus loaded.")
+    preload: bool = opt(True, "Load every stored corpus into the shards at replica start (within shard_memory_bytes), so that "
+                              "the first query of a corpus does not wait for its load.")
+    warm_steps: int = opt(4, "Retrieval steps whose scoring graphs are captured at start (selected sets up to warm_steps - 1 chunks).")
     chunk_batch: int = opt(512, "Chunks per encoder call while indexing (progress is reported per call).")
     encode_tokens: int = opt(32768, "Padded tokens per encoder forward pass.")
     faiss: str = opt("auto", "FAISS for shards when positions are off: auto (CPU shards) | always | never.")
@@ -67,14 +68,14 @@ class ServeConfig:
     allowed_hosts: list[str] = opt(["localhost", "127.0.0.1", "[::1]"], "Host header values accepted (421 otherwise; protects a loopback server from DNS rebinding); '*' accepts any.")
     cors_origins: list[str] = opt([], "Origins whose web pages may call the API (CORS); empty = none, and cross-origin writes are refused.")
     request_timeout_s: float = opt(60.0, "Longest time one request may take in the ingress (503 beyond); clients cannot lift it.")
-    handle_timeout_s: float = opt(30.0, "Longest wait for one call to the encoder or a shard (503 + Retry-After beyond).")
+    handle_timeout_s: float = opt(30.0, "Longest wait for one call to a Shard deployment (503 + Retry-After beyond).")
 
     def shard_holders(self) -> int:
-        """Index-shard deployments (in process: shard holders), checked against ``shards``."""
-        n = self.shards if self.shard_deployments is None else self.shard_deployments
-        if not 1 <= n <= self.shards:
-            raise ValueError(f"shard_deployments must be between 1 and shards ({self.shards}), got {n}")
-        return n
+        """Shard holders: the Shard deployments, or 1 (every shard in the Ingress replica)."""
+        n = self.shard_deployments
+        if not 0 <= n <= self.shards:
+            raise ValueError(f"shard_deployments must be between 0 and shards ({self.shards}), got {n}")
+        return max(1, n)
 
     def shard_options(self) -> ShardOptions:
         """How this service's shards score (the Ray shard deployments and the in-process service alike)."""

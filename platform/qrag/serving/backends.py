@@ -1,0 +1,137 @@
+"""The encoder and the shard holders the service talks to, and their in-process forms.
+
+The service sees two small interfaces: an :class:`EncoderClient` and :class:`ShardClient` s
+(each holds some shards of every corpus). Behind Ray Serve they may be deployment handles
+(``qrag.distributed.serving``); here they are objects of this process, which also answer
+synchronously (``embed_now``, ``topk_now``) so that the batcher runs a whole round in one
+worker thread (:mod:`qrag.serving.batcher`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+
+from qrag.index.holder import ShardHolder
+from qrag.index.local import HeldShards
+from qrag.index.store import Manifest
+from qrag.retrieval.embedder import EmbeddingModel
+from qrag.retrieval.hits import ShardHits
+from qrag.serving.errors import ServiceError
+
+log = logging.getLogger("qrag.service")
+
+
+class EncoderClient(Protocol):
+    async def embed_states(self, seqs: list[np.ndarray]) -> np.ndarray: ...
+    async def embed_chunks(self, seqs: list[np.ndarray]) -> np.ndarray: ...
+
+
+class ShardClient(Protocol):
+    """Holds some shards of every corpus; raises ShardUnhealthy instead of serving a bad one."""
+
+    async def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
+                   k: int) -> ShardHits: ...
+    async def ready(self, corpus: str, uid: str, version: int) -> None: ...
+    async def stats(self, corpus: str | None) -> dict[str, Any]: ...
+    async def forget(self, corpus: str) -> None: ...
+
+
+class LocalEncoder:
+    """The encoder in this process. One forward at a time (CUDA-graph input buffers are shared);
+    its failures (CUDA out of memory, ...) answer 503 with Retry-After."""
+
+    def __init__(self, model: EmbeddingModel, retry_after_s: int = 1):
+        self.model, self.retry_after_s = model, retry_after_s
+        self._lock = threading.Lock()
+        self.forwards = 0  # state forwards run (tests count the batching)
+
+    def _failed(self, exc: BaseException) -> ServiceError:
+        log.warning("the encoder failed: %s", exc)
+        return ServiceError(503, None, f"the encoder failed ({type(exc).__name__}); retry", {"Retry-After": str(self.retry_after_s)})
+
+    def _call(self, fn, seqs: list[np.ndarray]) -> np.ndarray:
+        with self._lock:
+            try:
+                return fn(seqs)
+            except (RuntimeError, MemoryError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+                raise self._failed(exc) from None
+
+    def embed_now(self, seqs: list[np.ndarray]) -> np.ndarray:
+        self.forwards += 1
+        return self._call(self.model.embed_states, seqs)
+
+    async def embed_states(self, seqs: list[np.ndarray]) -> np.ndarray:
+        return await asyncio.to_thread(self.embed_now, seqs)
+
+    async def embed_chunks(self, seqs: list[np.ndarray]) -> np.ndarray:
+        return await asyncio.to_thread(self._call, self.model.embed_chunks, seqs)
+
+
+class LocalShards:
+    """A :class:`ShardHolder` of this process behind the client interface. Corpora load in their
+    own threads, so a search of a loaded corpus never waits behind another's load."""
+
+    def __init__(self, holder: ShardHolder, loaders: int = 2):
+        self.holder = holder
+        self._loader = ThreadPoolExecutor(loaders, thread_name_prefix="qrag-load")
+
+    def topk_now(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
+                 k: int) -> ShardHits:
+        return self.holder.topk(corpus, uid, version, states, selected, n_total, k)
+
+    async def topk(self, *args) -> ShardHits:
+        return await asyncio.to_thread(self.topk_now, *args)
+
+    async def ready(self, corpus: str, uid: str, version: int) -> None:
+        if self.holder.loaded(corpus, uid, version) is None:
+            await asyncio.get_running_loop().run_in_executor(self._loader, self.holder.ensure, corpus, uid, version)
+
+    async def stats(self, corpus: str | None = None) -> dict[str, Any]:
+        return self.holder.stats(corpus)
+
+    async def forget(self, corpus: str) -> None:
+        self.holder.forget(corpus)
+
+
+class ShardClients:
+    """The scoring backend of one corpus version over every shard client, asked all at once."""
+
+    def __init__(self, clients: Sequence[ShardClient], m: Manifest):
+        self.clients, self.m = list(clients), m
+        if all(hasattr(c, "topk_now") for c in self.clients):
+            self.topk_now = self._topk_now
+
+    def _args(self, states: np.ndarray, selected: list[list[int]], k: int) -> tuple:
+        m = self.m
+        return m.name, m.uid, m.version, states, selected, m.chunks, k
+
+    async def topk(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return list(await asyncio.gather(*(c.topk(*self._args(states, selected, k)) for c in self.clients)))
+
+    def _topk_now(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return [c.topk_now(*self._args(states, selected, k)) for c in self.clients]
+
+    async def ready(self) -> None:
+        """Every client holds the corpus version (loads happen here, not in a round)."""
+        m = self.m
+        await asyncio.gather(*(c.ready(m.name, m.uid, m.version) for c in self.clients))
+
+
+class HeldInProcess:
+    """Shards held by this process for one request (an inline context)."""
+
+    def __init__(self, backend: HeldShards):
+        self.backend = backend
+
+    def topk_now(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return list(self.backend.topk(states, rows, selected, k))
+
+    async def topk(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return await asyncio.to_thread(self.topk_now, states, rows, selected, k)

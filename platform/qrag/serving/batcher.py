@@ -1,0 +1,212 @@
+"""Concurrent searches stepped together: the library's lockstep rounds across requests.
+
+A request hands its :class:`~qrag.retrieval.multistep.SearchRun` to the replica's
+:class:`LockstepBatcher` and awaits its end. One driver task runs rounds while any search is
+live: a round embeds the states of every live path of every search in **one** encoder call and
+scores them with **one** pass per corpus version (searches of the same corpus share it, whatever
+step each is at), then advances them all. A request that arrives mid-search joins at the next
+round, so nothing waits for a batch to fill and nothing is split across batches.
+
+Where the encoder and every backend of a round live in this process, the whole round (state
+tokens, encoder, scoring, merge) runs in one worker thread: the event loop only parses requests
+and writes answers. Backends behind handles (Shard deployments) are awaited instead; each is
+called once per round with the rows of all searches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from qrag.retrieval.hits import ShardHits
+from qrag.retrieval.multistep import SearchRun, Timings, _Beam
+
+log = logging.getLogger("qrag.batcher")
+
+
+class StateEncoder(Protocol):
+    async def embed_states(self, seqs: list[np.ndarray]) -> np.ndarray: ...
+
+
+class Scoring(Protocol):
+    """A corpus version's scoring backend (``rows``: each state row's search in the group)."""
+
+    async def topk(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
+
+
+@dataclass(eq=False)
+class _Search:
+    run: SearchRun
+    backend: Scoring
+    key: Hashable  # searches with equal keys are scored in one pass (same corpus version)
+    timings: Timings
+    done: asyncio.Future
+    beams: list[_Beam] = field(default_factory=list)  # this round's live paths
+
+
+@dataclass
+class _Group:
+    backend: Scoring
+    searches: list[_Search]
+    lo: int  # first state row of the group in the round
+    hi: int
+
+
+class LockstepBatcher:
+    """Steps the searches of one replica together (see the module doc). ``max_states``: state
+    rows per round; searches beyond it wait for the next round (a search's paths stay together)."""
+
+    def __init__(self, encoder: StateEncoder, max_states: int = 64):
+        self.encoder, self.max_states = encoder, max(1, max_states)
+        self._waiting: list[_Search] = []
+        self._active: list[_Search] = []
+        self._driver: asyncio.Task | None = None
+        self.rounds = 0  # rounds run (tests and /metrics read how much was shared)
+        self.rows = 0  # state rows embedded over all rounds
+
+    async def run(self, run: SearchRun, backend: Scoring, key: Hashable, timings: Timings | None = None) -> None:
+        """Step ``run`` to its end together with every other search of this replica."""
+        loop = asyncio.get_running_loop()
+        search = _Search(run, backend, key, timings or Timings(), loop.create_future())
+        self._waiting.append(search)
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        await search.done
+
+    # -- the driver -------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Waiting searches join, oldest first, while the round has rows to spare (one at least)."""
+        rows = sum(len(s.run.live()) for s in self._active)
+        while self._waiting:
+            nxt = self._waiting[0]
+            need = len(nxt.run.live())
+            if self._active and rows + need > self.max_states:
+                break
+            self._waiting.pop(0)
+            self._active.append(nxt)
+            rows += need
+
+    def _live(self) -> list[_Search]:
+        """The searches with a path to extend this round; ended (or abandoned) ones are settled."""
+        live = []
+        for s in self._active:
+            if s.done.done():  # the request went away (deadline, disconnect): stop its work
+                continue
+            s.beams = s.run.live()
+            if s.beams:
+                live.append(s)
+            else:
+                s.done.set_result(None)
+        self._active = live
+        return live
+
+    async def _drive(self) -> None:
+        try:
+            while True:
+                self._admit()
+                live = self._live()
+                if not live:
+                    if not self._waiting:
+                        return
+                    continue
+                try:
+                    await self._round(live)
+                except Exception as exc:  # noqa: BLE001 - the round's searches fail with it; others go on
+                    for s in live:
+                        if not s.done.done():
+                            s.done.set_exception(exc)
+                    self._active = [s for s in self._active if s not in live]
+        except BaseException as exc:  # cancelled (shutdown): never leave a request waiting
+            for s in self._active + self._waiting:
+                if not s.done.done():
+                    s.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the server is shutting down"))
+            self._active, self._waiting = [], []
+            raise
+
+    async def _round(self, live: list[_Search]) -> None:
+        groups = _groups(live)
+        in_process = getattr(self.encoder, "embed_now", None) is not None and all(
+            getattr(g.backend, "topk_now", None) is not None for g in groups)
+        if in_process:
+            failures = await asyncio.to_thread(self._round_now, live, groups)
+        else:
+            failures = await self._round_async(live, groups)
+        self.rounds += 1
+        self.rows += groups[-1].hi
+        for g, exc in failures:
+            for s in g.searches:
+                if not s.done.done():
+                    s.done.set_exception(exc)
+            self._active = [s for s in self._active if s not in g.searches]
+
+    def _round_now(self, live: list[_Search], groups: list[_Group]) -> list[tuple[_Group, Exception]]:
+        """A round in this (worker) thread: states, one encoder call, each group's pass, advance."""
+        t0 = time.perf_counter()
+        seqs = [x for s in live for x in s.run.states(s.beams)]
+        vectors = self.encoder.embed_now(seqs)
+        t1 = time.perf_counter()
+        failures = []
+        for g in groups:
+            try:
+                hits = g.backend.topk_now(vectors[g.lo:g.hi], *_rows(g))
+            except Exception as exc:  # noqa: BLE001 - this corpus's searches fail; the others go on
+                failures.append((g, exc))
+                continue
+            t2 = time.perf_counter()
+            _advance(g, hits, t0, t1, t2)
+        return failures
+
+    async def _round_async(self, live: list[_Search], groups: list[_Group]) -> list[tuple[_Group, Exception]]:
+        t0 = time.perf_counter()
+        seqs = [x for s in live for x in s.run.states(s.beams)]
+        vectors = await self.encoder.embed_states(seqs)
+        t1 = time.perf_counter()
+        answers = await asyncio.gather(*(g.backend.topk(vectors[g.lo:g.hi], *_rows(g)) for g in groups), return_exceptions=True)
+        t2 = time.perf_counter()
+        failures = []
+        for g, hits in zip(groups, answers):
+            if isinstance(hits, BaseException):
+                if not isinstance(hits, Exception):
+                    raise hits
+                failures.append((g, hits))
+            else:
+                _advance(g, hits, t0, t1, t2)
+        return failures
+
+
+def _groups(live: list[_Search]) -> list[_Group]:
+    """The round's searches by scoring key, each group's state rows contiguous."""
+    by_key: dict[Hashable, list[_Search]] = {}
+    for s in live:
+        by_key.setdefault(s.key, []).append(s)
+    groups, lo = [], 0
+    ordered = [s for searches in by_key.values() for s in searches]
+    live[:] = ordered  # the rows of the round follow this order
+    for searches in by_key.values():
+        hi = lo + sum(len(s.beams) for s in searches)
+        groups.append(_Group(searches[0].backend, searches, lo, hi))
+        lo = hi
+    return groups
+
+
+def _rows(g: _Group) -> tuple[list[int], list[list[int]], int]:
+    """(each row's search within the group, each row's selected chunks, the group's k)."""
+    rows = [i for i, s in enumerate(g.searches) for _ in s.beams]
+    selected = [sorted(b.chosen) for s in g.searches for b in s.beams]
+    return rows, selected, max(s.run.k for s in g.searches)
+
+
+def _advance(g: _Group, hits: Sequence[ShardHits], t0: float, t1: float, t2: float) -> None:
+    lo = 0
+    for s in g.searches:
+        n = len(s.beams)
+        s.run.advance(s.beams, [h.rows(lo, lo + n) for h in hits])
+        lo += n
+        s.timings.add_round(t0, t1, t2, time.perf_counter())
