@@ -1,26 +1,28 @@
-"""Shard layouts through Ray Serve on one GPU (issue 14): HTTP end to end via Serve's proxy.
+"""Ray Serve through its HTTP proxy, against the library path on the same corpus and GPU(s).
 
-`bench/serve_http.py` timed the service's FastAPI app in process (no Ray); this times the Serve
-application that `serve/config.yaml` deploys (`qrag.distributed.serving.build_app`: Ingress ->
-Encoder -> Shard deployments), on one local Ray cluster (127.0.0.1), for each value of
-`ServeConfig.shard_deployments` in --layouts (the shards spread over that many Shard
-deployments; = --shards is one deployment per shard, the default), and for `colocate: true` (the
-Ingress alone, holding the encoder and every shard: no handle calls per step). Per layout:
+Question: how close does the deployed endpoint (`serve/config.yaml` as shipped, on a local Ray
+cluster bound to 127.0.0.1) come to the library path, and where does the rest of the time go?
 
-* sequential: --queries questions one after another (concurrency 1), p50/p99;
-* concurrent: --concurrency clients in a closed loop for --load-seconds, queries/s and p50/p99.
+1. The library path comes from `bench/serve_scale.py`'s result file (`--library`), run earlier
+   in the same command on the same `--storage` (corpus `--corpus-name`, default `bench`).
+2. The Serve app is `serve/config.yaml`'s application (its args and deployments) with
+   `--checkpoint` and `--storage`, in each `--layouts` entry:
+     * `default`     the file as shipped (shards in the Ingress, one replica);
+     * `replicas=N`  N Ingress replicas, a GPU each (more GPUs: more copies of the corpus);
+     * `shards=D`    D Shard deployments, one per GPU (the Ingress beside Shard0), for corpora
+                     beyond one GPU.
+3. Per layout: `--queries` requests one after another (concurrency 1), then a closed-loop curve
+   over `--clients` (each level `--load-seconds`), and a breakdown of one request at
+   concurrency 1 and at `--breakdown-clients`: what the client saw, Serve's own proxy and
+   replica latency metrics (`ray_serve_*_latency_ms`, from Ray's Prometheus endpoint), and the
+   service's stages from each answer's `timings`.
 
-The corpus is built first by the library in a child process (`bench/two_gpu.py`'s builder: books
-cycled until --tokens, --shards shards). Prints one JSON line and writes --out.
-
-One-GPU machine, from the repository root, carrying Ray's wheels (.carry/two/whl, as for
-`bench/two_gpu.py`), an encoder config (.carry/two/minilm16: random-init weights of MiniLM's
-shape, same speed) and books:
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/two/whl/*.whl \\
-      && export PYTHONPATH=/tmp/site && HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 python3 bench/serve_ray.py \\
-           --random-encoder .carry/two/minilm16 --corpus .carry/two/novels --out $OUT/serve_ray.json --ray-logs $OUT/raylogs
-CPU check (tiny): python bench/serve_ray.py --gpus 0 --cpus 2 --tokens 30000 --queries 10 --load-seconds 3 --concurrency 2
-    --random-encoder DIR --corpus ../shared/data/gutenberg_novels --corpus-workers 1
+Prints one JSON line and writes `--out`. On a GPU machine, after serve_scale.py in the same call:
+    python3 bench/serve_scale.py --corpus BOOKS --checkpoint CKPT --storage /tmp/idx --variants optimized \\
+        --batches 1,2,4,8,16,32,64,128 --out $OUT/library.json
+    python3 bench/serve_ray.py --storage /tmp/idx --checkpoint CKPT --library $OUT/library.json --out $OUT/serve_ray.json
+CPU check (tiny): build a corpus with serve_scale.py --tokens 30000 --device cpu --storage DIR first, then
+    python bench/serve_ray.py --storage DIR --gpus 0 --cpus 2 --queries 10 --clients 1,2 --load-seconds 2
 """
 
 from __future__ import annotations
@@ -28,121 +30,254 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import sys
 import tempfile
 import time
 import traceback
+import urllib.request
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import free_port  # noqa: E402
-from two_gpu import (  # noqa: E402
-    Load, RayHead, cluster_env, copy_ray_logs, corpus_and_ray_args, corpus_in_child, gpu_assignment, random_encoder, time_queries,
-    wait_healthy,
-)
+from http_load import closed_loop  # noqa: E402
+from two_gpu import RayHead, cluster_env, copy_ray_logs, gpu_assignment, wait_healthy  # noqa: E402
 
 
 def args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all torch sees, at most 1); 0 = a CPU check")
-    corpus_and_ray_args(ap, tokens=10_000_000, shards=4)
-    ap.add_argument("--layouts", default="4,1,colocated", help="layouts to time, in order: shard_deployments values, or 'colocated' "
-                    "(colocate: true, the Ingress holds the encoder and every shard; default 4,1,colocated)")
-    ap.add_argument("--steps", type=int, default=4, help="retrieval steps per query (default 4)")
-    ap.add_argument("--queries", type=int, default=200, help="sequential queries per layout")
-    ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients of the concurrent phase")
-    ap.add_argument("--load-seconds", type=float, default=20.0, help="length of the concurrent phase")
-    ap.add_argument("--encoder-gpus", type=float, default=0.2, help="GPU fraction of the Encoder; the shards share the rest")
-    ap.add_argument("--max-ongoing", type=int, default=64, help="max_ongoing_requests of the Ingress")
+    ap.add_argument("--storage", required=True, help="corpora folder holding --corpus-name (serve_scale.py --storage)")
+    ap.add_argument("--corpus-name", default="bench")
+    ap.add_argument("--checkpoint", default=None, help="the checkpoint the corpus was indexed with (default: the untrained encoder)")
+    ap.add_argument("--library", default=None, help="serve_scale.py's result file of the same corpus, measured in the same call")
+    ap.add_argument("--config", default=str(ROOT / "serve" / "config.yaml"), help="the Serve config file whose application is deployed")
+    ap.add_argument("--layouts", default="default", help="comma-separated: default, replicas=N, shards=D")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all torch sees); 0 = a CPU check")
+    ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--queries", type=int, default=300, help="requests at concurrency 1")
+    ap.add_argument("--clients", default="1,2,4,8,16,32,64,96,128", help="closed-loop client counts of the curve")
+    ap.add_argument("--load-seconds", type=float, default=8.0)
+    ap.add_argument("--breakdown-clients", type=int, default=64, help="clients of the loaded breakdown (0: none)")
+    ap.add_argument("--p99-ms", type=float, default=100.0)
+    ap.add_argument("--metrics-wait-s", type=float, default=12.0, help="Ray exports metrics every few seconds: wait this long before reading")
+    ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs here")
     ap.add_argument("--out", help="also write the JSON here")
     return ap
 
 
-COLOCATED = "colocated"
+# -- the app ------------------------------------------------------------------------------------------
 
 
-def layout_deployments(shards: int, holders: int | str, gpus: int, encoder_gpus: float, max_ongoing: int) -> list[dict]:
-    """Serve's per-deployment options (the `deployments:` section of serve/config.yaml) for
-    ``holders`` Shard deployments sharing one GPU with the Encoder, or the colocated Ingress
-    holding the whole GPU."""
-    ingress = {"name": "Ingress", "max_ongoing_requests": max_ongoing, "max_queued_requests": 4 * max_ongoing}
-    if holders == COLOCATED:
-        return [{**ingress, "ray_actor_options": {"num_cpus": 0, "num_gpus": 1.0 if gpus else 0.0}}]
-    shard_gpus = round((1.0 - encoder_gpus) / holders, 4) if gpus else 0.0
-    return [ingress,
-            {"name": "Encoder", "ray_actor_options": {"num_cpus": 0, "num_gpus": encoder_gpus if gpus else 0.0}},
-            *({"name": f"Shard{i}", "ray_actor_options": {"num_cpus": 0, "num_gpus": shard_gpus}} for i in range(holders))]
+def app_config(path: str) -> dict:
+    return yaml.safe_load(Path(path).read_text())["applications"][0]
 
 
-def layout_config(args, holders: int | str):
-    """The app's ServeConfig for one layout."""
-    from qrag.serving.service_config import ServeConfig
+def layout_app(app: dict, layout: str, args) -> tuple[dict, list[dict]]:
+    """(ServeConfig args, deployments) of one layout."""
+    conf = dict(app["args"])
+    conf.update(storage=str(Path(args.storage).resolve()), checkpoint=args.checkpoint, http_host="127.0.0.1")
+    deployments = {d["name"]: dict(d) for d in app["deployments"]}
+    kind, _, value = layout.partition("=")
+    if kind == "replicas":
+        deployments["Ingress"]["num_replicas"] = int(value)
+    elif kind == "shards":
+        d = int(value)
+        conf["shard_deployments"] = d
+        gpus = args.gpus > 0
+        # 0.4 + 0.6: the Ingress fits beside one shard, and no two shards share a GPU.
+        deployments["Ingress"]["ray_actor_options"] = {"num_cpus": 0, "num_gpus": 0.4 if gpus else 0.0}
+        for i in range(d):
+            deployments[f"Shard{i}"] = {"name": f"Shard{i}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.6 if gpus else 0.0}}
+    elif kind != "default":
+        raise SystemExit(f"serve_ray.py: unknown layout {layout!r} (default, replicas=N, shards=D)")
+    if not args.gpus:
+        conf.update(encoder_device="cpu", shard_device="cpu")
+    return conf, list(deployments.values())
 
-    device = "cuda" if args.gpus else "cpu"
-    colocate = holders == COLOCATED
-    return ServeConfig(checkpoint=args.checkpoint, storage=args.storage, shards=args.shards, colocate=colocate,
-                       shard_deployments=1 if colocate else holders,
-                       encoder_device=device, shard_device=device, faiss="never", chunk_tokens=args.chunk_tokens,
-                       http_host="127.0.0.1")  # what serve.start binds: the app refuses a public address without API keys
 
-
-def deploy_layout(args, holders: int | str, port: int) -> str:
+def deploy(conf: dict, deployments: list[dict], port: int) -> str:
     from ray import serve
 
     from qrag.distributed.serving import build_app
+    from qrag.serving.service_config import ServeConfig
 
-    serve.run(build_app(layout_config(args, holders), {}, layout_deployments(args.shards, holders, args.gpus, args.encoder_gpus,
-                                                                              args.max_ongoing)),
-              name="qrag", route_prefix="/")
-    return wait_healthy(f"http://127.0.0.1:{port}")
+    serve.run(build_app(ServeConfig(**conf), {}, deployments), name="qrag", route_prefix="/")
+    return wait_healthy(f"http://127.0.0.1:{port}", timeout=900)
+
+
+# -- questions ---------------------------------------------------------------------------------------
+
+
+def questions(storage: str, corpus: str, n: int = 400, seed: int = 0) -> list[str]:
+    """Questions made of words of stored chunks (so they resemble the corpus)."""
+    from qrag.index.store import CorpusStore
+
+    store = CorpusStore(storage)
+    m = store.read(corpus)
+    rng = random.Random(seed)
+    texts = []
+    for batch in rng.sample(m.batches, min(20, len(m.batches))):
+        texts += [t for _, _, t in store.read_texts(m, rng.randrange(m.shards), batch)]
+    out = []
+    for _ in range(n):
+        words = rng.choice(texts).split()
+        start = rng.randrange(max(1, len(words) - 12))
+        out.append("what happened when " + " ".join(words[start : start + 12]))
+    return out
+
+
+# -- Serve's own metrics --------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^(ray_serve_[a-z_]+_latency_ms)_(sum|count)\{([^}]*)\} ([0-9.eE+-]+)$")
+
+
+def serve_latency_sums(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of every Serve latency histogram, by metric and deployment (the proxy's have none)."""
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, part, labels, value = m.groups()
+        deployment = re.search(r'deployment="([^"]*)"', labels)
+        route = re.search(r'route="([^"]*)"', labels)
+        keys = [f"{name}[{deployment.group(1)}]" if deployment else name]
+        if route:
+            keys.append(f"{keys[0]}[{route.group(1)}]")
+        for key in keys:
+            pair = out.setdefault(key, [0.0, 0.0])
+            pair[0 if part == "sum" else 1] += float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def mean_between(before: dict, after: dict) -> dict[str, float]:
+    """Mean latency (ms) of each histogram over the requests between two readings."""
+    out = {}
+    for key, (s1, c1) in after.items():
+        s0, c0 = before.get(key, (0.0, 0.0))
+        if c1 > c0:
+            out[key] = round((s1 - s0) / (c1 - c0), 3)
+    return out
+
+
+def breakdown(client: dict, serve_means: dict[str, float]) -> dict:
+    """Where one request's time goes, outermost first: what the client saw; the app's own time in
+    the Ingress replica (its Server-Timing header: request in to answer out); the service
+    (``timings.total``) and its stages. Client minus app is Serve's proxy, the hop to the replica
+    and back, and the loopback network. Serve's own latency histograms are given beside (their
+    sums are exported at bucket resolution, so they bound rather than measure)."""
+    service = client["service_mean_ms"]
+    app, total = service.get("app_ms"), service.get("total_ms")
+    stages = {k: service.get(f"{k}_ms") for k in ("tokenize", "encode", "score", "merge")}
+    inside = sum(v for v in stages.values() if v is not None)
+    return {
+        "client_mean_ms": client["mean_ms"], "app_mean_ms": app, "service_mean_ms": total, "stages_mean_ms": stages,
+        "proxy_and_hops_ms": _minus(client["mean_ms"], app),  # the proxy, the replica hop, loopback, the client
+        "http_app_ms": _minus(app, total),  # FastAPI, the guards, JSON in and out
+        "batcher_wait_ms": _minus(total, inside),  # waiting for a round, thread hand-offs
+        "serve_metrics_mean_ms": serve_means,
+    }
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+# -- one layout ------------------------------------------------------------------------------------------
+
+
+def measure(url: str, bodies: list[dict], args, metrics_url: str) -> dict:
+    endpoint = f"{url}/v1/retrieve"
+    closed_loop(endpoint, bodies, 4, requests_per_client=10)  # warm-up (connections, first answers)
+    row: dict = {}
+    time.sleep(args.metrics_wait_s)  # the warm-up's requests exported before the first reading
+    before = serve_latency_sums(metrics_url)
+    row["concurrency_1"] = closed_loop(endpoint, bodies, 1, requests_per_client=args.queries)
+    time.sleep(args.metrics_wait_s)
+    row["breakdown_concurrency_1"] = breakdown(row["concurrency_1"], mean_between(before, serve_latency_sums(metrics_url)))
+    curve = []
+    for clients in (int(c) for c in args.clients.split(",")):
+        curve.append(closed_loop(endpoint, bodies, clients, seconds=args.load_seconds))
+        print(f"serve_ray.py: {clients} clients: {curve[-1]}", file=sys.stderr, flush=True)
+    row["curve"] = curve
+    ok = [c for c in curve if c["p99_ms"] is not None and c["p99_ms"] < args.p99_ms and not c["errors"]]
+    row["max_queries_per_s_with_p99_under_limit"] = max((c["queries_per_s"] for c in ok), default=None)
+    if args.breakdown_clients:
+        time.sleep(args.metrics_wait_s)
+        before = serve_latency_sums(metrics_url)
+        loaded = closed_loop(endpoint, bodies, args.breakdown_clients, seconds=args.load_seconds)
+        time.sleep(args.metrics_wait_s)
+        row["breakdown_loaded"] = {"load": loaded, **breakdown(loaded, mean_between(before, serve_latency_sums(metrics_url)))}
+    row["placement"] = gpu_assignment()
+    return row
+
+
+def library_figures(path: str | None) -> dict | None:
+    if not path:
+        return None
+    lib = json.loads(Path(path).read_text())
+    return {"file": Path(path).name, "commit": lib.get("commit"), "gpu": lib.get("gpu"), "corpus": lib.get("corpus"),
+            "latency_concurrency_1": lib.get("latency_concurrency_1"), "throughput": lib.get("throughput"), "indexing": lib.get("indexing")}
+
+
+def ratios(library: dict | None, serve_row: dict) -> dict | None:
+    if not library or not library.get("latency_concurrency_1"):
+        return None
+    lat = library["latency_concurrency_1"]
+    c1 = serve_row["concurrency_1"]
+    lib_qps = (library.get("throughput") or {}).get("max_queries_per_s_with_p99_under_limit")
+    serve_qps = serve_row["max_queries_per_s_with_p99_under_limit"]
+    return {"p50_serve_over_library": round(c1["p50_ms"] / lat["p50_ms"], 3), "p99_serve_over_library": round(c1["p99_ms"] / lat["p99_ms"], 3),
+            "throughput_library_over_serve": round(lib_qps / serve_qps, 3) if lib_qps and serve_qps else None}
 
 
 def main() -> None:
     args = args_parser().parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    layouts = [x.strip() if x.strip() == COLOCATED else int(x) for x in args.layouts.split(",") if x.strip()]
-    if any(d != COLOCATED and not 1 <= d <= args.shards for d in layouts):
-        raise SystemExit(f"serve_ray.py: a layout is 'colocated' or between 1 and --shards ({args.shards}), got {layouts}")
     if args.gpus is None:
         import torch
 
-        args.gpus = min(1, torch.cuda.device_count())
+        args.gpus = torch.cuda.device_count()
     from bench_common import machine_info, write_result
 
     tmp = Path(tempfile.mkdtemp(prefix="qrag_serve_ray_"))
-    args.storage = str(Path(args.storage).resolve()) if args.storage else str(tmp / "indexes")
-    if args.random_encoder:
-        os.environ["QRAG_ENCODER"] = random_encoder(args.random_encoder, tmp / "encoder")
-    corpus, questions = corpus_in_child(args)
-    head = RayHead(tmp, args.gpus, args.cpus, cluster_env(), dashboard=args.dashboard)
-    result: dict = {"bench": "serve_ray", **machine_info(), "gpus": args.gpus, "corpus": corpus, "steps": args.steps,
-                    "encoder": f"random-init, shape of {args.random_encoder}" if args.random_encoder else os.environ.get("QRAG_ENCODER", "minilm (bundled)"),
-                    "settings": {"shards": args.shards, "layouts": layouts, "queries": args.queries, "concurrency": args.concurrency,
-                                 "load_seconds": args.load_seconds, "encoder_gpus": args.encoder_gpus, "max_ongoing_requests": args.max_ongoing},
-                    "layouts": {}}
+    bodies = [{"corpus": args.corpus_name, "question": q, "max_steps": args.steps} for q in questions(args.storage, args.corpus_name)]
+    app = app_config(args.config)
+    library = library_figures(args.library)
+    metrics_port = free_port()
+    result: dict = {"bench": "serve_ray", **machine_info(), "gpus": args.gpus, "steps": args.steps, "checkpoint": args.checkpoint,
+                    "config": Path(args.config).name, "library": library,
+                    "settings": {"layouts": args.layouts, "queries": args.queries, "clients": args.clients,
+                                 "load_seconds": args.load_seconds, "p99_limit_ms": args.p99_ms}, "layouts": {}}
+    head = RayHead(tmp, args.gpus, args.cpus, cluster_env(), dashboard=True, metrics_port=metrics_port)
     try:
         import ray
         from ray import serve
 
-        ray.init(address=head.address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=head.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for holders in layouts:
+        for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
+            conf, deployments = layout_app(app, layout, args)
             t0 = time.perf_counter()
-            url = deploy_layout(args, holders, port)
-            row: dict = {"deploy_seconds": round(time.perf_counter() - t0, 1)}
-            row["sequential"] = time_queries(url, questions, args.queries, args.steps)
-            with Load(url, questions, args.concurrency, args.steps) as load:
-                time.sleep(args.load_seconds)
-            row["concurrent"] = load.summary()
-            row["placement"] = gpu_assignment()
-            key = COLOCATED if holders == COLOCATED else f"shard_deployments_{holders}"
-            result["layouts"][key] = row
-            print(f"serve_ray.py: {key}: {row}", file=sys.stderr, flush=True)
+            url = deploy(conf, deployments, port)
+            row = {"deploy_seconds": round(time.perf_counter() - t0, 1), "deployments": deployments,
+                   **measure(url, bodies, args, f"http://127.0.0.1:{metrics_port}/metrics")}
+            row["against_library"] = ratios(library, row)
+            result["layouts"][layout] = row
+            print(f"serve_ray.py: {layout}: c=1 {row['concurrency_1']} max q/s {row['max_queries_per_s_with_p99_under_limit']}",
+                  file=sys.stderr, flush=True)
             serve.delete("qrag")
         result["complete"] = True
         serve.shutdown()
@@ -154,9 +289,9 @@ def main() -> None:
         head.stop()
         if args.ray_logs:
             copy_ray_logs(tmp / "ray", Path(args.ray_logs))
+        if args.out:
+            write_result(args.out, result)
     print(json.dumps(result))
-    if args.out:
-        write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -246,7 +246,8 @@ def questions_from_store(store) -> list[str]:
 class RayHead:
     """`ray start --head --block` on 127.0.0.1 in its own process group."""
 
-    def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str], temp_dir: Path | None = None, dashboard: bool = True):
+    def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str], temp_dir: Path | None = None, dashboard: bool = True,
+                 metrics_port: int | None = None):
         self.gcs_port, dash = free_port(), free_port()
         self.env = env
         self.log = open(tmp / "ray_start.log", "w")
@@ -254,6 +255,7 @@ class RayHead:
             [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
              f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--num-cpus={cpus}",
              f"--num-gpus={gpus}", f"--temp-dir={temp_dir or tmp / 'ray'}", "--disable-usage-stats",
+             *([f"--metrics-export-port={metrics_port}"] if metrics_port else []),
              # `--block` takes the whole node down when any Ray process dies, the dashboard included
              *([] if dashboard else ["--include-dashboard=false"])],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -494,7 +496,8 @@ def main() -> None:
         print(f"two_gpu.py: training alone {result['training_alone']}", file=sys.stderr, flush=True)
         save_partial(args, result)
 
-        ray.init(address=head.address, logging_level="ERROR", log_to_driver=False)  # replicas log every request
+        # The driver joins on loopback too: left to itself it looks its node up by the machine's address.
+        ray.init(address=head.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)  # replicas log every request
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         latency = {}

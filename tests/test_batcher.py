@@ -174,3 +174,18 @@ def test_concurrent_service_requests_answer_as_offline_search(model, tmp_path): 
     answers = asyncio.run(all_at_once())
     assert [[s["chunk_id"] for s in a["steps"]] for a in answers] == offline
     assert service.batcher.rounds == 3 and service.encoder.forwards == 3  # one encoder call a step for all four
+
+
+def test_warm_scoring_runs_every_shape_a_replica_serves(model, tmp_path):  # noqa: F811
+    """What a GPU replica runs at start to capture its scoring graphs (here on the CPU: the same
+    calls, eagerly): every batch bucket up to state_batch_size, every selected-set size."""
+    from qrag.serving.warm_up import warm_holder
+
+    store = CorpusStore(tmp_path / "store")
+    index = LocalIndex(store, model)
+    index.create("books", chunk_tokens=24, shards=2)
+    index.add_documents("books", make_documents(4, 1))
+    service = local_service(serve_cfg(tmp_path, state_batch_size=8, warm_steps=3), model)
+    holder = service.shards[0].holder
+    assert warm_holder(holder, service.cfg) == {"corpora": ["books"], "shapes": 0, "seconds": pytest.approx(0, abs=60)}  # CPU: no graphs
+    assert holder.warm_scoring("books", 8, 2, 4) == 4 * 3  # buckets 1, 2, 4, 8; 0, 1 or 2 chunks selected

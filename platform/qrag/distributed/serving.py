@@ -48,6 +48,7 @@ from qrag.serving.backends import LocalEncoder
 from qrag.serving.errors import ServiceError, overloaded
 from qrag.serving.http_api import build_api
 from qrag.serving.identity import ModelIdentity
+from qrag.serving.server_timing import ServerTiming
 from qrag.serving.service import RetrievalService, local_holders
 from qrag.serving.service_config import ServeConfig
 from qrag.serving.warm_up import warm_holder
@@ -247,7 +248,7 @@ class Ingress:
             return {**encoder_stats_of(self.model), "rounds": batcher.rounds, "rows": batcher.rows,
                     "replica": serve.get_replica_context().replica_id.unique_id}
 
-        return app
+        return ServerTiming(app)
 
 
 def _cluster_has_gpu() -> bool:

@@ -52,6 +52,7 @@ from qrag.data.sample import DataError
 from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
 from qrag.index.tokenise_workers import blocks_of, char_groups, init_worker, prepare_block
 from qrag.index.writer_process import picklable_error
+from qrag.model.encoder import pick_device
 
 POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
 # Lanes feeding one GPU (qrag index --lanes, serve_scale.py --lanes): on one H100 with 16 cores,
@@ -230,7 +231,7 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
                                    initargs=(cfg.tokenizer_dir, cfg.layout, 64, cfg.worker_nice))
         workers_up = [pool.submit(int, 0) for _ in range(cfg.workers)]
         if torch.device(device).type == "cuda":
-            torch.cuda.set_device(torch.device(device))
+            torch.cuda.set_device(pick_device(device))
         model = cfg.make_model(device)  # while the workers load their tokenizers
         t_model = time.perf_counter()
         # The chunk encoder made ready now, not inside the indexing (GraphedEncoder.warm_up_sorted).

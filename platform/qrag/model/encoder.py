@@ -49,10 +49,13 @@ def _looks_like_hub_name(name: str) -> bool:
     return len(parts) == 2 and all(p and not p.startswith(".") for p in parts)
 
 
-def pick_device(spec: str = "auto") -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+def pick_device(spec: str | torch.device = "auto") -> torch.device:
+    """``auto`` (a GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``. A GPU always comes with
+    its index: ``torch.cuda.set_device`` and device comparisons refuse or miss a bare ``cuda``."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else torch.device(spec)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def autocast_for(device: torch.device):
