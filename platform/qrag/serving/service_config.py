@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from qrag.config import opt
+from qrag.config import Device, opt
 
 if TYPE_CHECKING:
+    import torch
+
     from qrag.index.shards import ShardOptions
 
 
@@ -23,7 +25,7 @@ class ServeConfig:
     mlflow_tracking_uri: str | None = opt(None, "MLflow store that runs:/ and models:/ URIs refer to (default: $MLFLOW_TRACKING_URI).")
     model_cache: str = opt(".qrag_models", "Where MLflow checkpoints are downloaded to (once per URI).")
     storage: str = opt("qrag_indexes", "Directory of the persisted corpora (shared by every replica).")
-    dtype: str = opt("float32", "Vectors on disk: float32 | float16 (half the bytes; scores then differ slightly from offline search).")
+    dtype: Literal["float32", "float16"] = opt("float32", "Vectors on disk: float32 | float16 (half the bytes; scores then differ slightly from offline search).")
     chunk_tokens: int = opt(64, "Default token budget per chunk of new corpora and inline contexts.")
     question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
     shards: int = opt(2, "A corpus is split into this many shards when created.")
@@ -31,8 +33,8 @@ class ServeConfig:
                                     "deployment-handle call (one replica per GPU). D > 0: the shards live in D Shard deployments "
                                     "(deployment i holds shards i, i + D, ...), for corpora beyond one GPU's memory; each is "
                                     "called once per retrieval step for all the requests of that step.")
-    encoder_device: str = opt("auto", "Device of the encoder (in the Ingress replicas): auto | cpu | cuda | cuda:N.")
-    shard_device: str = opt("auto", "Device of the shards (exact rotated scoring): auto | cpu | cuda | cuda:N.")
+    encoder_device: Device = opt("auto", "Device of the encoder (in the Ingress replicas): auto | cpu | cuda | cuda:N.")
+    shard_device: Device = opt("auto", "Device of the shards (exact rotated scoring): auto | cpu | cuda | cuda:N.")
     state_batch_size: int = opt(64, "State rows per retrieval round: the concurrent requests of a replica are stepped together, "
                                     "one encoder call and one scoring pass per corpus a round, up to this many states; more wait a round.")
     warm_up: bool = opt(True, "On a GPU, capture at replica start what queries replay: the state encoder's CUDA graphs for every "
@@ -42,7 +44,7 @@ class ServeConfig:
     warm_steps: int = opt(4, "Retrieval steps whose scoring graphs are captured at start (selected sets up to warm_steps - 1 chunks).")
     chunk_batch: int = opt(512, "Chunks per encoder call while indexing (progress is reported per call).")
     encode_tokens: int = opt(32768, "Padded tokens per encoder forward pass.")
-    faiss: str = opt("auto", "FAISS for shards when positions are off: auto (CPU shards) | always | never.")
+    faiss: Literal["auto", "always", "never"] = opt("auto", "FAISS for shards when positions are off: auto (CPU shards) | always | never.")
     approx_above: int = opt(2_000_000, "Chunks per shard above which FAISS uses an approximate (HNSW) index.")
     score_graphs: bool = opt(True, "GPU shards: replay each scoring step from a CUDA graph (per batch bucket); false = the same step launched eagerly.")
     retry_after_s: int = opt(1, "Retry-After seconds sent with 503 on overload.")
