@@ -28,7 +28,7 @@ demo: install
 # A hyperparameter sweep on a local Ray (docs/sweeps.md), e.g. SWEEP=tune/hotpot_alpha_lambda_tau.yaml
 SWEEP ?= tune/smoke.yaml
 sweep: install
-	$(PY) tune/sweep.py --config $(SWEEP)
+	$(VENV)/bin/qrag sweep --config $(SWEEP)
 
 test: install mlflow-server
 	$(PY) -m pytest $(PYTEST_ARGS)

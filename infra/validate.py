@@ -656,7 +656,9 @@ def check_rayservice() -> list[str]:
             if app.get("import_path") != reference["import_path"]:
                 problems.append(f"{where}: import_path {app.get('import_path')} is not serve/config.yaml's {reference['import_path']}")
             module, _, attr = app.get("import_path", "").partition(":")
-            source = ROOT / (module.replace(".", "/") + ".py")
+            # A module of the checkout (serve.app) or of the installed package (qrag.distributed.serve_app).
+            source = next((p for base in (ROOT, ROOT / "platform") if (p := base / (module.replace(".", "/") + ".py")).is_file()),
+                          ROOT / (module.replace(".", "/") + ".py"))
             if not source.is_file() or attr not in {n.name for n in ast.parse(source.read_text()).body if isinstance(n, ast.FunctionDef)}:
                 problems.append(f"{where}: {app.get('import_path')} does not resolve to a function in the project")
             try:

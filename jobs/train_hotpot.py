@@ -3,7 +3,8 @@
     ray job submit --working-dir . -- python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs land in ~/ray_results
     python jobs/train_hotpot.py [--config YAML] [key=value ...]     # starts a local Ray on 127.0.0.1
 
-Default preset: configs/hotpot.yaml. `--help` lists every option and config key.
+Default preset: configs/hotpot.yaml. `--help` lists every option and config key. The same job
+from an installed qrag, without this checkout: `qrag train --ray --config configs/hotpot.yaml`.
 """
 
 import sys

@@ -5,7 +5,8 @@
     python tune/sweep.py --local --config tune/smoke.yaml                              # no Ray: trials one by one
 
 Starting the same sweep again resumes it. `--help` lists the options; the sweep file's keys are
-described in platform/qrag/distributed/sweep/spec.py and docs/sweeps.md.
+described in platform/qrag/distributed/sweep/spec.py and docs/sweeps.md. The same from an
+installed qrag: `qrag sweep --config SWEEP.yaml`.
 """
 
 import sys

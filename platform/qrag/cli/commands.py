@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 from qrag.config import ConfigError, config_keys_epilog
 
@@ -25,6 +28,14 @@ def command(name: str, help: str):
     return wrap
 
 
+def distributed(module: str, needs_ray: bool = True) -> ModuleType:
+    """Import ``qrag.distributed.<module>`` when a command needs it; without the ray extra
+    installed, a one-line error that says what to install (not a traceback mid-run)."""
+    if needs_ray and importlib.util.find_spec("ray") is None:
+        raise ConfigError("this command runs on Ray, which is not installed here: pip install 'qrag[ray]'")
+    return importlib.import_module(f"qrag.distributed.{module}")
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="YAML", help="a preset from configs/ (defaults apply to keys it does not set)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. learner.alpha=0.1 updates=200")
@@ -34,16 +45,24 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
+    from qrag.distributed.options import add_cluster_arguments  # argparse only, no Ray
+
     _config_args(p)
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint directory (same schedule, same result)")
     p.add_argument("--stop-at", type=int, metavar="UPDATE",
                    help="train in slices (e.g. under a job time limit): stop after this update, save a resumable checkpoint "
                         "and print it; the next slice passes it to --resume (no evaluation until the last slice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics are still printed)")
+    ray = p.add_argument_group("on Ray (needs the ray extra: pip install 'qrag[ray]')")
+    ray.add_argument("--ray", action="store_true", help="train on Ray, as jobs/train_*.py do: EnvRunner actors feed a Ray Train learner, "
+                     "MLflow tracks the run; the same run name again resumes it (no --resume or --stop-at)")
+    add_cluster_arguments(ray, when="with --ray: ")
 
 
-@command("train", "train a Q-RAG retriever on one machine (no Ray)")(_train_args)
+@command("train", "train a Q-RAG retriever: on one machine, or on Ray with --ray")(_train_args)
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.ray:
+        return _train_on_ray(args)
     from qrag.config import load_config
     from qrag.rl.train import TrainingRun, print_reporter
 
@@ -77,6 +96,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary.update(mlflow_run_id=tracker.run_id, tracking_uri=tracker.uri)
     print(json.dumps(summary))
     return 0
+
+
+def _train_on_ray(args: argparse.Namespace) -> int:
+    if args.resume or args.stop_at is not None:
+        raise ConfigError("--resume and --stop-at are for training without Ray; with --ray, run the same name again to resume")
+    job = distributed("job")
+    prog = "qrag train"
+    return job.run(lambda: job.make_job(args.config, args.overrides, args.base_dir, args.address, prog), prog)
 
 
 # -- eval ----------------------------------------------------------------------------------------
@@ -139,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_extra_commands() -> None:
     """Subcommands that live in their own modules of this package (serve, report, ...) register
     themselves with :func:`command` on import."""
-    import importlib
     import pkgutil
 
     package = importlib.import_module(__package__)

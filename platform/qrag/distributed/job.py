@@ -1,7 +1,7 @@
-"""Training jobs: what ``jobs/train_*.py`` run, under ``ray job submit`` or plain ``python``.
+"""Training jobs: what ``qrag train --ray`` and ``jobs/train_*.py`` run, under ``ray job submit`` or plain ``python``.
 
+    qrag train --ray [--config YAML] [key=value ...]                 # starts a local Ray on 127.0.0.1
     ray job submit --working-dir . -- python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs in ~/ray_results/
-    python jobs/train_hotpot.py [--config YAML] [key=value ...]      # starts a local Ray on 127.0.0.1
 
 Order of work: parse and validate everything on the driver (config, paths, encoder, data) and
 stop with a one-line error (exit code 2) before Ray is touched; then connect to the cluster
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from qrag.model.checkpoint import CheckpointError
 from qrag.config import ConfigError, TrainConfig, load_config
 from qrag.data import DataError
 from qrag.model.encoder import ModelPathError
+from qrag.distributed.options import add_cluster_arguments
 from qrag.distributed.preflight import base_directory, preflight, resolve_paths, worker_env
 from qrag.distributed.train import cpu_need, finished_updates, storage_run_dir, train_with_ray
 from qrag.integrations.tracking import tracking_uri
@@ -56,10 +58,7 @@ def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=default_config, metavar="YAML", help=f"config preset (default {default_config})")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. updates=200 distributed.runners=4")
-    p.add_argument("--base-dir", metavar="DIR", help="resolve relative paths (out_dir, data.path, ...) against DIR (default: "
-                   "inputs against the current directory; out_dir against it with a local Ray, against $RAY_STORAGE or "
-                   "~/ray_results when joining a cluster, e.g. under `ray job submit`)")
-    p.add_argument("--address", metavar="HOST:PORT", help="Ray cluster to use (default $RAY_ADDRESS, else start a local one on 127.0.0.1)")
+    add_cluster_arguments(p)
     return p
 
 
@@ -67,9 +66,14 @@ def prepare(argv: list[str], default_config: str, prog: str | None = None) -> Jo
     """Parse and validate; raises one of ``USER_ERRORS`` with a one-line message."""
     prog = prog or Path(sys.argv[0]).name or "qrag-job"
     args = build_parser(default_config, prog).parse_args(argv)
+    return make_job(args.config, args.overrides, args.base_dir, args.address, prog)
+
+
+def make_job(config: str | None, overrides: list[str], base_dir: str | None, address: str | None, prog: str) -> Job:
+    """Validate a job's settings (``qrag train --ray`` parses its own); raises one of ``USER_ERRORS``."""
     # The preset is part of the project (uploaded with the working dir): relative to the cwd.
-    address = args.address or os.environ.get("RAY_ADDRESS") or None
-    cfg = resolve_paths(load_config(args.config, args.overrides), base_directory(args.base_dir, cluster=address is not None))
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    cfg = resolve_paths(load_config(config, overrides), base_directory(base_dir, cluster=address is not None))
     preflight(cfg)
     return Job(cfg, address, worker_env(), prog)
 
@@ -171,10 +175,16 @@ def launch(job: Job) -> dict[str, Any]:
 
 
 def run_job(argv: list[str], default_config: str) -> int:
-    """The whole job; 0 on success, 2 on bad input (before any actor starts), 1 if training failed."""
+    """The whole job of a ``jobs/train_*.py`` script (see :func:`run`)."""
     prog = Path(sys.argv[0]).name or "qrag-job"
+    return run(lambda: prepare(argv, default_config, prog), prog)
+
+
+def run(make: Callable[[], Job], prog: str) -> int:
+    """Validate (``make``), train, report; 0 on success, 2 on bad input (before any actor
+    starts), 1 if training failed."""
     try:
-        job = prepare(argv, default_config, prog)
+        job = make()
     except USER_ERRORS as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

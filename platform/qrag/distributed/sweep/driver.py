@@ -1,4 +1,4 @@
-"""Hyperparameter sweeps: what ``tune/sweep.py`` runs, on Ray Tune or (``--local``) without Ray.
+"""Hyperparameter sweeps: what ``qrag sweep`` and ``tune/sweep.py`` run, on Ray Tune or (``--local``) without Ray.
 
     python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml [key=value ...]   # a local Ray on 127.0.0.1
     ray job submit --working-dir . -- python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml   # lands in ~/ray_results
@@ -26,6 +26,7 @@ from typing import Any
 
 from qrag.config import ConfigError, flatten, to_dict
 from qrag.distributed.job import USER_ERRORS
+from qrag.distributed.options import SWEEP_DESCRIPTION, add_sweep_arguments
 from qrag.distributed.preflight import base_directory, check_distributed, preflight, resolve_paths, worker_env
 from qrag.distributed.sweep.results import TrialOutcome, write_report
 from qrag.distributed.sweep.spec import Sweep, load_sweep
@@ -36,25 +37,12 @@ STATE_FILE = "sweep.json"
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog, description="Sweep hyperparameters of Q-RAG training with Ray Tune (ASHA on the validation metric), "
-                               "every trial an MLflow run under one parent. Starting a sweep again resumes it.")
-    p.add_argument("--config", required=True, metavar="YAML", help="sweep file, e.g. tune/hotpot_alpha_lambda_tau.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides for every trial, e.g. model.encoder=DIR")
-    p.add_argument("--name", help="sweep name (default: the file's `name`, else its file name)")
-    p.add_argument("--trials", type=int, metavar="N", help="draws from the space (default: the file's `trials`)")
-    p.add_argument("--max-concurrent", type=int, metavar="N", help="trials at once (default: the file's `max_concurrent`)")
-    p.add_argument("--base-dir", metavar="DIR", help="resolve relative paths (out_dir, data.path, ...) against DIR (default: "
-                   "inputs against the current directory; out_dir against it with a local Ray, against $RAY_STORAGE or "
-                   "~/ray_results when joining a cluster, e.g. under `ray job submit`)")
-    p.add_argument("--address", metavar="HOST:PORT", help="Ray cluster (default $RAY_ADDRESS, else a new local one on 127.0.0.1)")
-    p.add_argument("--local", action="store_true", help="no Ray: run the trials one after another in this process "
-                   "(the same stopping rule; no MLflow)")
+    p = argparse.ArgumentParser(prog=prog, description=SWEEP_DESCRIPTION)
+    add_sweep_arguments(p)
     return p
 
 
-def prepare(argv: list[str], prog: str = "sweep") -> tuple[Sweep, argparse.Namespace]:
-    """Parse and check everything; raises one of ``USER_ERRORS`` with a one-line message."""
+def parse(argv: list[str], prog: str = "sweep") -> argparse.Namespace:
     parser = build_parser(prog)
     # key=value overrides may come before or after the options (argparse stops at the first option).
     args, extra = parser.parse_known_args(argv)
@@ -62,6 +50,12 @@ def prepare(argv: list[str], prog: str = "sweep") -> tuple[Sweep, argparse.Names
         if any(a.startswith("-") or "=" not in a for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def check(args: argparse.Namespace) -> Sweep:
+    """The sweep of parsed arguments, checked before anything starts; raises one of
+    ``USER_ERRORS`` with a one-line message."""
     sweep = load_sweep(args.config, args.overrides, name=args.name, trials=args.trials, max_concurrent=args.max_concurrent)
     address = args.address or os.environ.get("RAY_ADDRESS") or None
     sweep.base = resolve_paths(sweep.base, base_directory(args.base_dir, cluster=address is not None and not args.local))
@@ -72,7 +66,7 @@ def prepare(argv: list[str], prog: str = "sweep") -> tuple[Sweep, argparse.Names
         sweep.base = dataclasses.replace(sweep.base, distributed=dataclasses.replace(sweep.base.distributed, mlflow_uri="none"))
     preflight(sweep.base)
     check_distributed(first_trial_config(sweep))
-    return sweep, args
+    return sweep
 
 
 def first_trial_config(sweep: Sweep):
@@ -247,18 +241,22 @@ def finish(sweep: Sweep, outcomes: list[TrialOutcome], uri: str | None, parent: 
     }
     if report.best_yaml:
         _say(f"best config {report.best_yaml}: train it with `qrag train --config {report.best_yaml}` "
-             f"or `python jobs/train_hotpot.py --config {report.best_yaml}`")
+             f"or `qrag train --ray --config {report.best_yaml}`")
     print(json.dumps(summary), flush=True)
     return summary
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``tune/sweep.py``: parse, then :func:`run`."""
+    prog = prog or Path(sys.argv[0]).name or "sweep"
+    return run(parse(sys.argv[1:] if argv is None else argv, prog), prog)
+
+
+def run(args: argparse.Namespace, prog: str) -> int:
     """0 when some trial completed, 2 on bad input (nothing started), 1 if every trial failed,
     130 when interrupted (start the same command again to resume)."""
-    prog = prog or Path(sys.argv[0]).name or "sweep"
-    argv = sys.argv[1:] if argv is None else argv
     try:
-        sweep, args = prepare(argv, prog)
+        sweep = check(args)
         if args.local:
             from qrag.distributed.sweep.local import LocalSweep
 
