@@ -777,9 +777,9 @@ def check_dockerfiles() -> list[str]:
             problems.append(f"{where}: the image should end on a non-root USER")
     qrag_ins = dockerfile_instructions(INFRA / "docker" / "Dockerfile")
     env = " ".join(i.args for i in qrag_ins if i.op == "ENV")
-    for var in ("HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"):
-        if var not in env:
-            problems.append(f"infra/docker/Dockerfile: ENV {var} missing (no hub at run time)")
+    for var in OFFLINE_VARS:
+        if f"{var}=" in env:
+            problems.append(f"infra/docker/Dockerfile: ENV {var} switches the hub off for every user of the image (data.hub needs it)")
     base = next(i.args.split()[0] for i in qrag_ins if i.op == "FROM")
     version = ray_image_version(base)
     if version != ray.__version__:
@@ -798,6 +798,8 @@ TORCH_SPECS = {  # where a torch version is chosen, and how to read it there
     "infra/docker/install.sh": r'TORCH_SPEC:-(torch[^}"]*)',
 }
 FAISS_PACKAGES = ("faiss-cpu", "faiss-gpu")  # one `faiss` module: never two of them in one extra
+# Set only on machines we make offline (CI, bench scripts), never for every user of a manifest.
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def check_pins(image: str) -> list[str]:
@@ -866,6 +868,9 @@ def check_images_and_versions() -> list[str]:
     launcher = yaml.safe_load((INFRA / "cluster.yaml").read_text())
     if launcher["docker"]["image"] != base:
         problems.append(f"infra/cluster.yaml: docker.image {launcher['docker']['image']} != the Dockerfile's base {base}")
+    options = " ".join(launcher["docker"].get("run_options") or [])
+    problems += [f"infra/cluster.yaml: docker.run_options set {k}, which switches the hub off on every node (data.hub needs it)"
+                 for k in OFFLINE_VARS if f"{k}=" in options]
     return problems
 
 
@@ -931,6 +936,8 @@ def check_runtime_env() -> list[str]:
     missing = [p for p in rayignore if p not in data.get("excludes", [])]
     if missing:
         problems.append(f"infra/runtime_env.yaml: excludes lack .rayignore entries {missing}")
+    problems += [f"infra/runtime_env.yaml: env_vars.{k} switches the hub off for every job (data.hub needs it)"
+                 for k in OFFLINE_VARS if k in (data.get("env_vars") or {})]
     image_env = dict(kv.split("=", 1) for i in dockerfile_instructions(INFRA / "docker" / "Dockerfile") if i.op == "ENV" for kv in i.args.split())
     for key, value in (data.get("env_vars") or {}).items():
         if key in image_env and image_env[key] != value:

@@ -153,7 +153,9 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
     ("cluster.yaml", lambda d: d["available_node_types"]["gpu_worker"]["resources"].update(CPU=4), "no node type with the resources of worker group gpu-workers"),
     ("cluster.yaml", lambda d: d["available_node_types"]["cpu_worker"].update(max_worker=3), "'max_worker' was unexpected"),
     ("runtime_env.yaml", lambda d: d["pip"]["packages"].remove("faiss-cpu>=1.8"), "missing ['faiss-cpu>=1.8']"),
-    ("runtime_env.yaml", lambda d: d["env_vars"].update(HF_HUB_OFFLINE="0"), "env_vars.HF_HUB_OFFLINE=0 but the image sets 1"),
+    ("runtime_env.yaml", lambda d: d["env_vars"].update(TOKENIZERS_PARALLELISM="true"), "env_vars.TOKENIZERS_PARALLELISM=true but the image sets false"),
+    ("runtime_env.yaml", lambda d: d["env_vars"].update(HF_HUB_OFFLINE="1"), "env_vars.HF_HUB_OFFLINE switches the hub off for every job"),
+    ("cluster.yaml", lambda d: d["docker"]["run_options"].append("--env HF_HUB_OFFLINE=1"), "docker.run_options set HF_HUB_OFFLINE"),
 ], ids=lambda v: v if isinstance(v, str) and "/" in v else None)
 def test_a_broken_manifest_is_reported(infra, file, change, expected):
     path, _, index = file.partition("#")  # file#n: the n-th document of the file

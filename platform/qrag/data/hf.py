@@ -111,11 +111,15 @@ def table_pairs(path: str | Path, normalize: Callable[[Any, str], Any] | None = 
     return (pair for file in files for pair in read(file))
 
 
-def record_pairs(path: str | Path, hub: str | None, split: str, read_file: Callable[[Path], Pairs],
+def record_pairs(path: str | Path | Callable[[], Path], hub: str | None, split: str, read_file: Callable[[Path], Pairs],
                  normalize: Callable[[Any, str], Any] | None = None) -> tuple[Pairs, bool]:
-    """(where, record) pairs of a loader's source and whether they still need the id-hash split."""
+    """(where, record) pairs of a loader's source and whether they still need the id-hash split.
+    ``path`` may be the loader's default-file function: it is called only without ``hub``, so the
+    hub path needs no data folder."""
     if hub:
         return hub_pairs(hub, split, normalize)
+    if callable(path):
+        path = path()
     if is_table_path(path):
         return table_pairs(path, normalize), True
     return (pair for file in resolve_files(path) for pair in read_file(file)), True

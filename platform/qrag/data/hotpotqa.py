@@ -102,7 +102,7 @@ def load_hotpotqa(
     limit: int | None = None,
     hub: str | None = None,
 ) -> list[Sample]:
-    pairs, by_hash = record_pairs(path or default_path(), hub, split, _numbered_records, hotpot_layout)
+    pairs, by_hash = record_pairs(path or default_path, hub, split, _numbered_records, hotpot_layout)
     in_split = records_in_split(pairs, "_id", split, dev_fraction, by_hash=by_hash)
     samples = (parse_record(record, where, budget, count) for where, record in in_split)
     return list(itertools.islice(samples, limit))

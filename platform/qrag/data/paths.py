@@ -38,10 +38,26 @@ def note_source(path: str | os.PathLike[str]) -> None:
         seen.add(str(Path(path).resolve()))
 
 
+# Where the benchmarks we ship subsets of are on the Hugging Face hub: data.hub reads them
+# with datasets.load_dataset (or from a folder written by its save_to_disk), no data folder needed.
+HUB_NAMES = {"hotpotqa": "hotpotqa/hotpot_qa:distractor", "musique": "dgslibisey/MuSiQue"}
+
+
+def no_data_help() -> str:
+    """The ways to give a run its data, for errors of a machine without the data folder."""
+    hub = "; ".join(f"data.dataset={name} data.hub={spec}" for name, spec in HUB_NAMES.items())
+    return ("export QRAG_DATA_DIR=<a folder of the benchmark files> (the layout of the repository's ../shared/data), "
+            "or give a file or folder: data.path=<JSON/JSONL, .parquet or a datasets save_to_disk folder> (qrag eval: --data), "
+            f"or read the full dataset from the Hugging Face hub with `datasets`: {hub} "
+            "(data.hub also takes a local folder of data files or of save_to_disk)")
+
+
 def data_root() -> Path:
     """``$QRAG_DATA_DIR``, else the first ``shared/data`` found beside the checkout or the cwd."""
     env = os.environ.get("QRAG_DATA_DIR")
     if env:
+        if not Path(env).is_dir():
+            raise DataError(f"QRAG_DATA_DIR={env} is not a folder: {no_data_help()}")
         return Path(env)
     candidates = [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data"]
     candidates += [parent / "shared" / "data" for parent in _HERE.parents]
@@ -49,8 +65,8 @@ def data_root() -> Path:
         if candidate.is_dir():
             return candidate
     raise DataError(
-        "no data directory: set QRAG_DATA_DIR or data.path (looked for shared/data beside the "
-        f"working directory and the checkout: {', '.join(str(c) for c in candidates[:3])}, ...)"
+        f"no data directory (no $QRAG_DATA_DIR, no shared/data beside the working directory or the checkout: looked in "
+        f"{', '.join(str(c) for c in candidates[:3])}, ...): {no_data_help()}"
     )
 
 

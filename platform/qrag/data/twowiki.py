@@ -59,7 +59,7 @@ def load_2wiki(
 ) -> list[Sample]:
     samples: list[Sample] = []
     skipped: list[str] = []
-    pairs, by_hash = record_pairs(path or default_path(), hub, split, _records, hotpot_layout)
+    pairs, by_hash = record_pairs(path or default_path, hub, split, _records, hotpot_layout)
     for where, record in records_in_split(pairs, "_id", split, dev_fraction, by_hash=by_hash):
         if limit is not None and len(samples) >= limit:
             break
