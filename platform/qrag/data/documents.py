@@ -8,6 +8,7 @@ longer than the budget is cut at word boundaries, so no text is lost to encoder 
 from __future__ import annotations
 
 import re
+import unicodedata
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,11 @@ from qrag.data.chunking import TokenCounter, pack_sentences, split_sentences
 from qrag.data.sample import DataError
 
 DOC_ID_MAX_CHARS = 256
+
+# The one rule for stored strings: Unicode text without NUL or lone surrogates (check_text). An id is
+# a one-line name, so it also holds no control character (C0, DEL, C1: \x85 among them) and no line or
+# paragraph separator: nothing that any reader (str.splitlines() included) takes for a line end.
+_ID_FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -79,18 +85,33 @@ def parse_document(rec: Any, at: str, extra_fields: bool = False) -> Document:
     unknown = sorted(set(rec) - {"id", "text"})
     if unknown and not extra_fields:
         raise DataError(f"{at}.{unknown[0]}: unknown field (a document has 'id' and 'text')")
-    doc_id, text = rec.get("id"), rec.get("text")
-    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
-        raise DataError(f"{at}.id: must be a non-empty string")
-    doc_id = str(doc_id)
-    if len(doc_id) > DOC_ID_MAX_CHARS:
-        raise DataError(f"{at}.id: longer than {DOC_ID_MAX_CHARS} characters")
+    doc_id, text = check_id(rec.get("id"), f"{at}.id"), rec.get("text")
     if not isinstance(text, str):
         raise DataError(f"{at}.text: must be a string")
     check_text(text, f"{at}.text")
     if not text.strip():
         raise DataError(f"{at}.text: empty document (id={doc_id})")
     return Document(doc_id, text)
+
+
+def check_id(value: Any, where: str) -> str:
+    """A document id by the rule above, in NFC: two spellings of one name are one document."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value).strip() == "":
+        raise DataError(f"{where}: must be a non-empty string")
+    doc_id = str(value)
+    bad = _ID_FORBIDDEN.search(doc_id)
+    if bad:
+        raise DataError(f"{where}: control character, line separator or lone surrogate (U+{ord(bad.group()):04X}) at character "
+                        f"{bad.start()}; an id is one line of text")
+    doc_id = normalize_id(doc_id)
+    if len(doc_id) > DOC_ID_MAX_CHARS:
+        raise DataError(f"{where}: longer than {DOC_ID_MAX_CHARS} characters")
+    return doc_id
+
+
+def normalize_id(doc_id: str) -> str:
+    """The form ids are compared and stored in (NFC); ids stored before the rule may be in another."""
+    return doc_id if unicodedata.is_normalized("NFC", doc_id) else unicodedata.normalize("NFC", doc_id)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -8,7 +8,10 @@ On disk, beside the corpora::
 
 A record whose owner stopped heart-beating (the process was killed or restarted) is stale; the
 service settles it as failed (or done, when the corpus shows its batch) the next time anyone
-looks at it, so no job stays "running" forever.
+looks at it, so no job stays "running" forever. Every record is written durably (temp file
+fsynced, renamed, directory fsynced: :func:`qrag.index.store.write_atomic`) before the job is
+answered or goes on, so a crash or power loss leaves each record at its last state or the one
+before, never torn or gone.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from qrag.index.store import write_atomic
+from qrag.index.store import make_dir, remove_file, write_atomic
 
 JOB_ID = re.compile(r"[0-9a-f]{16}")
 ACTIVE = ("queued", "running")
@@ -77,8 +80,9 @@ class JobBoard:
     def __init__(self, root: str | Path, stale_s: float = 30.0):
         self.root = Path(root) / ".jobs"
         self.stale_s = stale_s
+        make_dir(self.root)
         for sub in ("active", "done"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+            make_dir(self.root / sub)
 
     @contextmanager
     def admission(self) -> Iterator[None]:
@@ -94,19 +98,21 @@ class JobBoard:
         return self.root / ("active" if active else "done") / f"{job_id}.json"
 
     def save(self, job: Job) -> None:
-        """Write the record where its state belongs; a finished job is durable when this returns."""
+        """Write the record where its state belongs, durable when this returns: a queued job's id
+        is answered to its client, and a record renamed over its predecessor before its bytes
+        reach the disk could be empty after a power loss (the heartbeat's few fsyncs are cheap)."""
         job.heartbeat = time.time()
         data = json.dumps(asdict(job)).encode("utf-8")
         if job.active:
             done = self._path(job.id, False)
             if done.exists():  # a late heartbeat of a job that has ended: the ending stands
                 return
-            write_atomic(self._path(job.id, True), data, durable=False)  # progress: rewritten every few seconds
+            write_atomic(self._path(job.id, True), data)
             if done.exists():  # it ended while this was written
-                self._path(job.id, True).unlink(missing_ok=True)
+                remove_file(self._path(job.id, True))
         else:
             write_atomic(self._path(job.id, False), data)
-            self._path(job.id, True).unlink(missing_ok=True)
+            remove_file(self._path(job.id, True))
 
     def get(self, job_id: str) -> Job | None:
         if not JOB_ID.fullmatch(job_id):

@@ -9,12 +9,24 @@ On disk, one directory per corpus under a storage root::
                                          chunk token ids (flat + offsets)
     shard_000/batch_000001.jsonl         one line per chunk: position, document id, text
 
-A batch is committed by atomically replacing corpus.json once all its files are written, and
-every file and directory is fsynced before the write is acknowledged: a crash (or SIGKILL)
-mid-append leaves the previous version whole, and the next open or write removes stray files
-and temp files. Global chunk positions follow corpus order (documents as given, chunks in document
-order); chunk g lives in shard g % S at row g // S, so a shard holds every part of the corpus
-and appends keep the shards balanced.
+A batch is committed by atomically replacing corpus.json once all its files are written: each
+file is fsynced, renamed into place and its directory fsynced, then the manifest is written,
+fsynced, renamed and its directory fsynced, and only then is the write acknowledged. A crash
+(SIGKILL, or a power loss that drops unsynced writes) at any step leaves the previous version
+whole, and the next open or write removes stray files and temp files; :func:`fault_point` marks
+every step, so tests stop a process at each one. Global chunk positions follow corpus order
+(documents as given, chunks in document order); chunk g lives in shard g % S at row g // S, so a
+shard holds every part of the corpus and appends keep the shards balanced.
+
+Every write that started on one corpus names its generation (``Manifest.uid``) and is refused
+(:class:`CorpusChanged`) when the corpus was deleted and created again meanwhile, checked under the
+corpus lock when it commits. A re-index writes the new vectors of every segment beside the current
+ones (``next`` in the manifest, so a crash keeps them and a restarted re-index resumes) and swaps
+them all in one manifest commit: the corpus opens at the old model or the new one, never a mix.
+
+JSONL files hold one JSON record per line; strings keep their characters, except the few that JSON
+leaves raw but some readers (``str.splitlines()``) end a line at, which are written as escapes, and
+readers split lines at newline bytes only.
 """
 
 from __future__ import annotations
@@ -26,8 +38,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -39,7 +52,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from qrag.config import ModelConfig, from_dict, to_dict
-from qrag.data.documents import Document, DocumentChunk
+from qrag.data.documents import Document, DocumentChunk, normalize_id
 
 FORMAT_VERSION = 1
 PARALLEL_SHARD_WRITES_FROM = 2048  # chunks in a batch; smaller ones (HTTP appends) stay in the calling thread
@@ -57,6 +70,57 @@ class CorpusNotFound(StoreError):
 
 class CorpusConflict(StoreError):
     """The request contradicts the corpus (exists already, duplicate document, other model)."""
+
+
+class CorpusChanged(CorpusConflict):
+    """The corpus a write started on was deleted and created again before the write committed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Crash points
+
+FAULT_ENV = "QRAG_FAULT_POINT"  # "N": the process kills itself (SIGKILL) at its N-th fault point
+_fault_hook: Callable[[str], None] | None = None
+
+
+def fault_point(name: str) -> None:
+    """A step of a write (before and after each write, fsync, rename and removal) at which a crash
+    must leave every corpus and job record whole: crash tests stop the process here."""
+    if _fault_hook is not None:
+        _fault_hook(name)
+
+
+def set_fault_hook(hook: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """Call ``hook(point)`` at every fault point from now on (None: nothing); returns the previous hook."""
+    global _fault_hook
+    previous, _fault_hook = _fault_hook, hook
+    return previous
+
+
+def kill_at(n: int) -> Callable[[str], None]:
+    """A hook that SIGKILLs this process at its ``n``-th fault point (1-based)."""
+    seen = 0
+
+    def hook(name: str) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def fault_hook_from_env(environ: Mapping[str, str] = os.environ) -> None:
+    """Arm :func:`kill_at` when ``$QRAG_FAULT_POINT`` is set (a crash test's child process)."""
+    spec = environ.get(FAULT_ENV, "").strip()
+    if not spec:
+        return
+    if not spec.isdigit() or int(spec) < 1:
+        raise ValueError(f"${FAULT_ENV} must be a positive integer (the fault point to die at), got {spec[:40]!r}")
+    set_fault_hook(kill_at(int(spec)))
+
+
+fault_hook_from_env()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,9 +144,13 @@ class Manifest:
     created: float = 0.0
     updated: float = 0.0
     # [{"id", "first", "chunks", "documents", "tokens", "docs": {file, sha256},
-    #   "shards": [{"chunks", "fingerprint", "vectors": {file, sha256}, "texts": {file, sha256}}]}]
+    #   "shards": [{"chunks", "fingerprint", "vectors": {file, sha256}, "texts": {file, sha256},
+    #               "next": {"fingerprint", "vectors": {file, sha256}} while a re-index has staged it}]}]
     batches: list[dict[str, Any]] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
+    # A re-index under way: {"fingerprint", "dim", "model"} it embeds with, and "through", the last
+    # batch it began with (those batches' segments all need new vectors).
+    reindex: dict[str, Any] | None = None
 
     @property
     def model_cfg(self) -> ModelConfig:
@@ -103,6 +171,19 @@ class Manifest:
         return {**{k: getattr(self, k) for k in keys}, "positions": self.positions, "batches": len(self.batches)}
 
 
+def segment_positions(m: Manifest, shard: int, batch: dict[str, Any]) -> np.ndarray:
+    """The global positions of ``batch``'s rows in ``shard``, ascending."""
+    positions = np.arange(batch["first"], batch["first"] + batch["chunks"], dtype=np.int64)
+    return positions[positions % m.shards == shard]
+
+
+def listed_files(m: Manifest) -> set[str]:
+    """Every file the manifest names (documents, texts, vectors, staged vectors of a re-index)."""
+    files = {b["docs"]["file"] for b in m.batches}
+    files |= {s[k]["file"] for b in m.batches for s in b["shards"] for k in ("vectors", "texts")}
+    return files | {s["next"]["vectors"]["file"] for b in m.batches for s in b["shards"] if "next" in s}
+
+
 def shard_rows(shard: int, n_shards: int, n_total: int) -> int:
     """How many of the first ``n_total`` global positions fall in ``shard`` (g % S == shard)."""
     return max(0, -(-(n_total - shard) // n_shards))
@@ -116,6 +197,10 @@ def valid_name(name: object) -> bool:
     return isinstance(name, str) and NAME_PATTERN.fullmatch(name) is not None
 
 
+def _where(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}"
+
+
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (a rename, a new file) durable, not only the files' bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -123,38 +208,88 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    fault_point(f"synced directory {_where(path)}")
 
 
 def make_dir(path: Path) -> None:
     """mkdir that survives a crash: the parent's entry is fsynced too."""
     if not path.is_dir():
         path.mkdir(parents=True, exist_ok=True)
+        fault_point(f"made directory {_where(path)}")
         fsync_dir(path.parent)
+
+
+def remove_file(path: Path) -> None:
+    """Unlink ``path`` if it is there (a file no manifest or record lists any more)."""
+    path.unlink(missing_ok=True)
+    fault_point(f"removed {_where(path)}")
 
 
 TMP_SUFFIX = ".tmp"
 
 
 def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write to a temp file, then rename over ``path``; with ``durable`` both the file and the
-    directory entry are on disk before this returns (the write may then be acknowledged)."""
+    """Write to a temp file, then rename over ``path``; with ``durable`` the file's bytes are
+    fsynced before the rename and the directory after it, so both are on disk before this returns
+    (the write may then be acknowledged)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    where = _where(path)
     try:
+        fault_point(f"writing {where}")
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
+            fault_point(f"written {where}")
             if durable:
                 os.fsync(fh.fileno())
+                fault_point(f"synced {where}")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fault_point(f"renamed {where}")
     if durable:
         fsync_dir(path.parent)
 
 
+# ---------------------------------------------------------------------------------------------
+# JSON lines
+
+# JSON leaves these three raw inside strings (ensure_ascii=False), but str.splitlines() ends a line
+# at each: written as \uXXXX escapes, no reader can split a record. (UTF-8 never holds these byte
+# runs inside another character.)
+_RAW_LINE_ENDS = re.compile("\x85|\u2028|\u2029".encode())
 
 
+def _one_record_per_line(data: bytes) -> bytes:
+    """JSON lines (UTF-8) with the raw line ends of :data:`_RAW_LINE_ENDS` escaped; same records."""
+    return _RAW_LINE_ENDS.sub(lambda hit: b"\\u%04x" % ord(hit.group().decode()), data)
+
+
+def _records(data: bytes, fields: dict[str, type]) -> list[dict[str, Any]]:
+    """The records of a JSONL file, split at "\\n" only (JSON escapes every newline inside a
+    string, and files written before the escaping above may hold raw U+2028), each an object whose
+    ``fields`` have their types. A ValueError names the line of the first bad one."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 (byte {exc.start})") from None
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError) as exc:  # a JSONDecodeError, or nesting too deep
+            raise ValueError(f"line {n} is not a JSON record ({getattr(exc, 'msg', type(exc).__name__)})") from None
+        if not isinstance(rec, dict) or any(not isinstance(rec.get(k), t) for k, t in fields.items()):
+            raise ValueError(f"line {n} is not a record of {', '.join(fields)}")
+        rows.append(rec)
+    return rows
+
+
+_TEXT_FIELDS = {"position": int, "doc": str, "text": str}
+_DOC_FIELDS = {"id": str}
 
 # ---------------------------------------------------------------------------------------------
 # Reading one shard's segment (a batch's rows in one shard)
@@ -332,9 +467,10 @@ class CorpusStore:
             if not (path / "corpus.json").exists():
                 raise CorpusNotFound(f"unknown corpus {name!r}")
             # The manifest goes first: a crash part-way leaves debris, never a half corpus.
-            (path / "corpus.json").unlink()
+            remove_file(path / "corpus.json")
             fsync_dir(path)
             shutil.rmtree(path, ignore_errors=True)
+            fault_point(f"removed directory {name}")
             fsync_dir(self.root)
 
     def disk_bytes(self, name: str) -> int:
@@ -343,14 +479,37 @@ class CorpusStore:
     # -- documents
 
     def doc_ids(self, m: Manifest) -> list[str]:
+        """The corpus's document ids as stored (ids written before :func:`normalize_id` may be in
+        another normal form). A StoreError names the file and line that cannot be read."""
         ids: list[str] = []
         for batch in m.batches:
-            path = self.path(m.name) / batch["docs"]["file"]
-            data = self._read_checked(path, batch["docs"]["sha256"])
-            if data is None:
-                raise StoreError(f"corpus {m.name!r}: {batch['docs']['file']} is missing or corrupt")
-            ids.extend(json.loads(line)["id"] for line in data.decode("utf-8").splitlines() if line)
+            ids.extend(r["id"] for r in self._read_records(m, batch["docs"], _DOC_FIELDS))
         return ids
+
+    def _read_records(self, m: Manifest, entry: dict[str, Any], fields: dict[str, type]) -> list[dict[str, Any]]:
+        """The checked records of a manifest's JSONL file ``entry`` ({file, sha256})."""
+        data = self._read_checked(self.path(m.name) / entry["file"], entry["sha256"])
+        if data is None:
+            self.current(m)  # a corpus deleted or created again meanwhile explains it
+            raise StoreError(f"corpus {m.name!r}: {entry['file']} is missing or corrupt")
+        try:
+            return _records(data, fields)
+        except ValueError as exc:
+            raise StoreError(f"corpus {m.name!r}: {entry['file']}: {exc}; restore the file or delete the corpus") from None
+
+    def current(self, m: Manifest, what: str = "request") -> Manifest:
+        """The manifest now of ``m``'s corpus generation; CorpusNotFound or :class:`CorpusChanged`
+        when the corpus is gone or was created again."""
+        now = self.read(m.name)
+        self._check_uid(now, m.uid, what)
+        return now
+
+    @staticmethod
+    def _check_uid(m: Manifest, uid: str | None, what: str) -> None:
+        """The generation check of every write that started on corpus ``uid`` (None: no check)."""
+        if uid is not None and m.uid != uid:
+            raise CorpusChanged(f"corpus {m.name!r} was deleted and created again while this {what} ran (generation {uid}, now "
+                                f"{m.uid}); nothing of it was stored in the new corpus")
 
     @staticmethod
     def _read_checked(path: Path, sha: str) -> bytes | None:
@@ -365,10 +524,10 @@ class CorpusStore:
     def check_new(self, m: Manifest, docs: Sequence[Document], fingerprint: str, existing: set[str] | None = None) -> None:
         """What :meth:`append` refuses (CorpusConflict): vectors of another model, or a document id
         the corpus holds (``existing``: its ids, when the caller has read them already)."""
-        if fingerprint != m.fingerprint:
+        if fingerprint != m.fingerprint and fingerprint != (m.reindex or {}).get("fingerprint"):
             raise CorpusConflict(f"corpus {m.name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}")
-        existing = set(self.doc_ids(m)) if existing is None else existing
-        dup = next((d.id for d in docs if d.id in existing), None)
+        held = {normalize_id(i) for i in (self.doc_ids(m) if existing is None else existing)}
+        dup = next((d.id for d in docs if normalize_id(d.id) in held), None)
         if dup is not None:
             raise CorpusConflict(f"document id {dup!r} is already in corpus {m.name!r}")
 
@@ -381,11 +540,13 @@ class CorpusStore:
         vectors: np.ndarray,
         fingerprint: str,
         job: str | None = None,
+        uid: str | None = None,
     ) -> Manifest:
         """Add documents (their chunks in corpus order, token ids and vectors) as one batch;
         durable when this returns. ``job`` is recorded with the batch (a restarted server can
-        tell whether an interrupted job's documents made it)."""
-        with self.hold(name) as m:
+        tell whether an interrupted job's documents made it); ``uid``: the corpus generation the
+        documents were chunked for (:class:`CorpusChanged` when it is another one now)."""
+        with self.hold(name, uid, "append") as m:
             self.check_new(m, docs, fingerprint)
             self._add_batch(m, docs, chunks, token_ids, vectors, fingerprint=fingerprint, job=job)
             self._write_manifest(m)
@@ -415,7 +576,8 @@ class CorpusStore:
         for c in chunks:
             per_doc[c.doc_id][0] += 1
             per_doc[c.doc_id][1] += c.tokens
-        docs_bytes = "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode()
+        docs_bytes = _one_record_per_line(
+            "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode())
         make_dir(root / "docs")
         write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
 
@@ -454,13 +616,15 @@ class CorpusStore:
         m.tokens += entry["tokens"]
 
     @contextmanager
-    def hold(self, name: str) -> Iterator[Manifest]:
+    def hold(self, name: str, uid: str | None = None, what: str = "write") -> Iterator[Manifest]:
         """The writer lock for a run of many batches, with the manifest at its start (debris of
-        crashed writes removed). While it is held, other processes may write batch files
-        (:meth:`write_batch_files`) that the holder commits with :meth:`commit_written`: no other
-        writer can remove them as strays meanwhile, and a crash leaves them as strays."""
+        crashed writes removed; :class:`CorpusChanged` if it is no longer generation ``uid``).
+        While it is held, other processes may write batch files (:meth:`write_batch_files`) that
+        the holder commits with :meth:`commit_written`: no other writer can remove them as strays
+        meanwhile, and a crash leaves them as strays."""
         with self.lock(name):
             m = self.read(name)
+            self._check_uid(m, uid, what)
             self._remove_strays(m)
             for tmp in self.path(name).glob(f"*/.*{TMP_SUFFIX}"):
                 tmp.unlink(missing_ok=True)
@@ -473,27 +637,42 @@ class CorpusStore:
         return m
 
     def _write_segment(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str) -> dict[str, Any]:
+        txt_bytes = _one_record_per_line(_encode_texts(positions, doc_ids, texts))
+        vec = self._write_vectors(m, shard, tag, positions, vectors, tokens)
+        txt_name = f"{tag}.jsonl"
         folder = self.path(m.name) / f"shard_{shard:03d}"
-        make_dir(folder)
-        vec_bytes = _encode_segment(positions, vectors, tokens, m.dtype)
-        txt_bytes = _encode_texts(positions, doc_ids, texts)
-        # A fresh file name per write: a reader holding the old manifest still finds its files.
-        suffix = secrets.token_hex(3)
-        vec_name, txt_name = f"{tag}.{suffix}.safetensors", f"{tag}.jsonl"
-        write_atomic(folder / vec_name, vec_bytes)
         if not (folder / txt_name).exists() or _sha256((folder / txt_name).read_bytes()) != _sha256(txt_bytes):
             write_atomic(folder / txt_name, txt_bytes)
+        else:  # written by an earlier attempt, perhaps before its directory was synced
+            fsync_dir(folder)
         return {
-            "chunks": int(len(positions)), "fingerprint": fingerprint,
-            "vectors": {"file": f"shard_{shard:03d}/{vec_name}", "sha256": _sha256(vec_bytes)},
+            "chunks": int(len(positions)), "fingerprint": fingerprint, "vectors": vec,
             "texts": {"file": f"shard_{shard:03d}/{txt_name}", "sha256": _sha256(txt_bytes)},
         }
+
+    def _write_vectors(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens) -> dict[str, Any]:
+        """One segment's vectors file, durable; its manifest entry {file, sha256}."""
+        folder = self.path(m.name) / f"shard_{shard:03d}"
+        make_dir(folder)
+        data = _encode_segment(positions, vectors, tokens, m.dtype)
+        # A fresh file name per write: a reader holding the old manifest still finds its files.
+        name = f"{tag}.{secrets.token_hex(3)}.safetensors"
+        write_atomic(folder / name, data)
+        return {"file": f"shard_{shard:03d}/{name}", "sha256": _sha256(data)}
+
+    def _rewrite_vectors(self, m: Manifest, shard: int, batch: dict[str, Any], vectors: np.ndarray, token_ids: Sequence[np.ndarray],
+                         dim: int) -> dict[str, Any]:
+        """New vectors for a segment whose texts stay as they are (repair, re-index)."""
+        positions = segment_positions(m, shard, batch)
+        if vectors.ndim != 2 or vectors.shape != (len(positions), dim) or len(token_ids) != len(positions):
+            raise StoreError(f"corpus {m.name!r} shard {shard} batch {batch['id']}: vectors of shape {tuple(vectors.shape)} and "
+                             f"{len(token_ids)} token arrays for {len(positions)} chunks of dimension {dim}")
+        return self._write_vectors(m, shard, f"batch_{batch['id']:06d}", positions, vectors, token_ids)
 
     def _remove_strays(self, m: Manifest) -> int:
         """Files of crashed writes: anything in docs/ or shard_*/ that the manifest does not list
         (temp files of a write in progress are left to their writer)."""
-        keep = {b["docs"]["file"] for b in m.batches}
-        keep |= {s[k]["file"] for b in m.batches for s in b["shards"] for k in ("vectors", "texts")}
+        keep = listed_files(m)
         root = self.path(m.name)
         removed = 0
         for folder in [root / "docs", *root.glob("shard_*")]:
@@ -514,8 +693,7 @@ class CorpusStore:
         """One batch's rows of one shard, checked against the manifest; never wrong rows."""
         entry = batch["shards"][shard]
         root = self.path(m.name)
-        expected = np.arange(batch["first"], batch["first"] + batch["chunks"], dtype=np.int64)
-        expected = expected[expected % m.shards == shard]
+        expected = segment_positions(m, shard, batch)
 
         def problem(file: str, reason: str, repairable: bool) -> tuple[None, SegmentProblem]:
             return None, SegmentProblem(m.name, shard, batch["id"], file, reason, repairable)
@@ -524,7 +702,10 @@ class CorpusStore:
         if texts is None:
             reason = "missing" if not (root / entry["texts"]["file"]).exists() else "checksum mismatch"
             return problem(entry["texts"]["file"], f"{reason}; the chunk texts are lost, re-create the corpus", False)
-        rows = [json.loads(line) for line in texts.decode("utf-8").splitlines() if line]
+        try:
+            rows = _records(texts, _TEXT_FIELDS)
+        except ValueError as exc:
+            return problem(entry["texts"]["file"], f"{exc}; the chunk texts are unreadable, restore the file or re-create the corpus", False)
         if len(rows) != len(expected) or any(r["position"] != p for r, p in zip(rows, expected)):
             return problem(entry["texts"]["file"], "rows do not match the manifest", False)
         if entry.get("fingerprint") != m.fingerprint:
@@ -543,44 +724,109 @@ class CorpusStore:
         tokens = [flat[offsets[i] : offsets[i + 1]] for i in range(len(expected))]
         return Segment(batch["id"], positions, vectors, tokens, [r["doc"] for r in rows], [r["text"] for r in rows]), None
 
-    def replace_vectors(self, name: str, shard: int, batch_id: int, vectors: np.ndarray, token_ids: Sequence[np.ndarray], fingerprint: str) -> Manifest:
-        """Re-embedded vectors for one segment whose texts are intact (repair / reindex)."""
+    def replace_vectors(self, name: str, shard: int, batch_id: int, vectors: np.ndarray, token_ids: Sequence[np.ndarray], fingerprint: str,
+                        uid: str | None = None) -> Manifest:
+        """Re-embedded vectors for one segment whose texts are intact (repair), of the corpus
+        generation ``uid`` the texts were read from (:class:`CorpusChanged` otherwise)."""
         with self.lock(name):
             m = self.read(name)
+            self._check_uid(m, uid, "repair")
             if fingerprint != m.fingerprint:
                 raise CorpusConflict(f"corpus {name!r} is for model {m.fingerprint}, not {fingerprint}")
-            batch = next((b for b in m.batches if b["id"] == batch_id), None)
-            if batch is None:
-                raise StoreError(f"corpus {name!r} has no batch {batch_id}")
-            segment_texts = self.read_texts(m, shard, batch)
-            if len(segment_texts) != len(vectors):
-                raise StoreError(f"corpus {name!r} shard {shard} batch {batch_id}: {len(vectors)} vectors for {len(segment_texts)} chunks")
-            positions = np.asarray([p for p, _, _ in segment_texts], dtype=np.int64)
-            old = batch["shards"][shard]
-            new = self._write_segment(m, shard, f"batch_{batch_id:06d}", positions, vectors, token_ids,
-                                      [d for _, d, _ in segment_texts], [t for _, _, t in segment_texts], fingerprint)
-            batch["shards"][shard] = new
+            batch = self._batch(m, batch_id)
+            entry = batch["shards"][shard]
+            old = entry["vectors"]["file"]
+            entry["vectors"], entry["fingerprint"] = self._rewrite_vectors(m, shard, batch, vectors, token_ids, m.dim), fingerprint
             m.version += 1
             self._write_manifest(m)
-            old_file = self.path(name) / old["vectors"]["file"]
-            if old["vectors"]["file"] != new["vectors"]["file"] and old_file.exists():
-                old_file.unlink()
+            self._remove_unlisted(m, [old])
             return m
+
+    @staticmethod
+    def _batch(m: Manifest, batch_id: int) -> dict[str, Any]:
+        batch = next((b for b in m.batches if b["id"] == batch_id), None)
+        if batch is None:
+            raise StoreError(f"corpus {m.name!r} has no batch {batch_id}")
+        return batch
+
+    def _remove_unlisted(self, m: Manifest, files: Sequence[str]) -> None:
+        """Remove files the committed manifest ``m`` no longer lists (a crash first leaves them as strays)."""
+        listed = listed_files(m)
+        for file in files:
+            if file not in listed:
+                remove_file(self.path(m.name) / file)
 
     def read_texts(self, m: Manifest, shard: int, batch: dict[str, Any]) -> list[tuple[int, str, str]]:
         """(position, doc id, text) of a segment, checked; a StoreError when they are lost."""
-        entry = batch["shards"][shard]
-        data = self._read_checked(self.path(m.name) / entry["texts"]["file"], entry["texts"]["sha256"])
-        if data is None:
-            raise StoreError(f"corpus {m.name!r} shard {shard}: {entry['texts']['file']} is missing or corrupt")
-        rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
+        rows = self._read_records(m, batch["shards"][shard]["texts"], _TEXT_FIELDS)
         return [(r["position"], r["doc"], r["text"]) for r in rows]
 
-    def set_fingerprint(self, name: str, fingerprint: str, dim: int, model: ModelConfig) -> Manifest:
-        """Start a re-index with another model: every segment turns stale until re-embedded."""
+    # -- re-indexing: new vectors for every segment beside the current ones, swapped in at once
+
+    def begin_reindex(self, name: str, uid: str, fingerprint: str, dim: int, model: ModelConfig) -> Manifest:
+        """Record a re-index to ``fingerprint`` in the manifest, or keep the one under way to it (an
+        interrupted re-index resumes from the segments it staged). The corpus serves its current
+        vectors until :meth:`finish_reindex`."""
         with self.lock(name):
             m = self.read(name)
-            m.fingerprint, m.dim, m.model = fingerprint, int(dim), to_dict(model)
+            self._check_uid(m, uid, "re-index")
+            target = {"fingerprint": fingerprint, "dim": int(dim), "model": to_dict(model)}
+            if m.reindex is not None and all(m.reindex.get(k) == v for k, v in target.items()):
+                return m
+            staged = [s.pop("next")["vectors"]["file"] for b in m.batches for s in b["shards"] if "next" in s]
+            m.reindex = {**target, "through": max((b["id"] for b in m.batches), default=0)}
+            self._write_manifest(m)
+            self._remove_unlisted(m, staged)
+            return m
+
+    @staticmethod
+    def reindex_todo(m: Manifest) -> list[tuple[dict[str, Any], int]]:
+        """The (batch, shard) segments the re-index under way has still to re-embed: those of the
+        batches it began with that have no staged vectors, and later ones of another model."""
+        if m.reindex is None:
+            return []
+        target, through = m.reindex["fingerprint"], m.reindex["through"]
+        return [(b, s) for b in m.batches for s, entry in enumerate(b["shards"])
+                if entry.get("next", {}).get("fingerprint") != target and (b["id"] <= through or entry.get("fingerprint") != target)]
+
+    def _reindexing(self, name: str, uid: str, fingerprint: str) -> Manifest:
+        """The manifest (the caller holds the lock) of generation ``uid`` under a re-index to ``fingerprint``."""
+        m = self.read(name)
+        self._check_uid(m, uid, "re-index")
+        if m.reindex is None or m.reindex["fingerprint"] != fingerprint:
+            raise CorpusConflict(f"corpus {name!r}: the re-index to model {fingerprint} was finished or replaced by another one")
+        return m
+
+    def stage_vectors(self, name: str, uid: str, fingerprint: str, shard: int, batch_id: int, vectors: np.ndarray,
+                      token_ids: Sequence[np.ndarray]) -> Manifest:
+        """One segment's vectors from the re-index's model, durable beside the current ones."""
+        with self.lock(name):
+            m = self._reindexing(name, uid, fingerprint)
+            batch = self._batch(m, batch_id)
+            entry = batch["shards"][shard]
+            old = entry.get("next", {}).get("vectors", {}).get("file")
+            vec = self._rewrite_vectors(m, shard, batch, vectors, token_ids, m.reindex["dim"])
+            entry["next"] = {"fingerprint": fingerprint, "vectors": vec}
+            self._write_manifest(m)
+            self._remove_unlisted(m, [old] if old else [])
+            return m
+
+    def finish_reindex(self, name: str, uid: str, fingerprint: str) -> tuple[Manifest, list[tuple[dict[str, Any], int]]]:
+        """Swap every staged segment in, with the model, in one manifest commit, once none is left
+        to re-embed. Returns the manifest and the segments still to do (then nothing changed)."""
+        with self.lock(name):
+            m = self._reindexing(name, uid, fingerprint)
+            todo = self.reindex_todo(m)
+            if todo:
+                return m, todo
+            replaced = []
+            for entry in (s for b in m.batches for s in b["shards"] if "next" in s):
+                replaced.append(entry["vectors"]["file"])
+                staged = entry.pop("next")
+                entry["vectors"], entry["fingerprint"] = staged["vectors"], staged["fingerprint"]
+            target, m.reindex = m.reindex, None
+            m.fingerprint, m.dim, m.model = target["fingerprint"], target["dim"], target["model"]
             m.version += 1
             self._write_manifest(m)
-            return m
+            self._remove_unlisted(m, replaced)
+            return m, []

@@ -2,6 +2,8 @@
 
 Every limit of a request is checked before any work, and the chunk budget comes from the model
 (its positions minus special tokens). Writes run as indexing jobs (:mod:`qrag.serving.job_runner`).
+An append, re-index or repair names the corpus generation (``uid``) it read its settings and texts
+from, and the store refuses it (409) if the corpus was deleted and created again meanwhile.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from qrag.data.documents import Document, parse_documents
+from qrag.data.documents import Document, normalize_id, parse_documents
 from qrag.data.sample import DataError
 from qrag.index.holder import corpus_bytes_per_holder
 from qrag.index.jobs import Job
 from qrag.index.shards import ShardUnhealthy
-from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
+from qrag.index.store import CorpusChanged, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 from qrag.retrieval.embedder import Tokenization
 from qrag.serving.backends import EncoderClient, ShardClient
 from qrag.serving.errors import ServiceError, data_error, store_error
@@ -26,8 +28,6 @@ from qrag.serving.identity import ModelIdentity, chunk_token_limit, public_sourc
 from qrag.serving.job_runner import JobRunner
 from qrag.serving.metrics import Metrics
 from qrag.serving.service_config import ServeConfig
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 class CorpusAdmin:
@@ -70,14 +70,20 @@ class CorpusAdmin:
         except ServiceError:
             return None
 
-    def compatible(self, name: str) -> Manifest:
-        """The manifest of a corpus indexed with the served model (409 otherwise)."""
+    def compatible(self, name: str, reindexing: bool = False) -> Manifest:
+        """The manifest of a corpus indexed with the served model (409 otherwise); with
+        ``reindexing``, also one being re-indexed to it (appends may go on meanwhile)."""
         m = self.manifest(name)
-        if m.fingerprint != self.model.fingerprint:
-            raise ServiceError(409, "corpus", f"corpus {name!r} was indexed with model {m.fingerprint}; this server runs "
-                                              f"{self.model.fingerprint} ({public_source(self.model.source)}). "
-                                              f"POST /v1/corpora/{name}/reindex re-embeds it from its stored texts")
-        return m
+        target = (m.reindex or {}).get("fingerprint")
+        if m.fingerprint == self.model.fingerprint or (reindexing and target == self.model.fingerprint):
+            return m
+        if target == self.model.fingerprint:
+            raise ServiceError(409, "corpus", f"corpus {name!r} is being re-indexed to the served model {target}, or its re-index "
+                                              f"was interrupted: it serves once that ends (GET /v1/corpora/{name}/jobs; POST "
+                                              f"/v1/corpora/{name}/reindex goes on from the segments already re-embedded)")
+        raise ServiceError(409, "corpus", f"corpus {name!r} was indexed with model {m.fingerprint}; this server runs "
+                                          f"{self.model.fingerprint} ({public_source(self.model.source)}). "
+                                          f"POST /v1/corpora/{name}/reindex re-embeds it from its stored texts")
 
     def list_corpora(self) -> list[dict[str, Any]]:
         out = []
@@ -160,10 +166,6 @@ class CorpusAdmin:
             raise data_error(exc) from None
         word = re.compile(r"\S{%d,}" % (self.cfg.max_word_chars + 1))
         for i, d in enumerate(docs):
-            bad = _CONTROL.search(d.id)
-            if bad:
-                raise ServiceError(422, f"documents[{i}].id", f"documents[{i}].id: control character or lone surrogate at character "
-                                                              f"{bad.start()}")
             long = word.search(d.text)
             if long:
                 raise ServiceError(422, f"documents[{i}].text", f"documents[{i}].text: {long.end() - long.start()} characters without "
@@ -171,16 +173,16 @@ class CorpusAdmin:
         return docs
 
     async def append(self, name: str, documents: Any, wait: bool = True) -> dict[str, Any]:
-        m = self.compatible(name)
+        m = self.compatible(name, reindexing=True)
         docs = documents if documents and isinstance(documents[0], Document) else self._documents(documents)
         if not docs:
             raise ServiceError(422, "documents", "no documents to add")
         self.check_memory(m, name, 0, 0)
         try:
-            existing = set(await asyncio.to_thread(self.store.doc_ids, m))
+            existing = {normalize_id(i) for i in await asyncio.to_thread(self.store.doc_ids, m)}
         except StoreError as exc:
             raise store_error(exc, name) from None
-        dup = next((d.id for d in docs if d.id in existing), None)
+        dup = next((d.id for d in docs if normalize_id(d.id) in existing), None)
         if dup is not None:
             raise ServiceError(409, "documents", f"document id {dup!r} is already in corpus {name!r}")
         return await self.jobs.submit(name, "append", len(docs), lambda job: self._index(job, m, docs), wait)
@@ -208,7 +210,9 @@ class CorpusAdmin:
         self.check_memory(self.manifest(m.name), m.name, len(ids), sum(c.tokens for c in chunks))
         vectors = await self._embed_chunks(ids, job)
         try:
-            await asyncio.to_thread(self.store.append, m.name, docs, chunks, ids, vectors, self.model.fingerprint, job.id)
+            await asyncio.to_thread(self.store.append, m.name, docs, chunks, ids, vectors, self.model.fingerprint, job.id, m.uid)
+        except CorpusChanged as exc:
+            raise ServiceError(409, "corpus", str(exc)) from None
         except CorpusConflict as exc:
             raise ServiceError(409, "documents", str(exc)) from None
         except CorpusNotFound:
@@ -231,24 +235,36 @@ class CorpusAdmin:
 
     async def reindex(self, name: str, wait: bool = False) -> dict[str, Any]:
         """Re-embed every chunk of a corpus with the served model (after a model change); one
-        re-index per corpus at a time."""
+        re-index per corpus at a time. The corpus serves its old vectors until all new ones are
+        written, then switches in one commit; an interrupted re-index goes on where it stopped."""
         m = self.manifest(name)
-        return await self.jobs.submit(name, "reindex", m.documents, lambda job: self._reindex(job, name), wait)
+        return await self.jobs.submit(name, "reindex", m.documents, lambda job: self._reindex(job, name, m.uid), wait)
 
-    async def _reindex(self, job: Job, name: str) -> None:
-        m = await asyncio.to_thread(self.store.set_fingerprint, name, self.model.fingerprint, self.model.dim, self.model.model_cfg)
+    async def _reindex(self, job: Job, name: str, uid: str) -> None:
+        fingerprint = self.model.fingerprint
+        m = await asyncio.to_thread(self.store.begin_reindex, name, uid, fingerprint, self.model.dim, self.model.model_cfg)
         self.check_memory(m, name, 0, 0)
-        job.chunks_total = m.chunks
-        for batch in m.batches:
-            for shard in range(m.shards):
-                await self._reembed_segment(m, shard, batch)
+        todo = self.store.reindex_todo(m)
+        while True:  # appends of another model meanwhile leave segments to re-embed at the swap
+            job.chunks_total = m.chunks
+            job.chunks_done = m.chunks - sum(batch["shards"][shard]["chunks"] for batch, shard in todo)
+            for batch, shard in todo:
+                await self._reembed_segment(m, shard, batch, stage=True)
                 job.chunks_done += batch["shards"][shard]["chunks"]
+            m, todo = await asyncio.to_thread(self.store.finish_reindex, name, uid, fingerprint)
+            if not todo:
+                return
 
-    async def _reembed_segment(self, m: Manifest, shard: int, batch: dict[str, Any]) -> None:
+    async def _reembed_segment(self, m: Manifest, shard: int, batch: dict[str, Any], stage: bool = False) -> None:
+        """New vectors of one segment from its stored texts: staged for the re-index under way, or
+        in place of missing or corrupt ones (repair); of ``m``'s generation only."""
         rows = await asyncio.to_thread(self.store.read_texts, m, shard, batch)
         ids = await asyncio.to_thread(self.tok.tokenize_chunks, [t for _, _, t in rows], m.chunk_tokens)
         vectors = await self._embed_chunks(ids)
-        await asyncio.to_thread(self.store.replace_vectors, m.name, shard, batch["id"], vectors, ids, self.model.fingerprint)
+        if stage:
+            await asyncio.to_thread(self.store.stage_vectors, m.name, m.uid, self.model.fingerprint, shard, batch["id"], vectors, ids)
+        else:
+            await asyncio.to_thread(self.store.replace_vectors, m.name, shard, batch["id"], vectors, ids, self.model.fingerprint, m.uid)
 
     async def repair(self, name: str, exc: ShardUnhealthy) -> None:
         """Re-embed segments whose vectors are missing or corrupt from their stored texts."""
@@ -264,4 +280,4 @@ class CorpusAdmin:
                 if still is None and entry.get("fingerprint") == m.fingerprint:
                     continue  # another request repaired it meanwhile
                 await self._reembed_segment(m, problem.shard, batch)
-                m = await asyncio.to_thread(self.store.read, name)
+                m = await asyncio.to_thread(self.store.current, m, "repair")

@@ -86,7 +86,8 @@ class JobRunner:
         if batch is not None:
             job.state, job.chunks_done = "done", job.chunks_total
         else:
-            nothing = "nothing of it was stored" if job.kind != "reindex" else f"POST /v1/corpora/{job.corpus}/reindex again"
+            nothing = ("nothing of it was stored" if job.kind != "reindex" else
+                       f"the corpus keeps its old vectors; POST /v1/corpora/{job.corpus}/reindex goes on from the segments already re-embedded")
             job.state = "failed"
             job.error = ServiceError(503, None, f"interrupted: the server running this job stopped (restart or crash) "
                                                 f"before it finished; {nothing}").body()["error"]
