@@ -57,7 +57,11 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", default=None, help="the checkpoint the corpus was indexed with (default: the untrained encoder)")
     ap.add_argument("--library", default=None, help="serve_scale.py's result file of the same corpus, measured in the same call")
     ap.add_argument("--config", default=str(ROOT / "serve" / "config.yaml"), help="the Serve config file whose application is deployed")
-    ap.add_argument("--layouts", default="default", help="comma-separated: default, replicas=N, shards=D")
+    ap.add_argument("--layouts", default="default", help="comma-separated: default, replicas=N (a GPU each), per_gpu=N (N replicas "
+                    "sharing each GPU), shards=D")
+    ap.add_argument("--serve-env", default="classic", help="comma-separated Ray environments, a cluster each: classic (Serve's "
+                    "defaults) or throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept)")
+    ap.add_argument("--trace-sample", type=float, default=0.0, help="share of requests Serve traces (its spans, read back per layout); 0 = off")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all torch sees); 0 = a CPU check")
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
     ap.add_argument("--steps", type=int, default=4)
@@ -87,6 +91,10 @@ def layout_app(app: dict, layout: str, args) -> tuple[dict, list[dict]]:
     kind, _, value = layout.partition("=")
     if kind == "replicas":
         deployments["Ingress"]["num_replicas"] = int(value)
+    elif kind == "per_gpu":
+        n = int(value)
+        deployments["Ingress"]["num_replicas"] = n * max(1, args.gpus)
+        deployments["Ingress"]["ray_actor_options"] = {"num_cpus": 0, "num_gpus": round(1.0 / n, 4) if args.gpus else 0.0}
     elif kind == "shards":
         d = int(value)
         conf["shard_deployments"] = d
@@ -96,7 +104,7 @@ def layout_app(app: dict, layout: str, args) -> tuple[dict, list[dict]]:
         for i in range(d):
             deployments[f"Shard{i}"] = {"name": f"Shard{i}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.6 if gpus else 0.0}}
     elif kind != "default":
-        raise SystemExit(f"serve_ray.py: unknown layout {layout!r} (default, replicas=N, shards=D)")
+        raise SystemExit(f"serve_ray.py: unknown layout {layout!r} (default, replicas=N, per_gpu=N, shards=D)")
     if not args.gpus:
         conf.update(encoder_device="cpu", shard_device="cpu")
     return conf, list(deployments.values())
@@ -194,6 +202,58 @@ def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 3)
 
 
+# -- Ray's environment, Serve's spans --------------------------------------------------------------------
+
+# Serve's high-throughput settings, its proxy kept (the endpoint users reach stays Serve's proxy).
+THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+
+
+def serve_env(variant: str, trace_sample: float) -> dict[str, str]:
+    if variant not in ("classic", "throughput"):
+        raise SystemExit(f"serve_ray.py: unknown --serve-env {variant!r} (classic, throughput)")
+    env = dict(THROUGHPUT_ENV) if variant == "throughput" else {}
+    if trace_sample > 0:
+        env.update(RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH="ray.serve._private.tracing_utils:default_tracing_exporter",
+                   RAY_SERVE_TRACING_SAMPLING_RATIO=str(trace_sample))
+    return env
+
+
+def new_spans(session_logs: Path, offsets: dict[str, int]) -> dict[str, list[float]]:
+    """Durations (ms) of the spans Serve wrote since ``offsets`` (bytes read of each file, updated),
+    by name (its file exporter: JSON objects one after another under logs/serve/spans/)."""
+    from datetime import datetime
+
+    folder = session_logs / "serve" / "spans"
+    durations: dict[str, list[float]] = {}
+    decoder = json.JSONDecoder()
+    for f in sorted(folder.glob("*")) if folder.is_dir() else []:
+        with open(f, "rb") as fh:
+            fh.seek(offsets.get(f.name, 0))
+            data = fh.read()
+        text, i, used = data.decode(errors="replace"), 0, 0
+        while True:
+            while i < len(text) and text[i].isspace():
+                i += 1
+            try:
+                span, i = decoder.raw_decode(text, i)
+            except ValueError:
+                break  # the end, or a span still being written: read it next time
+            used = len(text[:i].encode())
+            start, end = span.get("start_time"), span.get("end_time")
+            if start and end:
+                seconds = (datetime.fromisoformat(end.replace("Z", "+00:00")) - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+                durations.setdefault(span.get("name", "?"), []).append(seconds * 1e3)
+        offsets[f.name] = offsets.get(f.name, 0) + used
+    return durations
+
+
+def span_summary(durations: dict[str, list[float]]) -> dict | None:
+    """Count, mean and median of each span name (None: no spans)."""
+    out = {name: {"count": len(v), "mean_ms": round(sum(v) / len(v), 3), "p50_ms": round(sorted(v)[len(v) // 2], 3)}
+           for name, v in sorted(durations.items()) if v}
+    return out or None
+
+
 # -- one layout ------------------------------------------------------------------------------------------
 
 
@@ -242,6 +302,49 @@ def ratios(library: dict | None, serve_row: dict) -> dict | None:
             "throughput_library_over_serve": round(lib_qps / serve_qps, 3) if lib_qps and serve_qps else None}
 
 
+def run_cluster(args, variant: str, tmp: Path, app: dict, bodies: list[dict], library: dict | None) -> dict:
+    """One Ray cluster with ``variant``'s environment: every layout deployed and measured in turn."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    metrics_port = free_port()
+    extra = serve_env(variant, args.trace_sample)
+    os.environ.update(extra)  # the driver's environment reaches the cluster started below
+    head = RayHead(tmp, args.gpus, args.cpus, cluster_env(), dashboard=False, metrics_port=metrics_port)
+    rows: dict = {}
+    span_offsets: dict[str, int] = {}
+    try:
+        import ray
+        from ray import serve
+
+        ray.init(address=head.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
+            conf, deployments = layout_app(app, layout, args)
+            t0 = time.perf_counter()
+            url = deploy(conf, deployments, port)
+            row = {"serve_env": variant, "env": extra, "deploy_seconds": round(time.perf_counter() - t0, 1), "deployments": deployments,
+                   **measure(url, bodies, args, f"http://127.0.0.1:{metrics_port}/metrics")}
+            row["against_library"] = ratios(library, row)
+            key = layout if variant == "classic" else f"{layout}@{variant}"
+            rows[key] = row
+            print(f"serve_ray.py: {key}: c=1 {row['concurrency_1']} max q/s {row['max_queries_per_s_with_p99_under_limit']}",
+                  file=sys.stderr, flush=True)
+            serve.delete("qrag")
+            row["spans"] = span_summary(new_spans(tmp / "ray" / "session_latest" / "logs", span_offsets))
+        serve.shutdown()
+        ray.shutdown()
+    except BaseException:
+        traceback.print_exc()  # before the cluster stops: a driver that loses the GCS is aborted without a traceback
+        raise
+    finally:
+        head.stop()
+        for k in extra:
+            os.environ.pop(k, None)
+        if args.ray_logs:
+            copy_ray_logs(tmp / "ray", Path(args.ray_logs) / variant)
+    return rows
+
+
 def main() -> None:
     args = args_parser().parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -255,40 +358,15 @@ def main() -> None:
     bodies = [{"corpus": args.corpus_name, "question": q, "max_steps": args.steps} for q in questions(args.storage, args.corpus_name)]
     app = app_config(args.config)
     library = library_figures(args.library)
-    metrics_port = free_port()
     result: dict = {"bench": "serve_ray", **machine_info(), "gpus": args.gpus, "steps": args.steps, "checkpoint": args.checkpoint,
                     "config": Path(args.config).name, "library": library,
-                    "settings": {"layouts": args.layouts, "queries": args.queries, "clients": args.clients,
+                    "settings": {"layouts": args.layouts, "serve_env": args.serve_env, "trace_sample": args.trace_sample, "queries": args.queries, "clients": args.clients,
                                  "load_seconds": args.load_seconds, "p99_limit_ms": args.p99_ms}, "layouts": {}}
-    head = RayHead(tmp, args.gpus, args.cpus, cluster_env(), dashboard=True, metrics_port=metrics_port)
     try:
-        import ray
-        from ray import serve
-
-        ray.init(address=head.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
-            conf, deployments = layout_app(app, layout, args)
-            t0 = time.perf_counter()
-            url = deploy(conf, deployments, port)
-            row = {"deploy_seconds": round(time.perf_counter() - t0, 1), "deployments": deployments,
-                   **measure(url, bodies, args, f"http://127.0.0.1:{metrics_port}/metrics")}
-            row["against_library"] = ratios(library, row)
-            result["layouts"][layout] = row
-            print(f"serve_ray.py: {layout}: c=1 {row['concurrency_1']} max q/s {row['max_queries_per_s_with_p99_under_limit']}",
-                  file=sys.stderr, flush=True)
-            serve.delete("qrag")
+        for variant in [x.strip() for x in args.serve_env.split(",") if x.strip()]:
+            result["layouts"].update(run_cluster(args, variant, tmp / variant, app, bodies, library))
         result["complete"] = True
-        serve.shutdown()
-        ray.shutdown()
-    except BaseException:
-        traceback.print_exc()  # before the cluster stops: a driver that loses the GCS is aborted without a traceback
-        raise
     finally:
-        head.stop()
-        if args.ray_logs:
-            copy_ray_logs(tmp / "ray", Path(args.ray_logs))
         if args.out:
             write_result(args.out, result)
     print(json.dumps(result))

@@ -249,6 +249,8 @@ class RayHead:
     def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str], temp_dir: Path | None = None, dashboard: bool = True,
                  metrics_port: int | None = None):
         self.gcs_port, dash = free_port(), free_port()
+        while dash in (self.gcs_port, metrics_port):  # a released port can come back at once
+            dash = free_port()
         self.env = env
         self.log = open(tmp / "ray_start.log", "w")
         self.proc = subprocess.Popen(

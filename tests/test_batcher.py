@@ -189,3 +189,26 @@ def test_warm_scoring_runs_every_shape_a_replica_serves(model, tmp_path):  # noq
     holder = service.shards[0].holder
     assert warm_holder(holder, service.cfg) == {"corpora": ["books"], "shapes": 0, "seconds": pytest.approx(0, abs=60)}  # CPU: no graphs
     assert holder.warm_scoring("books", 8, 2, 4) == 4 * 3  # buckets 1, 2, 4, 8; 0, 1 or 2 chunks selected
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_searches_arriving_at_any_moment_all_end(in_process):
+    """Searches that arrive while the round thread is deciding to stop are never left waiting:
+    exactly one driver runs at a time, and every search ends."""
+    import random
+
+    rng = random.Random(0)
+    enc, backend = CountingEncoder(in_process), ScoreByDistance(in_process=in_process)
+    batcher = LockstepBatcher(enc, max_states=8)
+
+    async def one(i):
+        await asyncio.sleep(rng.random() * 0.05)
+        run = run_of(i % N_CHUNKS, steps=1 + i % 3)
+        await batcher.run(run, backend, "k")
+        return len(run.result().steps)
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(150))), 60)
+
+    assert asyncio.run(main()) == [1 + i % 3 for i in range(150)]
+    assert not batcher._driving and not batcher._active and not batcher._waiting

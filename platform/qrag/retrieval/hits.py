@@ -46,17 +46,19 @@ def merge_hits(hits: Sequence[ShardHits], k: int) -> ShardHits:
     ids = np.concatenate([h.ids for h in hits], axis=1)
     with_pos = hits[0].pos is not None
     pos = np.concatenate([h.pos for h in hits], axis=1) if with_pos else None
-    rows = q.shape[0]
+    rows, width = q.shape
+    # Every row at once (a round merges the rows of many requests): best Q first, ties by position.
+    order = np.lexsort((ids, -q), axis=-1)[:, :k]
+    top_q = np.take_along_axis(q, order, axis=1)
+    finite = np.isfinite(top_q)
     out_q = np.full((rows, k), -np.inf, np.float32)
     out_i = np.full((rows, k), -1, np.int64)
     out_p = np.zeros((rows, k), np.float32) if with_pos else None
-    for r in range(rows):
-        order = np.lexsort((ids[r], -q[r]))[:k]
-        order = order[np.isfinite(q[r][order])]
-        out_q[r, : len(order)] = q[r][order]
-        out_i[r, : len(order)] = ids[r][order]
-        if with_pos:
-            out_p[r, : len(order)] = pos[r][order]
+    cols = min(k, width)
+    out_q[:, :cols] = np.where(finite, top_q, -np.inf)
+    out_i[:, :cols] = np.where(finite, np.take_along_axis(ids, order, axis=1), -1)
+    if with_pos:
+        out_p[:, :cols] = np.where(finite, np.take_along_axis(pos, order, axis=1), 0.0)
     records: dict[int, ChunkRecord] = {}
     keep = set(out_i[out_i >= 0].tolist())
     for h in hits:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -66,7 +67,9 @@ class LockstepBatcher:
         self.encoder, self.max_states = encoder, max(1, max_states)
         self._waiting: list[_Search] = []
         self._active: list[_Search] = []
-        self._driver: asyncio.Task | None = None
+        self._lock = threading.Lock()  # the queues: the event loop adds, the round thread takes
+        self._driving = False
+        self._driver: asyncio.Task | None = None  # kept: the event loop holds tasks weakly
         self.rounds = 0  # rounds run (tests and /metrics read how much was shared)
         self.rows = 0  # state rows embedded over all rounds
 
@@ -74,79 +77,92 @@ class LockstepBatcher:
         """Step ``run`` to its end together with every other search of this replica."""
         loop = asyncio.get_running_loop()
         search = _Search(run, backend, key, timings or Timings(), loop.create_future())
-        self._waiting.append(search)
-        if self._driver is None or self._driver.done():
-            self._driver = loop.create_task(self._drive())
+        with self._lock:
+            self._waiting.append(search)
+            start, self._driving = not self._driving, True
+        if start:
+            self._driver = loop.create_task(self._drive(loop))
         await search.done
 
     # -- the driver -------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Waiting searches join, oldest first, while the round has rows to spare (one at least)."""
-        rows = sum(len(s.run.live()) for s in self._active)
-        while self._waiting:
-            nxt = self._waiting[0]
-            need = len(nxt.run.live())
-            if self._active and rows + need > self.max_states:
-                break
-            self._waiting.pop(0)
-            self._active.append(nxt)
-            rows += need
-
-    def _live(self) -> list[_Search]:
-        """The searches with a path to extend this round; ended (or abandoned) ones are settled."""
-        live = []
-        for s in self._active:
-            if s.done.done():  # the request went away (deadline, disconnect): stop its work
-                continue
-            s.beams = s.run.live()
-            if s.beams:
-                live.append(s)
-            else:
-                s.done.set_result(None)
-        self._active = live
-        return live
-
-    async def _drive(self) -> None:
-        try:
-            while True:
-                self._admit()
-                live = self._live()
-                if not live:
-                    if not self._waiting:
-                        return
+    def _next_round(self, loop: asyncio.AbstractEventLoop, stop: bool = False) -> tuple[list[_Search], list[_Group]] | None:
+        """Under the lock: admit waiting searches, settle ended ones, and the next round (None:
+        nothing left). ``stop``: the driver asks, and stops on None (the next search starts another)."""
+        with self._lock:
+            rows = sum(len(s.run.live()) for s in self._active)
+            while self._waiting:  # oldest first, while the round has rows to spare (one search at least)
+                need = len(self._waiting[0].run.live())
+                if self._active and rows + need > self.max_states:
+                    break
+                self._active.append(self._waiting.pop(0))
+                rows += need
+            live = []
+            for s in self._active:
+                if s.done.done():  # the request went away (deadline, disconnect): stop its work
                     continue
-                try:
-                    await self._round(live)
-                except Exception as exc:  # noqa: BLE001 - the round's searches fail with it; others go on
-                    for s in live:
-                        if not s.done.done():
-                            s.done.set_exception(exc)
-                    self._active = [s for s in self._active if s not in live]
-        except BaseException as exc:  # cancelled (shutdown): never leave a request waiting
-            for s in self._active + self._waiting:
-                if not s.done.done():
-                    s.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the server is shutting down"))
-            self._active, self._waiting = [], []
+                s.beams = s.run.live()
+                if s.beams:
+                    live.append(s)
+                else:
+                    _settle(loop, s.done, None)
+            self._active = live
+            if not live:
+                if self._waiting:
+                    return [], []
+                if stop:
+                    self._driving = False
+                return None
+            return live, _groups(live)
+
+    async def _drive(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            while (nxt := self._next_round(loop, stop=True)) is not None:
+                live, groups = nxt
+                if not live:
+                    continue
+                if self._in_process(groups):
+                    # Round after round in one worker thread, while every round stays in process.
+                    await asyncio.to_thread(self._rounds_now, loop, live, groups)
+                else:
+                    self._fail(loop, await self._round_async(live, groups))
+        except BaseException as exc:  # cancelled (shutdown), or a bug: never leave a request waiting
+            with self._lock:
+                pending, self._active, self._waiting, self._driving = self._active + self._waiting, [], [], False
+            for s in pending:
+                _settle(loop, s.done, exc if isinstance(exc, Exception) else RuntimeError("the server is shutting down"))
             raise
 
-    async def _round(self, live: list[_Search]) -> None:
-        groups = _groups(live)
-        in_process = getattr(self.encoder, "embed_now", None) is not None and all(
-            getattr(g.backend, "topk_now", None) is not None for g in groups)
-        if in_process:
-            failures = await asyncio.to_thread(self._round_now, live, groups)
-        else:
-            failures = await self._round_async(live, groups)
-        self.rounds += 1
-        self.rows += groups[-1].hi
-        for g, exc in failures:
-            for s in g.searches:
-                if not s.done.done():
-                    s.done.set_exception(exc)
-            self._active = [s for s in self._active if s not in g.searches]
+    def _in_process(self, groups: list[_Group]) -> bool:
+        return getattr(self.encoder, "embed_now", None) is not None and all(getattr(g.backend, "topk_now", None) is not None
+                                                                            for g in groups)
 
-    def _round_now(self, live: list[_Search], groups: list[_Group]) -> list[tuple[_Group, Exception]]:
+    def _fail(self, loop: asyncio.AbstractEventLoop, failures: list[tuple[list[_Search], Exception]]) -> None:
+        with self._lock:
+            for searches, exc in failures:
+                for s in searches:
+                    _settle(loop, s.done, exc)
+                self._active = [s for s in self._active if s not in searches]
+
+    def _rounds_now(self, loop: asyncio.AbstractEventLoop, live: list[_Search], groups: list[_Group]) -> None:
+        """Rounds in this (worker) thread until none is left or one needs the event loop. A search
+        that ends here is settled from here; the driver then finds nothing and stops."""
+        while True:
+            try:
+                failures = self._round_now(live, groups)
+            except Exception as exc:  # noqa: BLE001 - the encoder failed: the round's searches fail with it
+                failures = [(live, exc)]
+            self._fail(loop, failures)
+            nxt = self._next_round(loop)
+            if nxt is None:
+                return
+            live, groups = nxt
+            if not live:
+                continue
+            if not self._in_process(groups):
+                return  # the driver runs this round on the event loop (it forms it again)
+
+    def _round_now(self, live: list[_Search], groups: list[_Group]) -> list[tuple[list[_Search], Exception]]:
         """A round in this (worker) thread: states, one encoder call, each group's pass, advance."""
         t0 = time.perf_counter()
         seqs = [x for s in live for x in s.run.states(s.beams)]
@@ -157,16 +173,20 @@ class LockstepBatcher:
             try:
                 hits = g.backend.topk_now(vectors[g.lo:g.hi], *_rows(g))
             except Exception as exc:  # noqa: BLE001 - this corpus's searches fail; the others go on
-                failures.append((g, exc))
+                failures.append((g.searches, exc))
                 continue
-            t2 = time.perf_counter()
-            _advance(g, hits, t0, t1, t2)
+            _advance(g, hits, t0, t1, time.perf_counter())
+        self.rounds += 1
+        self.rows += len(seqs)
         return failures
 
-    async def _round_async(self, live: list[_Search], groups: list[_Group]) -> list[tuple[_Group, Exception]]:
+    async def _round_async(self, live: list[_Search], groups: list[_Group]) -> list[tuple[list[_Search], Exception]]:
         t0 = time.perf_counter()
         seqs = [x for s in live for x in s.run.states(s.beams)]
-        vectors = await self.encoder.embed_states(seqs)
+        try:
+            vectors = await self.encoder.embed_states(seqs)
+        except Exception as exc:  # noqa: BLE001 - the round's searches fail with it
+            return [(live, exc)]
         t1 = time.perf_counter()
         answers = await asyncio.gather(*(g.backend.topk(vectors[g.lo:g.hi], *_rows(g)) for g in groups), return_exceptions=True)
         t2 = time.perf_counter()
@@ -175,10 +195,35 @@ class LockstepBatcher:
             if isinstance(hits, BaseException):
                 if not isinstance(hits, Exception):
                     raise hits
-                failures.append((g, hits))
+                failures.append((g.searches, hits))
             else:
                 _advance(g, hits, t0, t1, t2)
+        self.rounds += 1
+        self.rows += len(seqs)
         return failures
+
+
+def _settle(loop: asyncio.AbstractEventLoop, done: asyncio.Future, exc: BaseException | None) -> None:
+    """End a search's wait from any thread (once: an abandoned one stays as it is)."""
+
+    def settle() -> None:
+        if not done.done():
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
+
+    if _in_loop(loop):
+        settle()
+    else:
+        loop.call_soon_threadsafe(settle)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _groups(live: list[_Search]) -> list[_Group]:
