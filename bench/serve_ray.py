@@ -302,14 +302,14 @@ def ratios(library: dict | None, serve_row: dict) -> dict | None:
             "throughput_library_over_serve": round(lib_qps / serve_qps, 3) if lib_qps and serve_qps else None}
 
 
-def run_cluster(args, variant: str, tmp: Path, app: dict, bodies: list[dict], library: dict | None) -> dict:
-    """One Ray cluster with ``variant``'s environment: every layout deployed and measured in turn."""
+def run_cluster(args, variant: str, tmp: Path, app: dict, bodies: list[dict], library: dict | None, result: dict) -> None:
+    """One Ray cluster with ``variant``'s environment: every layout deployed and measured in turn,
+    each written to ``result`` (and --out) as soon as it is measured."""
     tmp.mkdir(parents=True, exist_ok=True)
     metrics_port = free_port()
     extra = serve_env(variant, args.trace_sample)
     os.environ.update(extra)  # the driver's environment reaches the cluster started below
     head = RayHead(tmp, args.gpus, args.cpus, cluster_env(), dashboard=False, metrics_port=metrics_port)
-    rows: dict = {}
     span_offsets: dict[str, int] = {}
     try:
         import ray
@@ -326,11 +326,15 @@ def run_cluster(args, variant: str, tmp: Path, app: dict, bodies: list[dict], li
                    **measure(url, bodies, args, f"http://127.0.0.1:{metrics_port}/metrics")}
             row["against_library"] = ratios(library, row)
             key = layout if variant == "classic" else f"{layout}@{variant}"
-            rows[key] = row
+            result["layouts"][key] = row
             print(f"serve_ray.py: {key}: c=1 {row['concurrency_1']} max q/s {row['max_queries_per_s_with_p99_under_limit']}",
                   file=sys.stderr, flush=True)
             serve.delete("qrag")
             row["spans"] = span_summary(new_spans(tmp / "ray" / "session_latest" / "logs", span_offsets))
+            if args.out:
+                from bench_common import write_result
+
+                write_result(args.out, result)
         serve.shutdown()
         ray.shutdown()
     except BaseException:
@@ -342,7 +346,6 @@ def run_cluster(args, variant: str, tmp: Path, app: dict, bodies: list[dict], li
             os.environ.pop(k, None)
         if args.ray_logs:
             copy_ray_logs(tmp / "ray", Path(args.ray_logs) / variant)
-    return rows
 
 
 def main() -> None:
@@ -364,7 +367,7 @@ def main() -> None:
                                  "load_seconds": args.load_seconds, "p99_limit_ms": args.p99_ms}, "layouts": {}}
     try:
         for variant in [x.strip() for x in args.serve_env.split(",") if x.strip()]:
-            result["layouts"].update(run_cluster(args, variant, tmp / variant, app, bodies, library))
+            run_cluster(args, variant, tmp / variant, app, bodies, library, result)
         result["complete"] = True
     finally:
         if args.out:
