@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,71 @@ def test_qrag_train_ray_trains_on_a_local_ray(tiny_encoder, hotpot_file, tmp_pat
     summary = json.loads([line for line in out.stdout.splitlines() if line.startswith('{"run_dir"')][-1])
     assert summary["updates"] == 2 and Path(summary["checkpoint"]).is_dir()
     assert "qrag train: Ray started locally on 127.0.0.1" in out.stdout
+
+
+JSON_LOG_APP = r'''
+import json, os, sys, time, urllib.request
+import ray
+from ray import serve
+from qrag.distributed.serve_app import build
+
+tmp, port, encoder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, _temp_dir=tmp,
+         logging_level="WARNING")
+serve.start(http_options={"host": "127.0.0.1", "port": port})
+serve.run(build({"encoder": encoder, "storage": os.path.join(tmp, "indexes"), "warm_up": "false", "preload": "false"}),
+          name="qrag", route_prefix="/")
+with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=60) as r:
+    assert r.status == 200
+time.sleep(2)  # the replica's access log line is flushed
+serve.shutdown()
+ray.shutdown()
+'''
+
+
+@pytest.mark.ray
+def test_json_logs_on_request(tiny_encoder, tmp_path):
+    """QRAG_SERVE_JSON_LOGS=1 (qrag serve --log-json): the replicas' Serve logs are JSON lines."""
+    from conftest import free_ports
+
+    import tempfile
+
+    (port,) = free_ports(1)
+    ray_dir = Path(tempfile.mkdtemp(prefix="qj", dir="/tmp"))  # Ray's socket paths must stay under 107 bytes
+    script = tmp_path / "app.py"
+    script.write_text(JSON_LOG_APP)
+    env = {**os.environ, "QRAG_SERVE_JSON_LOGS": "1", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT / "platform")}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        out = subprocess.run([sys.executable, str(script), str(ray_dir), str(port), tiny_encoder], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        logs = sorted(ray_dir.glob("session_*/logs/serve/replica_qrag_Ingress_*.log"))
+        assert logs, sorted(p.name for p in ray_dir.glob("session_*/logs/serve/*"))
+        lines = [line for p in logs for line in p.read_text().splitlines() if line.strip()]
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    records = [json.loads(line) for line in lines]  # every line parses
+    assert records and all(r["deployment"] == "qrag_Ingress" and r["component_name"] == "replica" for r in records)
+    assert any(r["message"].startswith("GET / 200") and r.get("request_id") for r in records)  # the request's access log
+
+
+def test_log_json_reaches_every_deployment(tmp_path):
+    """qrag serve --log-json, $QRAG_SERVE_JSON_LOGS or the config file's app-level logging_config:
+    each deployment's options carry Serve's logging_config (checked by Serve's own schema)."""
+    from argparse import Namespace
+
+    from qrag.cli.serve import serve_logging_config
+    from qrag.distributed.serve_app import with_logging
+    from qrag.distributed.serving import deployment_overrides
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "qrag", "import_path": "qrag.distributed.serve_app:build",
+                                                        "logging_config": {"log_level": "DEBUG"},
+                                                        "deployments": [{"name": "Shard1", "logging_config": {"log_level": "WARNING"}}]}]}))
+    args = Namespace(config=str(config))
+    deployments = with_logging([{"name": "Shard1", "logging_config": {"log_level": "WARNING"}}], 2, serve_logging_config(args), True)
+    options = deployment_overrides(deployments, 2)
+    assert options["Ingress"]["logging_config"] == options["Shard0"]["logging_config"] == {"log_level": "DEBUG", "encoding": "JSON"}
+    assert options["Shard1"]["logging_config"] == {"log_level": "WARNING", "encoding": "JSON"}  # its own level wins
+    assert with_logging([{"name": "Ingress", "num_replicas": 2}], 0, None, False) == [{"name": "Ingress", "num_replicas": 2}]

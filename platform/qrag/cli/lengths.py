@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from qrag import progress
 from qrag.cli.commands import _config_args, command
 
 DEFAULT_LENGTHS = "1k,4k,16k,32k,128k"
@@ -92,12 +93,25 @@ def cmd_sweep_lengths(args: argparse.Namespace) -> int:
         steps = {"config": None, "gold": 0}.get(args.steps)
         if steps is None and args.steps != "config":
             steps = int(args.steps)
-        table = run_sweep(_models(args.checkpoint), cfg, tasks, lengths, lambda n: per_length.get(n, args.samples),
+        table = with_progress(run_sweep)(_models(args.checkpoint), cfg, tasks, lengths, lambda n: per_length.get(n, args.samples),
                           split=args.split, steps=steps, device=pick_device(args.device), cache=not args.no_cache,
                           val_samples=args.val_samples,
-                          log=lambda s: print(s, file=sys.stderr, flush=True))
+                          log=progress.write)
         write_table(table, out)
     png = plot_table(table, out.with_suffix(".png"))
     print(format_table(table))
     print(json.dumps({"table": str(out), "plot": str(png) if png else None, "rows": len(table["rows"])}))
     return 0
+
+
+def with_progress(run_sweep: Callable[..., dict]) -> Callable[..., dict]:
+    """``run_sweep`` under one bar over every question it searches, validation ones included: an
+    ETA for the whole sweep (questions at long lengths take longer, so it starts optimistic)."""
+    from qrag.retrieval.search import RETRIEVE
+
+    def run(models: list, cfg, tasks: list, lengths: list, samples: Callable[[int], int], **options) -> dict:
+        total = len(models) * len(tasks) * (sum(samples(n) for n in lengths) + options.get("val_samples", 0))
+        with progress.bar(total, "sweep-lengths", "q", kind=RETRIEVE):
+            return run_sweep(models, cfg, tasks, lengths, samples, **options)
+
+    return run

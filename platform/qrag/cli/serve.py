@@ -21,6 +21,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default: the one qrag ships)")
+    p.add_argument("--log-json", action="store_true", help="structured logs: every deployment logs JSON lines (Serve's "
+                   "logging_config encoding JSON; also $QRAG_SERVE_JSON_LOGS=1, or logging_config: {encoding: JSON} in the --config file's application)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="ServeConfig overrides, e.g. state_batch_size=64 max_steps=8")
     width = max(len(k) for k, _, _ in describe(ServeConfig))
     p.epilog = "serve keys:\n" + "\n".join(f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in describe(ServeConfig))
@@ -54,6 +56,17 @@ def serve_deployments(args: argparse.Namespace) -> list[dict]:
     return deployments
 
 
+def serve_logging_config(args: argparse.Namespace) -> dict | None:
+    """The --config file's app-level ``logging_config`` (Serve's LoggingConfig keys), which
+    ``serve run`` applies to every deployment of the app."""
+    if not args.config:
+        return None
+    logging_config = (read_yaml(args.config).get("applications") or [{}])[0].get("logging_config")
+    if logging_config is not None and not isinstance(logging_config, dict):
+        raise ConfigError(f"serve config {args.config}: logging_config must be a mapping of Serve's LoggingConfig keys")
+    return logging_config
+
+
 @command("serve", "serve a retriever over HTTP with Ray Serve (local Ray, loopback)")(_args)
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
@@ -61,8 +74,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from qrag.retrieval.embedder import resolve_source  # noqa: PLC0415
 
     resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri)  # a bad checkpoint fails here, before Ray starts
-    from qrag.distributed.serving import serve_locally  # noqa: PLC0415 (Ray lives under qrag.distributed)
+    from qrag.distributed.serve_app import json_logs_asked, with_logging  # noqa: PLC0415 (Ray lives under qrag.distributed)
+    from qrag.distributed.serving import serve_locally  # noqa: PLC0415
 
+    deployments = with_logging(deployments, cfg.shard_deployments, serve_logging_config(args), args.log_json or json_logs_asked())
     serve_locally(cfg, args.host, args.port, args.static, deployments)
     return 0
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from qrag import progress
 from qrag.config import SearchConfig
 from qrag.model.encoder import EncodeStats, encode, pad_rows
 from qrag.retrieval.hits import ShardHits
@@ -18,6 +19,8 @@ from qrag.retrieval.multistep import Retrieval, SearchRun, search
 from qrag.model.qnet import QNetwork
 from qrag.retrieval.scoring import score_chunks
 from qrag.data.tokens import TokenizedSample, TokenLayout
+
+RETRIEVE = "retrieve"  # the progress kind of questions searched (a command's bar over many calls collects them)
 
 
 class ContextVectors:
@@ -94,14 +97,17 @@ class Retriever:
         results: list[Retrieval] = []
         batch: list[TokenizedSample] = []
         size = 0
-        for sample in samples:
-            if batch and size + sample.n_chunks > max_batch_chunks:
+        with progress.bar(len(samples), "retrieve", "q", kind=RETRIEVE) as shown:
+            for sample in samples:
+                if batch and size + sample.n_chunks > max_batch_chunks:
+                    results.extend(self._retrieve_batch(batch, cfg))
+                    shown.update(len(batch))
+                    batch, size = [], 0
+                batch.append(sample)
+                size += sample.n_chunks
+            if batch:
                 results.extend(self._retrieve_batch(batch, cfg))
-                batch, size = [], 0
-            batch.append(sample)
-            size += sample.n_chunks
-        if batch:
-            results.extend(self._retrieve_batch(batch, cfg))
+                shown.update(len(batch))
         return results
 
     @torch.no_grad()
