@@ -1,13 +1,19 @@
 """What one shard process holds: some shards of every corpus, loaded lazily from the store,
 within a memory budget (least recently used corpora are evicted; a corpus that cannot fit is
 refused), freed when the corpus is deleted. Loading one corpus never holds a lock that another
-corpus's queries need."""
+corpus's queries need; a load reserves its memory before it starts, so concurrent loads never
+pass the budget together.
+
+The budget defaults to a share of the machine (:func:`machine_budget`): of the memory available
+to this process for shards on the host, of the GPU's free memory for shards on a GPU."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +40,62 @@ class ShardOverBudget(StoreError):
         return (ShardOverBudget, (self.corpus, self.need, self.budget))
 
 
+class ShardBusy(StoreError):
+    """The corpus would fit, but loads in flight have reserved the memory it needs: retry."""
+
+    def __init__(self, corpus: str, need: int, waited_s: float):
+        self.corpus, self.need, self.waited_s = corpus, need, waited_s
+        super().__init__(f"corpus {corpus!r} waited {waited_s:g} s for {need / 2**20:.1f} MiB that loads of other corpora hold "
+                         f"(shard_memory_bytes); retry")
+
+    def __reduce__(self):
+        return (ShardBusy, (self.corpus, self.need, self.waited_s))
+
+
+def _cgroup_room() -> int | None:
+    """Bytes this process's cgroup (v2 or v1) may still take, or None without a limit."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap, used = Path(limit).read_text().strip(), Path(usage).read_text().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and int(cap) < 1 << 60:  # v1 writes a huge number for "no limit"
+            return max(0, int(cap) - int(used))
+    return None
+
+
+def host_available_bytes() -> int:
+    """Memory the host can still give this process: MemAvailable, within the cgroup's limit."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    room = _cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def device_available_bytes(device: torch.device) -> int:
+    """Memory free for shards on ``device``: a GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return host_available_bytes()
+
+
+def machine_budget(device: torch.device, fraction: float, holders: int = 1) -> int | None:
+    """The default budget of one of ``holders`` shard holders sharing ``device`` in a process:
+    ``fraction`` of the memory free there when it starts, shared out; None when fraction is 0."""
+    if fraction <= 0:
+        return None
+    return int(device_available_bytes(device) * fraction / max(1, holders))
+
+
 def estimate_bytes(rows: int, dim: int, tokens_per_row: float) -> int:
     """Memory of ``rows`` loaded rows (vectors in float32, texts, token ids)."""
     per_row = dim * 4 + row_bytes(int(tokens_per_row * CHARS_PER_TOKEN), 16, int(tokens_per_row) + 2)
@@ -57,14 +119,19 @@ class ShardHolder:
     holds), kept in step with the store."""
 
     def __init__(self, store: CorpusStore, slot: int, holders: int, device: torch.device, options: ShardOptions | None = None,
-                 memory_bytes: int | None = None, sweep_s: float = 2.0):
+                 memory_bytes: int | None = None, sweep_s: float = 2.0, reserve_wait_s: float = 60.0):
+        """``memory_bytes``: the budget (None: none). A load kept out only by other loads in
+        flight waits for them, ``reserve_wait_s`` at most."""
         self.store, self.slot, self.holders, self.device = store, slot, holders, device
         self.options = options or ShardOptions()
         self.memory_bytes = memory_bytes
         self.corpora: OrderedDict[str, CorpusShards] = OrderedDict()  # least recently used first
         self.evictions = 0
-        self._lock = threading.Lock()  # the dict only: never held while a corpus loads
+        self._lock = threading.Lock()  # the dicts only: never held while a corpus loads
+        self._loads_done = threading.Condition(self._lock)
+        self._reserved: dict[str, list[int]] = {}  # corpus -> [bytes, loads in flight] of the loads under way
         self._sweep_s, self._swept = sweep_s, 0.0
+        self.reserve_wait_s = reserve_wait_s
 
     def _slots(self, shards: int) -> range:
         return range(self.slot, shards, self.holders)
@@ -81,53 +148,92 @@ class ShardHolder:
     def ensure(self, corpus: str, uid: str, version: int) -> CorpusShards:
         """The corpus loaded up to ``version`` (the caller's manifest), within the budget."""
         self._sweep()
+        cs = self.loaded(corpus, uid, version)
+        if cs is not None:
+            return cs
+        try:
+            m = self.store.read(corpus)
+            self._reserve(corpus, self._need(m))
+            try:
+                cs = self._load(corpus, uid, version, m)
+            finally:
+                self._release(corpus)
+        except CorpusNotFound:
+            self.forget(corpus)
+            raise
+        self._fit(corpus, cs)
+        return cs
+
+    def _load(self, corpus: str, uid: str, version: int, m: Manifest) -> CorpusShards:
         with self._lock:
             cs = self.corpora.get(corpus)
             if cs is not None and cs.uid is not None and cs.uid != uid:
                 del self.corpora[corpus]
                 cs = None
-        if cs is None:
-            try:
-                m = self.store.read(corpus)
-            except CorpusNotFound:
-                self.forget(corpus)
-                raise
-            self._make_room(corpus, self._need(m))
-            with self._lock:
-                cs = self.corpora.get(corpus)
-                if cs is None:
-                    cs = self.corpora[corpus] = CorpusShards(self.store, corpus, self._slots(m.shards), self.device, self.options)
-        try:
-            cs.sync(version, uid)  # loads outside self._lock: other corpora keep answering
-        except CorpusNotFound:
-            self.forget(corpus)
-            raise
+            if cs is None:
+                cs = self.corpora[corpus] = CorpusShards(self.store, corpus, self._slots(m.shards), self.device, self.options)
+        cs.sync(version, uid)  # loads outside self._lock: other corpora keep answering
+        return cs
+
+    def _fit(self, corpus: str, cs: CorpusShards) -> None:
+        """After a load: the corpus is the most recently used; if it outgrew its estimate, others
+        make way, or it goes."""
+        budget = self.memory_bytes
         with self._lock:
             if corpus in self.corpora:
                 self.corpora.move_to_end(corpus)
-        if self.memory_bytes is not None and self.nbytes() > self.memory_bytes:
-            self._make_room(corpus, cs.nbytes())  # it grew by appends: others make way, or it goes
-        return cs
+            over = budget is not None and cs.nbytes() > budget
+            if budget is not None and not over:
+                self._evict_for(corpus, cs.nbytes())
+        if over:
+            self.forget(corpus)
+            raise ShardOverBudget(corpus, cs.nbytes(), budget)
 
     def _need(self, m: Manifest) -> int:
         rows = holder_rows(self._slots(m.shards), m.shards, m.chunks)
         return estimate_bytes(rows, m.dim, m.tokens / m.chunks if m.chunks else 0.0)
 
-    def _make_room(self, corpus: str, need: int) -> None:
+    def _used_by_others(self, corpus: str) -> int:
+        """Bytes of every other corpus: loaded, or reserved by its load in flight (caller holds the lock)."""
+        names = (set(self.corpora) | set(self._reserved)) - {corpus}
+        return sum(max(self.corpora[n].nbytes() if n in self.corpora else 0, self._reserved.get(n, [0])[0]) for n in names)
+
+    def _evict_for(self, corpus: str, need: int) -> bool:
+        """Evict loaded corpora, least recently used first (never one that is loading), until
+        ``need`` fits beside the rest; whether it fits (caller holds the lock)."""
+        used = self._used_by_others(corpus)
+        for name in [n for n in self.corpora if n != corpus and n not in self._reserved]:
+            if used + need <= self.memory_bytes:
+                break
+            used -= self.corpora.pop(name).nbytes()
+            self.evictions += 1
+        return used + need <= self.memory_bytes
+
+    def _reserve(self, corpus: str, need: int) -> None:
+        """Hold ``need`` bytes of the budget for a load of ``corpus`` before it starts: evict what
+        must go, or wait while only other loads in flight are in the way."""
         budget = self.memory_bytes
-        if budget is None:
-            return
-        if need > budget:
+        if budget is not None and need > budget:
             self.forget(corpus)
             raise ShardOverBudget(corpus, need, budget)
+        deadline = time.monotonic() + self.reserve_wait_s
         with self._lock:
-            others = [name for name in self.corpora if name != corpus]
-            used = sum(self.corpora[name].nbytes() for name in others)
-            for name in others:  # least recently used first
-                if used + need <= budget:
-                    break
-                used -= self.corpora.pop(name).nbytes()
-                self.evictions += 1
+            while budget is not None and not self._evict_for(corpus, need):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ShardBusy(corpus, need, self.reserve_wait_s)
+                self._loads_done.wait(left)
+            entry = self._reserved.setdefault(corpus, [0, 0])
+            entry[0], entry[1] = max(entry[0], need), entry[1] + 1
+
+    def _release(self, corpus: str) -> None:
+        with self._lock:
+            entry = self._reserved.get(corpus)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._reserved[corpus]
+            self._loads_done.notify_all()
 
     def _sweep(self) -> None:
         """Drop corpora deleted on disk (by another replica, or while this one was idle)."""
@@ -144,7 +250,9 @@ class ShardHolder:
     def forget(self, corpus: str) -> bool:
         """Free a corpus's memory (it was deleted); queries in flight keep their references."""
         with self._lock:
-            return self.corpora.pop(corpus, None) is not None
+            gone = self.corpora.pop(corpus, None) is not None
+            self._loads_done.notify_all()
+            return gone
 
     def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int) -> ShardHits:
         return self.ensure(corpus, uid, version).topk(states, selected, n_total, k)
@@ -197,10 +305,10 @@ class ShardHolder:
             "slot": self.slot, "device": str(self.device), "corpora": len(held),
             "rows": sum(s.n for cs in held.values() for s in cs.shards.values()),
             "bytes": sum(cs.nbytes() for cs in held.values()),
-            "budget_bytes": self.memory_bytes, "evictions": self.evictions,
+            "budget_bytes": self.memory_bytes, "reserved_bytes": sum(b for b, _ in self._reserved.values()), "evictions": self.evictions,
             "loaded_rows": sum(cs.loaded_rows for cs in held.values()),
             "problems": [str(p) for cs in held.values() for p in cs.problems],
         }
 
 
-__all__ = ["ShardHolder", "ShardOverBudget", "corpus_bytes_per_holder", "estimate_bytes"]
+__all__ = ["ShardBusy", "ShardHolder", "ShardOverBudget", "corpus_bytes_per_holder", "estimate_bytes", "machine_budget"]

@@ -94,7 +94,8 @@ def local_holders(cfg: ServeConfig, store: CorpusStore, device: str | torch.devi
     """Shard holders of this process: ``holders`` of them (default ``cfg.shard_holders()``)."""
     n = cfg.shard_holders() if holders is None else holders
     options = cfg.shard_options()
-    return [LocalShards(ShardHolder(store, s, n, torch.device(device), options, cfg.shard_memory_bytes)) for s in range(n)]
+    budget = cfg.shard_budget(torch.device(device), n)  # shard_memory_bytes, or a share of the machine
+    return [LocalShards(ShardHolder(store, s, n, torch.device(device), options, budget)) for s in range(n)]
 
 
 def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu", metrics: Metrics | None = None,

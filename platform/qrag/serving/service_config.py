@@ -63,7 +63,8 @@ class ServeConfig:
     job_wait_s: float = opt(30.0, "How long a wait:true request waits for its job; past it the answer is 202 with the job, which goes on (at most 80% of request_timeout_s).")
     job_heartbeat_s: float = opt(5.0, "How often a replica rewrites its running jobs' records (progress, liveness).")
     job_stale_s: float = opt(30.0, "A job record not rewritten for this long belongs to a stopped server: it is reported failed (interrupted).")
-    shard_memory_bytes: int | None = opt(None, "Memory budget of each index-shard replica for loaded corpora (least recently used ones are evicted; a corpus that cannot fit gets 507); none = no limit.")
+    shard_memory_bytes: int | None = opt(None, "Memory budget of each index-shard holder for loaded corpora (least recently used ones are evicted; a corpus that cannot fit gets 507); null = shard_memory_fraction of the machine.")
+    shard_memory_fraction: float = opt(0.5, "With shard_memory_bytes null, the budget is this share of the memory free when a shard holder starts: the host's available memory (within its cgroup limit) for shards on the CPU, the GPU's free memory for shards on a GPU; shared out among the holders of one process. 0 = no limit.")
     api_keys: str | None = opt(None, "API keys, 'key:scope,key:scope' with scope read or write (write implies read), added to $QRAG_API_KEYS. Prefer the environment variable or a Kubernetes Secret to this field.")
     http_host: str | None = opt(None, "The address Serve's HTTP proxies bind (http_options.host; `qrag serve` sets it from --host): without API keys the app starts only when it is loopback, unless allow_unauthenticated. null = unknown, taken as public.")
     allow_unauthenticated: bool = opt(False, "Serve without API keys on a non-loopback address (by default the app refuses to start).")
@@ -78,6 +79,14 @@ class ServeConfig:
         if not 0 <= n <= self.shards:
             raise ValueError(f"shard_deployments must be between 0 and shards ({self.shards}), got {n}")
         return max(1, n)
+
+    def shard_budget(self, device: torch.device, holders: int = 1) -> int | None:
+        """The memory budget of one of ``holders`` shard holders on ``device`` in a process."""
+        from qrag.index.holder import machine_budget  # torch: not for reading a config
+
+        if self.shard_memory_bytes is not None:
+            return self.shard_memory_bytes
+        return machine_budget(device, self.shard_memory_fraction, holders)
 
     def shard_options(self) -> ShardOptions:
         """How this service's shards score (the Ray shard deployments and the in-process service alike)."""
