@@ -418,7 +418,7 @@ def test_every_response_is_counted_with_its_route(model, tmp_path, loop):
     client("POST", "/v1/corpora", content=b"{}", headers=bearer(WRITE))  # 415
     client("POST", "/v1/corpora", json={"name": "y" * 2000}, headers=bearer(WRITE))  # 413 from BodyGuard
     client("GET", "/v1/corpora/nope", headers=bearer(READ))  # 404
-    client("GET", "/nowhere")
+    client("GET", "/nowhere", headers=bearer(READ))  # a path no route serves needs a key too: 404 with one
 
     service.list_corpora = lambda: (_ for _ in ()).throw(RuntimeError("bug"))
     r = client("GET", "/v1/corpora", headers=bearer(READ))

@@ -89,7 +89,8 @@ class RetrievalRequests:
         return SearchConfig(max_steps=p.max_steps, beam_width=p.beam_width, stop_threshold=p.stop_threshold, alternatives=p.alternatives)
 
     async def retrieve(self, p: RetrieveParams) -> dict[str, Any]:
-        search = self.check(p)
+        # An inline context's checks scan up to max_context_chars: in a thread, off the event loop.
+        search = await asyncio.to_thread(self.check, p) if p.context is not None else self.check(p)
         if p.context is not None:
             return await self._retrieve_context(p, search)
         t0 = time.perf_counter()
@@ -131,7 +132,7 @@ class RetrievalRequests:
         vectors = await self.corpora.embed_chunks(ids)
         timings.encode += time.perf_counter() - t
         shard = ShardIndex("context", 0, 1, self.model.model_cfg, self.model.dim, torch.device("cpu"), ShardOptions(faiss="never"))
-        shard.add(Segment(0, np.arange(len(chunks)), vectors, ids, [c.doc_id for c in chunks], [c.text for c in chunks]))
+        await asyncio.to_thread(shard.add, Segment(0, np.arange(len(chunks)), vectors, ids, [c.doc_id for c in chunks], [c.text for c in chunks]))
         backend = HeldInProcess(HeldShards([shard], len(chunks)))
         run = SearchRun(question, self.tok.layout, search, len(chunks))
         await self.batcher.run(run, backend, backend, timings)  # its own key: nobody shares an inline context
