@@ -43,6 +43,7 @@ from qrag.index.store import CorpusNotFound, CorpusStore, SegmentProblem
 from qrag.model.encoder import pick_device
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.retrieval.hits import ShardHits
+from qrag.distributed.proxy_bind import proxy_bind_host
 from qrag.serving.auth import ApiKeyError, key_table, startup_problem
 from qrag.serving.backends import LocalEncoder
 from qrag.serving.errors import ServiceError, overloaded
@@ -222,9 +223,9 @@ class Ingress:
         """``shards``: the Shard deployments' handles; none: this replica holds every shard."""
         c = from_dict(ServeConfig, cfg)
         self.keys = key_table(c.api_keys)  # $QRAG_API_KEYS of this replica (a Kubernetes Secret) + the config
-        # The bind address comes from the config (our own record of http_options.host): Ray has no
-        # public API for the proxy's host; unknown counts as public, so keys are then required.
-        problem = startup_problem(c.http_host or "0.0.0.0", self.keys, c.allow_unauthenticated)
+        # The address Serve's proxies really bind (the controller's http_options.host), not a
+        # config field that could disagree with it; unknown counts as public: keys are then required.
+        problem = startup_problem(await proxy_bind_host(), self.keys, c.allow_unauthenticated)
         if problem:
             raise RuntimeError(problem)
         self.metrics = RayMetrics()
