@@ -186,8 +186,8 @@ def test_serve_config_deployments_are_the_apps_and_valid_for_serve():
     names = [d["name"] for d in app["deployments"]]
     assert sorted(names) == sorted(deployment_names(cfg.shard_deployments)) == ["Ingress"]
     ingress = {d.name: d for d in schema.applications[0].deployments}["Ingress"]
-    # One replica steps every concurrent request together: it takes a full round's worth.
-    assert ingress.num_replicas == 1 and ingress.max_ongoing_requests >= cfg.state_batch_size
+    # A replica takes a full round's worth of requests; the replica count follows the GPUs.
+    assert ingress.max_ongoing_requests >= cfg.state_batch_size and "num_replicas" not in app["deployments"][0]
     args = argparse.Namespace(config=str(ROOT / "serve" / "config.yaml"))
     assert serve_deployments(args) == app["deployments"]
     build_app(cfg, {}, app["deployments"])  # Deployment.options accepts every option (Serve validates them there)
@@ -456,6 +456,24 @@ def test_default_layout_answers_as_the_shard_deployments(app, offline):
         assert client.get("/v1/retrieve", headers={}).status_code in (401, 405)  # the same guarded API
     finally:
         serve.delete("inprocess")
+
+
+def test_default_replicas_share_each_gpu(monkeypatch):
+    """Unset in deployments:, the Ingress runs replicas_per_gpu replicas on every GPU, each with
+    that share of a GPU; one replica and no GPU on a cluster without GPUs; an autoscaling_config
+    keeps Serve in charge of the count."""
+    import qrag.distributed.serving as serving
+
+    cfg = ServeConfig(storage="unused", replicas_per_gpu=2)
+    monkeypatch.setattr(serving, "_cluster_gpus", lambda: 2)
+    assert serving.default_ingress_replicas(cfg) == 4 and serving.default_gpus(0, 2) == {"Ingress": 0.5}
+    app = serving.build_app(cfg, {}, [])
+    assert app._bound_deployment._deployment_config.num_replicas == 4
+    scaled = serving.build_app(cfg, {}, [{"name": "Ingress", "autoscaling_config": {"min_replicas": 1, "max_replicas": 8}}])
+    assert scaled._bound_deployment._deployment_config.autoscaling_config is not None
+    assert serving.default_ingress_replicas(dataclasses.replace(cfg, shard_deployments=2)) == 1
+    monkeypatch.setattr(serving, "_cluster_gpus", lambda: 0)
+    assert serving.default_ingress_replicas(cfg) == 1 and serving.default_gpus(0, 2) == {"Ingress": 0.0}
 
 
 def test_default_layout_has_the_ingress_only():

@@ -252,14 +252,6 @@ class Ingress:
         return ServerTiming(app)
 
 
-def _cluster_has_gpu() -> bool:
-    if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) > 0
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def deployment_overrides(deployments: Sequence[Mapping[str, Any]] | None, shards: int) -> dict[str, dict[str, Any]]:
     """A Serve config's ``deployments:`` list -> {name: options}, checked: names of the app's
     deployments, keys and values Serve's DeploymentSchema and AutoscalingConfig accept (Serve
@@ -296,16 +288,30 @@ def deployment_overrides(deployments: Sequence[Mapping[str, Any]] | None, shards
     return out
 
 
-def default_gpus(shard_deployments: int) -> dict[str, float]:
+def _cluster_gpus() -> int:
+    if ray.is_initialized():
+        return int(ray.cluster_resources().get("GPU", 0))
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def default_gpus(shard_deployments: int, replicas_per_gpu: int = 1) -> dict[str, float]:
     """GPUs per replica when ``deployments:`` sets no ray_actor_options, on a cluster with GPUs:
-    the Ingress replica a whole GPU when it holds the shards, else half of one with the Shard
-    deployments sharing the other half; none without GPUs."""
-    gpu = _cluster_has_gpu()
-    if not gpu:
+    the Ingress replicas share a GPU ``replicas_per_gpu`` to one when they hold the shards, else an
+    Ingress takes half of one with the Shard deployments sharing the other half; none without GPUs."""
+    if not _cluster_gpus():
         return {name: 0.0 for name in deployment_names(shard_deployments)}
     if shard_deployments == 0:
-        return {INGRESS: 1.0}
+        return {INGRESS: round(1.0 / max(1, replicas_per_gpu), 4)}
     return {INGRESS: 0.5, **{shard_name(i): 0.5 / shard_deployments for i in range(shard_deployments)}}
+
+
+def default_ingress_replicas(cfg: ServeConfig) -> int:
+    """Ingress replicas when ``deployments:`` sets none: ``replicas_per_gpu`` on every GPU of the
+    cluster when the Ingress holds the shards; one otherwise (and on a cluster without GPUs)."""
+    gpus = _cluster_gpus()
+    return max(1, cfg.replicas_per_gpu) * gpus if gpus and cfg.shard_deployments == 0 else 1
 
 
 def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployments: Sequence[Mapping[str, Any]] | None = None):
@@ -318,7 +324,7 @@ def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployme
     cfg.shard_holders()  # range check
     d = cfg.shard_deployments
     overrides = deployment_overrides(deployments, d)
-    gpus = default_gpus(d)
+    gpus = default_gpus(d, cfg.replicas_per_gpu)
 
     def options(deployment: str, **code: Any) -> dict[str, Any]:
         return {**code, **overrides.get(deployment, {})}
@@ -330,7 +336,9 @@ def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployme
         .bind(args, i)
         for i in range(d)
     ]
-    ingress = options(INGRESS, ray_actor_options={"num_gpus": gpus[INGRESS], "num_cpus": 0}, backpressure_config=backpressure)
+    # Replicas: the deployments: entry's num_replicas or autoscaling_config, else replicas_per_gpu a GPU.
+    replicas = {} if "autoscaling_config" in overrides.get(INGRESS, {}) else {"num_replicas": default_ingress_replicas(cfg)}
+    ingress = options(INGRESS, **replicas, ray_actor_options={"num_gpus": gpus[INGRESS], "num_cpus": 0}, backpressure_config=backpressure)
     return Ingress.options(**ingress).bind(args, shards, static or {})
 
 

@@ -86,9 +86,9 @@ class LockstepBatcher:
 
     # -- the driver -------------------------------------------------------------------------
 
-    def _next_round(self, loop: asyncio.AbstractEventLoop, stop: bool = False) -> tuple[list[_Search], list[_Group]] | None:
+    def _next_round(self, loop: asyncio.AbstractEventLoop) -> tuple[list[_Search], list[_Group]] | None:
         """Under the lock: admit waiting searches, settle ended ones, and the next round (None:
-        nothing left). ``stop``: the driver asks, and stops on None (the next search starts another)."""
+        nothing left: the driver stops, and the next search starts another)."""
         with self._lock:
             rows = sum(len(s.run.live()) for s in self._active)
             while self._waiting:  # oldest first, while the round has rows to spare (one search at least)
@@ -110,20 +110,21 @@ class LockstepBatcher:
             if not live:
                 if self._waiting:
                     return [], []
-                if stop:
-                    self._driving = False
+                self._driving = False
                 return None
             return live, _groups(live)
 
     async def _drive(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            while (nxt := self._next_round(loop, stop=True)) is not None:
+            while (nxt := self._next_round(loop)) is not None:
                 live, groups = nxt
                 if not live:
                     continue
                 if self._in_process(groups):
-                    # Round after round in one worker thread, while every round stays in process.
-                    await asyncio.to_thread(self._rounds_now, loop, live, groups)
+                    # One round a hand-off: between rounds the event loop takes the new requests
+                    # (a worker thread running round after round kept the GIL from the requests'
+                    # parsing and answering, and served fewer of them).
+                    self._fail(loop, await asyncio.to_thread(self._round_or_fail, live, groups))
                 else:
                     self._fail(loop, await self._round_async(live, groups))
         except BaseException as exc:  # cancelled (shutdown), or a bug: never leave a request waiting
@@ -144,23 +145,11 @@ class LockstepBatcher:
                     _settle(loop, s.done, exc)
                 self._active = [s for s in self._active if s not in searches]
 
-    def _rounds_now(self, loop: asyncio.AbstractEventLoop, live: list[_Search], groups: list[_Group]) -> None:
-        """Rounds in this (worker) thread until none is left or one needs the event loop. A search
-        that ends here is settled from here; the driver then finds nothing and stops."""
-        while True:
-            try:
-                failures = self._round_now(live, groups)
-            except Exception as exc:  # noqa: BLE001 - the encoder failed: the round's searches fail with it
-                failures = [(live, exc)]
-            self._fail(loop, failures)
-            nxt = self._next_round(loop)
-            if nxt is None:
-                return
-            live, groups = nxt
-            if not live:
-                continue
-            if not self._in_process(groups):
-                return  # the driver runs this round on the event loop (it forms it again)
+    def _round_or_fail(self, live: list[_Search], groups: list[_Group]) -> list[tuple[list[_Search], Exception]]:
+        try:
+            return self._round_now(live, groups)
+        except Exception as exc:  # noqa: BLE001 - the encoder failed: the round's searches fail with it
+            return [(live, exc)]
 
     def _round_now(self, live: list[_Search], groups: list[_Group]) -> list[tuple[list[_Search], Exception]]:
         """A round in this (worker) thread: states, one encoder call, each group's pass, advance."""

@@ -35,6 +35,9 @@ class ServeConfig:
                                     "called once per retrieval step for all the requests of that step.")
     encoder_device: Device = opt("auto", "Device of the encoder (in the Ingress replicas): auto | cpu | cuda | cuda:N.")
     shard_device: Device = opt("auto", "Device of the shards (exact rotated scoring): auto | cpu | cuda | cuda:N.")
+    replicas_per_gpu: int = opt(2, "Ingress replicas sharing each GPU when it holds the shards (shard_deployments: 0) and the "
+                                   "deployments: section sets no num_replicas: each replica parses and answers requests in its own "
+                                   "process (one Python interpreter per replica), each holds a copy of the model and the corpora.")
     state_batch_size: int = opt(64, "State rows per retrieval round: the concurrent requests of a replica are stepped together, "
                                     "one encoder call and one scoring pass per corpus a round, up to this many states; more wait a round.")
     warm_up: bool = opt(True, "On a GPU, capture at replica start what queries replay: the state encoder's CUDA graphs for every "
