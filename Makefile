@@ -39,12 +39,17 @@ test: install mlflow-server
 MLFLOW_SERVER_VENV := $(VENV)/mlflow-server
 MLFLOW_SERVER := $(MLFLOW_SERVER_VENV)/bin/mlflow
 
-mlflow-server: $(MLFLOW_SERVER)
+mlflow-server: $(MLFLOW_SERVER) $(MLFLOW_SERVER_VENV)/bin/virtualenv
 
 $(MLFLOW_SERVER): | $(STAMP)
 	$(PYTHON) -m venv $(MLFLOW_SERVER_VENV)
 	$(MLFLOW_SERVER_VENV)/bin/pip install -q --disable-pip-version-check "psycopg[binary]" psycopg2-binary \
 		"mlflow==$$($(PY) -c 'from importlib.metadata import version; print(version("mlflow-skinny"))')"
+
+# `mlflow models serve --env-manager virtualenv` restores a logged model's environment with it
+# (tests/test_mlflow_portable.py serves a registered qrag model from an environment without qrag).
+$(MLFLOW_SERVER_VENV)/bin/virtualenv: | $(MLFLOW_SERVER)
+	$(MLFLOW_SERVER_VENV)/bin/pip install -q --disable-pip-version-check virtualenv
 
 test-fast: install
 	$(PY) -m pytest -m "not ray and not slow" $(PYTEST_ARGS)

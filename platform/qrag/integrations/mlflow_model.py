@@ -9,6 +9,11 @@ model serves two ways:
 * ``qrag serve --checkpoint models:/<name>@<alias>`` downloads it and finds the checkpoint inside
   (``qrag.retrieval.embedder.resolve_source``).
 
+The model is portable: qrag's source goes with it (``code_paths``: MLflow puts it on ``sys.path``
+at load) and its pip requirements are the packages that code imports, pinned to this
+environment's versions, so ``mlflow models serve -m models:/<name>@<alias>`` restores an
+environment that needs no qrag install (qrag is on no package index).
+
 mlflow (skinny is enough) is imported by this module only.
 """
 
@@ -18,6 +23,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,16 @@ from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, 
 ARTIFACT = "checkpoint"
 MODEL_PATH = "model"  # where a run keeps its model (runs:/<run_id>/model)
 ENTRY = Path(__file__).with_name("mlflow_pyfunc_entry.py")  # models from code: nothing pickled
+PACKAGE = Path(__file__).resolve().parents[1]  # the qrag package, logged with the model
+# What the pyfunc and the qrag modules it loads import (tests/test_mlflow_portable.py runs it
+# in a virtualenv holding only these).
+RUNTIME_PACKAGES = ("mlflow-skinny", "pandas", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyyaml", "tqdm")
+
+
+def pip_requirements() -> list[str]:
+    """The model's requirements, pinned to the versions here; a local label (torch's +cpu) is
+    dropped, since the index holds the plain release (the CUDA build, on Linux)."""
+    return [f"{name}=={version(name).split('+')[0]}" for name in RUNTIME_PACKAGES]
 
 
 def signature(max_steps: int, beam_width: int) -> ModelSignature:
@@ -86,27 +102,28 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
 def save_model(checkpoint: str | Path, path: str | Path) -> Path:
     """Write the pyfunc model of ``checkpoint`` to ``path``; of a full checkpoint only the
     inference part goes in (no targets, no optimiser)."""
-    from qrag import __version__
     from qrag.model.checkpoint import load_run_config
     from qrag.model.checkpoint import INFERENCE_PARTS
 
     cfg = load_run_config(checkpoint)
-    with tempfile.TemporaryDirectory(prefix="qrag-inference-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="qrag-inference-") as tmp, tempfile.TemporaryDirectory(prefix="qrag-code-") as code:
         for name in INFERENCE_PARTS:
             part = Path(checkpoint) / name
             if part.is_dir():
                 shutil.copytree(part, Path(tmp) / name)
             elif part.is_file():
                 shutil.copy2(part, Path(tmp) / name)
+        shutil.copytree(PACKAGE, Path(code) / PACKAGE.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a job log is no terminal
         with warnings.catch_warnings():
             # The signature is given (no input example to run) and predict's rows are dicts, not typed.
             warnings.filterwarnings("ignore", message=".*(input_example|type hints).*")
             mlflow.pyfunc.save_model(
                 path=str(path), python_model=str(ENTRY), artifacts={ARTIFACT: tmp},
+                code_paths=[str(Path(code) / PACKAGE.name)],
                 signature=signature(cfg.search.max_steps, cfg.search.beam_width),
                 # Explicit: inferring them would import and time the model in a subprocess.
-                pip_requirements=[f"qrag=={__version__}", "mlflow-skinny", "torch", "transformers"],
+                pip_requirements=pip_requirements(),
             )
     return Path(path)
 
