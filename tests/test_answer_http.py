@@ -13,9 +13,10 @@ import pytest
 
 from qrag.answers.openai_compat import OpenAIAnswerer, retry_after_seconds
 from qrag.answers.reader import ChatRequest
+from test_answer import FakeChatServer  # its start and stop
 
 
-class KeepAliveServer:
+class KeepAliveServer(FakeChatServer):
     """A chat endpoint speaking HTTP/1.1 (connections stay open). ``busy[q]``: (status, Retry-After
     header) answered to question ``q`` that many times first; every request and connection is recorded."""
 
@@ -62,14 +63,6 @@ class KeepAliveServer:
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def ask(*questions: str) -> list[ChatRequest]:
