@@ -113,6 +113,9 @@ def test_content_type_host_origin_cors_and_page_headers(model, tmp_path, loop):
     page = client("GET", "/")
     assert "frame-ancestors 'none'" in page.headers["content-security-policy"] and page.headers["x-frame-options"] == "DENY"
     assert page.headers["x-content-type-options"] == "nosniff"
+    # Every answer says nosniff: the API's own, and the guards' refusals (HTML headers only on HTML).
+    for r in (client("GET", "/v1/corpora"), client("GET", "/v1/corpora", headers={"host": "evil.example"}), client("GET", "/nowhere")):
+        assert r.headers["x-content-type-options"] == "nosniff" and "content-security-policy" not in r.headers, r.status_code
 
 
 def test_cors_only_for_configured_origins(model, tmp_path, loop):

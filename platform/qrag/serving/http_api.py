@@ -32,7 +32,7 @@ from qrag.index.store import StoreError
 from qrag.serving.api_models import (AppendDocuments, CorpusJobs, CorpusList, CorpusStats, CreateCorpus, Deleted, DocumentIn,  # noqa: F401
                                      ErrorBody, Health, Job, JobAnswer, Reindex, RetrieveAnswer, RetrieveRequest)
 from qrag.serving.errors import ServiceError, os_error, store_error
-from qrag.serving.http_guards import (KEY_SCOPE, OFF_LOOP_BYTES, PUBLIC_ROUTES, BodyGuard, Guard, Observed, RouteTable,  # noqa: F401
+from qrag.serving.http_guards import (KEY_SCOPE, OFF_LOOP_BYTES, PUBLIC_ROUTES, BodyGuard, Guard, Observed, RouteTable, SecurityHeaders,  # noqa: F401
                                       error_response, needed_scope, off_loop)
 from qrag.serving.http_headers import PAGE_HEADERS
 from qrag.serving.retrieval import RetrieveParams
@@ -175,15 +175,6 @@ def build_api(
         log.exception("internal error on %s %s", request.method, request.url.path)
         return _error(500, None, f"internal error: {type(exc).__name__}")
 
-    @api.middleware("http")
-    async def security_headers(request: Request, call_next):
-        response = await call_next(request)
-        response.headers.setdefault("x-content-type-options", "nosniff")
-        if response.media_type and response.media_type.startswith("text/html"):
-            for k, v in PAGE_HEADERS.items():
-                response.headers.setdefault(k, v)
-        return response
-
     # -- page --------------------------------------------------------------------------------
 
     @api.get("/", include_in_schema=False)
@@ -255,7 +246,9 @@ def build_api(
 
     @api.post("/v1/retrieve", response_model=RetrieveAnswer, summary="Multi-step retrieval over a corpus or an inline context", **answers)
     async def retrieve(body: RetrieveRequest):
-        return await service.retrieve(RetrieveParams(**body.model_dump()))
+        # The answer as it is (RetrieveAnswer documents it): the hot route skips re-validating
+        # and re-encoding the service's own dict through the model.
+        return JSONResponse(await service.retrieve(RetrieveParams(**body.model_dump())))
 
     if cfg.cors_origins:
         api.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["GET", "POST", "DELETE"],
@@ -264,6 +257,7 @@ def build_api(
     app = BodyGuard(api, limit=cfg.max_body_bytes, max_documents=cfg.max_documents, routes=routes)
     app = Guard(app, keys=keys, allowed_hosts=list(cfg.allowed_hosts), cors_origins=list(cfg.cors_origins),
                 timeout_s=cfg.request_timeout_s, retry_after_s=cfg.retry_after_s, routes=routes)
+    app = SecurityHeaders(app)  # on the guards' refusals too
     if on_request is not None:
         app = Observed(app, routes, on_request)
     app.api = api  # the FastAPI object (routes, OpenAPI), for callers that add routes

@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Match
 
 from qrag.serving.auth import allows, scope_of
 from qrag.serving.errors import ServiceError
-from qrag.serving.http_headers import strip_headers
+from qrag.serving.http_headers import PAGE_HEADERS, strip_headers
 
 log = logging.getLogger("qrag.http")
 
@@ -82,6 +82,9 @@ def needed_scope(method: str, route: str | None, public: Iterable[str] = PUBLIC_
     return "read" if method in READ_METHODS or route in READ_POSTS else "write"
 
 
+ROUTE_KEY = "qrag.route"  # the matched route template, kept in the ASGI scope
+
+
 class RouteTable:
     """The route template a request reaches, matched by the routes themselves (they strip the
     scope's ``root_path`` as the router does). ``routes`` is read at each request, so routes
@@ -93,6 +96,14 @@ class RouteTable:
         self.public = frozenset(public)
 
     def match(self, scope: dict[str, Any]) -> str | None:
+        """Matched once per request (the guards, the body guard and the counter all ask; routing
+        is a walk over every route): the answer is kept in the scope."""
+        if ROUTE_KEY in scope:
+            return scope[ROUTE_KEY]
+        scope[ROUTE_KEY] = found = self._match(scope)
+        return found
+
+    def _match(self, scope: dict[str, Any]) -> str | None:
         partial = None
         for route in self._routes():
             found, _ = route.matches(scope)
@@ -255,12 +266,40 @@ class Guard:
             await send(message)
 
         try:
-            await asyncio.wait_for(self.app(scope, receive, tracked), self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):  # (wait_for would run the request in a task of its own)
+                await self.app(scope, receive, tracked)
+        except TimeoutError:
             if not started:
                 await error_response(503, None, f"the request took longer than {self.timeout_s:g} s (request_timeout_s); an indexing job "
                                                 f"it started goes on (GET /v1/corpora/<name>/jobs)",
                                      {"Retry-After": str(self.retry_after_s)})(scope, receive, send)
+
+
+class SecurityHeaders:
+    """``X-Content-Type-Options: nosniff`` on every answer, the page's headers on HTML answers
+    that lack them (a plain ASGI layer: Starlette's BaseHTTPMiddleware runs every request in a
+    task group of its own)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                names = {k.lower() for k, _ in headers}
+                if b"x-content-type-options" not in names:
+                    headers.append((b"x-content-type-options", b"nosniff"))
+                ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+                if ctype.startswith(b"text/html"):
+                    headers += [(k.encode(), v.encode()) for k, v in PAGE_HEADERS.items() if k.encode() not in names]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 class Observed:
