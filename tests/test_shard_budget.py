@@ -60,3 +60,21 @@ def test_concurrent_loads_reserve_their_memory_before_they_load(model, tmp_path)
         t.join(30)
     assert list(holder.corpora) == ["b"] and holder.evictions == 1 and holder.nbytes() <= 1.5 * one
     assert holder.stats()["reserved_bytes"] == 0
+
+
+def test_writes_check_the_machine_sized_budget_before_embedding(model, tmp_path):
+    """Without shard_memory_bytes, a create that would not fit the holders' machine-sized budget
+    is refused (507) before any embedding, as with a configured budget."""
+    import asyncio
+
+    from qrag.serving.errors import ServiceError
+
+    service = local_service(serve_cfg(tmp_path), model)
+    for s in service.shards:
+        s.holder.memory_bytes = 1000  # as if the machine had almost nothing to spare
+    assert service.corpora.shard_budget() == 1000
+    docs = [{"id": d.id, "text": d.text} for d in make_documents(3)]
+    with pytest.raises(ServiceError) as err:
+        asyncio.run(service.create("books", docs))
+    assert err.value.status == 507 and "shard_memory_bytes" in err.value.message
+    assert "books" not in service.store.names()

@@ -96,8 +96,8 @@ def encoder_stats_of(model) -> dict[str, Any]:
 class Shard:
     def __init__(self, cfg: dict[str, Any], slot: int):
         c = from_dict(ServeConfig, cfg)
-        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shard_holders(), pick_device(c.shard_device), c.shard_options(),
-                                  c.shard_memory_bytes)
+        device = pick_device(c.shard_device)
+        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shard_holders(), device, c.shard_options(), c.shard_budget(device))
         # Loading a corpus from disk runs in its own threads: queries of loaded corpora never
         # wait behind it for a worker thread.
         self.loader = ThreadPoolExecutor(2, thread_name_prefix="qrag-load")

@@ -120,7 +120,8 @@ class CorpusAdmin:
         except StoreError as exc:
             raise ServiceError(422, "name", str(exc)) from None
         budget = self.chunk_budget(chunk_tokens)
-        docs = self._documents(documents) if documents is not None else []
+        # Checking a request's documents reads all their text: in a thread, off the event loop.
+        docs = await asyncio.to_thread(self._documents, documents) if documents is not None else []
         if (self.store.root / name / "corpus.json").exists():
             raise ServiceError(409, "name", f"corpus {name!r} already exists")
         if not docs:
@@ -174,7 +175,7 @@ class CorpusAdmin:
 
     async def append(self, name: str, documents: Any, wait: bool = True) -> dict[str, Any]:
         m = self.compatible(name, reindexing=True)
-        docs = documents if documents and isinstance(documents[0], Document) else self._documents(documents)
+        docs = documents if documents and isinstance(documents[0], Document) else await asyncio.to_thread(self._documents, documents)
         if not docs:
             raise ServiceError(422, "documents", "no documents to add")
         self.check_memory(m, name, 0, 0)
@@ -187,9 +188,17 @@ class CorpusAdmin:
             raise ServiceError(409, "documents", f"document id {dup!r} is already in corpus {name!r}")
         return await self.jobs.submit(name, "append", len(docs), lambda job: self._index(job, m, docs), wait)
 
+    def shard_budget(self) -> int | None:
+        """Memory each shard holder may use: the configured budget, else the smallest that the
+        holders of this process sized from the machine (holders behind handles check their own)."""
+        if self.cfg.shard_memory_bytes is not None:
+            return self.cfg.shard_memory_bytes
+        budgets = [b for b in (getattr(getattr(c, "holder", None), "memory_bytes", None) for c in self.shards) if b is not None]
+        return min(budgets) if budgets else None
+
     def check_memory(self, m: Manifest | None, name: str, chunks: int, tokens: int) -> None:
         """507 when the corpus (with ``chunks`` more) would not fit the shards' memory budget."""
-        budget = self.cfg.shard_memory_bytes
+        budget = self.shard_budget()
         if budget is None:
             return
         if m is None:
