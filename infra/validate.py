@@ -565,24 +565,25 @@ def serve_access_problems(body: dict, c: Any, where: str) -> list[str]:
 
 def deployment_options(app: dict, where: str) -> tuple[dict[str, dict], list[str]]:
     """An application's ``deployments:`` as {name: options}, and its problems: a name the app
-    does not have (with the shards of its args), keys or values Serve's schemas refuse
+    does not have (with the shard deployments of its args), keys or values Serve's schemas refuse
     (qrag.distributed.serving.deployment_overrides, what `qrag serve --config` checks too)."""
     from qrag.config import ConfigError
     from qrag.distributed.serving import deployment_overrides
     from qrag.serving.service_config import ServeConfig
 
-    shards = (app.get("args") or {}).get("shards", ServeConfig.shards)
+    d = (app.get("args") or {}).get("shard_deployments", ServeConfig.shard_deployments)
     try:
-        return deployment_overrides(app.get("deployments"), shards if isinstance(shards, int) else ServeConfig.shards), []
+        return deployment_overrides(app.get("deployments"), d if isinstance(d, int) else ServeConfig.shard_deployments), []
     except ConfigError as exc:
         return {}, [f"{where}: {p}" for p in str(exc).split("; ")]
 
 
 def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str) -> list[str]:
-    """GPUs (deployments: ray_actor_options) for the roles that run on CUDA, and shards spread one
-    per GPU in every start order, with the encoder at its autoscaling minimum and maximum."""
+    """GPUs (deployments: ray_actor_options) for the roles that run on CUDA: the Ingress holds the
+    encoder (and, with shard_deployments 0, every shard); Shard deployments spread one per GPU in
+    every start order, with the Ingress at its autoscaling minimum and maximum."""
     from qrag.distributed.placement import gpu_plan_problems
-    from qrag.distributed.serving import ENCODER, shard_name
+    from qrag.distributed.serving import INGRESS, shard_name
 
     options, invalid = deployment_options(app, where)
     if invalid:
@@ -600,15 +601,25 @@ def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str)
             return int(auto.get(f"{at}_replicas", 1))
         return int(opts.get("num_replicas") or 1)
 
-    shards = [shard_name(i) for i in range(c.shards)]
-    for role, names in (("encoder", [ENCODER]), ("shard", shards)):
-        device = getattr(c, f"{role}_device")
-        if device.startswith("cuda") and any(not gpus_of(n) for n in names):
-            problems.append(f"{where}: {role}_device is {device} but {', '.join(n for n in names if not gpus_of(n))} ask Ray for no GPU "
-                            "(deployments: ray_actor_options.num_gpus)")
+    shards = [shard_name(i) for i in range(c.shard_deployments)]
+    ingress_cuda = c.encoder_device.startswith("cuda") or (not shards and c.shard_device.startswith("cuda"))
+    needs = ([INGRESS] if ingress_cuda else []) + (shards if c.shard_device.startswith("cuda") else [])
+    no_gpu = [n for n in needs if gpus_of(n) == 0]
+    if no_gpu:
+        problems.append(f"{where}: {', '.join(no_gpu)} run on CUDA (encoder_device {c.encoder_device}, shard_device {c.shard_device}) "
+                        "but ask Ray for no GPU (deployments: ray_actor_options.num_gpus)")
     if not gpus:
         return problems
-    unset = [n for n in [ENCODER, *shards] if gpus_of(n) is None]
+    if not shards:  # the Ingress replicas share the GPUs, replicas_per_gpu to one unless told otherwise
+        share = gpus_of(INGRESS) if gpus_of(INGRESS) is not None else 1.0 / max(1, c.replicas_per_gpu)
+        at_min, at_max = share * replicas(INGRESS, "min"), share * replicas(INGRESS, "max")
+        if at_min > gpus + 1e-9:
+            problems.append(f"{where}: deployments ask for more GPUs than the {gpus} of the GPU workers at minReplicas")
+        if at_max > gpus_max + 1e-9:
+            problems.append(f"{where}: at {INGRESS} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
+                            "of the GPU workers at maxReplicas")
+        return problems
+    unset = [n for n in [INGRESS, *shards] if gpus_of(n) is None]
     if unset:
         return problems + [f"{where}: set ray_actor_options.num_gpus of {', '.join(unset)} under deployments: "
                            "(the defaults pack every shard on one GPU)"]
@@ -617,16 +628,16 @@ def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str)
         return problems + [f"{where}: give every shard deployment the same num_gpus (got {sorted(shard_gpus)})"]
     per_shard = shard_gpus.pop()
     shard_replicas = sum(replicas(n, "min") for n in shards)
-    # Every start order at the minimum (shards and the encoder's min_replicas on the GPU workers'
-    # minReplicas); scaled up, the encoder's extra replicas take the GPU the shards leave, and the
+    # Every start order at the minimum (shards and the Ingress's min_replicas on the GPU workers'
+    # minReplicas); scaled up, the Ingress's extra replicas take the GPU the shards leave, and the
     # autoscaler adds GPU workers up to maxReplicas for anything left pending.
-    others = {"encoder": gpus_of(ENCODER) * replicas(ENCODER, "min")}
+    others = {"ingress": gpus_of(INGRESS) * replicas(INGRESS, "min")}
     problems += [f"{where}: {p}" for p in gpu_plan_problems(shard_replicas, per_shard, gpus, others)]
-    if shard_replicas * per_shard + others["encoder"] > gpus + 1e-9:
+    if shard_replicas * per_shard + others["ingress"] > gpus + 1e-9:
         problems.append(f"{where}: deployments ask for more GPUs than the {gpus} of the GPU workers at minReplicas")
-    at_max = shard_replicas * per_shard + gpus_of(ENCODER) * replicas(ENCODER, "max")
+    at_max = shard_replicas * per_shard + gpus_of(INGRESS) * replicas(INGRESS, "max")
     if at_max > gpus_max + 1e-9:
-        problems.append(f"{where}: at {ENCODER} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
+        problems.append(f"{where}: at {INGRESS} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
                         "of the GPU workers at maxReplicas")
     return problems
 

@@ -85,6 +85,27 @@ def serve_deployment(name: str, change):
     return serve_args(apply)
 
 
+def shard_layout(change=None):
+    """The RayService's app in the layout for corpora beyond one GPU (two Shard deployments, a GPU
+    each, the Ingress with the encoder beside one of them), then ``change(args, config)``."""
+    def apply(a, c):
+        a.update(shard_deployments=2)
+        app = c["applications"][0]
+        ingress = next(d for d in app["deployments"] if d["name"] == "Ingress")
+        ingress["autoscaling_config"].update(min_replicas=1, max_replicas=2)
+        ingress["ray_actor_options"] = {"num_cpus": 0, "num_gpus": 0.4}
+        app["deployments"] += [{"name": f"Shard{i}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.6}}
+                               for i in range(2)]
+        if change is not None:
+            change(a, c)
+    return serve_args(apply)
+
+
+def in_shard_layout(name: str, change):
+    """:func:`shard_layout`, then ``change(options)`` of deployment ``name``."""
+    return shard_layout(lambda a, c: change(next(d for d in c["applications"][0]["deployments"] if d["name"] == name)))
+
+
 def entrypoint(old: str, new: str):
     def apply(doc):
         assert old in doc["spec"]["entrypoint"]
@@ -112,19 +133,23 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
     (RAYJOB, entrypoint("distributed.learner_cpus=4", "distributed.learner_cpus=12"), "no worker group can hold the learner"),
     (RAYJOB, lambda d: d["spec"].update(clusterSelector={"ray.io/cluster": "other"}), "names RayCluster 'other'"),
     # the RayService against the project and the GPUs
-    (RAYSERVICE, serve_args(lambda a, c: [d["ray_actor_options"].update(num_gpus=0.5) for d in c["applications"][0]["deployments"]
-                                          if d["name"].startswith("Shard")]), "lets 2 shards share one GPU"),
+    (RAYSERVICE, shard_layout(), ""),  # the other layout of the same app is valid too
+    (RAYSERVICE, shard_layout(lambda a, c: [d["ray_actor_options"].update(num_gpus=0.5) for d in c["applications"][0]["deployments"]
+                                            if d["name"].startswith("Shard")]), "lets 2 shards share one GPU"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="models:/qrag-hotpot@staging")), "is not a model a RayJob registers"),
     (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(maxReplicas=9), "QRAG_AUTOSCALE_TO"),
-    (RAYSERVICE, serve_deployment("Encoder", lambda d: d["autoscaling_config"].update(min_replicas=2)), "some placement order leaves a shard without a GPU"),
-    (RAYSERVICE, serve_deployment("Encoder", lambda d: d["autoscaling_config"].update(max_replicas=9)), "at Encoder max_replicas the deployments ask for"),
-    (RAYSERVICE, serve_deployment("Shard1", lambda d: d.update(name="Shard2")), "(Shard2): no deployment 'Shard2' in the app with 2 shard deployment(s)"),
+    (RAYSERVICE, in_shard_layout("Ingress", lambda d: d["autoscaling_config"].update(min_replicas=2)),
+     "some placement order leaves a shard without a GPU"),
+    (RAYSERVICE, in_shard_layout("Ingress", lambda d: d["autoscaling_config"].update(max_replicas=9)), "at Ingress max_replicas the deployments ask for"),
+    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(max_replicas=9)), "at Ingress max_replicas the deployments ask for"),
+    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(min_replicas=5)), "more GPUs than the 2 of the GPU workers"),
+    (RAYSERVICE, in_shard_layout("Shard1", lambda d: d.update(name="Shard2")), "(Shard2): no deployment 'Shard2' in the app with 2 shard deployment(s)"),
     (RAYSERVICE, serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(target_ongoing_request=4)), "autoscaling_config.target_ongoing_request: unknown key"),
     (RAYSERVICE, serve_deployment("Ingress", lambda d: d.update(max_ongoing_request=4)), "unknown key 'max_ongoing_request'"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(shard_replicas=2)), "unknown config key shard_replicas"),
-    (RAYSERVICE, serve_deployment("Shard1", lambda d: d.pop("ray_actor_options")), "set ray_actor_options.num_gpus of Shard1"),
+    (RAYSERVICE, in_shard_layout("Shard1", lambda d: d.pop("ray_actor_options")), "set ray_actor_options.num_gpus of Shard1"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(shardz=2)), "unknown config key shardz"),
-    (RAYSERVICE, serve_deployment("Encoder", lambda d: d["ray_actor_options"].update(num_gpus=0)), "encoder_device is cuda but Encoder ask Ray for no GPU"),
+    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["ray_actor_options"].update(num_gpus=0)), "Ingress run on CUDA"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="/mnt/qrag/runs/other/final")), "is not where a RayJob writes one"),
     (RAYSERVICE, serve_args(lambda a, c: a.update(storage="qrag_indexes")), "args.storage qrag_indexes is not on the shared volume"),
     (RAYSERVICE, serve_args(lambda a, c: c["applications"][0].update(import_path="serve.app:make")), "does not resolve to a function"),
