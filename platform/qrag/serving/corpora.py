@@ -85,6 +85,15 @@ class CorpusAdmin:
                                           f"{self.model.fingerprint} ({public_source(self.model.source)}). "
                                           f"POST /v1/corpora/{name}/reindex re-embeds it from its stored texts")
 
+    def searchable(self, name: str) -> Manifest:
+        """The manifest of a corpus a query can search: of the served model (409), within the
+        shards' memory budget (507), holding documents (409)."""
+        m = self.compatible(name)
+        self.check_memory(m, m.name, 0, 0)
+        if m.chunks == 0:
+            raise ServiceError(409, "corpus", f"corpus {name!r} has no documents yet")
+        return m
+
     def list_corpora(self) -> list[dict[str, Any]]:
         out = []
         for name in self.store.names():
@@ -274,6 +283,19 @@ class CorpusAdmin:
             await asyncio.to_thread(self.store.stage_vectors, m.name, m.uid, self.model.fingerprint, shard, batch["id"], vectors, ids)
         else:
             await asyncio.to_thread(self.store.replace_vectors, m.name, shard, batch["id"], vectors, ids, self.model.fingerprint, m.uid)
+
+    async def repaired(self, name: str, exc: ShardUnhealthy) -> Manifest:
+        """Repair what a query found unhealthy, and the corpus to search again: 503 when the
+        damage cannot be repaired (texts lost), 404 when the corpus was deleted meanwhile."""
+        if not all(pr.repairable for pr in exc.problems):
+            raise ServiceError(503, "corpus", f"corpus {name!r} is unhealthy: {exc}")
+        try:
+            await self.repair(name, exc)
+        except StoreError as err:  # deleted or damaged meanwhile
+            if not (self.store.root / name / "corpus.json").exists():
+                raise ServiceError(404, "corpus", f"corpus {name!r} was deleted") from None
+            raise store_error(err, name) from None
+        return self.compatible(name)
 
     async def repair(self, name: str, exc: ShardUnhealthy) -> None:
         """Re-embed segments whose vectors are missing or corrupt from their stored texts."""

@@ -18,13 +18,13 @@ from qrag.data.documents import Document, check_text
 from qrag.data.sample import DataError
 from qrag.index.local import HeldShards
 from qrag.index.shards import ShardIndex, ShardOptions, ShardUnhealthy
-from qrag.index.store import Segment, StoreError
+from qrag.index.store import Segment
 from qrag.retrieval.hits import ChunkRecord
 from qrag.retrieval.multistep import SearchRun, Timings
 from qrag.serving.backends import HeldInProcess, ShardClients
 from qrag.serving.batcher import LockstepBatcher
 from qrag.serving.corpora import CorpusAdmin
-from qrag.serving.errors import ServiceError, data_error, store_error
+from qrag.serving.errors import ServiceError, data_error
 
 
 @dataclass
@@ -94,30 +94,20 @@ class RetrievalRequests:
         if p.context is not None:
             return await self._retrieve_context(p, search)
         t0 = time.perf_counter()
-        corpora = self.corpora
-        m = corpora.compatible(p.corpus)
-        corpora.check_memory(m, m.name, 0, 0)
-        if m.chunks == 0:
-            raise ServiceError(409, "corpus", f"corpus {p.corpus!r} has no documents yet")
+        m = self.corpora.searchable(p.corpus)
         question = self.tok.tokenize_question(p.question)
         timings = Timings(tokenize=time.perf_counter() - t0)
         for attempt in range(2 + len(m.batches) * m.shards):
             try:
-                backend = ShardClients(corpora.shards, m)
+                backend = ShardClients(self.corpora.shards, m)
                 await backend.ready()
                 run = SearchRun(question, self.tok.layout, search, m.chunks)
                 await self.batcher.run(run, backend, (m.name, m.uid, m.version, m.chunks), timings)
                 break
             except ShardUnhealthy as exc:
-                if attempt > len(m.batches) * m.shards or not all(pr.repairable for pr in exc.problems):
+                if attempt > len(m.batches) * m.shards:
                     raise ServiceError(503, "corpus", f"corpus {m.name!r} is unhealthy: {exc}") from None
-                try:
-                    await corpora.repair(m.name, exc)
-                except StoreError as err:  # deleted or damaged meanwhile
-                    if not (corpora.store.root / m.name / "corpus.json").exists():
-                        raise ServiceError(404, "corpus", f"corpus {m.name!r} was deleted") from None
-                    raise store_error(err, m.name) from None
-                m = corpora.compatible(p.corpus)
+                m = await self.corpora.repaired(m.name, exc)
         timings.total = time.perf_counter() - t0
         return self._response(p, run, timings, m.chunks)
 
