@@ -131,11 +131,20 @@ class JobRunner:
             if job.state == "done":
                 job.chunks_done = job.chunks_total
             job.finished = time.time()
+            # The record's durable write (fsyncs) in a thread, off the event loop; shielded, so a
+            # cancellation (shutdown) never stops it half way: the thread finishes it regardless.
+            ending = asyncio.ensure_future(asyncio.to_thread(self._record_end, job))
             try:
-                self.board.save(job)  # synchronous: it must happen even when cancelled
-            except OSError:
-                log.exception("cannot record the end of job %s", job.id)
-            self.board.prune(self.cfg.jobs_kept)
+                await asyncio.shield(ending)
+            except asyncio.CancelledError:
+                pass  # (being cancelled already: the thread goes on writing)
+
+    def _record_end(self, job: Job) -> None:
+        try:
+            self.board.save(job)
+        except OSError:
+            log.exception("cannot record the end of job %s", job.id)
+        self.board.prune(self.cfg.jobs_kept)
 
     async def _beat(self) -> None:
         """Rewrite this replica's active job records (progress, and proof that it is alive)."""
