@@ -1,12 +1,12 @@
 #!/bin/bash
-# FAISS on the GPU against the shards' torch scoring (bench/faiss_gpu.py), on a lent GPU whose image
-# has CUDA 13 only. Carry .carry/faiss: the faiss-gpu-cu12 wheel (cp312) and CUDA 12's runtime wheel
-# (nvidia-cuda-runtime-cu12), downloaded with
+# FAISS on the GPU against the shards' torch scoring (bench/faiss_gpu.py) on a lent GPU whose image has
+# CUDA 13 only: installs the faiss-gpu-cu12 wheel with CUDA 12's runtime and builds bench/cublas12/'s
+# stand-in libcublas.so.12 (it forwards FAISS's eight cuBLAS calls to CUDA 13's; CUDA 12's cuBLAS is a
+# 600 MB wheel). Carry .carry/faiss, made here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
 #     -d .carry/faiss faiss-gpu-cu12==1.14.1.post1 nvidia-cuda-runtime-cu12==12.9.79
-# CUDA 12's cuBLAS is a 600 MB wheel: bench/cublas12/ builds a stand-in that forwards FAISS's eight
-# cuBLAS calls to CUDA 13's. On the GPU machine, from the repository root:
-#   QRAG_COMMIT=<sha> OUT=$OUT bash bench/faiss_gpu.sh
+# Run (GPU machine, repository root):  QRAG_COMMIT=<sha> OUT=$OUT bash bench/faiss_gpu.sh
+# Results: $OUT/faiss_gpu.json and $OUT/err.txt; current: bench/results/faiss_gpu_h100/.
 set -e
 OUT=${OUT:-/tmp/faiss_gpu}
 mkdir -p "$OUT"

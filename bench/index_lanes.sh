@@ -1,21 +1,12 @@
 #!/bin/bash
-# Indexing 10M tokens on a 2-GPU machine (issue 14, item 2: close to linear in GPUs), one call, one
-# tree: how fast the host tokenises with 8-30 processes (bench/index_stages.py --prep-workers: no
-# GPU), then the one-process pipeline on one GPU (the bench default: 16 tokenising workers, writer
-# process) against lanes (qrag.index.lanes: a process per GPU with its own tokenising workers, GPU
-# feeding and file writes; this process commits in order) on two GPUs with 12 and 16 workers each.
-# Round 1 (index_lanes_h200x2/) timed lanes to their processes' exit; now to the last commit. Round 2
-# (index_lanes_round2_h200x2/, cf7e534) ran before the word cache with one lane per GPU (12 and 16
-# workers). Round 3 (index_lanes_round3_h200x2/, 37d279a): the word cache, one GPU against two, three
-# lanes of 4 workers per GPU (the best on one H100), 2 x 7; its lanes were timed from the first lane
-# ready with groups sent from the start (1-4 s of some lanes indexing while others started, inside the
-# window). Round 4 (ROUND=4): timed from every lane ready again, no 2 x 7. Rounds 5 and 6: streamed groups
-# at 10M and 30M tokens. Round 7 (ROUND=7, OLD_COMMIT=<sha> with that commit's platform/ in .carry/old):
-# lanes that report a group's count once it is tokenised and take groups when they have room, against
-# the old tree in the same call. Round 8 (ROUND=8): each lane's first group a quarter of the others.
-# TOKENISE=1: the tokenising stage.
-# Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
-#   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_lanes.sh
+# Indexing on a 2-GPU machine in lanes (qrag.index.lanes: a process per lane with its own tokenising
+# workers, GPU feeding and file writes; this process commits in order): one GPU against two, alternating
+# in one call on one tree. ROUND picks the runs: 5 = the lanes' defaults at 10M tokens, 6 = at 30M,
+# 7 and 8 = the new tree against OLD_COMMIT's platform/ in .carry/old (a baseline in the same call);
+# unset = one process against 3 x 4 lanes on one and two GPUs. TOKENISE=1 first times tokenising alone.
+# Run (repository root, carrying .carry/idx, see bench/index_contention.sh):
+#   QRAG_COMMIT=<sha> ROUND=5 OUT=$OUT bash bench/index_lanes.sh
+# Results: $OUT/<run>.json (+ err.txt); current: bench/results/index_lanes_round{5,5_repeat,6,6_repeat,7,8}_h100x2/.
 OUT=${OUT:-/tmp/index_lanes}
 ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only --no-lanes"
 source "$(dirname "$0")/index_runs.sh"

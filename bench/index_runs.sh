@@ -1,11 +1,8 @@
-# Sourced by bench/index_contention.sh and bench/index_two_gpus.sh (set OUT and ARGS first): the
-# environment, the carry folder $C, and `run NAME [serve_scale options]`, which writes
-# $OUT/NAME.json and prints one line of its indexing (and, when timed, query) figures, and `old NAME ...`.
-# serve_scale.py indexes in lanes on GPUs by default since session 10: ARGS carry --no-lanes so a run
-# without --lanes is the one-process path these rounds measured.
-# QRAG_PLATFORM: another tree's platform/ (an earlier commit's library: a baseline in the same call),
-# read by each run (rounds 7 and 8 of bench/index_lanes.sh read it once here, so their "old" runs
-# ran the new tree).
+# Sourced by the bench/index_*.sh scripts (set OUT and ARGS first): the environment, the carry folder $C,
+# `run NAME [serve_scale options]`, which writes $OUT/NAME.json and prints one summary line of its indexing
+# (and, when timed, query) figures, and `old NAME ...`, the same run on OLD_COMMIT's platform/ in
+# .carry/old (a baseline in the same call). ARGS carry --no-lanes, so a run without --lanes is the
+# one-process path. QRAG_PLATFORM, read by each run: another tree's platform/.
 export TOKENIZERS_PARALLELISM=false
 C=$PWD/.carry/idx
 mkdir -p "$OUT"

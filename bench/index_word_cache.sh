@@ -1,34 +1,13 @@
 #!/bin/bash
-# Indexing 10M tokens on ONE GPU with 16 cores (issue 14, item 2: end to end >= 50 % of the bare
-# forward), one call, one tree, alternating: tokenising workers with the word cache
-# (qrag.data.word_cache: ASCII words' WordPiece ids looked up, the same ids; 0.40-0.45M -> 1.23-1.29M
-# tokens/s per process on a 2-core VM) against every sentence through the Rust tokenizer (the rounds
-# before), one process (the bench default) and lanes (qrag.index.lanes) feeding the GPU.
-# The previous round (index_lanes_one_gpu_h100/) found the 16 cores' tokenising the bound. Round 1
-# (index_word_cache_h100/, d26cf8f) compared the cache with the Rust tokenizer (no gain for one process:
-# its writer hand-over is the bound then) and ran 2 x 6 lanes once (0.45); this round repeats the lanes
-# and tries 3 x 4 and 2 x 5 against one process. Round 3 (this file now): the host's cores (lscpu), one
-# tokenising process's rate on this host (2M tokens), lanes 2 x 6 twice, 2 x 7, 3 x 4 and 4 x 3
-# (index_word_cache_round3_h100/, 64e2350: 3 x 4 best, 0.49). Round 4 (ROUND=4): lanes that start
-# faster (workers forked with the lane's imports) and a cheaper gathering process; 3 x 4 three times
-# against one process and 2 x 6, no tokenising stage (index_one_gpu_round4_h100/: groups were sent
-# from the start and the rate timed from the first lane ready, so a lane ready early indexed alone
-# for 1-3 s inside the window: 0.31-0.35). Round 5 (ROUND=5): the window from every lane ready again.
-# Round 6 (ROUND=6): commit groups of 4,096 and 2,048 chunks instead of 16,384 (10M tokens were 10
-# groups: 4/3/3 over three lanes, each lane's first group tokenised whole before its GPU work).
-# Round 7 (ROUND=7): streamed groups and a feeder that never pauses between groups
-# (qrag.index.pipeline._Feeder): 3 x 4 with groups of 16,384 and 4,096 chunks, one process
-# (index_one_gpu_round7_h100/, db21b0d). Round 8 (ROUND=8): slices of 2,048 chunks (worse: 0.47-0.48).
-# Round 9 (ROUND=9): lanes x workers around 3 x 4, groups of 4,096 chunks (index_one_gpu_round9_h100/,
-# 9b42910). Round 10 (ROUND=10): lanes capture their main chunk shape at start; workers at nice 5
-# (e41e5c0 captured every shape: out of memory, and the process hung at exit: err_oom_every_shape.txt).
-# Round 11 (ROUND=11): the lanes' defaults chosen from rounds 7-10, against one process.
-# Round 12 (ROUND=12): the defaults with the final warm-up and the faster tokenising worker (8e3e9e1),
-# the first run on a fresh machine, against one process. Round 13 (ROUND=13): the lanes' ramp and tail.
-# Round 14 (ROUND=14, OLD_COMMIT=<sha> with that commit's platform/ in .carry/old): each lane's first
-# group a quarter of the others, against the old tree in the same call.
-# Carry .carry/idx (see bench/index_contention.sh). On the GPU machine, from the repository root:
-#   QRAG_COMMIT=<sha> OUT=$OUT bash bench/index_word_cache.sh
+# Indexing 10M tokens on ONE GPU (16 cores): lanes (qrag index --lanes and its defaults: 3 lanes of 4
+# tokenising workers at nice 5, groups of 4,096 chunks) against one process, alternating in one call on
+# one tree. ROUND picks the runs: 12 = the defaults against one process, 13 = the defaults twice and at
+# 30M tokens, 14 = the defaults against OLD_COMMIT's platform/ in .carry/old; 4-11 = the variants the
+# defaults were chosen from (the case below; their results are in git history); unset = tokenising alone,
+# then lanes 2 x 6, 2 x 7, 3 x 4 and 4 x 3 against one process.
+# Run (repository root, carrying .carry/idx, see bench/index_contention.sh):
+#   QRAG_COMMIT=<sha> ROUND=13 OUT=$OUT bash bench/index_word_cache.sh
+# Results: $OUT/<run>.json (+ err.txt); current: bench/results/index_one_gpu_round{12,13}_h100/.
 OUT=${OUT:-/tmp/index_word_cache}
 ARGS="--corpus $PWD/.carry/idx/novels --encoder $PWD/.carry/idx/minilm16 --random-weights --tokens ${TOKENS:-10000000} --index-only --no-lanes"
 source "$(dirname "$0")/index_runs.sh"
