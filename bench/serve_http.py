@@ -122,7 +122,7 @@ def main() -> None:
     def measure(holders: int | None, state_batch: int) -> tuple[dict, list[list[int]]]:
         """One service (``holders`` shard holders: shard_deployments; ``state_batch``: state_batch_size), served on a
         fresh port: the library and HTTP paths."""
-        service = local_service(replace(cfg, shard_deployments=holders, state_batch_size=state_batch), model, device=str(dev))
+        service = local_service(replace(cfg, state_batch_size=state_batch), model, device=str(dev), holders=holders or cfg.shards)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(build_api(service), host="127.0.0.1", port=port, log_level="warning",
                                                access_log=False, loop="asyncio",

@@ -1,7 +1,9 @@
-"""bench/serve_ray.py's Serve plan: the deployments a layout asks for and a config the app accepts."""
+"""bench/serve_ray.py's plan: the app it deploys per layout (as serve/config.yaml ships it, or
+spread over GPUs), the Ray environment per variant, and Serve's spans read back."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,30 +20,68 @@ def serve_ray():
     return serve_ray
 
 
-@pytest.mark.parametrize("holders", [1, 2, 4])
-def test_layout_deployments_share_one_gpu(serve_ray, holders):
-    plan = serve_ray.layout_deployments(shards=4, holders=holders, gpus=1, encoder_gpus=0.2, max_ongoing=64)
-    names = [d["name"] for d in plan]
-    assert names == ["Ingress", "Encoder", *(f"Shard{i}" for i in range(holders))]
-    gpu = sum(d.get("ray_actor_options", {}).get("num_gpus", 0.0) for d in plan)
-    assert 0.99 <= gpu <= 1.0  # the encoder and the shard deployments fill the one GPU, no more
-    cpu_plan = serve_ray.layout_deployments(shards=4, holders=holders, gpus=0, encoder_gpus=0.2, max_ongoing=64)
-    assert all(d.get("ray_actor_options", {}).get("num_gpus", 0.0) == 0.0 for d in cpu_plan)
+def plan(serve_ray, layout: str, gpus: int):
+    args = serve_ray.args_parser().parse_args(["--storage", "/tmp/unused", "--gpus", str(gpus)])
+    return serve_ray.layout_app(serve_ray.app_config(args.config), layout, args)
 
 
-def test_layout_config_is_one_the_app_starts_with(serve_ray, tmp_path):
-    """The bench binds Serve to 127.0.0.1 without API keys: the app must know the address is
-    loopback, or its Ingress refuses to start (it did, before the config named the host)."""
+def test_the_default_layout_is_the_shipped_config(serve_ray):
+    """`default` deploys serve/config.yaml's app as shipped, bound to loopback without keys (the
+    Ingress would refuse to start if the app thought the address public)."""
     from qrag.serving.auth import startup_problem
+    from qrag.serving.service_config import ServeConfig
 
-    args = serve_ray.args_parser().parse_args(["--storage", str(tmp_path), "--gpus", "0"])
-    for holders in (4, 1, serve_ray.COLOCATED):
-        cfg = serve_ray.layout_config(args, holders)
-        assert cfg.shard_holders() == (1 if holders == serve_ray.COLOCATED else holders)
-        assert cfg.colocate == (holders == serve_ray.COLOCATED)
-        assert startup_problem(cfg.http_host, {}, cfg.allow_unauthenticated) is None
+    conf, deployments = plan(serve_ray, "default", gpus=1)
+    shipped = serve_ray.app_config(str(ROOT / "serve" / "config.yaml"))
+    assert deployments == shipped["deployments"]
+    assert {k: v for k, v in conf.items() if k not in ("storage", "checkpoint", "http_host")} == \
+        {k: v for k, v in shipped["args"].items() if k not in ("storage", "checkpoint", "http_host")}
+    cfg = ServeConfig(**conf)
+    assert cfg.shard_deployments == 0 and startup_problem(cfg.http_host, {}, cfg.allow_unauthenticated) is None
 
 
-def test_colocated_layout_is_the_ingress_with_the_whole_gpu(serve_ray):
-    plan = serve_ray.layout_deployments(shards=4, holders=serve_ray.COLOCATED, gpus=1, encoder_gpus=0.2, max_ongoing=64)
-    assert [d["name"] for d in plan] == ["Ingress"] and plan[0]["ray_actor_options"]["num_gpus"] == 1.0
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_replicas_share_each_gpu(serve_ray, gpus):
+    _, deployments = plan(serve_ray, "per_gpu=3", gpus=gpus)
+    ingress = next(d for d in deployments if d["name"] == "Ingress")
+    assert ingress["num_replicas"] == 3 * gpus and ingress["ray_actor_options"]["num_gpus"] == pytest.approx(1 / 3, abs=1e-3)
+
+
+def test_shard_deployments_take_a_gpu_each_beside_the_ingress(serve_ray):
+    conf, deployments = plan(serve_ray, "shards=4", gpus=4)
+    gpus = {d["name"]: d["ray_actor_options"]["num_gpus"] for d in deployments}
+    assert conf["shard_deployments"] == 4 and sorted(gpus) == ["Ingress", "Shard0", "Shard1", "Shard2", "Shard3"]
+    assert all(gpus[f"Shard{i}"] > 0.5 for i in range(4))  # no two shards on one GPU
+    assert gpus["Ingress"] + gpus["Shard0"] <= 1.0  # the Ingress fits beside one shard
+    conf, deployments = plan(serve_ray, "shards=2", gpus=0)
+    assert all(d.get("ray_actor_options", {}).get("num_gpus", 0.0) == 0.0 for d in deployments)
+    assert conf["encoder_device"] == conf["shard_device"] == "cpu"
+
+
+def test_unknown_layouts_and_environments_are_refused(serve_ray):
+    with pytest.raises(SystemExit, match="unknown layout"):
+        plan(serve_ray, "colocated", gpus=1)
+    with pytest.raises(SystemExit, match="unknown --serve-env"):
+        serve_ray.serve_env("fast", 0.0)
+    assert serve_ray.serve_env("throughput", 0.0)["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # Serve's proxy kept
+    assert "RAY_SERVE_TRACING_SAMPLING_RATIO" in serve_ray.serve_env("classic", 0.1)
+
+
+def test_spans_are_read_once_each(serve_ray, tmp_path):
+    """Spans files grow between layouts: each reading takes only what was written since."""
+    folder = tmp_path / "serve" / "spans"
+    folder.mkdir(parents=True)
+
+    def span(name: str, ms: int) -> str:
+        return json.dumps({"name": name, "start_time": "2026-11-28T00:00:00.000000Z",
+                           "end_time": f"2026-11-28T00:00:00.{ms:03d}000Z"}, indent=4) + "\n"
+
+    (folder / "proxy").write_text(span("proxy_http_request", 10) + span("proxy_http_request", 20))
+    offsets: dict[str, int] = {}
+    first = serve_ray.new_spans(tmp_path, offsets)
+    assert first == {"proxy_http_request": [pytest.approx(10.0), pytest.approx(20.0)]}
+    with open(folder / "proxy", "a") as fh:
+        fh.write(span("proxy_http_request", 30) + span("replica_handle_request", 5)[:-20])  # the last one half written
+    second = serve_ray.new_spans(tmp_path, offsets)
+    assert second == {"proxy_http_request": [pytest.approx(30.0)]}
+    assert serve_ray.span_summary(first)["proxy_http_request"]["mean_ms"] == pytest.approx(15.0)
