@@ -22,6 +22,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
                    help="also analyse the records beside each eval summary (FILE.records.jsonl; run eval with a large "
                         "--steps and no --stop-threshold)")
     p.add_argument("--thresholds", metavar="Q,Q,...", help="Q thresholds for early stopping (default -0.1,0.0,...,1.1)")
+    p.add_argument("--seeds", action="store_true",
+                   help="the results are one evaluation per training seed: combine them first (means with 95-percent intervals, "
+                        "bootstrap over seeds then questions; written to DIR/combined.json, as qrag combine-seeds does)")
     p.add_argument("--title", default="Q-RAG results", help="the report's heading")
 
 
@@ -65,6 +68,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     files: list[Path] = []
     try:
         thresholds = _thresholds(args.thresholds)
+        if args.seeds:
+            from qrag.evaluation.seeds import combine_files
+            from qrag.integrations.provenance import write_json
+
+            args.results = [str(write_json(out / "combined.json", combine_files(args.results)))]
         for name in args.results:
             path = Path(name)
             if path.name.endswith(".jsonl"):
@@ -77,7 +85,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                 if result_kind(read_result(path)) == "eval":
                     files.append(_early_stopping_file(_records_of(path), out, thresholds))
         report = build_report(files, out, paper=args.paper, label=args.label, title=args.title)
-    except (ReportError, ValueError) as exc:
+    except (ReportError, ValueError) as exc:  # DataError (combining seeds) is a ValueError
         print(f"qrag report: error: {exc}", file=sys.stderr)
         return 2
     print(report.text())

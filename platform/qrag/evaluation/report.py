@@ -12,6 +12,11 @@ Three kinds of input, told apart by their content:
   -> the appendix table and its curves: early/late/perfect shares, episode length and Fact F1
   against the Q threshold, and the ROC curve.
 
+Results combined over training seeds (``qrag combine-seeds``) carry ``<metric>_ci`` beside each
+metric: tables show the 95% interval beside the mean ("0.950 [0.930, 0.970]"), plots draw it as
+error bars, and a length sweep's ``differences`` become a table that calls a difference only where
+its interval excludes 0.
+
 Plots need matplotlib; without it the Markdown is still written and the report says so.
 """
 
@@ -26,6 +31,7 @@ from typing import Any
 
 from qrag.data.contexts import length_label
 from qrag.evaluation.evaluate import PROTOCOL_NOTES
+from qrag.evaluation.lengths import error_bars
 
 # The paper's Table 2 (HotPotQA, MuSiQue OOD) and its appendix table (MuSiQue in-distribution):
 # (Fact F1, Fact EM, Ans F1, Ans EM); None = not reported. Reader: QwQ-32B for Q-RAG and Beam
@@ -72,6 +78,13 @@ def fmt(value: Any, digits: int = 3) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def with_interval(value: Any, ci: Sequence[float] | None, digits: int = 3) -> Any:
+    """``value``, as "mean [low, high]" text when it has an interval ``ci``."""
+    if ci is None or not isinstance(value, (int, float)):
+        return value
+    return f"{value:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 3) -> list[str]:
@@ -157,7 +170,7 @@ def table2(summaries: Sequence[tuple[str, dict[str, Any]]], paper: bool = False,
     header = ["Method"] + [f"{column_title(c)} {METRIC_TITLES[m]}" for c in columns for m in METRICS] + ["Avg Ans F1", "Avg Ans EM"]
     rows = []
     for name, by_col in cells.items():
-        values = [by_col.get(c, {}).get(m) for c in columns for m in METRICS]
+        values = [with_interval(by_col.get(c, {}).get(m), by_col.get(c, {}).get(f"{m}_ci")) for c in columns for m in METRICS]
         rows.append([name, *values, *_avg_answers([[by_col.get(c, {}).get(m) for c in columns] for m in ("ans_f1", "ans_em")])])
     if paper:
         for name, by_col in PAPER_TABLE2.items():
@@ -173,6 +186,8 @@ def table2(summaries: Sequence[tuple[str, dict[str, Any]]], paper: bool = False,
                 s = by_col[col]
                 reader = s.get("reader_model") or "no reader (retrieval only)"
                 extra = f", {s['answer_errors']} answer errors" if s.get("answer_errors") else ""
+                if s.get("num_seeds"):
+                    extra += f", mean of {s['num_seeds']} training seeds with 95% intervals ({(s.get('interval') or {}).get('method', 'bootstrap')})"
                 rep.notes.append(f"{name}, {column_title(col)}: {s.get('num_samples')} questions ({s.get('split', '?')} split), "
                                  f"T = {(s.get('search') or {}).get('max_steps', '?')}, reader {reader}{extra}; "
                                  f"checkpoint {s.get('checkpoint', '?')} ({sources[(name, col)]})")
@@ -193,12 +208,18 @@ def _avg_answers(per_metric: Sequence[Sequence[float | None]]) -> list[float | N
 # -- length sweeps -----------------------------------------------------------------------------------
 
 
-def length_tables(data: dict[str, Any], name: str) -> tuple[Report, dict[str, dict[str, dict[int, float]]]]:
+Series = dict[str, dict[str, dict[int, float]]]  # metric -> row label -> length -> value
+Intervals = dict[str, dict[str, dict[int, list[float]]]]  # metric -> row label -> length -> [low, high]
+
+
+def length_tables(data: dict[str, Any], name: str) -> tuple[Report, Series, Intervals]:
     """Tables (rows: task, or task and model when the sweep compares several; columns: lengths)
-    for each metric the rows carry: Fact F1/EM and any answer score."""
+    for each metric the rows carry: Fact F1/EM and any answer score; with their 95% intervals
+    when the sweep was combined over seeds."""
     rows = data["rows"]
     models = list(dict.fromkeys(str(r.get("model", "")) for r in rows if isinstance(r, dict)))
-    series: dict[str, dict[str, dict[int, float]]] = {}  # metric -> row label -> length -> value
+    series: Series = {}
+    intervals: Intervals = {}
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or "task" not in row or "length" not in row:
             raise ReportError(f"{name}: rows[{i}] needs 'task' and 'length'")
@@ -207,23 +228,44 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, dict[str, di
             value = row.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 series.setdefault(key, {}).setdefault(label, {})[int(row["length"])] = float(value)
+                if row.get(f"{key}_ci"):
+                    intervals.setdefault(key, {}).setdefault(label, {})[int(row["length"])] = list(row[f"{key}_ci"])
     if not series:
         raise ReportError(f"{name}: the rows hold no fact_f1 / fact_em / answer metric")
     rep = Report()
     for metric, by_label in series.items():
         lengths = sorted({n for vals in by_label.values() for n in vals})
         header = ["Task"] + [length_label(n) for n in lengths]
-        body = [[label, *(vals.get(n) for n in lengths)] for label, vals in sorted(by_label.items())]
+        cis = intervals.get(metric, {})
+        body = [[label, *(with_interval(vals.get(n), cis.get(label, {}).get(n)) for n in lengths)] for label, vals in sorted(by_label.items())]
         for model in models:
-            members = [v for label, v in by_label.items() if len(models) <= 1 or label.endswith(f" · {model}")]
-            if len(members) > 1:
+            members = [v for label, v in by_label.items() if (len(models) <= 1 or label.endswith(f" · {model}"))
+                       and not label.startswith("mean")]
+            # A table combined over seeds has its own mean rows (with intervals); no second one.
+            if len(members) > 1 and not any(label.startswith("mean") for label in by_label):
                 body.append([f"mean · {model}" if len(models) > 1 else "mean", *(_mean([v.get(n) for v in members]) for n in lengths)])
         steps = sorted({r.get("steps") for r in rows if isinstance(r, dict) and r.get("steps") is not None})
         credit = sorted({str(r.get("credit", data.get("credit", "chunk"))) for r in rows if isinstance(r, dict)})
         note = [f"Protocol: {PROTOCOL_NOTES[metric]}; T = {', '.join(map(str, steps)) or '?'}; credit: {', '.join(credit)}.", ""] \
             if metric in PROTOCOL_NOTES else []
         rep.markdown += [f"## {METRIC_TITLES.get(metric, metric)} by context length ({name})", ""] + md_table(header, body) + [""] + note
-    return rep, series
+    if intervals:
+        seeds = sorted({r.get("num_seeds", 1) for r in rows if isinstance(r, dict)})
+        rep.notes.append(f"{name}: means over {', '.join(map(str, seeds))} training seed(s) per row; [low, high] = 95% interval, "
+                         f"{(data.get('interval') or {}).get('method', 'bootstrap over seeds, then questions')}.")
+    rep.markdown += differences_table(data.get("differences") or [], name)
+    return rep, series, intervals
+
+
+def differences_table(differences: Sequence[dict[str, Any]], name: str) -> list[str]:
+    """Each compared pair: the difference, its 95% interval and what it allows one to say."""
+    if not differences:
+        return []
+    header = ["Task", "Length", "A", "B", "A − B", "95% interval", "called"]
+    body = [[d["task"], length_label(d["length"]), d["a"], d["b"], f"{d['difference']:+.3f}",
+             f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", d["called"]] for d in differences]
+    metric = METRIC_TITLES.get(differences[0].get("metric", "fact_em"), "Fact EM")
+    return [f"## Differences in {metric} ({name}): a difference only where the interval excludes 0", ""] + md_table(header, body) + [""]
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -277,7 +319,7 @@ def _pyplot():
         return None
 
 
-def plot_lengths(series: dict[str, dict[str, dict[int, float]]], path: Path, title: str) -> Path | None:
+def plot_lengths(series: Series, path: Path, title: str, intervals: Intervals | None = None) -> Path | None:
     plt = _pyplot()
     if plt is None:
         return None
@@ -286,7 +328,9 @@ def plot_lengths(series: dict[str, dict[str, dict[int, float]]], path: Path, tit
     for ax, metric in zip(axes[0], metrics):
         for task, vals in sorted(series[metric].items()):
             xs = sorted(vals)
-            ax.plot(xs, [vals[x] for x in xs], marker="o", label=task)
+            ys = [vals[x] for x in xs]
+            cis = (intervals or {}).get(metric, {}).get(task, {})
+            ax.errorbar(xs, ys, yerr=error_bars(ys, [cis.get(x) for x in xs], scale=1.0), marker="o", capsize=3, label=task)
         ax.set_xscale("log", base=2)
         ticks = sorted({x for vals in series[metric].values() for x in vals})
         ax.set_xticks(ticks, [length_label(x) for x in ticks])
@@ -363,8 +407,8 @@ def build_report(files: Sequence[str | Path], out_dir: str | Path, *, paper: boo
     for f, kind, data in others:
         stem = Path(f).name.removesuffix(".json").removesuffix(".early_stopping").removesuffix(".lengths")
         if kind == "lengths":
-            part, series = length_tables(data, stem)
-            png = plot_lengths(series, out / f"{stem}.lengths.png", f"Q-RAG by context length: {stem}") if plotting else None
+            part, series, intervals = length_tables(data, stem)
+            png = plot_lengths(series, out / f"{stem}.lengths.png", f"Q-RAG by context length: {stem}", intervals) if plotting else None
         else:
             part = early_stopping_table(data, stem)
             png = plot_early_stopping(data, out / f"{stem}.early_stopping.png", f"Early stopping: {stem}") if plotting else None

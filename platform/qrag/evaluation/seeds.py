@@ -1,0 +1,207 @@
+"""One headline file from the result files of several training seeds: means and 95% intervals.
+
+Each input file is one training seed's evaluation: a length sweep (``qrag sweep-lengths``,
+``bench/longctx.py``; its rows carry their per-question scores in ``per_question``) or an eval
+summary (``qrag eval --out FILE.json``, with ``FILE.records.jsonl`` beside it). A model that
+appears in several files is one model trained with several seeds; the untrained encoder, whose
+figures do not depend on a training seed, usually appears in one.
+
+Every metric of a combined row is the mean over all questions of all seeds, with
+``<metric>_ci`` = [low, high] (:mod:`qrag.evaluation.intervals`), ``<metric>_by_seed`` and
+``num_seeds``. The seeds of one row must have been asked the same questions (the frozen dev draw):
+a row whose seeds disagree is an error, not an average over different questions.
+A length sweep's combined table also lists ``differences``: for each task and length, every pair
+of models on Fact EM, called a difference only when its interval excludes 0.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qrag.data.sample import DataError
+from qrag.evaluation.intervals import LEVEL, REPLICATES, Interval, bootstrap_interval, difference_interval
+
+# Per-question scores a result may carry, each the mean of its questions in the figure.
+METRICS = ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "threshold_fact_em", "threshold_fact_f1",
+           "ans_em", "ans_f1")
+DIFFERENCE_METRIC = "fact_em"
+METHOD = ("two-stage percentile bootstrap: training seeds with replacement, then each drawn seed's questions "
+          "with replacement; the figure is the mean over all questions of all seeds")
+
+
+def per_question(records: Sequence[dict[str, Any]]) -> dict[str, list]:
+    """The per-question columns of eval records (``id`` and every metric all records carry)."""
+    out: dict[str, list] = {"id": [str(r["id"]) for r in records]}
+    for key in METRICS:
+        values = [r.get(key) for r in records]
+        if records and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = [round(float(v), 6) for v in values]
+    return out
+
+
+def interval_fields(metric: str, by_seed: list[list[float]], replicates: int = REPLICATES) -> dict[str, Any]:
+    iv = bootstrap_interval(by_seed, replicates=replicates)
+    return {metric: iv.mean, f"{metric}_ci": [iv.low, iv.high],
+            f"{metric}_by_seed": [sum(s) / len(s) for s in by_seed]}
+
+
+def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates: int) -> dict[str, Any]:
+    """One row from one (model, task, length) of each seed's file."""
+    missing = [f for f, r in rows if not isinstance(r.get("per_question"), dict)]
+    if missing:
+        raise DataError(f"{missing[0]}: row {key} has no per-question scores (per_question); re-run its evaluation "
+                        "with this version, which records them")
+    ids = [r["per_question"]["id"] for _, r in rows]
+    for (file, _), other in zip(rows[1:], ids[1:]):
+        if other != ids[0]:
+            raise DataError(f"{file}: row {key} was asked other questions than {rows[0][0]}: seeds must be scored on "
+                            "the same (frozen) dev draw")
+    first = rows[0][1]
+    # Per-seed values (a checkpoint, its own stop threshold) are not a combined row's: lists below.
+    out = {k: v for k, v in first.items() if k not in METRICS and not k.startswith("threshold") and k not in ("per_question", "checkpoint")}
+    for k in ("context_tokens", "chunks", "distinct_background_tokens", "seconds_per_question"):
+        if all(isinstance(r.get(k), (int, float)) for _, r in rows):
+            out[k] = sum(r[k] for _, r in rows) / len(rows)
+    out.update(num_seeds=len(rows), num_samples=len(ids[0]), checkpoints=[r.get("checkpoint") for _, r in rows])
+    for metric in METRICS:
+        if all(metric in r["per_question"] for _, r in rows):
+            out.update(interval_fields(metric, [r["per_question"][metric] for _, r in rows], replicates))
+    return out
+
+
+def _differences(rows: list[dict[str, Any]], by_key: dict[tuple, list[list[float]]], replicates: int) -> list[dict[str, Any]]:
+    out = []
+    cells = sorted({(r["task"], r["length"]) for r in rows})
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for task, length in cells:
+        present = [m for m in models if (m, task, length) in by_key]
+        for i, a in enumerate(present):
+            for b in present[i + 1:]:
+                iv = difference_interval(by_key[(a, task, length)], by_key[(b, task, length)], replicates=replicates)
+                out.append({"task": task, "length": length, "metric": DIFFERENCE_METRIC, "a": a, "b": b,
+                            "difference": iv.mean, "ci": [iv.low, iv.high], "called": called(iv, a, b)})
+    return out
+
+
+def called(iv: Interval, a: str, b: str) -> str:
+    """What a difference's interval allows one to say."""
+    if not iv.excludes(0.0):
+        return "no difference shown"
+    return f"{a} > {b}" if iv.low > 0 else f"{a} < {b}"
+
+
+def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int = REPLICATES) -> dict[str, Any]:
+    """One length-sweep table from several seeds' tables (``(file, table)`` pairs)."""
+    if not tables:
+        raise DataError("combine-seeds: no result files")
+    grouped: dict[tuple, list[tuple[str, dict[str, Any]]]] = {}
+    for file, table in tables:
+        seen: set[tuple] = set()
+        for r in table["rows"]:
+            key = (r["model"], r["task"], r["length"])
+            if key in seen:
+                raise DataError(f"{file}: two rows for {key}; one file is one seed's evaluation")
+            seen.add(key)
+            grouped.setdefault(key, []).append((file, r))
+    grouped.update(_task_means(grouped))
+    rows = [_combine_rows(key, group, replicates) for key, group in grouped.items()]
+    by_key = {key: [r["per_question"][DIFFERENCE_METRIC] for _, r in group] for key, group in grouped.items()}
+    base = dict(tables[-1][1])
+    for k in ("rows", "training", "machine", "selection"):
+        base.pop(k, None)
+    return {
+        **base,
+        "kind": "seeds",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "combined_from": [_source(file, t) for file, t in tables],
+        "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
+        "rows": rows,
+        "differences": _differences(rows, by_key, replicates),
+    }
+
+
+MEAN_TASK = "mean"
+
+
+def _task_means(grouped: dict[tuple, list[tuple[str, dict[str, Any]]]]) -> dict[tuple, list[tuple[str, dict[str, Any]]]]:
+    """A ``mean`` row per model and length measured on several tasks (RULER NIAH's headline): per
+    seed, the questions of all its tasks pooled (equal questions per task: the mean of the tasks)."""
+    by_cell: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
+    for (model, _, length), group in grouped.items():
+        for file, row in group:
+            by_cell.setdefault((model, length), {}).setdefault(file, []).append(row)
+    out = {}
+    for (model, length), files in by_cell.items():
+        if len({r["task"] for rows in files.values() for r in rows}) < 2:
+            continue
+        pooled = []
+        for file, rows in files.items():
+            rows = sorted(rows, key=lambda r: r["task"])
+            if any(not isinstance(r.get("per_question"), dict) for r in rows):
+                break
+            pq: dict[str, list] = {"id": [f"{r['task']}/{i}" for r in rows for i in r["per_question"]["id"]]}
+            for metric in METRICS:
+                if all(metric in r["per_question"] for r in rows):
+                    pq[metric] = [v for r in rows for v in r["per_question"][metric]]
+            pooled.append((file, {"model": model, "task": MEAN_TASK, "length": length, "credit": rows[0].get("credit"),
+                                  "tasks": [r["task"] for r in rows], "per_question": pq}))
+        else:
+            out[(model, MEAN_TASK, length)] = pooled
+    return out
+
+
+def _source(file: str, table: dict[str, Any]) -> dict[str, Any]:
+    training = table.get("training") or {}
+    models = list(dict.fromkeys(r.get("model") for r in table.get("rows", [])))
+    return {"file": file, "git_commit": table.get("git_commit") or (table.get("machine") or {}).get("commit"),
+            "git_dirty": table.get("git_dirty"), "models": models, "training_seed": (training.get("config") or {}).get("seed"),
+            "selected_on": training.get("selected_on") or table.get("selected_on")}
+
+
+def combine_summaries(summaries: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]],
+                      replicates: int = REPLICATES) -> dict[str, Any]:
+    """One eval summary from several seeds' (file, summary, records) of one method and dataset."""
+    if not summaries:
+        raise DataError("combine-seeds: no result files")
+    kinds = {(s.get("label") or "", s.get("dataset"), s.get("split")) for _, s, _ in summaries}
+    if len(kinds) > 1:
+        raise DataError(f"combine-seeds: eval summaries of different methods, datasets or splits: {sorted(map(str, kinds))}; "
+                        "combine one method on one split at a time")
+    cols = [(file, per_question(records)) for file, _, records in summaries]
+    for file, c in cols[1:]:
+        if c["id"] != cols[0][1]["id"]:
+            raise DataError(f"{file}: other questions than {cols[0][0]}: seeds must be scored on the same questions")
+    out = {k: v for k, v in summaries[-1][1].items() if k not in METRICS}
+    out.update(num_seeds=len(summaries), num_samples=len(cols[0][1]["id"]), checkpoints=[s.get("checkpoint") for _, s, _ in summaries],
+               combined_from=[f for f, _, _ in summaries], interval={"level": LEVEL, "method": METHOD, "replicates": replicates})
+    for metric in METRICS:
+        if all(metric in c for _, c in cols):
+            out.update(interval_fields(metric, [c[metric] for _, c in cols], replicates))
+    return out
+
+
+def read_records(summary_file: str | Path) -> list[dict[str, Any]]:
+    path = Path(summary_file).with_suffix(".records.jsonl")
+    if not path.is_file():
+        raise DataError(f"{summary_file}: no per-question records beside it ({path.name}); qrag eval --out writes them")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def combine_files(files: Sequence[str | Path], replicates: int = REPLICATES) -> dict[str, Any]:
+    """Length sweeps or eval summaries (not both), one file per training seed, combined."""
+    loaded = []
+    for f in files:
+        try:
+            loaded.append((str(f), json.loads(Path(f).read_text())))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataError(f"{f}: cannot read a result file: {exc}") from None
+    sweeps = [isinstance(d, dict) and isinstance(d.get("rows"), list) for _, d in loaded]
+    if all(sweeps):
+        return combine_tables(loaded, replicates)
+    if not any(sweeps) and all(isinstance(d, dict) and "fact_em" in d and "dataset" in d for _, d in loaded):
+        return combine_summaries([(f, d, read_records(f)) for f, d in loaded], replicates)
+    raise DataError("combine-seeds: give length sweeps (rows) or eval summaries (fact_em, dataset), one kind at a time")

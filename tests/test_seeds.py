@@ -1,0 +1,118 @@
+"""One headline file from several training seeds (qrag combine-seeds, qrag.evaluation.seeds):
+means with 95% intervals in the JSON, the printed table, qrag report's Markdown and the plots;
+seeds must have been asked the same questions; differences are called only by their intervals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qrag.data.sample import DataError
+from qrag.evaluation.seeds import combine_files, combine_tables
+
+LENGTHS = (1024, 1048576)
+
+
+def row(model: str, task: str, length: int, scores: list[float], ids: list[str] | None = None) -> dict:
+    ids = ids or [f"q{i}" for i in range(len(scores))]
+    return {"model": model, "checkpoint": f"runs/{model}", "task": task, "length": length, "steps": 4, "credit": "chunk",
+            "fact_em": float(np.mean(scores)), "fact_f1": float(np.mean(scores)), "num_samples": len(scores),
+            "context_tokens": float(length), "per_question": {"id": ids, "fact_em": scores, "fact_f1": scores}}
+
+
+def table(seed: int, models: dict[str, float], tasks=("qa3",), n: int = 120) -> dict:
+    rng = np.random.default_rng(seed)
+    rows = [row(m, t, length, rng.binomial(1, p, size=n).astype(float).tolist()) for m, p in models.items() for t in tasks for length in LENGTHS]
+    return {"schema": "qrag.length_sweep/1", "split": "dev", "git_commit": f"c{seed}", "git_dirty": False, "rows": rows,
+            "training": {"config": {"seed": seed}, "selected_on": "checkpoint: final"}}
+
+
+def write(tmp_path, name: str, data: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_three_seeds_combine_into_means_with_intervals_and_called_differences(tmp_path):
+    files = [write(tmp_path, f"s{s}.json", table(s, {"Q-RAG": 0.9})) for s in range(3)]
+    files.append(write(tmp_path, "untrained.json", table(9, {"untrained": 0.1})))
+    out = combine_files(files, replicates=300)
+    assert out["kind"] == "seeds" and [s["training_seed"] for s in out["combined_from"]][:3] == [0, 1, 2]
+    by = {(r["model"], r["length"]): r for r in out["rows"]}
+    q = by[("Q-RAG", 1024)]
+    assert q["num_seeds"] == 3 and q["num_samples"] == 120 and len(q["fact_em_by_seed"]) == 3
+    assert q["fact_em_ci"][0] <= q["fact_em"] <= q["fact_em_ci"][1]
+    assert q["fact_em"] == pytest.approx(np.mean(q["fact_em_by_seed"]))
+    assert by[("untrained", 1024)]["num_seeds"] == 1
+    called = {(d["length"], d["a"], d["b"]): d["called"] for d in out["differences"]}
+    assert called[(1024, "Q-RAG", "untrained")] == "Q-RAG > untrained"
+
+
+def test_seeds_asked_other_questions_are_refused(tmp_path):
+    a, b = table(0, {"Q-RAG": 0.9}), table(1, {"Q-RAG": 0.9})
+    b["rows"][0]["per_question"]["id"] = [f"other{i}" for i in range(120)]
+    with pytest.raises(DataError, match="same \\(frozen\\) dev draw"):
+        combine_tables([("a.json", a), ("b.json", b)])
+    del b["rows"][0]["per_question"]
+    with pytest.raises(DataError, match="per-question"):
+        combine_tables([("a.json", a), ("b.json", b)])
+
+
+def test_several_tasks_get_a_mean_row_with_its_interval(tmp_path):
+    tasks = ("niah_single_1", "niah_multivalue")
+    out = combine_tables([(f"s{s}", table(s, {"Q-RAG": 0.8}, tasks, n=40)) for s in range(3)], replicates=200)
+    mean = next(r for r in out["rows"] if r["task"] == "mean" and r["length"] == 1024)
+    parts = [r for r in out["rows"] if r["task"] in tasks and r["length"] == 1024]
+    assert mean["num_samples"] == 80 and mean["tasks"] == sorted(tasks)
+    assert mean["fact_em"] == pytest.approx(np.mean([r["fact_em"] for r in parts]))
+
+
+def test_cli_combine_then_report_show_the_intervals(tmp_path, capsys):
+    from qrag.cli import main
+
+    files = [write(tmp_path, f"s{s}.json", table(s, {"Q-RAG": 0.9, "untrained": 0.2})) for s in range(3)]
+    out = tmp_path / "headline.json"
+    assert main(["combine-seeds", *files, "--out", str(out), "--replicates", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert "95% interval" in printed and "[" in printed and "Q-RAG > untrained" in printed
+    assert out.with_suffix(".png").is_file() or "plot" in printed
+    assert main(["report", str(out), "--out", str(tmp_path / "report")]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Differences in Fact EM" in md and "a difference only where the interval excludes 0" in md
+    cell = json.loads(out.read_text())["rows"][0]
+    assert f"{cell['fact_em']:.3f} [{cell['fact_em_ci'][0]:.3f}, {cell['fact_em_ci'][1]:.3f}]" in md
+    assert "training seed(s) per row" in md
+
+
+def test_eval_summaries_combine_from_their_records(tmp_path):
+    files = []
+    for s in range(3):
+        rng = np.random.default_rng(s)
+        scores = rng.binomial(1, 0.7, size=60).astype(float)
+        summary = {"dataset": "hotpotqa", "split": "dev", "checkpoint": f"runs/s{s}/best", "fact_em": float(scores.mean()),
+                   "fact_f1": float(scores.mean()), "num_samples": 60, "search": {"max_steps": 2}, "train_dataset": "hotpotqa"}
+        path = tmp_path / f"eval{s}.json"
+        path.write_text(json.dumps(summary))
+        path.with_suffix(".records.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "fact_em": v, "fact_f1": v}) + "\n"
+                                                              for i, v in enumerate(scores)))
+        files.append(str(path))
+    out = combine_files(files, replicates=200)
+    assert out["num_seeds"] == 3 and out["fact_em_ci"][0] < out["fact_em"] < out["fact_em_ci"][1]
+    from qrag.evaluation.report import table2
+
+    md = "\n".join(table2([("h.json", out)]).markdown)
+    assert f"{out['fact_em']:.3f} [" in md
+
+
+def test_report_seeds_combines_then_reports(tmp_path, capsys):
+    from qrag.cli import main
+
+    files = [write(tmp_path, f"s{s}.json", table(s, {"Q-RAG": 0.9})) for s in range(3)]
+    assert main(["report", "--seeds", *files, "--out", str(tmp_path / "rep")]) == 0
+    assert json.loads((tmp_path / "rep" / "combined.json").read_text())["kind"] == "seeds"
+    assert "95% interval" in (tmp_path / "rep" / "report.md").read_text()
+    files[1] = write(tmp_path, "bad.json", {**table(1, {"Q-RAG": 0.9}), "rows": [{**table(1, {"Q-RAG": 0.9})["rows"][0], "per_question": None}]})
+    assert main(["report", "--seeds", *files, "--out", str(tmp_path / "rep2")]) == 2
+    assert "qrag report: error" in capsys.readouterr().err
