@@ -179,13 +179,23 @@ def test_babilong_length_order_support_and_budget(babi_dir, background, measure,
 
 
 def test_babilong_is_deterministic_and_seeded(babi_dir, background, measure):
-    a = babilong(babi_dir, background, measure, 1024, seed=3)
+    a = babilong(babi_dir, background, measure, 1024, seed=3, split="train")
     clear_cache()
-    b = babilong(babi_dir, background, measure, 1024, seed=3)
-    c = babilong(babi_dir, background, measure, 1024, seed=4)
+    b = babilong(babi_dir, background, measure, 1024, seed=3, split="train")
+    c = babilong(babi_dir, background, measure, 1024, seed=4, split="train")
     assert [x.sample.chunks for x in a] == [x.sample.chunks for x in b]
     assert [x.sample.support for x in a] == [x.sample.support for x in b]
     assert [x.sample.chunks for x in a] != [x.sample.chunks for x in c]
+
+
+def test_dev_is_the_frozen_draw_independent_of_the_seed_and_drawn_per_length(babi_dir, background, measure):
+    """Every seed and model is scored on the same dev questions and backgrounds (qrag.data.dev_draw),
+    and each length is its own seeded draw of the bAbI test questions."""
+    a = babilong(babi_dir, background, measure, 1024, n=6, seed=3)
+    b = babilong(babi_dir, background, measure, 1024, n=6, seed=4)
+    assert [x.sample.chunks for x in a] == [x.sample.chunks for x in b]
+    orders = {n: [x.sample.meta["source_id"] for x in babilong(babi_dir, background, measure, n, n=6)] for n in (1024, 1100, 1200, 1300)}
+    assert len({tuple(o) for o in orders.values()}) > 1
 
 
 def test_babilong_train_and_dev_use_different_books(babi_dir, background, measure):
@@ -393,7 +403,7 @@ def test_val_split_is_held_out_questions_in_held_out_books(babi_dir, planted_bac
     # The val split: only questions that data.val_fraction holds out, hidden in the val books.
     with pytest.raises(DataError, match="no validation questions"):
         next(generate_babilong("qa1", "val", 512, 1, measure, budget=32, facts_path=babi_dir, background=root))
-    held = [q for q in load_babi(babi_dir, "qa1", "train") if in_validation(q.id, 0.9)]
+    held = [q for q in load_babi(babi_dir, "qa1", "train") if in_validation(q.story, 0.9)]  # held out by story
     assert held, "the test story needs a held-out question at val_fraction 0.9"
     val_items = list(generate_babilong("qa1", "val", 512, 3, measure, budget=32, facts_path=babi_dir, background=root, val_fraction=0.9))
     assert {g.sample.meta["source_id"] for g in val_items} <= {q.id for q in held}

@@ -32,6 +32,14 @@ class BabiQuestion:
     question: str
     answer: str
     support: tuple[int, ...]  # indices into ``facts``, ascending
+    # "<task>-<file split>-story<k>": every question of one story shares its facts, so held-out
+    # splits are drawn by story (a question whose story is trained on is not held out).
+    story: str = ""
+
+    @property
+    def source(self) -> str:
+        """What decides a question's side in a held-out split: its story (its own id without one)."""
+        return self.story or self.id
 
 
 def default_dir() -> Path:
@@ -59,6 +67,7 @@ def parse_babi(path: Path, task: str, file_split: str = "test") -> list[BabiQues
     facts: list[str] = []
     line_to_fact: dict[int, int] = {}
     last = 0
+    stories = 0
     try:
         with open_text(path) as fh:
             for lineno, raw in enumerate(fh, 1):
@@ -72,6 +81,7 @@ def parse_babi(path: Path, task: str, file_split: str = "test") -> list[BabiQues
                 n = int(head)
                 if n == 1 or n <= last:  # a new story
                     facts, line_to_fact = [], {}
+                    stories += 1
                 last = n
                 if "\t" not in text:
                     line_to_fact[n] = len(facts)
@@ -91,6 +101,7 @@ def parse_babi(path: Path, task: str, file_split: str = "test") -> list[BabiQues
                 questions.append(BabiQuestion(
                     task=task, id=f"{task}-{file_split}-{len(questions)}", facts=tuple(facts),
                     question=parts[0].strip(), answer=parts[1].strip(), support=support,
+                    story=f"{task}-{file_split}-story{stories - 1}",
                 ))
     except (OSError, UnicodeDecodeError, EOFError) as exc:
         raise DataError(f"{path}: cannot read: {exc}") from None

@@ -53,4 +53,4 @@ class Renamer:
             return pattern.sub(lambda m: mapping.get(m.group(1), m.group(1)), text)
 
         return BabiQuestion(task=q.task, id=q.id, facts=tuple(sub(f) for f in q.facts), question=sub(q.question),
-                            answer=sub(q.answer), support=q.support)
+                            answer=sub(q.answer), support=q.support, story=q.story)

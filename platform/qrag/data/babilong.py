@@ -32,6 +32,7 @@ from qrag.data.babi import BabiQuestion, load_babi
 from qrag.data.babi_names import Renamer
 from qrag.data.chunking import TokenCounter
 from qrag.data.contexts import Generated, assemble, fresh_ids, interleave, rng_for
+from qrag.data.dev_draw import DRAW
 from qrag.data.hard_negatives import add_hard, candidates, take
 from qrag.data.haystack import MIN_BACKGROUND_TOKENS, NOVELS_DIR, Haystack, Measure, book_files, files_haystack
 from qrag.data.paths import data_root
@@ -87,15 +88,25 @@ def generate_babilong(
     per context chosen by the words they share with the story (:mod:`qrag.data.hard_negatives`).
     ``rename``: each sample swaps the story's names of people, places and objects for others of
     the same kind (:mod:`qrag.data.babi_names`); ``meta['renamed']`` records it.
+
+    Held-out questions are held out by **story** (``BabiQuestion.story``, ``meta['story_id']``):
+    val takes the stories ``val_fraction`` holds out, and training never sees their questions. In
+    the train split those stories' samples (the validation part of train, which the trainer filters
+    out) get neither hard negatives nor renaming: no validation context is a training context.
+    dev is the frozen draw of :mod:`qrag.data.dev_draw`: a different seeded question order per
+    length, independent of ``seed``. ``meta['hard_negatives']`` counts the context's hard negatives.
     """
     if length <= 0:
         raise DataError(f"babilong: context length must be positive, got {length}")
     questions = load_babi(facts_path, task, "train" if split == "val" else split)
     if split == "val":
-        questions = [q for q in questions if in_validation(q.id, val_fraction)]
+        questions = [q for q in questions if in_validation(q.source, val_fraction)]
         if not questions:
             raise DataError(f"babilong {task}: no validation questions (data.val_fraction={val_fraction})")
-    order = rng_for("babilong-order", seed, task, split).permutation(len(questions))
+    # dev: the frozen draw (its own seed, one order per length); train and val: data.seed's order.
+    draw = DRAW if split == "dev" else seed
+    order_key = (draw, task, split, length) if split == "dev" else (seed, task, split)
+    order = rng_for("babilong-order", *order_key).permutation(len(questions))
     renamer = Renamer(questions) if rename else None
     hay = book_haystack(background, split, budget, measure, max(MIN_BACKGROUND_TOKENS, 2 * length))
     produced = draws = 0
@@ -104,17 +115,20 @@ def generate_babilong(
             raise DataError(f"babilong {task}: only {produced} of {len(questions)} {split} questions have facts "
                             f"that fit in {length} tokens; raise data.context_tokens")
         q = questions[order[draws % len(questions)]]
+        story = q.source  # before renaming: the renamed story is still that story's logic
         draws += 1
-        if renamer is not None:
+        held = split == "train" and in_validation(story, val_fraction)  # the validation part of train
+        if renamer is not None and not held:
             q = renamer.rename(q, renamer.draw(rng_for("babilong-names", seed, task, split, length, draws)))
         counts, ids = measure.measure(list(q.facts))  # each fact tokenised once: counts fit it, ids feed evaluation
         first = fit_facts(q, counts, length)
         if first is None:
             continue
-        rng = rng_for("babilong", seed, task, split, length, draws)
+        rng = rng_for("babilong", draw, task, split, length, draws)
         facts = list(q.facts[first:])
         fact_tokens = int(counts[first:].sum())
-        if hard_negatives > 0:  # background from the best lexical matches of the story, the rest a window
+        hard = np.zeros(0, dtype=np.int64)
+        if hard_negatives > 0 and not held:  # background from the best lexical matches of the story, the rest a window
             pool = candidates(hay, [q.question, *facts], hard_negatives, rng)
             hard = take(hay, pool, hard_negatives, length - fact_tokens)
             window = add_hard(hay, hay.window(rng, length - fact_tokens - int(hay.chunk_counts[hard].sum())), hard, pool, rng)
@@ -130,9 +144,10 @@ def generate_babilong(
             support=support,
             answer=q.answer,
             meta={
-                "task": task, "source_id": q.id, "context_tokens": window.tokens + fact_tokens, "target_tokens": length,
-                "facts": len(facts), "dropped_facts": first, "background": hay.name,
-                **({"renamed": True} if renamer is not None else {}),
+                "task": task, "source_id": q.id, "story_id": story, "context_tokens": window.tokens + fact_tokens,
+                "target_tokens": length, "facts": len(facts), "dropped_facts": first, "background": hay.name,
+                "hard_negatives": len(hard),
+                **({"renamed": True} if renamer is not None and not held else {}),
             },
         )
         produced += 1

@@ -163,6 +163,13 @@ class Haystack:
     def tokens(self) -> int:
         return int(self.cum[-1])
 
+    def distinct_tokens(self, refs: np.ndarray) -> int:
+        """Tokens of the distinct haystack chunks among ``refs`` (chunk indices; negative refs,
+        inserted sentences and loose fill, are not counted). A context longer than its corpus wraps
+        around and repeats chunks: this is how much different background it really holds."""
+        refs = np.asarray(refs)
+        return int(self.chunk_counts[np.unique(refs[refs >= 0])].sum())
+
     def chunk_text(self, k: int) -> str:
         return " ".join(self.segments[self.bounds[k] : self.bounds[k + 1]])
 

@@ -46,6 +46,7 @@ from qrag.data.haystack import Haystack, Measure, cached_haystack
 from qrag.data.niah_words import ADJECTIVES, NOUNS
 from qrag.data.paths import data_root, open_text
 from qrag.data.sample import DataError, Sample
+from qrag.data.splits import in_validation
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -83,6 +84,13 @@ def task_spec(name: str) -> tuple[str, NiahTask]:
     if full not in TASKS:
         raise DataError(f"unknown NIAH task {name!r} (choose from {', '.join(TASKS)} or {', '.join(k.upper() for k in ALIASES)})")
     return full, TASKS[full]
+
+
+def asked_needles(name: str) -> int:
+    """Needles a question of the task asks for (1 for S1-S3 and MK1-MK3, 4 for MV and MQ): the
+    task's T with no spare picks. A property of the task's definition, not of a sample's answer key."""
+    spec = task_spec(name)[1]
+    return spec.values * spec.queries
 
 
 # -- keys and values --------------------------------------------------------------------------
@@ -210,16 +218,20 @@ def generate_niah(
     budget: int = 64,
     essays: str | Path | None = None,
     near_misses: int = 0,
+    val_fraction: float = 0.0,
 ) -> Iterator[Generated]:
     """``n`` samples of one RULER NIAH task at ``length`` tokens, one at a time. ``near_misses``:
     that many extra distractor needles per sample whose keys are near misses of an asked key
-    (:func:`near_miss`; training hard negatives, recorded in ``meta['near_misses']``)."""
+    (:func:`near_miss`; training hard negatives, recorded in ``meta['near_misses']``), except in the
+    samples ``val_fraction`` holds out of train (validation contexts are never training contexts)."""
     name, spec = task_spec(task)
     if length <= 0:
         raise DataError(f"niah: context length must be positive, got {length}")
     hay = haystack_for(spec, split, length, measure, budget, seed, essays)
     n_keys = max(spec.keys, spec.queries)
     for i in range(n):
+        sample_id = f"niah-{name}-{split}-{length}-{i}"
+        misses = 0 if in_validation(sample_id, val_fraction) else near_misses
         rng = rng_for("niah", seed, name, split, length, i)
         keys = draw_keys(rng, spec.key_type, n_keys, asked=True)
         asked = keys[: spec.queries]
@@ -230,7 +242,7 @@ def generate_niah(
                 needles.append((key, needle(spec.value_type, key, value)))
                 if key in asked:
                     answers.append(value)
-        for _ in range(near_misses):
+        for _ in range(misses):
             key = near_miss(rng, asked[int(rng.integers(len(asked)))], spec.key_type)
             if key not in keys:
                 needles.append((key, needle(spec.value_type, key, draw_values(rng, spec.value_type, 1)[0])))
@@ -246,14 +258,14 @@ def generate_niah(
         fresh = fresh_ids(hay, window, refs, ids)
         support = sorted(int(pos[j]) for j, (key, _) in enumerate(needles) if key in asked)
         sample = Sample(
-            id=f"niah-{name}-{split}-{length}-{i}",
+            id=sample_id,
             question=QUESTION.format(kind=spec.value_type, query=query_text(asked)),
             chunks=chunks,
             support=support,
             answer=", ".join(answers),
             meta={"task": name, "context_tokens": window.tokens + needle_tokens, "target_tokens": length,
                   "needles": len(needles), "background": hay.name, "answers": answers,
-                  **({"near_misses": near_misses} if near_misses else {})},
+                  **({"near_misses": misses} if misses else {})},
         )
         yield Generated(sample, hay, refs, fresh)
 
@@ -278,7 +290,8 @@ def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: 
 
     count = n if n is not None else samples_for_split(cfg, split)
     per_task = [list(generate_niah(t, split, length or cfg.context_tokens, count, measure, seed=cfg.seed,
-                                   budget=cfg.chunk_tokens, essays=cfg.path, near_misses=near_misses_for(cfg, split, t)))
+                                   budget=cfg.chunk_tokens, essays=cfg.path, near_misses=near_misses_for(cfg, split, t),
+                                   val_fraction=cfg.val_fraction))
                 for t in _tasks(cfg)]
     return interleave(per_task)
 

@@ -1,4 +1,4 @@
-"""Deterministic train/dev split by a hash of the record id.
+"""Deterministic train/dev/validation splits by a hash of the record id (or its source).
 
 The split of a record never depends on which other records are loaded, on their order, or on
 the Python hash seed: ``sha1(id)`` mapped to [0, 1) is compared with ``dev_fraction``.
@@ -52,11 +52,19 @@ def in_validation(record_id: str, val_fraction: float) -> bool:
 
 
 def validation_key(sample: Any) -> str:
-    """What decides a sample's side: its source record (``meta["source_id"]``: a generated
-    long-context sample's bAbI question, which reappears in other samples with other background)
-    when it has one, else its own id. So no validation question is ever trained on."""
+    """What decides a sample's side: its source, never its own id when it has one. A generated
+    BabiLong sample's bAbI **story** (``meta["story_id"]``: a story's questions share every fact,
+    so holding out a question whose story is trained on holds out nothing), else its source
+    record (``meta["source_id"]``, e.g. a bAbI question that reappears with other background),
+    else its own id (a HotpotQA or MuSiQue question). So no validation question, nor its story,
+    is ever trained on."""
     meta = getattr(sample, "meta", None) or {}
-    return str(meta.get("source_id", sample.id))
+    return str(meta.get("story_id") or meta.get("source_id") or sample.id)
+
+
+def key_digest(key: str) -> str:
+    """A short, stable digest of a source key (checkpoints record what they trained on as these)."""
+    return hashlib.sha1(key.encode("utf-8")).hexdigest()[:16]
 
 
 def split_validation(samples: Sequence[T], val_fraction: float) -> tuple[list[T], list[T]]:
