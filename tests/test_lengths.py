@@ -148,7 +148,7 @@ def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monke
     assert main(["train", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--no-progress", *common,
                  f"out_dir={tmp_path / 'runs'}", "updates=2", "data.context_tokens=512", "data.samples_per_task=8",
                  "data.dev_samples_per_task=2", "learner.episodes_per_update=4", "learner.micro_batch=4",
-                 "learner.warmup_updates=1", "eval_every=0", "checkpoint_every=0"]) == 0
+                 "learner.warmup_updates=1", "eval_every=0", "checkpoint_every=0", "data.val_fraction=0.5"]) == 0
     ckpt = tmp_path / "runs" / "babilong-qa1" / "final"
     out = tmp_path / "sweep.json"
     assert main(["sweep-lengths", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--checkpoint", f"Q-RAG={ckpt}",

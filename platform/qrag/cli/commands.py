@@ -120,9 +120,14 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    help="a checkpoint directory, or 'none' for the untrained encoder scored by the full-vector cosine of its "
                         "pooled embeddings (the paper's multi-step RAG w/o FT); 'none:twin' scores it by the mean of two "
                         "half-vector cosines instead (an extra, labelled as such)")
-    p.add_argument("--data", metavar="PATH", help="data file or glob (default: the dataset's shipped file)")
-    p.add_argument("--dataset", metavar="NAME", help="loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah")
+    p.add_argument("--data", metavar="PATH", help="evaluate on this data file or glob, for any checkpoint (default: the run's data; "
+                                                  "a mixed run's sources). For a mixed run, the loader of the source with this path, "
+                                                  "else --dataset says which")
+    p.add_argument("--dataset", metavar="NAME", help="evaluate on this loader's data: hotpotqa | musique | 2wiki | jsonl | babilong | niah "
+                                                     "(the run's own path, hub and sources are not carried over; its shipped file unless --data)")
     p.add_argument("--split", default="dev", choices=["train", "dev", "all"], help="which split of the data (default dev)")
+    p.add_argument("--allow-train-questions", action="store_true",
+                   help="score questions whose source the checkpoint trained on (refused by default; the summary records how many)")
     p.add_argument("--limit", type=int, metavar="N", help="evaluate the first N questions of the split")
     p.add_argument("--steps", type=int, metavar="T", help="retrieval steps (default: the run's search.max_steps)")
     p.add_argument("--beam", type=int, metavar="B", help="beam width; 1 = greedy (default 1)")
@@ -141,16 +146,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qrag.evaluation.evaluate import evaluate_checkpoint
 
     overrides = list(args.overrides)
-    if args.data:
-        overrides.append(f"data.path={json.dumps(args.data)}")
-    if args.dataset:
-        overrides.append(f"data.dataset={args.dataset}")
     for key, value in (("search.max_steps", args.steps), ("search.beam_width", args.beam), ("search.stop_threshold", args.stop_threshold)):
         if value is not None:
             overrides.append(f"{key}={value}")
     cfg = load_config(args.config, overrides, check=False) if args.config or args.checkpoint in ("none", "none:twin") else None
     summary = evaluate_checkpoint(args.checkpoint, cfg, overrides, split=args.split, limit=args.limit, device=args.device, out=args.out,
-                                  answer=args.answer)
+                                  answer=args.answer, data=args.data, dataset=args.dataset,
+                                  allow_train_questions=args.allow_train_questions)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("search", "answer", "answer_error_ids")}, indent=2))
     return 0
 

@@ -87,7 +87,9 @@ def _should_take(trace: Trace) -> list[bool]:
     return [earliest is None or t <= earliest for t in range(1, len(trace.q) + 1)]
 
 
-def analyse_threshold(traces: Sequence[Trace], threshold: float) -> dict[str, Any]:
+def analyse_threshold(traces: Sequence[Trace], threshold: float, keep_records: bool = False) -> dict[str, Any]:
+    """The stop rule at ``threshold`` over ``traces``; ``keep_records`` adds each trace's Fact EM
+    and F1 in order (``fact_em_each``, ``fact_f1_each``: what intervals over questions need)."""
     early = perfect = late = 0
     tp = fn = fp = tn = 0
     lengths, ems, f1s = [], [], []
@@ -119,6 +121,7 @@ def analyse_threshold(traces: Sequence[Trace], threshold: float) -> dict[str, An
         "episode_len": mean(lengths),
         "fact_em": mean(ems),
         "fact_f1": mean(f1s),
+        **({"fact_em_each": ems, "fact_f1_each": f1s} if keep_records else {}),
     }
 
 

@@ -122,16 +122,27 @@ def evaluate_checkpoint(
     device: str = "auto",
     out: str | Path | None = None,
     answer: str | None = None,
+    data: str | None = None,
+    dataset: str | None = None,
+    allow_train_questions: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint directory, or the untrained encoder: ``"none"`` scores with its own
     similarity, the full-vector cosine of the pooled embeddings (the paper's "multi-step RAG w/o
     FT"); ``"none:twin"`` with the mean of two half-vector cosines (a labelled extra).
 
     Without ``cfg`` the run's own config (saved in the checkpoint) is used, with ``overrides``
-    applied: the data, chunking and search of training unless told otherwise. ``answer``
-    (none | local | openai; default ``cfg.answer.backend``) also has a reader LLM answer from the
-    retrieved chunks: the summary gains ``ans_em``, ``ans_f1``, ``answer_errors``, ``reader_model``.
+    applied: the data, chunking and search of training unless told otherwise. ``data`` and
+    ``dataset`` (``qrag eval --data/--dataset``) choose the data for any checkpoint
+    (:func:`qrag.evaluation.eval_data.eval_data_config`). Questions from sources the checkpoint
+    trained on are refused unless ``allow_train_questions`` (:mod:`qrag.evaluation.trained`); the
+    summary's ``train_questions`` records the check. ``answer`` (none | local | openai; default
+    ``cfg.answer.backend``) also has a reader LLM answer from the retrieved chunks: the summary
+    gains ``ans_em``, ``ans_f1``, ``answer_errors``, ``reader_model``.
     """
+    from dataclasses import replace
+
+    from qrag.evaluation.eval_data import eval_data_config
+    from qrag.evaluation.trained import Guard
     from qrag.model.checkpoint import baseline_label, baseline_qnet, is_untrained, load_qnet
     from qrag.config import apply_overrides, from_dict, TrainConfig
     from qrag.data import load_samples
@@ -151,13 +162,17 @@ def evaluate_checkpoint(
         if cfg is None:
             cfg = from_dict(TrainConfig, apply_overrides(to_dict(run_cfg), overrides or []))
         trained_on = run_cfg.data.dataset
+    cfg = replace(cfg, data=eval_data_config(cfg.data, data, dataset))
     samples = load_samples(cfg.data, split, tokenizer_counter(tokenizer))
     if limit is not None:
         samples = samples[:limit]
+    guard = Guard(checkpoint, allow_train_questions)
+    guard.check(samples)
     tokenized = tokenize_samples(samples, tokenizer, layout, chunk_tokens=cfg.data.chunk_tokens, question_tokens=cfg.data.question_tokens)
     retriever = Retriever(qnet, layout, dev, cfg.learner.encode_tokens)
     result = evaluate(retriever, samples, tokenized, cfg.search, extra={
         "checkpoint": checkpoint, "dataset": cfg.data.dataset, "split": split, "device": str(dev),
+        "data": {"path": cfg.data.path, "hub": cfg.data.hub, "sources": cfg.data.sources}, "train_questions": guard.record(),
         "positions": qnet.cfg.positions, "similarity": qnet.cfg.similarity, "train_dataset": trained_on,
         **({"label": label} if label else {}),
     })
@@ -169,16 +184,43 @@ def evaluate_checkpoint(
     return result.summary
 
 
+class ReaderHook:
+    """A reader LLM (loaded once) that answers eval records from their retrieved chunks and scores
+    each answer by its benchmark's own rule (:func:`qrag.metrics.score_answer`: RULER's share of
+    needle values found for NIAH, BabiLong's label match, HotpotQA's EM/F1 elsewhere)."""
+
+    def __init__(self, cfg, backend: str):
+        from qrag.answers.backends import make_answerer
+
+        self.cfg = cfg  # an AnswerConfig
+        self.backend = backend
+        self.answerer = make_answerer(cfg, backend)
+        self._templates: dict[str, Any] = {}
+
+    def template(self, dataset: str):
+        from qrag.answers.reader import load_prompt
+
+        if dataset not in self._templates:
+            self._templates[dataset] = load_prompt(self.cfg.prompt, dataset)
+        return self._templates[dataset]
+
+    def __call__(self, records: list[dict[str, Any]], samples: Sequence[Sample], dataset: str) -> dict[str, Any]:
+        """Answer ``records`` (of ``samples``) in place; returns the summary fields (ans_em, ...)."""
+        from qrag.answers.reader import answer_records, attach_reader_inputs
+
+        template = self.template(dataset)
+        attach_reader_inputs(records, samples, self.cfg.full_passages)
+        return answer_records(records, self.answerer, template, dataset)
+
+
 def _answer(result: EvalResult, samples: Sequence[Sample], cfg, backend: str) -> None:
     """Have the reader answer from each question's retrieved chunks; scores go into the records
     and the summary (questions whose request failed are counted, not scored)."""
-    from qrag.answers.reader import answer_records, attach_reader_inputs, load_prompt, public_config
-    from qrag.answers.backends import make_answerer
+    from qrag.answers.reader import load_prompt, public_config
 
-    template = load_prompt(cfg.answer.prompt, cfg.data.dataset)  # a bad prompt fails before the reader loads
-    answerer = make_answerer(cfg.answer, backend)
-    attach_reader_inputs(result.records, samples, cfg.answer.full_passages)
+    load_prompt(cfg.answer.prompt, cfg.data.dataset)  # a bad prompt fails before the reader loads
+    reader = ReaderHook(cfg.answer, backend)
     t0 = time.perf_counter()
-    result.summary.update(answer_records(result.records, answerer, template, cfg.data.dataset))
+    result.summary.update(reader(result.records, samples, cfg.data.dataset))
     result.summary["answer_seconds"] = time.perf_counter() - t0
     result.summary["answer"] = public_config(cfg.answer, backend)

@@ -2,7 +2,8 @@
 
 ```
 config.yaml                      the resolved run configuration
-qrag.json                        format version, positions, width, fingerprint inputs
+qrag.json                        format version, positions, width, fingerprint inputs, the
+                                 digests of the sources it trained on (trained_sources)
 state_encoder/ action_encoder/   Hugging Face layout (config.json + model.safetensors)
 target_state_encoder/ target_action_encoder/   (when targets are used)
 tokenizer/
@@ -20,6 +21,7 @@ import hashlib
 import json
 import random
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +72,11 @@ def save_checkpoint(
     cfg: TrainConfig,
     learner=None,
     extra_state: dict[str, Any] | None = None,
+    trained_sources: Iterable[str] | None = None,
 ) -> Path:
-    """Write a complete checkpoint; with ``learner`` it is resumable (optimiser, schedule, RNG)."""
+    """Write a complete checkpoint; with ``learner`` it is resumable (optimiser, schedule, RNG).
+    ``trained_sources``: the source keys of the training samples (``qrag.data.splits.validation_key``),
+    recorded as digests so that evaluation can refuse them (:mod:`qrag.evaluation.trained`)."""
     final = Path(directory)
     tmp = final.with_name(final.name + ".partial")
     if tmp.exists():
@@ -85,6 +90,11 @@ def save_checkpoint(
         model.save_pretrained(tmp / name, safe_serialization=True)
     tokenizer.save_pretrained(tmp / "tokenizer")
     meta = {"format_version": FORMAT_VERSION, "model": to_dict(qnet.cfg), "use_target": qnet.use_target, "dim": qnet.dim}
+    if trained_sources is not None:
+        from qrag.data.splits import key_digest
+
+        keys = sorted({key_digest(k) for k in trained_sources})
+        meta["trained_sources"] = {"digest": "sha1(validation_key)[:16]", "count": len(keys), "keys": keys}
     (tmp / "qrag.json").write_text(json.dumps(meta, indent=2))
     if learner is not None:
         (tmp / "trainer").mkdir()

@@ -24,6 +24,7 @@ from qrag.model.checkpoint import (
 from qrag.config import ConfigError, LearnerConfig, SearchConfig, TrainConfig
 from qrag.data.prepared import prepare_split
 from qrag.data.sample import Sample
+from qrag.data.splits import validation_key
 from qrag.model.encoder import load_tokenizer, pick_device, resolve_encoder
 from qrag.evaluation.evaluate import EvalResult, evaluate
 from qrag.rl.learner import SoftPQNLearner
@@ -216,7 +217,10 @@ class TrainingRun:
 
     def save(self, directory: Path, resumable: bool = True) -> Path:
         extra = {"sampler": self.sampler.state(), "history": self.history[-10000:], "best_f1": self.best_f1}
-        return save_checkpoint(directory, self.qnet, self.tokenizer, self.cfg, self.learner if resumable else None, extra)
+        # What it trained on, so that evaluation can refuse it (none known when Ray runners hold the data).
+        trained = [validation_key(s) for s in self.train_samples] if self.train_samples else None
+        return save_checkpoint(directory, self.qnet, self.tokenizer, self.cfg, self.learner if resumable else None, extra,
+                               trained_sources=trained)
 
     def run(
         self,
