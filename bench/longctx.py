@@ -22,6 +22,13 @@ a long length rather than at the training length:
     ... --task qa3 --updates 1500 --stop-at 750 checkpoint_every=250          # slice 1
     ... --task qa3 --updates 1500 --resume --select-lengths 1m checkpoint_every=250   # slice 2, then choose, then dev
 
+Headline figures come from several training seeds (``--seed N``: the run, its files and its
+training data are the seed's; dev is the frozen draw of qrag/data/dev_draw.py whatever the seed),
+each trained (``--no-eval`` on the last slice), then chosen and evaluated (``--eval-only``), the
+untrained encoder once (``--baseline-only``), and combined with ``qrag combine-seeds``
+(docs/long-contexts.md, "Re-running the headline rows"). NIAH rows are per task with T = the
+task's number of asked needles; ``--answer local`` adds a reader's answer scores beside them.
+
 Without ``--assets`` the bundled MiniLM and ../shared/data are used (``--encoder``, ``--babi``,
 ``--novels``, ``--essays`` override each).
 """
@@ -40,6 +47,8 @@ sys.path.insert(0, str(ROOT / "platform"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info  # noqa: E402
+from qrag.data.dev_draw import QUESTIONS, QUESTIONS_LONG  # noqa: E402
+from qrag.integrations.provenance import git_state  # noqa: E402
 
 PRESETS = {"qa1": "babilong-qa1.yaml", "qa2": "babilong-qa2.yaml", "qa3": "babilong-qa3.yaml",
            "qa4": "babilong-qa4.yaml", "qa5": "babilong-qa5.yaml", "niah": "niah.yaml"}
@@ -68,8 +77,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--novels", help="background books (a folder with train/ and dev/, or gutenberg_novels)")
     p.add_argument("--essays", help="PaulGrahamEssays.json[.gz]")
     p.add_argument("--lengths", help=f"evaluation lengths (default {BABILONG_LENGTHS}; NIAH {NIAH_LENGTHS})")
-    p.add_argument("--questions", type=int, default=100, help="BabiLong questions per length (default 100)")
-    p.add_argument("--questions-10m", type=int, default=20, help="BabiLong questions at 10M tokens (default 20)")
+    p.add_argument("--questions", type=int, default=QUESTIONS,
+                   help=f"BabiLong dev questions per length (default {QUESTIONS}: the frozen dev draw, qrag/data/dev_draw.py)")
+    p.add_argument("--questions-10m", type=int, default=QUESTIONS_LONG,
+                   help=f"BabiLong dev questions at 10M tokens (default {QUESTIONS_LONG}: the frozen dev draw)")
     p.add_argument("--niah-questions", type=int, default=25, help="questions per NIAH task and length (default 25)")
     p.add_argument("--train-tokens", type=int, default=2048, help="training context length (default 2048)")
     p.add_argument("--stop-at", type=int, default=None, metavar="UPDATE",
@@ -84,6 +95,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--select-questions", type=int, default=100, help="validation questions per length with --select-lengths")
     p.add_argument("--val-questions", type=int, default=100,
                    help="validation questions (held out of train) that choose the learned Q-threshold stop (default 100; 0 = off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="training seed: seed=N and data.seed=N (init, data order, actions, generated training contexts); the run "
+                        "is <task>-seed<N> under --runs and its result longctx_<task>_seed<N>.json (dev: the frozen draw whatever N)")
+    p.add_argument("--no-eval", action="store_true", help="train to the end and stop: no selection, no dev evaluation (--eval-only does them)")
+    p.add_argument("--eval-only", action="store_true",
+                   help="no training: choose (--select-lengths) and evaluate the finished run under --runs (trained with --no-eval)")
+    p.add_argument("--baseline-only", action="store_true",
+                   help="no training: evaluate only the untrained encoder (longctx_<task>_untrained.json)")
+    p.add_argument("--answer", choices=("none", "local", "openai"), default="none",
+                   help="also answer every dev question from its retrieved chunks with a reader LLM and score it by the "
+                        "benchmark's rule (RULER: share of needle values found; BabiLong: the label): ans_em, ans_f1 beside the rows")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
     p.add_argument("--runs", default=str(ROOT / "runs" / "bench-longctx"), help="checkpoints folder")
@@ -145,15 +167,19 @@ def resolve_paths(args: argparse.Namespace) -> dict[str, str | None]:
 # -- training -----------------------------------------------------------------------------------
 
 
-def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tuple[dict, object]:
-    """Train for ``args.minutes``: a few timed updates set the total so the schedule completes."""
-    from qrag.config import load_config
-    from qrag.data.haystack import Measure
-    from qrag.evaluation.longcontext import ChunkTokens
-    from qrag.rl.train import TrainingRun, latest_checkpoint
+def run_name(task: str, args: argparse.Namespace) -> str:
+    return task if args.seed is None else f"{task}-seed{args.seed}"
 
-    overrides = [f"model.encoder={paths['encoder']}", f"out_dir={args.runs}", f"name={task}",
-                 f"data.context_tokens={args.train_tokens}", "checkpoint_every=0", "eval_every=0", *args.overrides]
+
+def run_config(task: str, args: argparse.Namespace, paths: dict):
+    """The run's config: the task's preset, this bench's settings, then the command line's overrides."""
+    from qrag.config import load_config
+
+    overrides = [f"model.encoder={paths['encoder']}", f"out_dir={args.runs}", f"name={run_name(task, args)}",
+                 f"data.context_tokens={args.train_tokens}", "checkpoint_every=0", "eval_every=0"]
+    if args.seed is not None:
+        overrides += [f"seed={args.seed}", f"data.seed={args.seed}"]
+    overrides += list(args.overrides)
     if args.updates:
         overrides.append(f"updates={args.updates}")
     if task == "niah":
@@ -161,11 +187,21 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     else:
         overrides += [f"data.path={paths['novels']}"] if paths["novels"] else []
         overrides += [f"data.facts_path={paths['babi']}"] if paths["babi"] else []
-    cfg = load_config(ROOT / "configs" / PRESETS[task], overrides)
+    return load_config(ROOT / "configs" / PRESETS[task], overrides)
+
+
+def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tuple[dict, object]:
+    """Train for ``args.minutes``: a few timed updates set the total so the schedule completes."""
+    from qrag.data.haystack import Measure
+    from qrag.evaluation.longcontext import ChunkTokens
+    from qrag.rl.train import TrainingRun, latest_checkpoint
+
+    cfg = run_config(task, args, paths)
+    run_dir = Path(cfg.out_dir) / cfg.name
     t0 = time.perf_counter()
-    resume = latest_checkpoint(Path(args.runs) / task) if args.resume else None
+    resume = latest_checkpoint(run_dir) if args.resume else None
     if args.resume and resume is None:
-        raise SystemExit(f"longctx: --resume: no checkpoint under {Path(args.runs) / task}")
+        raise SystemExit(f"longctx: --resume: no checkpoint under {run_dir}")
     run = TrainingRun(cfg, resume=resume, device=device, load_data=False)
     # Data without re-tokenising: generated samples take their token ids from the measured books.
     if task == "niah":
@@ -174,7 +210,7 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         from qrag.data.babilong import generate_from_config
     measure = Measure.from_tokenizer(run.tokenizer)
     tokens = ChunkTokens(run.tokenizer, run.layout, cfg.data.chunk_tokens, cfg.data.question_tokens)
-    attach_data(run, generate_from_config(cfg.data, "train", measure), generate_from_config(cfg.data, "dev", measure), tokens)
+    data_info = attach_data(run, generate_from_config(cfg.data, "train", measure), generate_from_config(cfg.data, "dev", measure), tokens)
     tokens.clear()
     data_s = time.perf_counter() - t0
     log(f"{task}: {len(run.train_tok)} train / {len(run.dev_tok)} dev samples in {data_s:.0f}s")
@@ -223,11 +259,24 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         **({"val_by_update": periodic} if periodic else {}), **({"keep_best_update": best_update} if best_update else {}),
         "config": {"context_tokens": cfg.data.context_tokens, "positions": cfg.model.positions, "env.max_steps": cfg.env.max_steps,
                    "lr": cfg.learner.lr, "alpha": cfg.learner.alpha, "value_top_k": cfg.learner.value_top_k,
-                   "credit": cfg.env.credit, "samples_per_task": cfg.data.samples_per_task, "overrides": list(args.overrides)},
-        "selected_on": "settings chosen on validation questions (bench/results/longctx_select_qa3*_h100.json); " + (
-            f"checkpoint: the best Fact F1 of the evaluations every {cfg.eval_every} updates on the validation part of train"
-            if cfg.keep_best and cfg.eval_every > 0 else "final weights, no checkpoint selection"),
+                   "credit": cfg.env.credit, "samples_per_task": cfg.data.samples_per_task, "seed": cfg.seed,
+                   "data_seed": cfg.data.seed, "val_fraction": cfg.data.val_fraction, "overrides": list(args.overrides)},
+        "data": data_info,
+        "selected_on": training_selection(task, cfg, args, data_info),
     }, cfg
+
+
+def training_selection(task: str, cfg, args: argparse.Namespace, data_info: dict) -> str:
+    """What the training run itself chose, and on what: generated from its settings."""
+    settings = (f"settings: the preset configs/{PRESETS[task]} with overrides {list(args.overrides) or 'none'}, "
+                "given to this run (it chose none of them)")
+    if cfg.keep_best and cfg.eval_every > 0:
+        checkpoint = (f"checkpoint: the best Fact F1 of the evaluations every {cfg.eval_every} updates on {min(cfg.eval_limit or 10**9, data_info['val_samples'])} "
+                      f"samples of the validation part of train ({data_info['val_sources']} sources held out by "
+                      f"{'story' if task != 'niah' else 'sample'}, data.val_fraction={cfg.data.val_fraction})")
+    else:
+        checkpoint = "checkpoint: the final weights, no selection"
+    return f"{settings}; {checkpoint}"
 
 
 def record_slice(run_dir: Path, first: int, last: int, seconds: float, data_seconds: float) -> list[dict]:
@@ -236,59 +285,102 @@ def record_slice(run_dir: Path, first: int, last: int, seconds: float, data_seco
     path = run_dir / "slices.json"
     slices = json.loads(path.read_text()) if first > 0 and path.is_file() else []
     slices = [sl for sl in slices if sl["to"] <= first]  # a slice re-run from an older checkpoint replaces the later ones
-    slices.append({"from": first, "to": last, "seconds": round(seconds, 1), "data_seconds": round(data_seconds, 1)})
+    git = git_state()
+    slices.append({"from": first, "to": last, "seconds": round(seconds, 1), "data_seconds": round(data_seconds, 1),
+                   "git_commit": git["commit"], "git_dirty": git["dirty"], "git_diff_sha256": git["diff_sha256"]})
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(slices, indent=1) + "\n")
     return slices
 
 
-def attach_data(run, train_items, dev_items, tokens) -> None:
-    """Generated samples into a TrainingRun: train minus its validation part (held out by bAbI
-    question, ``data.val_fraction``: periodic eval and keep_best look only at it), and dev."""
+def split_items(items: list, val_fraction: float) -> tuple[list, list]:
+    """(train, validation) parts of generated training items: held out by source (a bAbI story,
+    ``qrag.data.splits.validation_key``), so no validation question's story is trained on."""
     from qrag.data.splits import in_validation, validation_key
 
-    frac = run.cfg.data.val_fraction
-    val_items = [g for g in train_items if in_validation(validation_key(g.sample), frac)]
-    train_items = [g for g in train_items if not in_validation(validation_key(g.sample), frac)]
+    val = [g for g in items if in_validation(validation_key(g.sample), val_fraction)]
+    return [g for g in items if not in_validation(validation_key(g.sample), val_fraction)], val
+
+
+def describe_data(train_samples: list, val_samples: list) -> dict:
+    """What the training data measured to be: its mean context length, hard negatives per context
+    (near-miss needles for NIAH), renamed share, and how many sources the validation part holds."""
+    from qrag.data.splits import validation_key
+    from qrag.metrics import mean
+
+    metas = [s.meta for s in train_samples]
+    return {"train_samples": len(train_samples), "val_samples": len(val_samples),
+            "train_sources": len({validation_key(s) for s in train_samples}),
+            "val_sources": len({validation_key(s) for s in val_samples}),
+            "context_tokens": round(mean([m.get("context_tokens", 0) for m in metas]), 1),
+            "hard_negatives": round(mean([m.get("hard_negatives", m.get("near_misses", 0)) for m in metas]), 2),
+            "renamed_share": round(mean([1.0 if m.get("renamed") else 0.0 for m in metas]), 3)}
+
+
+def attach_data(run, train_items, dev_items, tokens) -> dict:
+    """Generated samples into a TrainingRun: train minus its validation part (held out by bAbI
+    story, ``data.val_fraction``: periodic eval and keep_best look only at it), and dev. Returns
+    :func:`describe_data` of what it attached."""
+    train_items, val_items = split_items(train_items, run.cfg.data.val_fraction)
     run.use_data(*(([g.sample for g in items], tokens(items)) for items in (train_items, val_items, dev_items)))
+    return describe_data(run.train_samples, run.val_samples)
 
 
 # -- evaluation ---------------------------------------------------------------------------------
 
 
-def evaluate(task: str, checkpoint: str, cfg, args: argparse.Namespace, device, log) -> dict:
+def task_list(task: str) -> list[str]:
     from qrag.data.niah import TASKS
+
+    return list(TASKS) if task == "niah" else [task]
+
+
+def steps_for(task: str) -> str | None:
+    """NIAH is searched with T = each task's number of asked needles (no spare picks); BabiLong
+    with the preset's search.max_steps (4, the paper's)."""
+    from qrag.evaluation.lengths import NEEDLES
+
+    return NEEDLES if task == "niah" else None
+
+
+def evaluate(task: str, checkpoint: str | None, cfg, args: argparse.Namespace, device, log) -> dict:
+    """The dev table: the checkpoint (None: none) and, unless --no-baseline, the untrained encoder,
+    in one run and one file."""
     from qrag.evaluation.lengths import parse_length, run_sweep
 
     is_niah = task == "niah"
     lengths = [parse_length(x) for x in (args.lengths or (NIAH_LENGTHS if is_niah else BABILONG_LENGTHS)).split(",")]
     if is_niah:
         lengths = [n for n in lengths if n <= 2**20]  # RULER: 4K to 1M
-    tasks = list(TASKS) if is_niah else [task]
-    models = [("Q-RAG", checkpoint)] + ([] if args.no_baseline else [("untrained", "none")])
+    models = ([("Q-RAG", checkpoint)] if checkpoint else []) + ([] if args.no_baseline else [("untrained", "none")])
 
     def samples(length: int) -> int:
         if is_niah:
             return args.niah_questions
         return args.questions_10m if length >= 10 * 2**20 else args.questions
 
-    return run_sweep(models, cfg, tasks, lengths, samples, split="dev", device=device, val_samples=args.val_questions, log=log)
+    answer = None
+    if args.answer != "none":
+        from qrag.evaluation.evaluate import ReaderHook
+
+        answer = ReaderHook(cfg.answer, args.answer)
+    return run_sweep(models, cfg, task_list(task), lengths, samples, split="dev", steps=steps_for(task), device=device,
+                     val_samples=args.val_questions, answer=answer, log=log)
 
 
 def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, device, log) -> dict:
     """Score every candidate checkpoint of the run on the val split at ``--select-lengths`` and
     keep the best mean Fact EM (ties: Fact F1; then the later one). Dev is never looked at."""
-    from qrag.data.niah import TASKS
     from qrag.evaluation.lengths import parse_length, sweep_model
     from qrag.model.checkpoint import is_checkpoint
 
     lengths = [parse_length(x) for x in args.select_lengths.split(",") if x.strip()]
     periodic = sorted(p for p in (run_dir / "checkpoints").glob("update_*") if is_checkpoint(p))
     candidates = periodic + [p for p in (run_dir / "best", run_dir / "final") if is_checkpoint(p)]
-    tasks = list(TASKS) if task == "niah" else [task]
     scored = []
     for c in candidates:
-        rows = sweep_model(c.name, str(c), cfg, tasks, lengths, lambda _: args.select_questions, split="val", device=device, log=log)
+        rows = sweep_model(c.name, str(c), cfg, task_list(task), lengths, lambda _: args.select_questions, split="val",
+                           steps=steps_for(task), device=device, log=log)
         scored.append({"checkpoint": str(c), "val_fact_em": round(sum(r["fact_em"] for r in rows) / len(rows), 4),
                        "val_fact_f1": round(sum(r["fact_f1"] for r in rows) / len(rows), 4),
                        "rows": [{k: r[k] for k in ROW_KEYS} for r in rows]})
@@ -297,8 +389,9 @@ def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, d
         raise SystemExit(f"longctx: --select-lengths: no checkpoint under {run_dir}")
     chosen = max(reversed(scored), key=lambda x: (x["val_fact_em"], x["val_fact_f1"]))
     return {"checkpoint": chosen["checkpoint"], "lengths": args.select_lengths, "questions": args.select_questions,
-            "split": "val (held-out train questions, never trained on; BabiLong: in validation books)" if task != "niah" else
-                     "val (held-out train questions, never trained on: their own needles, RULER's haystack texts)", "candidates": scored}
+            "split": "val (held-out train stories, never trained on; in validation books)" if task != "niah" else
+                     "val (held-out train samples, never trained on: their own needles, RULER's haystack texts)",
+            "candidates": scored, "chosen_among": [Path(c["checkpoint"]).name for c in scored]}
 
 
 def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
@@ -346,8 +439,17 @@ def summary_line(task: str, training: dict, table: dict) -> dict:
         key = r["model"] if task != "niah" else f"{r['model']}/{r['task']}"
         em.setdefault(key, {})[length_label(r["length"])] = round(100 * r["fact_em"], 1)
         f1.setdefault(key, {})[length_label(r["length"])] = round(100 * r["fact_f1"], 1)
-    return {"bench": "longctx", "task": task, "device": table["device"], "updates": training["updates"],
-            "train_seconds": training["seconds"], "fact_em": em, "fact_f1": f1,
+    if task == "niah":  # the headline: per model, the mean of the eight tasks' rows
+        for model in dict.fromkeys(r["model"] for r in table["rows"]):
+            for name, source in (("fact_em", em), ("fact_f1", f1)):
+                per_length = {}
+                for key, values in source.items():
+                    if key.startswith(f"{model}/"):
+                        for length, v in values.items():
+                            per_length.setdefault(length, []).append(v)
+                source[f"{model}/mean"] = {k: round(sum(v) / len(v), 1) for k, v in per_length.items()}
+    return {"bench": "longctx", "task": task, "device": table["device"], "updates": training.get("updates"),
+            "train_seconds": training.get("seconds"), "fact_em": em, "fact_f1": f1,
             "protocols": {k: PROTOCOL_NOTES[k] for k in ("fact_em", "fact_f1")}}
 
 
@@ -388,30 +490,64 @@ def main(argv: list[str]) -> int:
 
     if (args.stop_at or args.resume) and not args.updates:
         raise SystemExit("longctx: --stop-at and --resume need --updates (the whole run's schedule, the same in every slice)")
+    if sum((args.no_eval, args.eval_only, args.baseline_only)) > 1:
+        raise SystemExit("longctx: --no-eval, --eval-only and --baseline-only exclude each other")
     for task in [t.strip() for t in args.task.split(",") if t.strip()]:
         if task not in PRESETS:
             raise SystemExit(f"longctx: unknown task {task!r} (choose from {', '.join(PRESETS)})")
-        training, cfg = train(task, args, paths, device, log)
-        if "stopped_at" in training:
-            print(json.dumps({"bench": "longctx", "task": task, **training,
-                              "next": "run the same command with --resume (and without --stop-at for the last slice)"}), flush=True)
-            continue
+        run_task(task, args, paths, device, out_dir, log)
+    return 0
+
+
+def run_task(task: str, args: argparse.Namespace, paths: dict, device, out_dir: Path, log) -> None:
+    """One task: train (or read the finished run's record), choose, evaluate dev, write the result."""
+    from qrag.evaluation.lengths import format_table, plot_table, write_table
+
+    if args.baseline_only:
+        cfg, training, checkpoint, name = run_config(task, args, paths), {}, None, f"longctx_{task}_untrained.json"
+    else:
+        if args.eval_only:
+            training, cfg = finished_training(task, args, paths)
+        else:
+            training, cfg = train(task, args, paths, device, log)
+            if "stopped_at" in training:
+                print(json.dumps({"bench": "longctx", "task": task, **training,
+                                  "next": "run the same command with --resume (and without --stop-at for the last slice)"}), flush=True)
+                return
+            (Path(cfg.out_dir) / cfg.name / "training.json").write_text(json.dumps(training, indent=1) + "\n")
+            if args.no_eval:
+                print(json.dumps({"bench": "longctx", "task": task, "trained": training["checkpoint"], "updates": training["updates"],
+                                  "next": "the same command with --eval-only instead of --no-eval"}), flush=True)
+                return
         if args.select_lengths:
             t0 = time.perf_counter()
-            selection = select_checkpoint(task, Path(args.runs) / task, cfg, args, device, log)
+            selection = select_checkpoint(task, Path(cfg.out_dir) / cfg.name, cfg, args, device, log)
             training.update(checkpoint=selection["checkpoint"], selection={**selection, "seconds": round(time.perf_counter() - t0, 1)},
                             selected_on=training["selected_on"].split("; ")[0] + f"; checkpoint: the best Fact EM on the val split at "
-                            f"{args.select_lengths} ({args.select_questions} questions) among the periodic, keep_best and final ones")
-        t0 = time.perf_counter()
-        table = evaluate(task, training["checkpoint"], cfg, args, device, log)
-        table.update(bench="longctx", task=task, machine=machine_info(), training=training, paths=paths,
-                     eval_seconds=round(time.perf_counter() - t0, 1))
-        path = out_dir / f"longctx_{task}.json"
-        write_table(table, path)
-        plot_table(table, path.with_suffix(".png"))
-        print(format_table(table), file=sys.stderr)
-        print(json.dumps(summary_line(task, training, table)), flush=True)
-    return 0
+                            f"{args.select_lengths} ({args.select_questions} questions, {selection['split']}) among "
+                            f"{', '.join(selection['chosen_among'])}")
+        checkpoint = training["checkpoint"]
+        name = f"longctx_{task}.json" if args.seed is None else f"longctx_{task}_seed{args.seed}.json"
+    t0 = time.perf_counter()
+    table = evaluate(task, checkpoint, cfg, args, device, log)
+    table.update(bench="longctx", task=task, machine=machine_info(), training=training, paths=paths,
+                 eval_seconds=round(time.perf_counter() - t0, 1),
+                 selected_on="; ".join(x for x in (training.get("selected_on"), table.get("selected_on"),
+                                                   "dev: never used for choosing, evaluated once on the frozen draw") if x))
+    path = out_dir / name
+    write_table(table, path)
+    plot_table(table, path.with_suffix(".png"))
+    print(format_table(table), file=sys.stderr)
+    print(json.dumps(summary_line(task, training, table)), flush=True)
+
+
+def finished_training(task: str, args: argparse.Namespace, paths: dict) -> tuple[dict, object]:
+    """The record a --no-eval training run left in its run folder, and the run's config."""
+    cfg = run_config(task, args, paths)
+    record = Path(cfg.out_dir) / cfg.name / "training.json"
+    if not record.is_file():
+        raise SystemExit(f"longctx: --eval-only: {record} not found (train the run to its end first, e.g. with --no-eval)")
+    return json.loads(record.read_text()), cfg
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """Choose long-context training settings on validation questions (never on dev).
 
 Trains each variant (a set of config overrides on a BabiLong/NIAH preset) for the same wall-clock
-budget on the same generated training data, then scores it on the *validation* part of train
-(bAbI questions held out of training, ``data.val_fraction``) at the training length, T = the
-preset's ``search.max_steps``. Records every variant's learning-signal diagnostics by update
+budget (or number of updates) on the training data *its own* ``data.*`` settings generate (variants
+with the same data settings share one copy), then scores every variant on the same *validation*
+questions: those the shared settings hold out of training by source (bAbI stories,
+``data.val_fraction``), at the training length, T = the preset's ``search.max_steps``. A variant
+whose training data would hold one of those stories is refused. Each variant's result records
+what its training data measured to be: mean context length, hard negatives per context, renamed
+share (``data``). Records every variant's learning-signal diagnostics by update
 (success rate, policy entropy, Q of successful / failed transitions, V(s'), share of transitions
 with a return to come), so a pathology shows in the JSON. The untrained encoder is scored on the
 same questions. Writes ``<out>/longctx_select_<task>.json`` after every variant.
@@ -26,7 +30,7 @@ sys.path.insert(0, str(ROOT / "platform"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info  # noqa: E402
-from longctx import PRESETS, ROW_KEYS, attach_data, resolve_paths  # noqa: E402
+from longctx import PRESETS, ROW_KEYS, describe_data, resolve_paths, split_items  # noqa: E402
 DIAGNOSTICS = ("success", "policy_entropy", "q_taken", "q_success", "q_failure", "value_next", "nonzero_return_share",
                "target", "loss", "alpha")
 
@@ -65,8 +69,9 @@ def variant_overrides(spec: str) -> tuple[str, list[str]]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from qrag.config import load_config
+    from qrag.config import load_config, to_dict
     from qrag.data.haystack import Measure
+    from qrag.data.splits import validation_key
     from qrag.model.encoder import pick_device
     from qrag.evaluation.longcontext import ChunkTokens
     from qrag.rl.train import TrainingRun
@@ -93,13 +98,26 @@ def main(argv: list[str]) -> int:
     first = TrainingRun(cfg0, device=device, load_data=False)
     measure = Measure.from_tokenizer(first.tokenizer)
     tokens = ChunkTokens(first.tokenizer, first.layout, cfg0.data.chunk_tokens, cfg0.data.question_tokens)
-    attach_data(first, generate_from_config(cfg0.data, "train", measure), [], tokens)
-    data = (first.train_samples, first.train_tok, first.val_samples, first.val_tok)
-    log(f"{len(data[1])} train / {len(data[3])} validation samples in {time.perf_counter() - t0:.0f}s")
-    n_val = min(args.val_questions, len(data[3]))
+    datasets: dict[str, tuple] = {}
+
+    def data_for(data_cfg) -> tuple:
+        """(train samples, train tokens, val samples, val tokens) of these data settings, made once."""
+        key = json.dumps(to_dict(data_cfg), sort_keys=True, default=str)
+        if key not in datasets:
+            train_items, val_items = split_items(generate_from_config(data_cfg, "train", measure), data_cfg.val_fraction)
+            datasets[key] = ([g.sample for g in train_items], tokens(train_items), [g.sample for g in val_items], tokens(val_items))
+        return datasets[key]
+
+    common = data_for(cfg0.data)
+    val_sources = {validation_key(s) for s in common[2]}
+    log(f"{len(common[1])} train / {len(common[3])} validation samples in {time.perf_counter() - t0:.0f}s")
+    n_val = min(args.val_questions, len(common[3]))
     out_path = Path(args.out) / f"longctx_select_{args.task}.json"
-    result = {"bench": "longctx_select", "task": args.task, "machine": machine_info(), "selected_on": "validation (held-out bAbI train questions)",
-              "val_questions": n_val, "train_samples": len(data[1]), "minutes_each": args.minutes_each,
+    result = {"bench": "longctx_select", "task": args.task, "machine": machine_info(),
+              "selected_on": (f"validation: the first {n_val} of {len(common[3])} samples of the {len(val_sources)} sources "
+                              f"(bAbI stories; NIAH samples) that data.val_fraction={cfg0.data.val_fraction} holds out of every "
+                              "variant's training data; the same questions for every variant; dev never looked at"),
+              "val_questions": n_val, "common_data": describe_data(common[0], common[2]), "minutes_each": args.minutes_each,
               "common_overrides": args.overrides, "variants": []}
 
     def score(run) -> dict:
@@ -110,7 +128,7 @@ def main(argv: list[str]) -> int:
     for label, how in (("untrained (full-vector cosine)", "cosine"), ("untrained (half-vector cosines)", "twin")):
         cfg_b = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides + ["model.positions=none", f"model.similarity={how}"])
         run = TrainingRun(cfg_b, device=device, load_data=False)
-        run.train_samples, run.train_tok, run.val_samples, run.val_tok = data
+        run.train_samples, run.train_tok, run.val_samples, run.val_tok = common
         result["variants"].append({"name": label, "val": score(run)})
         log(f"{label}: {result['variants'][-1]['val']}")
         del run
@@ -119,7 +137,12 @@ def main(argv: list[str]) -> int:
     for name, overrides in variants:
         cfg = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides + overrides)
         run = TrainingRun(cfg, device=device, load_data=False)
-        run.train_samples, run.train_tok, run.val_samples, run.val_tok = data
+        train_samples, train_tok = data_for(cfg.data)[:2]  # this variant's own data settings
+        leaked = val_sources & {validation_key(s) for s in train_samples}
+        if leaked:
+            raise SystemExit(f"longctx_select: variant {name!r} would train on {len(leaked)} validation source(s) (e.g. "
+                             f"{sorted(leaked)[0]}): keep data.val_fraction and data.seed common to every variant")
+        run.train_samples, run.train_tok, run.val_samples, run.val_tok = train_samples, train_tok, common[2], common[3]
         from qrag.rl.train import EpochSampler
 
         run.sampler = EpochSampler(len(run.train_tok), cfg.seed)
@@ -157,7 +180,7 @@ def main(argv: list[str]) -> int:
 
             long_val = [{k: r[k] for k in ROW_KEYS} for r in sweep(args.val_lengths, "val", args.val_questions_long)]
             table_rows.extend(sweep(args.lengths, "dev", args.dev_questions))
-        entry = {"name": name, "overrides": overrides, "updates": run.learner.update,
+        entry = {"name": name, "overrides": overrides, "data": describe_data(train_samples, common[2]), "updates": run.learner.update,
                  "episodes_per_s": round(run.learner.update * cfg.learner.episodes_per_update / train_s, 1),
                  "train_seconds": round(train_s, 1), "val": val, **({"val_lengths": long_val} if long_val else {}), "history": history}
         result["variants"].append(entry)
