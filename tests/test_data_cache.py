@@ -3,6 +3,7 @@ keyed by tokenizer and chunk settings, rebuilt when a source file changes, shard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -100,3 +101,21 @@ def test_cache_off_is_a_fresh_load(setup):
     split = prepared.prepare_split(off, "dev", tok, layout)
     assert prepared.cache_folder(off) is None and not (prepared.cache_folder(cfg)).exists()
     same_tokens(fresh(cfg, "dev", tok, layout)[1], split.tokenized())
+
+
+def test_the_arrow_table_gets_our_fingerprint_not_dills(setup, monkeypatch):
+    """A cached split's table is fingerprinted from its own buffers: hashing it through datasets'
+    Hasher (dill) disassembled functions on the way, and a Ray Train worker printed the bytecode."""
+    import datasets.fingerprint
+
+    def no_dill(*args, **kwargs):
+        raise AssertionError("the table was hashed through datasets' Hasher")
+
+    monkeypatch.setattr(datasets.fingerprint.Hasher, "hash", no_dill)
+    cfg, tok, layout = setup
+    samples, tokenized = fresh(cfg, "train", tok, layout)
+    a = prepared._to_table(samples, tokenized)
+    assert a._fingerprint == prepared._to_table(samples, tokenized)._fingerprint  # the same rows, the same print
+    other = [dataclasses.replace(samples[0], question=samples[0].question + "?"), *samples[1:]]
+    assert prepared._to_table(other, tokenized)._fingerprint != a._fingerprint
+    assert a.num_rows == len(samples) and a[0]["id"] == samples[0].id

@@ -271,7 +271,17 @@ def _to_table(samples: Sequence[Sample], tokenized: Sequence[TokenizedSample]) -
         "question_ids": _list_array(questions),
         "chunk_ids": pa.ListArray.from_arrays(_offsets([len(t.chunks) for t in tokenized]), _list_array(chunks)),
     }
-    return datasets.Dataset.from_dict(columns)
+    # Our own fingerprint: from_dict would hash the whole table through dill, which disassembles
+    # functions on the way (dill.detect prints the bytecode in processes whose stdout it cannot
+    # capture, e.g. a Ray Train worker's) and costs as much as the table's bytes.
+    digest = hashlib.sha256()
+    for name, column in columns.items():
+        digest.update(name.encode())
+        for buf in column.buffers():
+            if buf is not None:
+                digest.update(memoryview(buf))
+    table = datasets.table.InMemoryTable(pa.Table.from_pydict(columns))
+    return datasets.Dataset(table, fingerprint=digest.hexdigest()[:16])
 
 
 def _offsets(lengths: Sequence[int]) -> Any:
