@@ -1,9 +1,12 @@
-"""Bulk indexing as a Ray job (what `qrag index` runs), e.g. from the repository root:
+"""Bulk indexing as a Ray job: `qrag index` with the same options and the same choice of path, e.g.
+from the repository root:
 
     ray job submit --working-dir . -- python jobs/index_corpus.py --corpus books \
-        --input 's3://bucket/books/*.jsonl' --storage /mnt/qrag/indexes --encoder-actors 4
+        --input 's3://bucket/books/*.jsonl' --storage /mnt/qrag/indexes
 
-Joins the cluster of $RAY_ADDRESS (set by `ray job submit`); without it, a local Ray on loopback.
+`ray job submit` sets $RAY_ADDRESS, so the job indexes on that cluster: in lanes on one GPU node
+(a Ray task holding the node's GPUs) when the cluster has GPU nodes, else through Ray Data
+(`--path lanes|ray` forces either). The storage and the inputs must be reachable from the nodes.
 Rerunning after a crash resumes: committed documents are skipped, never embedded again.
 """
 

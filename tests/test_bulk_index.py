@@ -1,6 +1,7 @@
 """Bulk indexing through Ray Data (qrag.distributed.bulk_index) on one local Ray (loopback, 2 CPUs):
 the corpus equals LocalIndex.add_documents' on the same documents, an interrupted run resumes
-without re-embedding what was committed, and bad input names the file and the record."""
+without re-embedding what was committed; the input readers (qrag.data.records): bad input names
+the file and the record, large files read in parts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from qrag.config import SearchConfig
 from qrag.data.sample import DataError
-from qrag.distributed.bulk_index import BulkIndexConfig, bulk_index, expand_inputs, read_records
+from qrag.data.records import expand_inputs, plan_parts, read_records
+from qrag.distributed.bulk_index import BulkIndexConfig, bulk_index
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.index.local import LocalIndex
 from qrag.index.store import CorpusStore
@@ -171,8 +173,6 @@ def test_jsonl_parts_hold_every_line_once_in_order(tmp_path, part_bytes):
     """A large JSONL file is read as byte ranges, one task each; every line belongs to the range
     it starts in, whatever the cut (mid-line, on a newline, inside a multi-byte character), and
     blank and CRLF lines read as in the whole file."""
-    from qrag.distributed.bulk_index import plan_parts
-
     recs = _jsonl_docs(40)
     path = tmp_path / "big.jsonl"
     body = "".join(json.dumps(r, ensure_ascii=False) + ("\r\n" if i % 3 == 0 else "\n") + ("\n" if i % 7 == 0 else "") for i, r in enumerate(recs))
@@ -189,8 +189,6 @@ def test_jsonl_parts_hold_every_line_once_in_order(tmp_path, part_bytes):
 
 
 def test_a_bad_line_in_a_later_part_is_named_by_its_byte_offset(tmp_path):
-    from qrag.distributed.bulk_index import plan_parts
-
     good = json.dumps({"id": "a", "text": "Fine text."}) + "\n"
     path = tmp_path / "big.jsonl"
     path.write_text(good * 10 + "{not json\n" + good.replace('"a"', '"b"'))
@@ -206,8 +204,6 @@ def test_a_bad_line_in_a_later_part_is_named_by_its_byte_offset(tmp_path):
 def test_parquet_parts_are_runs_of_row_groups(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from qrag.distributed.bulk_index import plan_parts
 
     recs = _jsonl_docs(50)
     path = tmp_path / "docs.parquet"

@@ -198,6 +198,7 @@ def test_qrag_index_lanes_makes_the_corpus_and_a_rerun_adds_nothing(model, tiny_
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["corpus"]["documents"] == 10 and out["lanes"]["commits"] >= 2
+    assert (out["path"], out["devices"]) == ("lanes", ["cpu"])
     store = CorpusStore(tmp_path / "s")
     reference = CorpusStore(tmp_path / "one")
     index = LocalIndex(reference, load_embedding_model(resolve_source(None, tiny_encoder), "cpu"))
@@ -218,7 +219,7 @@ def test_qrag_index_lanes_defaults_three_lanes_a_gpu_and_lane_sized_groups(tmp_p
 
     import qrag.index.lanes as lanes
     from qrag.cli import main
-    from qrag.cli.index import lane_devices
+    from qrag.index.bulk import lane_devices
     from qrag.index.lanes import LANE_CHUNK_BATCH, LANE_COMMIT_CHUNKS, LANE_WORKER_NICE
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -248,7 +249,7 @@ def test_qrag_index_lanes_defaults_three_lanes_a_gpu_and_lane_sized_groups(tmp_p
 
 
 def test_lane_devices_from_the_command_line():
-    from qrag.cli.index import lane_devices
+    from qrag.index.bulk import lane_devices
 
     assert lane_devices("cpu", None) == ["cpu"]  # one lane on the CPU unless asked
     assert lane_devices("cpu, cpu", 2) == ["cpu"] * 4
@@ -318,25 +319,29 @@ def test_the_serving_bench_indexes_in_lanes_on_gpus_unless_told():
 
 
 def test_qrag_index_help_names_the_defaults_each_path_takes():
-    """--encode-batch, --encode-tokens and --commit-chunks unset take the Ray path's defaults
-    (BulkIndexConfig) or the lanes' (qrag.index.lanes): the help, which imports neither, names them."""
+    """--encode-batch, --encode-tokens and --commit-chunks unset take the path's defaults
+    (qrag.index.bulk.PATH_DEFAULTS, the lanes' from qrag.index.lanes): the help, which imports
+    neither, names them."""
     import argparse
-    import dataclasses
 
     from qrag.cli.index import index_args, index_config
-    from qrag.distributed.bulk_index import BulkIndexConfig
+    from qrag.index.bulk import PATH_DEFAULTS
     from qrag.index.lanes import LANE_CHUNK_BATCH, LANE_COMMIT_CHUNKS, LANE_ENCODE_TOKENS
 
+    assert PATH_DEFAULTS["lanes"] == {"encode_batch": LANE_CHUNK_BATCH, "encode_tokens": LANE_ENCODE_TOKENS, "commit_chunks": LANE_COMMIT_CHUNKS}
     p = argparse.ArgumentParser()
     index_args(p)
     helps = {a.dest: a.help for a in p._actions}
-    ray = {f.name: f.default for f in dataclasses.fields(BulkIndexConfig)}
-    for dest, lanes in (("encode_batch", LANE_CHUNK_BATCH), ("encode_tokens", LANE_ENCODE_TOKENS), ("commit_chunks", LANE_COMMIT_CHUNKS)):
-        assert f"default {ray[dest]}, with --lanes {lanes}" in helps[dest]
+    for dest in ("encode_batch", "encode_tokens", "commit_chunks"):
+        assert f"default {PATH_DEFAULTS['lanes'][dest]} in lanes" in helps[dest]
+        assert f"{PATH_DEFAULTS['ray'][dest]} on Ray Data" in helps[dest]
     cfg = index_config(p.parse_args(["--corpus", "c", "--input", "x.jsonl"]))
-    assert (cfg.encode_batch, cfg.encode_tokens, cfg.commit_chunks) == (ray["encode_batch"], ray["encode_tokens"], ray["commit_chunks"])
+    for path, defaults in PATH_DEFAULTS.items():
+        settled = cfg.with_defaults(path)
+        assert {key: getattr(settled, key) for key in defaults} == defaults
     cfg = index_config(p.parse_args(["--corpus", "c", "--input", "x.jsonl", "--encode-batch", "7", "--commit-chunks", "9"]))
-    assert (cfg.encode_batch, cfg.commit_chunks) == (7, 9)
+    settled = cfg.with_defaults("ray")
+    assert (settled.encode_batch, settled.commit_chunks, settled.encode_tokens) == (7, 9, PATH_DEFAULTS["ray"]["encode_tokens"])
 
 
 def test_a_groups_count_is_reported_once_its_tokenising_is_done_not_when_it_is_embedded():

@@ -1,8 +1,17 @@
-"""Bulk indexing as a Ray Data pipeline: files -> documents -> chunks + token ids -> vectors -> store.
+"""Bulk indexing on a Ray cluster: the two routes of ``qrag index`` (and ``jobs/index_corpus.py``)
+under a cluster address, picked by :func:`qrag.index.bulk.cluster_path` in :func:`index_on_cluster`.
+
+**The lanes on one GPU node** (:func:`lanes_on_a_node`, the default on a cluster with GPU nodes): a
+Ray task that holds every GPU of one node runs :func:`qrag.index.bulk.index_files` there, the path
+``qrag index`` takes on a single machine; it streams each commit's figures back to the driver. The
+storage and the inputs must be reachable from that node (a shared file system or an fsspec URL).
+
+**Ray Data** (:func:`bulk_index`, the default on a cluster without GPUs, or ``--path ray``):
+files -> documents -> chunks + token ids -> vectors -> store.
 
 ::
 
-    input files (JSONL / text / parquet; local paths, globs, folders or any fsspec URL)
+    input files (qrag.data.records: JSONL / text / parquet; local paths, globs, folders or any fsspec URL)
       -> map_batches (an autoscaling pool of CPU actors, one input row = one part of a file:
          a whole file, or ``file_part_bytes`` of a large uncompressed JSONL file (whole lines) or
          of a parquet file's row groups, so one big file keeps every tokeniser busy): read
@@ -20,254 +29,25 @@ the corpus's document ids first and skips those documents before tokenising, so 
 committed is read into the pipeline or embedded again. With ``preserve_order`` (the default)
 documents are committed in input order, so an interrupted-then-resumed run ends with the same
 corpus (same global chunk positions) as one uninterrupted run, or as LocalIndex.add_documents.
-
-Formats: ``jsonl`` (one ``{"id", "text"}`` object per line; other fields are ignored),
-``parquet`` (columns ``id`` and ``text``), ``text`` (one document per file, its id the file name
-without .txt/.md/.gz). Errors name the file and the record (line or row; in the parts of a
-split JSONL file after the first, the line by its byte offset).
 """
 
 from __future__ import annotations
 
-import glob as globlib
-import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from qrag.model.checkpoint import CheckpointError
-from qrag.data.documents import Document, DocumentChunk, parse_document
+from qrag.data.documents import Document, DocumentChunk
+from qrag.data.records import expand_inputs, plan_parts, read_records
 from qrag.data.sample import DataError
+from qrag.index.bulk import USER_ERRORS, BulkIndexConfig, cluster_path
+from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 from qrag.model.encoder import host_settings_while_feeding
 from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity
-from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
-
-FORMATS = ("jsonl", "text", "parquet")
-SUFFIXES = {
-    "jsonl": (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".json", ".json.gz"),
-    "text": (".txt", ".txt.gz", ".md", ".md.gz"),
-    "parquet": (".parquet",),
-}
-USER_ERRORS = (DataError, StoreError, CheckpointError)
-
-
-@dataclass
-class BulkIndexConfig:
-    corpus: str
-    inputs: list[str]  # paths, globs, folders or fsspec URLs (s3://..., gs://..., memory://...)
-    format: str = "auto"  # jsonl | text | parquet | auto (by file suffix)
-    checkpoint: str | None = None  # checkpoint dir or MLflow URI; None = the untrained encoder
-    encoder: str = "minilm"
-    model_cache: str = ".qrag_models"
-    mlflow_tracking_uri: str | None = None
-    storage: str = "qrag_indexes"
-    chunk_tokens: int | None = None  # None: the corpus's own, 64 for a new corpus
-    shards: int | None = None  # None: the corpus's own, 2 for a new corpus
-    dtype: str | None = None  # None: the corpus's own, float32 for a new corpus
-    encoder_actors: int = 1
-    encoder_gpus: float | None = None  # per actor; None = 1 when the cluster has a GPU, else 0
-    encoder_cpus: float = 1.0
-    tokenize_cpus: float = 1.0
-    tokenize_actors: int | None = None  # most read+tokenise actors; None = the CPUs the encoder actors leave (autoscaled from 1)
-    docs_per_block: int = 256  # documents chunked and tokenised per tokenizer call (one file part's blocks)
-    file_part_bytes: int = 16 << 20  # large uncompressed JSONL and parquet files are read as parts of about this size (one task each)
-    encode_batch: int = 4096  # chunks per encoder-actor call
-    encode_tokens: int = 32768  # padded tokens per forward pass
-    commit_chunks: int = 65536  # chunks per committed group (whole documents)
-    preserve_order: bool = True
-    block_bytes: int | None = None  # Ray Data's target block size for this run (default 128 MiB: ~100K chunk rows per block)
-    max_files: int | None = None  # bench/tests: only the first N files
-
-    def __post_init__(self) -> None:
-        if isinstance(self.inputs, str):
-            self.inputs = [self.inputs]
-        if self.format not in (*FORMATS, "auto"):
-            raise DataError(f"format must be one of {', '.join(FORMATS)} or auto, got {self.format!r}")
-        for key in ("encoder_actors", "docs_per_block", "encode_batch", "encode_tokens", "commit_chunks", "file_part_bytes"):
-            if getattr(self, key) < 1:
-                raise DataError(f"{key} must be at least 1, got {getattr(self, key)}")
-
-    def model_spec(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "encoder": self.encoder, "model_cache": self.model_cache,
-                "mlflow_tracking_uri": self.mlflow_tracking_uri}
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs
-
-
-def format_of(path: str) -> str | None:
-    name = path.lower()
-    return next((f for f, ends in SUFFIXES.items() if name.endswith(ends)), None)
-
-
-def expand_inputs(inputs: Sequence[str], fmt: str = "auto") -> list[tuple[str, str]]:
-    """(path or URL, format) of every input file, in a stable order; a clear error for a missing
-    file, a glob that matches nothing, or a file whose format cannot be told."""
-    from fsspec.core import url_to_fs
-    from fsspec.implementations.local import LocalFileSystem
-
-    out: list[tuple[str, str]] = []
-    for spec in inputs:
-        try:
-            fs, path = url_to_fs(spec)
-        except (ImportError, ValueError) as exc:  # an unknown protocol, a missing fsspec backend
-            raise DataError(f"{spec}: cannot open: {exc}") from None
-        local = isinstance(fs, LocalFileSystem)
-        if globlib.has_magic(path):
-            found = sorted(p for p in fs.glob(path) if fs.isfile(p))
-            if not found:
-                raise DataError(f"{spec}: no file matches")
-        elif fs.isdir(path):
-            found = sorted(p for p in fs.find(path) if (format_of(p) == fmt if fmt != "auto" else format_of(p)))
-            if not found:
-                raise DataError(f"{spec}: a folder without {fmt if fmt != 'auto' else 'jsonl, text or parquet'} files")
-        elif fs.isfile(path):
-            found = [path]
-        else:
-            raise DataError(f"{spec}: no such file or directory")
-        for p in found:
-            kind = fmt if fmt != "auto" else format_of(p)
-            if kind is None:
-                raise DataError(f"{p}: cannot tell the format from the name; pass --format jsonl|text|parquet")
-            out.append((p if local else fs.unstrip_protocol(p), kind))
-    seen: set[str] = set()
-    return [x for x in out if not (x[0] in seen or seen.add(x[0]))]
-
-
-def text_doc_id(path: str) -> str:
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    for end in (".gz", ".txt", ".md"):
-        if name.lower().endswith(end):
-            name = name[: -len(end)]
-    return name
-
-
-WHOLE = -1  # a part's end: to the end of the file
-
-
-def plan_parts(files: Sequence[tuple[str, str]], part_bytes: int) -> list[tuple[str, str, int, int]]:
-    """(path, format, start, end) of every read task, in corpus order. An uncompressed JSONL file
-    over ``part_bytes`` is cut into byte ranges (a range holds the lines that start in it); a
-    parquet file over it into runs of row groups of about that size; anything else is one part
-    (0, WHOLE). Parts of one file follow each other, so the documents keep their order."""
-    import fsspec
-    from fsspec.utils import infer_compression
-
-    parts: list[tuple[str, str, int, int]] = []
-    for path, fmt in files:
-        try:
-            fs, local = fsspec.core.url_to_fs(path)
-            size = fs.size(local) if fmt in ("jsonl", "parquet") else 0
-        except (OSError, ValueError):
-            size = 0  # read_records names the problem when the file is read
-        if fmt == "jsonl" and size > part_bytes and infer_compression(path) is None:
-            parts.extend((path, fmt, start, min(start + part_bytes, size)) for start in range(0, size, part_bytes))
-        elif fmt == "parquet" and size > part_bytes:
-            parts.extend((path, fmt, g0, g1) for g0, g1 in _row_group_runs(path, part_bytes))
-        else:
-            parts.append((path, fmt, 0, WHOLE))
-    return parts
-
-
-def _row_group_runs(path: str, part_bytes: int) -> list[tuple[int, int]]:
-    """[first, end) row-group ranges of about ``part_bytes`` (uncompressed) each."""
-    import fsspec
-    import pyarrow.parquet as pq
-
-    try:
-        with fsspec.open(path, "rb") as fh:
-            md = pq.ParquetFile(fh).metadata
-    except Exception:  # noqa: BLE001 - read_records names what is wrong with the file
-        return [(0, WHOLE)]
-    runs, first, size = [], 0, 0
-    for g in range(md.num_row_groups):
-        size += md.row_group(g).total_byte_size
-        if size >= part_bytes:
-            runs.append((first, g + 1))
-            first, size = g + 1, 0
-    if first < md.num_row_groups or not runs:
-        runs.append((first, WHOLE))
-    return runs
-
-
-def _jsonl_lines(path: str, start: int, end: int) -> Iterator[tuple[str, str]]:
-    """(record label, line) of a JSONL file, or of the lines that start in [start, end) of an
-    uncompressed one (labelled by line number in the first part, by byte offset after it)."""
-    import fsspec
-
-    if start == 0 and end == WHOLE:
-        with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as fh:
-            for lineno, line in enumerate(fh, 1):
-                yield f"line {lineno}", line
-        return
-    with fsspec.open(path, "rb") as fh:
-        if start > 0:
-            fh.seek(start - 1)
-            fh.readline()  # the line holding byte start - 1 started in the part before
-        lineno = 0
-        while True:
-            pos = fh.tell()
-            if end != WHOLE and pos >= end:
-                return
-            raw = fh.readline()
-            if not raw:
-                return
-            lineno += 1
-            yield (f"line {lineno}" if start == 0 else f"line at byte {pos}"), raw.decode("utf-8")
-
-
-def read_records(path: str, fmt: str, start: int = 0, end: int = WHOLE) -> Iterator[tuple[str, Document]]:
-    """(record label, document) of one file, or of one part of it (:func:`plan_parts`: a JSONL
-    byte range or a parquet row-group range); DataError names the file and the record."""
-    import fsspec
-
-    try:
-        if fmt == "jsonl":
-            for label, line in _jsonl_lines(path, start, end):
-                if not line.strip():
-                    continue
-                at = f"{path}: {label}"
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{at}: not JSON ({exc.msg} at column {exc.colno})") from None
-                yield label, parse_document(rec, at, extra_fields=True)
-        elif fmt == "text":
-            with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as fh:
-                text = fh.read().lstrip("\ufeff")
-            yield "file", parse_document({"id": text_doc_id(path), "text": text}, path)
-        elif fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            with fsspec.open(path, "rb") as fh:
-                pf = pq.ParquetFile(fh)
-                missing = {"id", "text"} - set(pf.schema_arrow.names)
-                if missing:
-                    raise DataError(f"{path}: no column {sorted(missing)[0]!r} (a document has 'id' and 'text')")
-                groups = range(start, pf.metadata.num_row_groups if end == WHOLE else end)
-                row = sum(pf.metadata.row_group(g).num_rows for g in range(start))
-                for batch in pf.iter_batches(columns=["id", "text"], batch_size=1024, row_groups=list(groups)):
-                    for rec in batch.to_pylist():
-                        yield f"row {row}", parse_document(rec, f"{path}: row {row}")
-                        row += 1
-        else:
-            raise DataError(f"{path}: unknown format {fmt!r}")
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except (OSError, EOFError) as exc:
-        raise DataError(f"{path}: cannot read: {exc}") from None
-    except Exception as exc:  # pyarrow's errors (a file that is no parquet)
-        if isinstance(exc, DataError):
-            raise
-        raise DataError(f"{path}: cannot read as {fmt}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,10 +200,18 @@ def _user_error(exc: BaseException) -> BaseException | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, USER_ERRORS):
+        cause = getattr(e, "cause", None)  # a RayTaskError's: the task's own exception (the error itself may pose as one)
+        if isinstance(e, USER_ERRORS) and cause is None:
             return type(e)(str(e).strip().splitlines()[-1] if "Traceback" in str(e) else str(e))
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+        todo += [cause, e.__cause__, e.__context__]
     return None
+
+
+def _raise_user_error(exc: BaseException) -> None:
+    """Raise the user's error that a Ray task raised inside ``exc``, alone, where there is one."""
+    user = _user_error(exc)
+    if user is not None and user is not exc:
+        raise user from None
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -448,6 +236,7 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
     import ray
     from ray.data import ActorPoolStrategy, DataContext
 
+    cfg = cfg.with_defaults("ray")
     t_start = time.perf_counter()
     files = expand_inputs(cfg.inputs, cfg.format)
     if cfg.max_files is not None:
@@ -500,9 +289,7 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
                                                    "encode_tokens": cfg.encode_tokens, "encode_batch": cfg.encode_batch})
         manifest = _drain(ds, store, cfg, manifest, fingerprint, model_cfg, chunk_tokens, stats, t_start, progress, on_commit)
     except Exception as exc:
-        user = _user_error(exc)
-        if user is not None and user is not exc:
-            raise user from None
+        _raise_user_error(exc)
         raise
     finally:
         ctx.execution_options.preserve_order, ctx.target_max_block_size = saved
@@ -510,7 +297,7 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
         raise DataError(f"{', '.join(cfg.inputs)}: no documents to index")
     stats.corpus_documents, stats.corpus_chunks = manifest.documents, manifest.chunks
     stats.seconds = time.perf_counter() - t_start
-    return stats.summary()
+    return {"path": "ray", "devices": ["cuda" if gpus > 0 else "cpu"] * cfg.encoder_actors, **stats.summary()}
 
 
 def _drain(ds, store: CorpusStore, cfg: BulkIndexConfig, manifest: Manifest | None, fingerprint: str, model_cfg, chunk_tokens: int,
@@ -582,7 +369,79 @@ def _drain(ds, store: CorpusStore, cfg: BulkIndexConfig, manifest: Manifest | No
     return manifest
 
 
-def print_progress(stats: dict[str, Any]) -> None:
-    print(f"qrag index: {stats['corpus']}: +{stats['documents']} documents, +{stats['chunks']} chunks, {stats['tokens']} tokens "
-          f"in {stats['seconds']:.1f}s ({stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tokens/s), {stats['commits']} commits",
-          file=sys.stderr, flush=True)
+# ---------------------------------------------------------------------------------------------
+# The route under a cluster address, and the lanes on one node
+
+
+def node_gpus() -> int:
+    """The most GPUs one live node of the running Ray cluster has (0: no GPU node)."""
+    import ray
+
+    return max((int(node["Resources"].get("GPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
+
+
+def index_on_cluster(cfg: BulkIndexConfig, address: str | None, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Join the cluster of ``address`` (a local Ray when None and none is running) and index there:
+    the lanes on one node with the most GPUs, or Ray Data (:func:`qrag.index.bulk.cluster_path`)."""
+    ensure_ray(address)
+    gpus = node_gpus()
+    if cluster_path(cfg, gpus) == "lanes":
+        return lanes_on_a_node(cfg, gpus, progress)
+    return bulk_index(cfg, progress=progress)
+
+
+def lanes_on_a_node(cfg: BulkIndexConfig, gpus: int, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """:func:`qrag.index.bulk.index_files` as one Ray task holding ``gpus`` GPUs of a node (its lanes
+    on every one of them; on the CPU when 0). ``progress`` gets each commit's figures, streamed
+    back from the node. Returns the run's figures with the node's address."""
+    import ray
+
+    task = ray.remote(_lanes_here).options(num_returns="streaming", num_gpus=gpus, name="qrag-index-lanes")
+    result: dict[str, Any] = {}
+    try:
+        for ref in task.remote(replace(cfg, lanes="gpus" if gpus else "cpu")):
+            event = ray.get(ref)
+            if "commit" in event and progress is not None:
+                progress(event["commit"])
+            result = event.get("done", result)
+    except Exception as exc:
+        _raise_user_error(exc)
+        raise
+    return result
+
+
+def _lanes_here(cfg: BulkIndexConfig) -> Iterator[dict[str, Any]]:
+    """The task of :func:`lanes_on_a_node`, on its node: the lanes on the devices Ray gave it
+    (CUDA_VISIBLE_DEVICES); yields ``{"commit": figures}`` after each commit, then ``{"done": figures}``."""
+    import queue
+    import threading
+
+    from qrag.index.bulk import index_files
+
+    files = expand_inputs(cfg.inputs, cfg.format)  # the node's view of the inputs and of the model
+    source = resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri)
+    events: queue.Queue = queue.Queue()
+
+    def run() -> None:  # in a thread: a generator cannot yield from inside the lanes' commit callback
+        try:
+            done = index_files(cfg, files, source, on_commit=lambda stats: events.put(("commit", stats)))
+            events.put(("done", {**done, "node": _this_node()}))
+        except BaseException as exc:  # noqa: BLE001 - raised in the task below
+            events.put(("error", exc))
+
+    threading.Thread(target=run, name="qrag-index-lanes", daemon=True).start()
+    while True:
+        kind, value = events.get()
+        if kind == "error":
+            raise value
+        yield {kind: value}
+        if kind == "done":
+            return
+
+
+def _this_node() -> str:
+    """The address this node has in the cluster (the machine may have others)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), node_id)

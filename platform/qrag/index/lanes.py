@@ -14,14 +14,11 @@ order by the caller.
     caller: first positions handed out in group order as the counts come in; written groups
             committed in group order (CorpusStore.commit_written), one manifest write each
 
-Why: one process feeding two GPUs was no faster than one GPU (bench/results/README.md, "Indexing
-10M tokens, round 6, and 2 GPUs": gathering tokenised chunks, feeding and handing over the writes
-share one GIL). A lane is that single-GPU pipeline in a process of its own; lanes only exchange
-counts, positions and manifest entries with the caller. Measured (bench/results/README.md, "The
-final defaults on fresh machines, the lanes' ramp, 2 GPUs again"): three lanes feeding one H100
-with this module's defaults 3.2-3.7M tokens/s, 0.57-0.63 of the bare forward in 12 runs, against
-0.36 for one process; on 2 H100s x1.47-1.68 over one GPU at 10M tokens, x1.62-1.83 at 30M (the
-rate between the two x2.0: a run's ramp and tail are what is not linear).
+Why: one process feeding two GPUs was no faster than one GPU (gathering tokenised chunks, feeding
+and handing over the writes share one GIL), and one process did not keep even one GPU busy. A lane
+is that single-GPU pipeline in a process of its own; lanes only exchange counts, positions and
+manifest entries with the caller. This is the default path of ``qrag index``
+(:mod:`qrag.index.bulk`); how fast it goes: docs/benchmarks.md, "Indexing".
 
 The corpus is the one a single process makes from the same documents (same chunks, positions,
 vectors); only the batch boundaries differ (they depend on characters here, not on chunk counts).
@@ -55,28 +52,21 @@ from qrag.index.writer_process import picklable_error
 from qrag.model.encoder import pick_device
 
 POLL_S = 0.2  # how often a blocked lane or caller looks whether the other side is still there
-# Lanes feeding one GPU (qrag index --lanes, serve_scale.py --lanes): on one H100 with 16 cores,
-# 3 lanes x 4 workers gave 0.45-0.51 of the bare forward in 8 of 9 runs, 2 x 6 0.29-0.45, 4 x 3
-# 0.46 (bench/results/index_word_cache_round3_h100/, index_one_gpu_round{5,6}_h100/); with streamed
-# groups 3 x 4 0.50-0.61, 2 x 6 0.52-0.58, 4 x 3 0.49, 3 x 5 0.51 (index_one_gpu_round{9,10}_h100/).
+# Lanes feeding one GPU (qrag index, serve_scale.py --lanes): the best of 2 to 4 lanes on the novels
+# benchmark (docs/benchmarks.md, "Indexing").
 LANES_PER_GPU = 3
 CHARS_PER_TOKEN = 4  # English prose: groups and tokenising jobs are cut by characters, before tokenising
-# A lane's defaults where the caller does not choose (qrag index --lanes, serve_scale.py --lanes),
-# picked on the novels benchmark (bench/results/index_one_gpu_round{7,8,9,10}_h100/): groups of
-# 4,096 chunks (0.50-0.61 of the bare forward in 9 of 10 runs against 0.36-0.50 for 16,384: a
-# lane's groups are streamed, so small ones cost no device time, and the last groups balance the
-# lanes); slices of 8,192 chunks (2,048: 0.47-0.48) of 131,072 tokens a forward; the tokenising
-# workers at nice 5, below the lane's threads that feed the GPU (0.57-0.60 against 0.50-0.61 in
-# the same calls; 0.54 against 0.35-0.50 in round 9).
+# A lane's defaults where the caller does not choose (qrag index, serve_scale.py --lanes), picked on
+# the novels benchmark (docs/benchmarks.md, "Indexing"): small groups, as a lane's groups are
+# streamed (small ones cost no device time, and the last groups balance the lanes); large slices a
+# forward; the tokenising workers niced below the lane's threads that feed the GPU.
 LANE_COMMIT_CHUNKS = 4096
 LANE_CHUNK_BATCH = 8192
 LANE_ENCODE_TOKENS = 131072
 LANE_WORKER_NICE = 5
 # Each lane's first group is this many times smaller: a group is one slice on the device, queued
 # once all of it is tokenised, and the lanes start together, so full-sized first groups kept the
-# GPU idle at the start of a run (one H100 with 16 cores: the first slice at 0.49-0.58 s, the first
-# block at 0.07-0.13 s, index_one_gpu_round13_h100/; with this, on the 32-core 2-GPU machine, the
-# first slice at 0.21-0.29 s, index_lanes_round8_h100x2/; not yet timed against the old tree in one call).
+# GPU idle at the start of a run while the first full groups were tokenised.
 FIRST_GROUP_SHRINK = 4
 
 
@@ -183,8 +173,7 @@ def report_count_when_done(futures: Sequence[Future], report: Callable[[int], No
     that completes the last; never after a failure or a cancel: the group's feeder raises those).
     Counted when the lane's feeder took the group's last block, a lane's writes could wait for
     other lanes' GPU work (a group's files are written once the counts of every group before it
-    are in), tying every lane to the slowest. (No gain measured on evenly running lanes:
-    index_lanes_round7_h100x2/.)"""
+    are in), tying every lane to the slowest."""
     left = [len(futures), 0]  # jobs not done, chunks so far
     lock = threading.Lock()
 
@@ -225,7 +214,7 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
         # The workers fork before this process touches its GPU (a forked CUDA context is unusable),
         # all of them at the first submit (the fork start method), with the modules imported above:
         # each worker importing torch and transformers itself, then the model loading only once
-        # every worker was up, made a lane's start 22-34 s on the GPU machines.
+        # every worker was up, made a lane's start many times longer.
         t_fork = time.perf_counter()
         pool = ProcessPoolExecutor(cfg.workers, mp_context=_worker_context(), initializer=init_worker,
                                    initargs=(cfg.tokenizer_dir, cfg.layout, 64, cfg.worker_nice))
@@ -372,9 +361,7 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
                     run.stats.lane_startup.append({"lane": i, "seconds": round(time.perf_counter() - t_spawn, 3), **msg[3]})
                     if ready == n:
                         # Groups go out once every lane is ready: a lane ready earlier would index
-                        # alone meanwhile, and the run's rate would mix that in (round 4 on one
-                        # H100 sent from the start: 0.31-0.35 of the bare forward from the first
-                        # lane ready, against 0.49 from the last in round 3).
+                        # alone meanwhile, and the run's rate would mix that in.
                         t_ready = time.perf_counter()
                         run.stats.startup_seconds = t_ready - t_spawn
                         sender.start()
@@ -404,7 +391,7 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
             raise failure[0]
         run.stats.per_lane.sort(key=lambda row: row["lane"])
         # To the last commit, not to the lanes' exit: tearing down a process's CUDA context and
-        # workers took 2-3 s on the 2-GPU machine, which is no indexing.
+        # workers takes seconds, which is no indexing.
         end = run.last_commit or time.perf_counter()
         run.stats.seconds = end - (t_ready or t_spawn)
         run.stats.total_seconds = end - t_spawn
