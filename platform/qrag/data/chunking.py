@@ -11,8 +11,8 @@ TokenCounter = Callable[[list[str]], list[int]]
 # A sentence ends at . ! or ?, possibly followed by one closing quote or bracket (which stays with
 # the sentence), then whitespace and the start of the next sentence. Matched from the punctuation
 # (group 1: the sentence's last characters): the regex engine jumps from one . ! ? to the next,
-# where a split at whitespace runs behind lookbehinds tried every position (2-3x slower; the same
-# sentences, tests/test_chunking_split.py).
+# where a split at whitespace runs behind lookbehinds tried every position (several times slower
+# for the same sentences, tests/test_chunking_split.py).
 _SENTENCE_END = re.compile(r"([.!?][\"')\]]?)\s+(?=[\"'(\[]?[A-Z0-9])")
 
 

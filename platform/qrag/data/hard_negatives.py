@@ -3,10 +3,11 @@
 A long haystack holds, by sheer size, background chunks that look like the facts (the same names,
 places and objects). A 2K-token training context of random book text rarely holds one, so an
 encoder trained only on those never learns to pass them over, and retrieval degrades with length
-(BabiLong QA3: 0.93 Fact EM at 128K, 0.80 at 1M). Dense retrievers are trained with lexical hard
-negatives for the same reason (DPR's BM25 negatives): ``data.hard_negatives = k`` puts ``k`` such
-chunks of the training books into every training context, drawn at random from the chunks that
-score highest by the idf-weighted count of the words they share with the question and the story.
+(measured on BabiLong QA3: docs/benchmarks.md, "Quality: BabiLong and RULER NIAH"). Dense
+retrievers are trained with lexical hard negatives for the same reason (DPR's BM25 negatives):
+``data.hard_negatives = k`` puts ``k`` such chunks of the training books into every training
+context, drawn at random from the chunks that score highest by the idf-weighted count of the words
+they share with the question and the story.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ is the chunks of the asked needles.
 
 Haystacks: ``noise`` repeats RULER's fixed sentences; ``essay`` is Paul Graham's essays
 (``data.path``, default ``paul_graham_essays/PaulGrahamEssays.json.gz``; a ``{"text": ...}``
-JSON or plain text), repeated past its ~0.75M tokens as RULER does; ``needles`` is a pool of
+JSON or plain text), repeated past its end as RULER does; ``needles`` is a pool of
 distractor needles per split whose keys never collide with asked keys. As in RULER, the text of
 the noise and essay haystacks is shared by train and dev: the splits differ in their needles
 (keys and values are drawn from different seeds).
@@ -278,8 +278,8 @@ def near_misses_for(cfg: DataConfig, split: str, task: str) -> int:
     """Near-miss needles per training context of ``task``: ``data.hard_negatives`` where the
     haystack is made of needles (niah_multikey_2/3), else none. Only a needle haystack holds
     near misses at long lengths; in the essay and noise tasks they would only teach what no test
-    context asks, and on the validation split at 1M they cost niah_multiquery every question
-    (bench/results/longctx_niah_nearmiss_all_h100.json)."""
+    context asks, and on the validation split at 1M they cost niah_multiquery its questions
+    (measured: docs/benchmarks.md, "Quality: BabiLong and RULER NIAH")."""
     if split != "train":
         return 0
     return cfg.hard_negatives if task_spec(task)[1].haystack == "needles" else 0

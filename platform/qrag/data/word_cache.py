@@ -1,12 +1,11 @@
 """BERT-style WordPiece ids of ASCII text through a cache of words: the same ids as the Rust
 tokenizer, several times faster on prose.
 
-Indexing 10M tokens was bound by tokenising on the GPU machines' 16-32 cores (bench/results/
-README.md, "Indexing in lanes"): the Rust tokenizer's ``encode_batch_fast`` ran at ~0.65M tokens/s
-per process, most of it building an Encoding (a string per token) for every sentence. Prose repeats
-its words, so each word's pieces are looked up once (``backend.model.tokenize``: the tokenizer's
-own WordPiece) and reused; a sentence is then a regex split and dict lookups (2.3-3.3M tokens/s
-per process on the shipped novels, the same ids on all their sentences).
+Bulk indexing on a GPU is bound by tokenising on the host's cores (docs/benchmarks.md,
+"Indexing"): the Rust tokenizer's ``encode_batch_fast`` spends most of its time building an Encoding
+(a string per token) for every sentence. Prose repeats its words, so each word's pieces are looked
+up once (``backend.model.tokenize``: the tokenizer's own WordPiece) and reused; a sentence is then
+a regex split and dict lookups (the same ids on every sentence of the shipped novels).
 
 Only where it is exactly the tokenizer's behaviour: a BertNormalizer (clean_text on) + a
 BertPreTokenizer + a WordPiece model, and on ASCII text without an added token's text in it. For
@@ -25,7 +24,7 @@ from itertools import chain
 from typing import Any
 
 _CONTROL = {c: None for c in [*range(0, 9), 11, 12, *range(14, 32), 127]}  # ASCII controls BERT's clean_text drops
-MAX_WORDS = 200_000  # cached words before the cache starts again (an id-heavy corpus can have millions; ~40 MB in a long-lived server)
+MAX_WORDS = 200_000  # cached words before the cache starts again (an id-heavy corpus can have millions: this bounds a long-lived server's memory)
 
 
 class _Words(dict):
@@ -52,7 +51,7 @@ class WordCache:
         self.words = _Words(backend.model)
         self.split = re.compile(r"[a-z0-9]+|[^a-z0-9\s]" if lowercase else r"[A-Za-z0-9]+|[^A-Za-z0-9\s]")
         # An added token is matched in the raw text: those texts go to the backend. One search for any
-        # of them (a generator of `in` tests per text was 4 % of a worker's time).
+        # of them (a generator of `in` tests per text was a visible share of a worker's time).
         lowered = [a.lower() for a in added if a]
         self.added_search = re.compile("|".join(map(re.escape, lowered))).search if lowered else None
 

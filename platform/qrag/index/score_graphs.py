@@ -1,8 +1,8 @@
 """One scoring step of every shard on a GPU, replayed from a CUDA graph.
 
 With one pass and one copy per step (:func:`qrag.index.shards.score_shards`), a 4-step query over
-four shards still spends ~3 ms a step of which well under 1 ms is the GPU's: the rest is Python
-and ~15 kernel launches per shard (the compiled scorer's call and guards, top-k, the positions
+four shards still spends most of a step on the host, not the GPU: Python and about fifteen kernel
+launches per shard (the compiled scorer's call and guards, top-k, the positions
 of the picks, the packing of the results). A graph per (shards, batch bucket, selected-set width,
 n_total, k) replays all of them with one launch; the states and the selected set are copied into
 the graph's input buffers, and the packed results come back in one copy as before.

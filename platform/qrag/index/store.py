@@ -587,8 +587,8 @@ class CorpusStore:
                                        [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
 
         # The shards' files side by side: serialising, hashing, writing and fsync release the GIL,
-        # and the store's one writer was a serial stage of bulk indexing (bench/results/README.md,
-        # "Indexing 10M tokens"). The manifest is committed only after every shard's files.
+        # and the store's one writer was a serial stage of bulk indexing (docs/benchmarks.md,
+        # "Indexing"). The manifest is committed only after every shard's files.
         if m.shards > 1 and len(chunks) >= PARALLEL_SHARD_WRITES_FROM:
             with ThreadPoolExecutor(min(m.shards, 8), thread_name_prefix="qrag-store-shard") as pool:
                 shard_entries = list(pool.map(write_shard, range(m.shards)))

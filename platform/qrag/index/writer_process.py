@@ -1,8 +1,8 @@
 """The store appends of an indexing pipeline in a process of its own.
 
-Indexing 10M tokens on one H100, the main process's three threads (gathering tokenised input,
-feeding the GPU, writing the store) were busy 4.4, 3.8 and 3.5 s within 5.3 s of wall time, under
-one GIL (bench/results/README.md, "Indexing 10M tokens, rounds 2-5"). :class:`ChildWriter` does the
+Indexing on a GPU, the main process's three threads (gathering tokenised input, feeding the GPU,
+writing the store) were each busy most of the wall time under one GIL, so they held each other up
+(docs/benchmarks.md, "Indexing"). :class:`ChildWriter` does the
 writer's work (JSON text lines, safetensors, hashes, fsync) in a child process; the pipeline's
 writer thread (:class:`qrag.index.pipeline._Writer`: order, backpressure, no write after a
 failure) only pickles each batch onto a pipe, as a few flat objects (:func:`pack_batch`), and
@@ -33,9 +33,9 @@ def picklable_error(exc: BaseException) -> BaseException:
 
 
 def pack_batch(docs, chunks, ids, vectors) -> tuple:
-    """A batch as a few flat objects (:func:`qrag.data.documents.pack_chunks`): pickling ~16K
-    ``DocumentChunk``s and token arrays one by one took 226 ms per commit group on a 2-core VM
-    (2.9 s per 10M tokens: as long as the writing it was to take off this process); packed, 33 ms."""
+    """A batch as a few flat objects (:func:`qrag.data.documents.pack_chunks`): pickling a commit
+    group's ``DocumentChunk``s and token arrays one by one cost this process about as much as the
+    writing it was to take off it; packed, a fraction of that."""
     from qrag.data.documents import pack_chunks
 
     return docs, pack_chunks(chunks, ids), vectors
@@ -52,7 +52,7 @@ def unpack_batch(packed: tuple) -> tuple:
 # Sent by ChildWriter.close. End of file alone is not enough: a process forked from the caller
 # after the child started (a fork-started ProcessPoolExecutor grows its workers on demand) holds
 # the write end of the child's stdin, so the child saw no EOF until the pool shut down, and
-# close() waited its 30 s and killed it (bench/results/index_contention_writer_process_h100/).
+# close() waited out its timeout and killed it.
 STOP = "stop"
 
 

@@ -136,14 +136,14 @@ def host_settings_while_feeding(device: torch.device, threads: int | None = 1, s
     ``None`` for a setting: unchanged.
 
     - ``threads``: torch's intra-op CPU threads. Feeding a GPU needs no CPU parallelism, yet the
-      small parallel host copies wake the whole pool, whose threads then spin: embedding 10M
-      tokens on an H100 took 2.1 s either way but 13 CPU-seconds with 16 threads against 2.2 with
-      one (bench/results/index_stages_10m_h100.json), cores the tokenising processes need.
+      small parallel host copies wake the whole pool, whose threads then spin: embedding takes
+      the same wall time either way, but a thread per core burns several times the CPU time of
+      one thread, on cores the tokenising processes need (docs/benchmarks.md, "Indexing").
     - ``switch_s``: ``sys.setswitchinterval``. Every torch op releases the GIL while it runs; to
       take it back the feeding thread waits until the thread holding it is asked to let go, up
-      to one interval. A forward is ~100 ops, so at the default 5 ms the device idles whenever
-      another thread is busy in Python (10M tokens: embedding alone 2.1 s, 6.4-8 s beside the
-      store writer and the prep thread).
+      to one interval. A forward is ~100 ops, so at Python's default interval the device idles
+      whenever another thread is busy in Python: embedding beside the store writer and the prep
+      thread took several times as long as embedding alone.
     """
     if torch.device(device).type != "cuda" or (threads is None and switch_s is None):
         yield

@@ -44,8 +44,8 @@ _CAPTURE_LOCKS_GUARD = threading.Lock()
 def capture_lock(device: torch.device | str) -> threading.Lock:
     """One lock per GPU for every CUDA-graph capture on it (chunk and state encoders, scoring).
     Two captures at once on one device failed: two feeder threads indexing on one GPU, each
-    capturing its encoder's shapes, got "operation not permitted when stream is capturing"
-    (bench/results/index_contention_packed_h100/); a query's state-encoder capture beside an
+    capturing its encoder's shapes, got "operation not permitted when stream is capturing";
+    a query's state-encoder capture beside an
     append's chunk-encoder capture in a Serve replica could meet the same."""
     dev = torch.device(device)
     index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" and torch.cuda.is_available() else 0)
@@ -58,8 +58,7 @@ def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any, error
     compiles there), then capture it on that stream with ``device`` current: (graph, its outputs,
     the memory pool, made when ``pool`` is None). Not on torch.cuda.graph's default capture
     stream: that one is one per process, made on the device current at its first use, and every
-    capture on cuda:1 failed on it (bench/results/index_two_gpus_attempt1_h100x2/). The caller
-    holds :func:`capture_lock`."""
+    capture on cuda:1 failed on it. The caller holds :func:`capture_lock`."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -166,12 +165,11 @@ class GraphedEncoder:
         ``max_tokens`` per forward (an indexing lane does it while it starts). The shape of its full
         batches of the longest sequences (nearly every batch of an index, as chunks fill their budget
         but at a document's end) is captured; every other shape it can take runs once eagerly, so
-        its kernels are loaded now and its capture at first use is cheap. On a fresh GPU machine the
-        first run indexed at 0.35 of the bare forward against 0.50 after it, with the captures and
-        the kernels' first use inside the indexing (bench/results/index_one_gpu_round{7,9}_h100/).
-        Capturing all of them instead (17 shapes for MiniLM, each capture on its own stream) ran
-        three lanes on one H100 out of memory (index_one_gpu_round10_h100/). Returns how many
-        shapes are captured (0 or 1); 0 where graphs are off."""
+        its kernels are loaded now and its capture at first use is cheap. Without it, a fresh GPU
+        machine's first run was markedly slower than the next, the captures and the kernels' first
+        use falling inside the indexing. Capturing every shape instead (17 for MiniLM, each capture
+        on its own stream) ran three lanes on one GPU out of memory. Returns how many shapes are
+        captured (0 or 1); 0 where graphs are off."""
         if not self.graphs:
             return 0
         top = bucket_of(max_length, self.length_buckets) or self.length_buckets[-1]

@@ -168,9 +168,8 @@ class Tokenization:
     def _fast_backend(self):
         """The Rust tokenizer behind a fast tokenizer, without the truncation and padding its
         tokenizer.json may carry (MiniLM's: 128), or None. Its ``encode_batch_fast`` skips the
-        character offsets and the per-text Python objects transformers builds: tokenising for
-        an index ran at 0.41M tokens/s per process through transformers and 0.82M this way,
-        the same ids (tests compare them)."""
+        character offsets and the per-text Python objects transformers builds, so tokenising for
+        an index is faster this way, with the same ids (tests compare them)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None or not hasattr(backend, "encode_batch_fast"):
             return None
@@ -181,8 +180,8 @@ class Tokenization:
 
     @functools.cached_property
     def _word_cache(self) -> WordCache | None:
-        """ASCII prose through a cache of words (:mod:`qrag.data.word_cache`: the same ids, 3-5x
-        faster per process), where that is this tokenizer's exact behaviour."""
+        """ASCII prose through a cache of words (:mod:`qrag.data.word_cache`: the same ids, several
+        times faster per process), where that is this tokenizer's exact behaviour."""
         return WordCache.for_backend(self._fast_backend) if self._fast_backend is not None else None
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
@@ -228,7 +227,7 @@ class EmbeddingModel(Tokenization):
         # one short state eagerly is launch overhead, not compute. CPU keeps the exact-width path.
         self.state_encoder = GraphedEncoder(qnet, layout.pad_id, device) if device.type == "cuda" else None
         # Chunks too (indexing): one replay per batch instead of ~100 ops that each hand the GIL to
-        # the threads gathering input and writing the store (bench/results/index_contention_*).
+        # the threads gathering input and writing the store (docs/benchmarks.md, "Indexing").
         self.chunk_encoder = GraphedEncoder.for_chunks(qnet, layout.pad_id, device) if device.type == "cuda" else None
         self.chunk_batch = chunk_batch
         self.chunks_embedded = 0  # chunk sequences encoded since start (re-embedding shows here)

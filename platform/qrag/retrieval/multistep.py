@@ -22,7 +22,7 @@ Q(s_t, a_t) = γ·V(s_{t+1}) ≥ γ·Q(s_{t+1}, a_{t+1}) (the soft value is at l
   the policy rarely reaches (after a wrong pick), valued above what the earlier step promised —
   the earlier, better-trained estimate caps it.
 * ``last``: the Q of the last step alone. It trusts exactly those off-policy over-estimates and
-  measured far below greedy (bench/results/beam_vs_greedy_cpu.json).
+  measured far below greedy (docs/benchmarks.md, "Quality: HotpotQA and MuSiQue").
 
 Ties go to the path whose last step has the higher Q (then to the better parent), so beam search
 follows greedy's choice unless another path scores strictly higher. For T = 2 the greedy path is

@@ -149,7 +149,7 @@ def require_state_api(sweep: Sweep) -> None:
     cleaner that asks the state API (the dashboard) whether the trial's controller still lives.
     Without it (``ray`` installed without ``[default]``, or the dashboard not started) every
     stopped trial keeps its GPU share and the next trials wait for workers until they time out
-    (seen on a GPU machine with a bare ``ray`` wheel: 6 of 15 trials ran, the rest hung).
+    (seen on a GPU machine with a bare ``ray`` wheel: the first trials ran, the rest hung).
     A sweep where nothing is stopped early does not need it.
     """
     if sweep.spec.scheduler.type == "none" or sweep.total_trials() <= (sweep.spec.max_concurrent or 1):
