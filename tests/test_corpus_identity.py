@@ -111,7 +111,7 @@ def test_a_repair_racing_delete_and_create_is_refused(model, tmp_path, loop):
     assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(2)}).status_code == 201
     store = service.store
     m = store.read("books")
-    vectors = store.path("books") / m.batches[0]["shards"][0]["vectors"]["file"]
+    vectors = store.path("books") / m.batches[0].shards[0].vectors.file
     vectors.write_bytes(vectors.read_bytes()[:-8])  # the retrieve repairs it from the stored texts
     gate = service.encoder = Gate(service.encoder).arm()
     answers: list = []
@@ -161,7 +161,7 @@ def test_an_interrupted_reindex_keeps_the_old_model_and_a_second_one_resumes(mod
     assert old("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(3)}).status_code == 201
     assert old("POST", "/v1/corpora/books/documents", json={"documents": docs_json(6)[3:]}).status_code == 200
     store = old.service.store
-    segments = [(b["id"], s) for b in store.read("books").batches for s in range(store.read("books").shards)]
+    segments = [(b.id, s) for b in store.read("books").batches for s in range(store.read("books").shards)]
     assert len(segments) == 4
 
     class DiesAfterOne:
@@ -185,9 +185,9 @@ def test_an_interrupted_reindex_keeps_the_old_model_and_a_second_one_resumes(mod
     r = new("POST", "/v1/corpora/books/reindex", json={"wait": True})
     assert r.status_code == 503, r.text
     m = store.read("books")
-    assert m.fingerprint == model.fingerprint and m.reindex["fingerprint"] == other_model.fingerprint
-    staged = [(b["id"], s) for b in m.batches for s, e in enumerate(b["shards"]) if "next" in e]
-    assert len(staged) == 1 and all(e["fingerprint"] == model.fingerprint for b in m.batches for e in b["shards"])
+    assert m.fingerprint == model.fingerprint and m.reindex.fingerprint == other_model.fingerprint
+    staged = [(b.id, s) for b in m.batches for s, e in enumerate(b.shards) if e.next is not None]
+    assert len(staged) == 1 and all(e.fingerprint == model.fingerprint for b in m.batches for e in b.shards)
 
     ask = {"corpus": "books", "question": "the painter", "max_steps": 2}
     embedded = (model.chunks_embedded, other_model.chunks_embedded)
@@ -199,12 +199,12 @@ def test_an_interrupted_reindex_keeps_the_old_model_and_a_second_one_resumes(mod
     restarted = make_client(local_service(cfg, other_model), loop)
     r = restarted("POST", "/v1/corpora/books/reindex", json={"wait": True})
     assert r.status_code == 200 and r.json()["job"]["state"] == "done", r.text
-    staged_chunks = next(e["chunks"] for b in m.batches for s, e in enumerate(b["shards"]) if (b["id"], s) in staged)
+    staged_chunks = next(e.chunks for b in m.batches for s, e in enumerate(b.shards) if (b.id, s) in staged)
     assert other_model.chunks_embedded - embedded[1] == m.chunks - staged_chunks  # only what was left
     m = store.read("books")
     assert m.fingerprint == other_model.fingerprint and m.reindex is None and m.dim == other_model.dim
-    assert all(e["fingerprint"] == other_model.fingerprint and "next" not in e for b in m.batches for e in b["shards"])
+    assert all(e.fingerprint == other_model.fingerprint and e.next is None for b in m.batches for e in b.shards)
     assert set(p.name for p in store.path("books").glob("shard_*/*.safetensors")) == {
-        e["vectors"]["file"].split("/")[1] for b in m.batches for e in b["shards"]}  # the old vectors are gone
+        e.vectors.file.split("/")[1] for b in m.batches for e in b.shards}  # the old vectors are gone
     assert restarted("POST", "/v1/retrieve", json=ask).status_code == 200
     assert old("POST", "/v1/retrieve", json=ask).status_code == 409

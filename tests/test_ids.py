@@ -15,7 +15,7 @@ import pytest
 from qrag.config import ModelConfig
 from qrag.data.documents import Document, DocumentChunk, parse_documents
 from qrag.data.sample import DataError
-from qrag.index.store import CorpusConflict, CorpusStore
+from qrag.index.store import CorpusConflict, CorpusStore, FileRef
 from qrag.serving.service import local_service
 
 from test_service_api import docs_json, loop, make_client, model, serve_cfg  # noqa: F401 (loop, model: fixtures)
@@ -87,29 +87,29 @@ def test_stored_strings_keep_every_character_and_no_reader_splits_a_record(tmp_p
     assert store.doc_ids(m) == [doc_id] and [(d, t) for _, d, t in store.read_texts(m, 0, m.batches[0])] == [(doc_id, t) for t in texts]
     segment, problem = store.read_segment(m, 0, m.batches[0])
     assert problem is None and segment.doc_ids == [doc_id] * 3 and segment.texts == texts
-    for entry in (m.batches[0]["docs"], m.batches[0]["shards"][0]["texts"]):
-        data = (store.path("c") / entry["file"]).read_bytes()
+    for ref in (m.batches[0].docs, m.batches[0].shards[0].texts):
+        data = (store.path("c") / ref.file).read_bytes()
         lines = data.decode("utf-8").splitlines()  # the reader that broke: one record per line for it too
         assert len(lines) == data.count(b"\n") and all(isinstance(json.loads(line), dict) for line in lines)
 
 
-def _rewrite(store: CorpusStore, name: str, entry: dict, data: bytes) -> None:
+def _rewrite(store: CorpusStore, name: str, ref: FileRef, data: bytes) -> None:
     """A file as another writer left it, with the manifest's checksum to match."""
-    (store.path(name) / entry["file"]).write_bytes(data)
-    m = store.read(name)
-    for e in [b["docs"] for b in m.batches] + [s["texts"] for b in m.batches for s in b["shards"]]:
-        if e["file"] == entry["file"]:
+    (store.path(name) / ref.file).write_bytes(data)
+    manifest = json.loads((store.path(name) / "corpus.json").read_text())
+    for e in [b["docs"] for b in manifest["batches"]] + [s["texts"] for b in manifest["batches"] for s in b["shards"]]:
+        if e["file"] == ref.file:
             e["sha256"] = hashlib.sha256(data).hexdigest()
-    (store.path(name) / "corpus.json").write_text(json.dumps(m.__dict__))
+    (store.path(name) / "corpus.json").write_text(json.dumps(manifest))
 
 
 def _old_format(store: CorpusStore, name: str, placeholder: str, raw: str) -> None:
     """Every file of ``name`` as the code before the rule wrote it: ``raw`` written as is (JSON
     with ensure_ascii=False leaves U+2028 unescaped) where the placeholder id was."""
     m = store.read(name)
-    for entry in [b["docs"] for b in m.batches] + [s["texts"] for b in m.batches for s in b["shards"]]:
-        data = (store.path(name) / entry["file"]).read_bytes()
-        _rewrite(store, name, entry, data.replace(placeholder.encode(), raw.encode()))
+    for ref in [b.docs for b in m.batches] + [s.texts for b in m.batches for s in b.shards]:
+        data = (store.path(name) / ref.file).read_bytes()
+        _rewrite(store, name, ref, data.replace(placeholder.encode(), raw.encode()))
 
 
 def test_a_corpus_written_before_the_rule_with_a_raw_u2028_id_still_serves(client):
@@ -119,7 +119,7 @@ def test_a_corpus_written_before_the_rule_with_a_raw_u2028_id_still_serves(clien
     store = client.service.store
     _old_format(store, "books", placeholder, old_id)
     m = store.read("books")
-    raw = (store.path("books") / m.batches[0]["docs"]["file"]).read_bytes()
+    raw = (store.path("books") / m.batches[0].docs.file).read_bytes()
     assert "\u2028".encode() in raw  # what the old writer left: str.splitlines() cut this record in two
     r = client("POST", "/v1/retrieve", json={"corpus": "books", "question": "the painter and the king", "max_steps": 3})
     assert r.status_code == 200, r.text
@@ -133,14 +133,14 @@ def test_an_unreadable_record_is_a_503_naming_the_corpus_file_and_line(client):
     assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(3)}).status_code == 201
     store = client.service.store
     m = store.read("books")
-    docs_entry, texts_entry = m.batches[0]["docs"], m.batches[0]["shards"][1]["texts"]
-    lines = (store.path("books") / docs_entry["file"]).read_bytes().split(b"\n")
+    docs_entry, texts_entry = m.batches[0].docs, m.batches[0].shards[1].texts
+    lines = (store.path("books") / docs_entry.file).read_bytes().split(b"\n")
     _rewrite(store, "books", docs_entry, b"\n".join([lines[0], b'{"id": "half', *lines[1:]]))
     r = client("POST", "/v1/corpora/books/documents", json={"documents": docs_json(4)[3:]})
     assert r.status_code == 503 and r.json()["error"]["field"] == "corpus", r.text
-    assert all(w in r.json()["error"]["message"] for w in ("'books'", docs_entry["file"], "line 2"))
-    lines = (store.path("books") / texts_entry["file"]).read_bytes().split(b"\n")
+    assert all(w in r.json()["error"]["message"] for w in ("'books'", docs_entry.file, "line 2"))
+    lines = (store.path("books") / texts_entry.file).read_bytes().split(b"\n")
     _rewrite(store, "books", texts_entry, b"\n".join([lines[0], b'{"position": 1, "doc": 7, "text": "x"}', *lines[2:]]))
     r = client("POST", "/v1/retrieve", json={"corpus": "books", "question": "the painter"})
     assert r.status_code == 503 and r.json()["error"]["field"] == "corpus", r.text
-    assert all(w in r.json()["error"]["message"] for w in ("'books'", texts_entry["file"], "line 2"))
+    assert all(w in r.json()["error"]["message"] for w in ("'books'", texts_entry.file, "line 2"))

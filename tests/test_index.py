@@ -193,8 +193,8 @@ def test_reload_without_reembedding_and_repair_of_a_corrupt_shard(model, tmp_pat
     assert fresh.shards("c").loaded_rows == store.read("c").chunks
 
     m = store.read("c")
-    entry = m.batches[0]["shards"][1]
-    path = tmp_path / "c" / entry["vectors"]["file"]
+    entry = m.batches[0].shards[1]
+    path = tmp_path / "c" / entry.vectors.file
     raw = bytearray(path.read_bytes())
     raw[-7] ^= 0xFF  # flip bits inside the vectors
     path.write_bytes(bytes(raw))
@@ -205,13 +205,13 @@ def test_reload_without_reembedding_and_repair_of_a_corrupt_shard(model, tmp_pat
     # Repair: re-embed the segment from its stored texts.
     rows = store.read_texts(m, 1, m.batches[0])
     ids = model.tokenize_chunks([t for _, _, t in rows], m.chunk_tokens)
-    store.replace_vectors("c", 1, m.batches[0]["id"], model.embed_chunks(ids), ids, model.fingerprint)
+    store.replace_vectors("c", 1, m.batches[0].id, model.embed_chunks(ids), ids, model.fingerprint)
     repaired = LocalIndex(CorpusStore(tmp_path), model).retrieve("c", "the painter and the singer", cfg)[0]
     assert repaired.selected == before.selected
 
     # Lost texts cannot be rebuilt: the shard is unhealthy, never served.
     m = store.read("c")
-    (tmp_path / "c" / m.batches[0]["shards"][0]["texts"]["file"]).unlink()
+    (tmp_path / "c" / m.batches[0].shards[0].texts.file).unlink()
     with pytest.raises(ShardUnhealthy, match="texts are lost") as err:
         LocalIndex(CorpusStore(tmp_path), model).retrieve("c", "x", cfg)
     assert not err.value.problems[0].repairable
@@ -238,7 +238,7 @@ def test_store_errors_and_crash_debris(model, tmp_path):
     assert not (tmp_path / "c" / "shard_000" / "batch_000009.abc.safetensors").exists()
     m = store.read("c")
     assert m.documents == 3 and m.version == 2 and sorted(store.doc_ids(m)) == ["doc-0", "doc-1", "new"]
-    assert sum(b["chunks"] for b in m.batches) == m.chunks
+    assert sum(b.chunks for b in m.batches) == m.chunks
     json.loads((tmp_path / "c" / "corpus.json").read_text())
     store.delete("c")
     assert store.names() == []

@@ -43,12 +43,13 @@ def snapshot(store: CorpusStore, name: str = "c"):
     def norm(path: str) -> str:
         return re.sub(r"\.[0-9a-f]{6}\.safetensors$", ".safetensors", path)
 
+    written = m.to_json()["batches"]  # as corpus.json has them
     batches = []
-    for b in m.batches:
+    for b in written:
         shards = [{**s, "vectors": {**s["vectors"], "file": norm(s["vectors"]["file"])}} for s in b["shards"]]
         batches.append({**b, "shards": shards})
-    listed = {norm(s[k]["file"]): (root / s[k]["file"]).read_bytes() for b in m.batches for s in b["shards"] for k in ("vectors", "texts")}
-    listed |= {b["docs"]["file"]: (root / b["docs"]["file"]).read_bytes() for b in m.batches}
+    listed = {norm(s[k]["file"]): (root / s[k]["file"]).read_bytes() for b in written for s in b["shards"] for k in ("vectors", "texts")}
+    listed |= {b["docs"]["file"]: (root / b["docs"]["file"]).read_bytes() for b in written}
     on_disk = sorted(norm(str(p.relative_to(root))) for p in root.rglob("*") if p.is_file())
     head = {k: v for k, v in m.__dict__.items() if k not in ("uid", "created", "updated", "batches")}
     return head, batches, listed, on_disk
@@ -71,7 +72,7 @@ def test_pipelined_writes_the_same_files_as_sequential(model, tmp_path, monkeypa
 
     m = pipe_store.read("c")
     assert len(m.batches) >= 4 and m.chunks > 4 * 10  # several batches, several encoder calls each
-    assert all(b["chunks"] >= 10 for b in m.batches[:-1])
+    assert all(b.chunks >= 10 for b in m.batches[:-1])
     assert pipe.last_stats.pipelined and pipe.last_stats.commits == len(m.batches)
     assert pipe.last_stats.embed_waiting_for_writer > 0  # the writer did hold the embed stage back
     assert not seq.last_stats.pipelined and seq.last_stats.commits == len(m.batches)
@@ -112,8 +113,8 @@ def test_writer_failure_is_raised_and_resume_finishes_without_reembedding(model,
 
     store = CorpusStore(tmp_path / "run", clean=False)
     m = store.read("c")
-    assert [b["chunks"] for b in m.batches] == [b["chunks"] for b in ref.batches[:2]]  # up to the last whole batch
-    assert m.chunks == sum(b["chunks"] for b in ref.batches[:2])
+    assert [b.chunks for b in m.batches] == [b.chunks for b in ref.batches[:2]]  # up to the last whole batch
+    assert m.chunks == sum(b.chunks for b in ref.batches[:2])
     assert corpus_rows(store, "c")[0] == corpus_rows(ref_store, "c")[0][: m.chunks]
     assert any(p.name.startswith("batch_000003") for p in store.path("c").rglob("*"))  # the failed batch's debris
 
@@ -175,7 +176,7 @@ def test_a_writer_process_failure_is_raised_and_nothing_after_it_commits(model, 
     with pytest.raises(CorpusConflict):
         index_groups(store, "c", model, groups, chunk_batch=4, writer="process")
     m = store.read("c")
-    assert [b["chunks"] for b in m.batches] == [b["chunks"] for b in ref.batches[:2]]
+    assert [b.chunks for b in m.batches] == [b.chunks for b in ref.batches[:2]]
     store2, _ = build_with_process_writer(model, tmp_path / "run", docs, resume=True)
     assert snapshot(store2) == snapshot(ref_store)
 
@@ -255,7 +256,7 @@ def test_a_failing_replica_is_raised_and_only_the_groups_before_it_commit(model,
     with pytest.raises(RuntimeError, match="this device failed"):
         index_groups(store, "c", _Recorded(model), groups, chunk_batch=1000, replicas=[_Recorded(model, fail_at=1)])  # group 3
     m = store.read("c")
-    assert [b["chunks"] for b in m.batches] == [b["chunks"] for b in ref_store.read("c").batches[:3]]
+    assert [b.chunks for b in m.batches] == [b.chunks for b in ref_store.read("c").batches[:3]]
     with pytest.raises(ValueError, match="same model"):
         other = _Recorded(model)
         other.fingerprint = "another"
@@ -546,4 +547,4 @@ def test_a_streamed_groups_failing_block_is_raised_after_the_groups_before_it(mo
     LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
     with pytest.raises(RuntimeError, match="worker died"):
         index_groups(store, "c", _Queued(model), [streamed(k, g) for k, g in enumerate(whole)], chunk_batch=4)
-    assert [b["chunks"] for b in store.read("c").batches] == [len(g.ids) for g in whole[:2]]
+    assert [b.chunks for b in store.read("c").batches] == [len(g.ids) for g in whole[:2]]

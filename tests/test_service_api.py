@@ -193,17 +193,17 @@ def test_corrupt_shard_is_rebuilt_from_its_texts_and_lost_texts_are_reported(cli
     before = client("POST", "/v1/retrieve", json=ask).json()["steps"]
     store = client.service.store
     m = store.read("books")
-    seg = m.batches[0]["shards"][1]
-    path = store.path("books") / seg["vectors"]["file"]
+    seg = m.batches[0].shards[1]
+    path = store.path("books") / seg.vectors.file
     path.write_bytes(path.read_bytes()[:-40])  # a truncated vectors file
     embedded = model.chunks_embedded
     client = restarted(client, model)
     r = client("POST", "/v1/retrieve", json=ask)
     assert r.status_code == 200, r.text
     assert [s["chunk_id"] for s in r.json()["steps"]] == [s["chunk_id"] for s in before]
-    assert model.chunks_embedded - embedded == seg["chunks"]  # only that segment was re-embedded
+    assert model.chunks_embedded - embedded == seg.chunks  # only that segment was re-embedded
     m = store.read("books")
-    (store.path("books") / m.batches[0]["shards"][0]["texts"]["file"]).write_text("tampered\n")
+    (store.path("books") / m.batches[0].shards[0].texts.file).write_text("tampered\n")
     r = restarted(client, model)("POST", "/v1/retrieve", json=ask)
     assert r.status_code == 503 and r.json()["error"]["field"] == "corpus" and "texts are lost" in r.json()["error"]["message"]
 

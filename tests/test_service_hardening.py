@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -273,7 +274,7 @@ def test_jobs_are_answered_by_any_replica_and_after_a_restart(model, tmp_path, l
         (board.root / "active" / f"{j.id}.json").write_text(json.dumps({**j.__dict__, "heartbeat": old}))
     store = CorpusStore(tmp_path / "store")
     m = store.read("books")
-    m.batches[-1]["job"] = landed.id
+    m.batches[-1] = replace(m.batches[-1], job=landed.id)
     store._write_manifest(m)
     c = make_client(local_service(cfg, model), loop)
     assert c("GET", f"/v1/jobs/{landed.id}").json()["state"] == "done"
@@ -458,7 +459,7 @@ def test_disk_full_and_delete_during_repair_are_not_500s(model, tmp_path, loop, 
     # A shard file is corrupt; while the request repairs it, the corpus is deleted.
     store = service.store
     m = store.read("books")
-    vec = store.path("books") / m.batches[0]["shards"][0]["vectors"]["file"]
+    vec = store.path("books") / m.batches[0].shards[0].vectors.file
     vec.write_bytes(vec.read_bytes()[:-10])
     repair = service.corpora._reembed_segment
 

@@ -46,8 +46,8 @@ def check_whole(store: CorpusStore) -> tuple[int, set[str]]:
     """The corpus as a reader sees it: every listed file intact; (version, document ids)."""
     m = store.read("c")
     ids = store.doc_ids(m)
-    assert len(ids) == len(set(ids)) == m.documents == sum(b["documents"] for b in m.batches)
-    assert m.chunks == sum(b["chunks"] for b in m.batches) == len(m.batches) * DOCS_PER_BATCH * CHUNKS_PER_DOC
+    assert len(ids) == len(set(ids)) == m.documents == sum(b.documents for b in m.batches)
+    assert m.chunks == sum(b.chunks for b in m.batches) == len(m.batches) * DOCS_PER_BATCH * CHUNKS_PER_DOC
     for batch in m.batches:
         for shard in range(m.shards):
             segment, problem = store.read_segment(m, shard, batch)

@@ -23,7 +23,7 @@ import qrag.index.store as store_module
 from qrag.config import ModelConfig
 from qrag.data.documents import Document, DocumentChunk
 from qrag.index.jobs import Job, JobBoard
-from qrag.index.store import FAULT_ENV, TMP_SUFFIX, CorpusNotFound, CorpusStore, Manifest, fault_hook_from_env, listed_files, segment_positions
+from qrag.index.store import FAULT_ENV, TMP_SUFFIX, Batch, CorpusNotFound, CorpusStore, Manifest, fault_hook_from_env, listed_files, segment_positions
 
 from power_loss import DurableState, PowerLoss
 
@@ -45,27 +45,27 @@ def whole(store: CorpusStore, name: str) -> Manifest:
     """The corpus as a restarted server reads it: every listed file intact, no debris left."""
     m = store.read(name)
     ids = store.doc_ids(m)
-    assert len(ids) == len(set(ids)) == m.documents and m.chunks == sum(b["chunks"] for b in m.batches)
+    assert len(ids) == len(set(ids)) == m.documents and m.chunks == sum(b.chunks for b in m.batches)
     for b in m.batches:
         for s in range(m.shards):
             assert store.read_segment(m, s, b)[1] is None, store.read_segment(m, s, b)[1]
-            staged = b["shards"][s].get("next")
-            assert staged is None or store._read_checked(store.path(name) / staged["vectors"]["file"], staged["vectors"]["sha256"]) is not None
+            staged = b.shards[s].next
+            assert staged is None or store._read_checked(store.path(name) / staged.vectors.file, staged.vectors.sha256) is not None
     files = {f"{p.parent.name}/{p.name}" for p in store.path(name).glob("*/*") if p.is_file()}
     assert files == listed_files(m) and not list(store.path(name).glob(f"**/*{TMP_SUFFIX}"))
     return m
 
 
 def vectors_of(store: CorpusStore, m: Manifest) -> dict[tuple[int, int], np.ndarray]:
-    return {(b["id"], s): store.read_segment(m, s, b)[0].vectors for b in m.batches for s in range(m.shards)}
+    return {(b.id, s): store.read_segment(m, s, b)[0].vectors for b in m.batches for s in range(m.shards)}
 
 
-def new_vectors(m: Manifest, shard: int, b: dict) -> np.ndarray:
+def new_vectors(m: Manifest, shard: int, b: Batch) -> np.ndarray:
     """What the re-index and the repair write for a segment: recognisable, one value per segment."""
-    return np.full((len(segment_positions(m, shard, b)), DIM), 1000.0 + 10 * b["id"] + shard, np.float32)
+    return np.full((len(segment_positions(m, shard, b)), DIM), 1000.0 + 10 * b.id + shard, np.float32)
 
 
-def tokens_for(m: Manifest, shard: int, b: dict) -> list[np.ndarray]:
+def tokens_for(m: Manifest, shard: int, b: Batch) -> list[np.ndarray]:
     return [np.asarray([101, 7, 102], np.int32)] * len(segment_positions(m, shard, b))
 
 
@@ -100,7 +100,7 @@ def op_reindex(store: CorpusStore, ack: Ack) -> int:
     staged, todo = 0, store.reindex_todo(m)
     while True:
         for b, s in todo:
-            store.stage_vectors("c", uid, FP2, s, b["id"], new_vectors(m, s, b), tokens_for(m, s, b))
+            store.stage_vectors("c", uid, FP2, s, b.id, new_vectors(m, s, b), tokens_for(m, s, b))
             staged += 1
         m, todo = store.finish_reindex("c", uid, FP2)
         if not todo:
@@ -112,7 +112,7 @@ def op_reindex(store: CorpusStore, ack: Ack) -> int:
 def op_repair(store: CorpusStore, ack: Ack) -> None:
     m = store.read("c")
     b = m.batches[0]
-    store.replace_vectors("c", 0, b["id"], new_vectors(m, 0, b), tokens_for(m, 0, b), FP, uid=m.uid)
+    store.replace_vectors("c", 0, b.id, new_vectors(m, 0, b), tokens_for(m, 0, b), FP, uid=m.uid)
     ack("new")
 
 
@@ -154,15 +154,15 @@ def state_delete(store: CorpusStore) -> str:
     return "old"
 
 
-def state_vectors(store: CorpusStore, new_at: Callable[[Manifest, int, dict], bool]) -> str:
+def state_vectors(store: CorpusStore, new_at: Callable[[Manifest, int, Batch], bool]) -> str:
     """'old' when every segment holds the vectors of setup_corpus, 'new' when those ``new_at`` names
     hold new_vectors; anything else is a mix."""
     m = whole(store, "c")
     got = vectors_of(store, m)
-    old = {(b["id"], s): batch("a", 0.0)[3][segment_positions(m, s, b)] for b in m.batches for s in range(m.shards)}
+    old = {(b.id, s): batch("a", 0.0)[3][segment_positions(m, s, b)] for b in m.batches for s in range(m.shards)}
     if all(np.array_equal(got[k], v) for k, v in old.items()):
         return "old"
-    new = {(b["id"], s): new_vectors(m, s, b) if new_at(m, s, b) else old[(b["id"], s)] for b in m.batches for s in range(m.shards)}
+    new = {(b.id, s): new_vectors(m, s, b) if new_at(m, s, b) else old[(b.id, s)] for b in m.batches for s in range(m.shards)}
     assert all(np.array_equal(got[k], v) for k, v in new.items()), "a mix of old and new vectors"
     return "new"
 

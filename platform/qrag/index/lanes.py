@@ -46,7 +46,7 @@ import numpy as np
 from qrag.data.documents import Document, unpack_chunks
 from qrag.index.pipeline import Group, index_groups
 from qrag.data.sample import DataError
-from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
+from qrag.index.store import Batch, CorpusConflict, CorpusStore, Manifest, StoreError
 from qrag.index.tokenise_workers import blocks_of, char_groups, init_worker, prepare_block
 from qrag.index.writer_process import picklable_error
 from qrag.model.encoder import pick_device
@@ -245,9 +245,9 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
                     raise _Stopped("stopped by the indexing process")
                 starts[msg[0]] = (msg[1], msg[2])
             batch_id, first = starts.pop(k)
-            entry = store.write_batch_files(fixed, batch_id, first, group.docs, group.chunks, group.ids, vectors,
+            batch = store.write_batch_files(fixed, batch_id, first, group.docs, group.chunks, group.ids, vectors,
                                             fingerprint=model.fingerprint)
-            report(("written", k, entry, sum(len(x) for x in group.ids)))
+            report(("written", k, batch, sum(len(x) for x in group.ids)))
 
         # The lane's figures start with its first group, not while the other lanes are starting.
         first = _get(inbox, parent)
@@ -277,11 +277,11 @@ class _Run:
     def __init__(self, store: CorpusStore, m: Manifest, devices: Sequence[str], on_commit: Callable[[Manifest], None] | None):
         self.store, self.m, self.on_commit = store, m, on_commit
         self.counts: dict[int, tuple[int, int]] = {}  # group -> (chunks, its lane)
-        self.written: dict[int, tuple[dict[str, Any], int]] = {}  # group -> (manifest entry, encoder tokens)
+        self.written: dict[int, tuple[Batch, int]] = {}  # group -> (its written batch, encoder tokens)
         self.next_start = 0  # the next group to be told where it starts
         self.next_commit = 0
         self.first = m.chunks
-        self.base_id = max((b["id"] for b in m.batches), default=0)
+        self.base_id = m.last_batch_id
         self.last_commit: float | None = None
         self.stats = LaneStats(lanes=len(devices), devices=[str(d) for d in devices])
 
@@ -296,17 +296,17 @@ class _Run:
             self.first += n0
             self.next_start += 1
 
-    def wrote(self, k: int, entry: dict[str, Any], encoder_tokens: int) -> None:
-        self.written[k] = (entry, encoder_tokens)
+    def wrote(self, k: int, batch: Batch, encoder_tokens: int) -> None:
+        self.written[k] = (batch, encoder_tokens)
         while self.next_commit in self.written:
-            entry, enc = self.written.pop(self.next_commit)
+            batch, enc = self.written.pop(self.next_commit)
             t0 = time.perf_counter()
-            self.store.commit_written(self.m, entry)
+            self.store.commit_written(self.m, batch)
             self.stats.commit_seconds += time.perf_counter() - t0
             self.stats.commits += 1
-            self.stats.documents += entry["documents"]
-            self.stats.chunks += entry["chunks"]
-            self.stats.tokens += entry["tokens"]
+            self.stats.documents += batch.documents
+            self.stats.chunks += batch.chunks
+            self.stats.tokens += batch.tokens
             self.stats.encoder_tokens += enc
             self.next_commit += 1
             self.last_commit = time.perf_counter()

@@ -487,20 +487,20 @@ class CorpusShards:
                     continue
                 shard = self.shards.get(slot)
                 replaced = shard is not None and any(
-                    b["id"] in shard.loaded and shard.loaded[b["id"]] != b["shards"][slot]["vectors"]["sha256"] for b in m.batches
+                    b.id in shard.loaded and shard.loaded[b.id] != b.shards[slot].vectors.sha256 for b in m.batches
                 )
                 if shard is None or replaced:
                     shard = ShardIndex(m.name, slot, m.shards, m.model_cfg, m.dim, self.devices[slot % len(self.devices)], self.options)
                     shard.faiss_folder, shard.uid = self.store.path(self.name) / "faiss", m.uid
-                new = [b for b in m.batches if b["id"] not in shard.loaded]
-                shard.reserve(shard.n + sum(b["shards"][slot]["chunks"] for b in new))
+                new = [b for b in m.batches if b.id not in shard.loaded]
+                shard.reserve(shard.n + sum(b.shards[slot].chunks for b in new))
                 slot_problems = []
                 for b in new:
                     segment, problem = self.store.read_segment(m, slot, b)
                     if problem is not None:
                         slot_problems.append(problem)
                         break  # later rows would land at the wrong positions
-                    shard.add(segment, b["shards"][slot]["vectors"]["sha256"])
+                    shard.add(segment, b.shards[slot].vectors.sha256)
                     self.loaded_rows += len(segment.positions)
                 shard.restore_faiss()
                 self.shards[slot] = shard

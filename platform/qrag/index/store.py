@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +127,143 @@ fault_hook_from_env()
 # The manifest
 
 
+# corpus.json is Manifest.to_json(): the corpus's fields, its batches (Batch), each with one
+# segment per shard (SegmentFiles: vectors and texts as FileRef, ``next`` a StagedVectors while a
+# re-index has staged it), and ``reindex`` (Reindex) while one is under way. The classes write the
+# keys in the order, and with the omissions ("job", "next"), of every manifest written so far.
+
+
+def _fields(data: object, kind: str, types: dict[str, type]) -> dict[str, Any]:
+    """``data`` as a JSON object whose ``types`` keys hold their types; a TypeError says which
+    (read() turns it into "corpus.json is unreadable")."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a {kind} is not a JSON object")
+    for key, t in types.items():
+        # bool is an int to isinstance, never a count or an id here
+        if key not in data or not isinstance(data[key], t) or (isinstance(data[key], bool) and t is int):
+            raise TypeError(f"a {kind} has no {key!r} of the right type")
+    return data
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """A file of the corpus (relative to its directory) and the sha256 of its bytes."""
+
+    file: str
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, data: object) -> FileRef:
+        d = _fields(data, "file entry", {"file": str, "sha256": str})
+        return cls(d["file"], d["sha256"])
+
+
+@dataclass(frozen=True)
+class StagedVectors:
+    """A segment's vectors from a re-index's model, written beside the current ones (``next`` in
+    the manifest) until the re-index swaps every segment in at once."""
+
+    fingerprint: str
+    vectors: FileRef
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "vectors": self.vectors.to_json()}
+
+    @classmethod
+    def from_json(cls, data: object) -> StagedVectors:
+        d = _fields(data, "staged segment", {"fingerprint": str})
+        return cls(d["fingerprint"], FileRef.from_json(d.get("vectors")))
+
+
+@dataclass(frozen=True)
+class SegmentFiles:
+    """One batch's rows in one shard: their vectors (from model ``fingerprint``) and texts."""
+
+    chunks: int
+    fingerprint: str
+    vectors: FileRef
+    texts: FileRef
+    next: StagedVectors | None = None  # while a re-index has staged this segment's new vectors
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"chunks": self.chunks, "fingerprint": self.fingerprint, "vectors": self.vectors.to_json(), "texts": self.texts.to_json()}
+        return out if self.next is None else {**out, "next": self.next.to_json()}
+
+    @classmethod
+    def from_json(cls, data: object) -> SegmentFiles:
+        d = _fields(data, "segment", {"chunks": int, "fingerprint": str})
+        staged = d.get("next")
+        return cls(d["chunks"], d["fingerprint"], FileRef.from_json(d.get("vectors")), FileRef.from_json(d.get("texts")),
+                   None if staged is None else StagedVectors.from_json(staged))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One committed append: chunks at global positions ``first``... of ``documents`` documents,
+    the documents' file, and per shard the segment holding its rows there (shard s: g % S == s)."""
+
+    id: int
+    first: int
+    chunks: int
+    documents: int
+    tokens: int
+    docs: FileRef
+    shards: tuple[SegmentFiles, ...]
+    job: str | None = None  # the job that wrote it: a restarted server tells an interrupted job's fate
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"id": self.id, "first": self.first, "chunks": self.chunks, "documents": self.documents, "tokens": self.tokens,
+               "docs": self.docs.to_json(), "shards": [s.to_json() for s in self.shards]}
+        return {**out, "job": self.job} if self.job else out  # written only when there is one (as ever)
+
+    @classmethod
+    def from_json(cls, data: object) -> Batch:
+        d = _fields(data, "batch", {"id": int, "first": int, "chunks": int, "documents": int, "tokens": int, "shards": list})
+        job = d.get("job")
+        if job is not None and not isinstance(job, str):
+            raise TypeError("a batch's job is not a string")
+        return cls(d["id"], d["first"], d["chunks"], d["documents"], d["tokens"], FileRef.from_json(d.get("docs")),
+                   tuple(SegmentFiles.from_json(s) for s in d["shards"]), job)
+
+    def with_segment(self, shard: int, segment: SegmentFiles) -> Batch:
+        """This batch with ``shard``'s segment replaced (new vectors, staged or swapped in)."""
+        return replace(self, shards=(*self.shards[:shard], segment, *self.shards[shard + 1 :]))
+
+    def files(self) -> set[str]:
+        """Every file this batch names (documents, texts, vectors, staged vectors of a re-index)."""
+        out = {self.docs.file}
+        for s in self.shards:
+            out |= {s.vectors.file, s.texts.file} | ({s.next.vectors.file} if s.next is not None else set())
+        return out
+
+
+@dataclass(frozen=True)
+class Reindex:
+    """A re-index under way: the model it embeds with (``fingerprint``, ``dim``, the ModelConfig
+    as a dict) and ``through``, the last batch it began with (those batches' segments all need
+    new vectors; later ones only where they came from another model)."""
+
+    fingerprint: str
+    dim: int
+    model: dict[str, Any]
+    through: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "dim": self.dim, "model": self.model, "through": self.through}
+
+    @classmethod
+    def from_json(cls, data: object) -> Reindex:
+        d = _fields(data, "re-index", {"fingerprint": str, "dim": int, "model": dict, "through": int})
+        return cls(d["fingerprint"], d["dim"], d["model"], d["through"])
+
+
 @dataclass
 class Manifest:
+    """corpus.json: the corpus's settings and counts, and its committed batches in order."""
+
     name: str
     uid: str  # a new uid per creation: caches never confuse a deleted corpus with its successor
     fingerprint: str  # of the encoders (and positions config) that made the vectors
@@ -143,14 +278,9 @@ class Manifest:
     tokens: int = 0
     created: float = 0.0
     updated: float = 0.0
-    # [{"id", "first", "chunks", "documents", "tokens", "docs": {file, sha256},
-    #   "shards": [{"chunks", "fingerprint", "vectors": {file, sha256}, "texts": {file, sha256},
-    #               "next": {"fingerprint", "vectors": {file, sha256}} while a re-index has staged it}]}]
-    batches: list[dict[str, Any]] = field(default_factory=list)
+    batches: list[Batch] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
-    # A re-index under way: {"fingerprint", "dim", "model"} it embeds with, and "through", the last
-    # batch it began with (those batches' segments all need new vectors).
-    reindex: dict[str, Any] | None = None
+    reindex: Reindex | None = None
 
     @property
     def model_cfg(self) -> ModelConfig:
@@ -159,6 +289,17 @@ class Manifest:
     @property
     def positions(self) -> str:
         return str(self.model.get("positions", "none"))
+
+    @property
+    def last_batch_id(self) -> int:
+        return max((b.id for b in self.batches), default=0)
+
+    def batch(self, batch_id: int) -> Batch | None:
+        return next((b for b in self.batches if b.id == batch_id), None)
+
+    def put_batch(self, batch: Batch) -> None:
+        """Replace the batch of ``batch.id`` (its segments changed; not yet written)."""
+        self.batches[next(i for i, b in enumerate(self.batches) if b.id == batch.id)] = batch
 
     def check_settings(self, **asked: Any) -> None:
         """CorpusConflict when a setting asked for (chunk_tokens, shards, dtype; None: any) is not the corpus's."""
@@ -170,18 +311,31 @@ class Manifest:
         keys = ("name", "fingerprint", "dim", "chunk_tokens", "shards", "dtype", "version", "documents", "chunks", "tokens", "created", "updated")
         return {**{k: getattr(self, k) for k in keys}, "positions": self.positions, "batches": len(self.batches)}
 
+    def to_json(self) -> dict[str, Any]:
+        """corpus.json's object: the same keys, in the same order, as every version has written."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["batches"] = [b.to_json() for b in self.batches]
+        out["reindex"] = None if self.reindex is None else self.reindex.to_json()
+        return out
 
-def segment_positions(m: Manifest, shard: int, batch: dict[str, Any]) -> np.ndarray:
+    @classmethod
+    def from_json(cls, data: object) -> Manifest:
+        """A TypeError (or ValueError) for anything that is not a manifest's layout."""
+        d = _fields(data, "manifest", {"batches": list, "chunks": int, "shards": int})
+        reindex = d.get("reindex")
+        return cls(**{**d, "batches": [Batch.from_json(b) for b in d["batches"]],
+                      "reindex": None if reindex is None else Reindex.from_json(reindex)})
+
+
+def segment_positions(m: Manifest, shard: int, batch: Batch) -> np.ndarray:
     """The global positions of ``batch``'s rows in ``shard``, ascending."""
-    positions = np.arange(batch["first"], batch["first"] + batch["chunks"], dtype=np.int64)
+    positions = np.arange(batch.first, batch.first + batch.chunks, dtype=np.int64)
     return positions[positions % m.shards == shard]
 
 
 def listed_files(m: Manifest) -> set[str]:
     """Every file the manifest names (documents, texts, vectors, staged vectors of a re-index)."""
-    files = {b["docs"]["file"] for b in m.batches}
-    files |= {s[k]["file"] for b in m.batches for s in b["shards"] for k in ("vectors", "texts")}
-    return files | {s["next"]["vectors"]["file"] for b in m.batches for s in b["shards"] if "next" in s}
+    return set().union(*(b.files() for b in m.batches))
 
 
 def shard_rows(shard: int, n_shards: int, n_total: int) -> int:
@@ -403,9 +557,7 @@ class CorpusStore:
             raise StoreError(f"corpus {name!r}: corpus.json cannot be read ({exc.strerror})") from None
         try:
             data = json.loads(raw.decode("utf-8"))
-            manifest = Manifest(**data)
-            if not isinstance(manifest.batches, list) or not isinstance(manifest.chunks, int) or not isinstance(manifest.shards, int):
-                raise TypeError("fields of the wrong type")
+            manifest = Manifest.from_json(data)
         except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise StoreError(f"corpus {name!r}: corpus.json is unreadable ({type(exc).__name__}); restore it or delete the corpus") from None
         if manifest.format_version != FORMAT_VERSION:
@@ -435,7 +587,7 @@ class CorpusStore:
 
     def _write_manifest(self, m: Manifest) -> None:
         m.updated = time.time()
-        write_atomic(self.path(m.name) / "corpus.json", json.dumps(asdict(m), indent=1).encode("utf-8"))
+        write_atomic(self.path(m.name) / "corpus.json", json.dumps(m.to_json(), indent=1).encode("utf-8"))
 
     def create(self, name: str, *, fingerprint: str, model: ModelConfig, dim: int, chunk_tokens: int, shards: int, dtype: str = "float32",
                first: tuple[Sequence[Document], Sequence[DocumentChunk], Sequence[np.ndarray], np.ndarray] | None = None,
@@ -483,19 +635,19 @@ class CorpusStore:
         another normal form). A StoreError names the file and line that cannot be read."""
         ids: list[str] = []
         for batch in m.batches:
-            ids.extend(r["id"] for r in self._read_records(m, batch["docs"], _DOC_FIELDS))
+            ids.extend(r["id"] for r in self._read_records(m, batch.docs, _DOC_FIELDS))
         return ids
 
-    def _read_records(self, m: Manifest, entry: dict[str, Any], fields: dict[str, type]) -> list[dict[str, Any]]:
-        """The checked records of a manifest's JSONL file ``entry`` ({file, sha256})."""
-        data = self._read_checked(self.path(m.name) / entry["file"], entry["sha256"])
+    def _read_records(self, m: Manifest, ref: FileRef, fields: dict[str, type]) -> list[dict[str, Any]]:
+        """The checked records of one of the manifest's JSONL files."""
+        data = self._read_checked(self.path(m.name) / ref.file, ref.sha256)
         if data is None:
             self.current(m)  # a corpus deleted or created again meanwhile explains it
-            raise StoreError(f"corpus {m.name!r}: {entry['file']} is missing or corrupt")
+            raise StoreError(f"corpus {m.name!r}: {ref.file} is missing or corrupt")
         try:
             return _records(data, fields)
         except ValueError as exc:
-            raise StoreError(f"corpus {m.name!r}: {entry['file']}: {exc}; restore the file or delete the corpus") from None
+            raise StoreError(f"corpus {m.name!r}: {ref.file}: {exc}; restore the file or delete the corpus") from None
 
     def current(self, m: Manifest, what: str = "request") -> Manifest:
         """The manifest now of ``m``'s corpus generation; CorpusNotFound or :class:`CorpusChanged`
@@ -524,7 +676,7 @@ class CorpusStore:
     def check_new(self, m: Manifest, docs: Sequence[Document], fingerprint: str, existing: set[str] | None = None) -> None:
         """What :meth:`append` refuses (CorpusConflict): vectors of another model, or a document id
         the corpus holds (``existing``: its ids, when the caller has read them already)."""
-        if fingerprint != m.fingerprint and fingerprint != (m.reindex or {}).get("fingerprint"):
+        if fingerprint != m.fingerprint and (m.reindex is None or fingerprint != m.reindex.fingerprint):
             raise CorpusConflict(f"corpus {m.name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}")
         held = {normalize_id(i) for i in (self.doc_ids(m) if existing is None else existing)}
         dup = next((d.id for d in docs if normalize_id(d.id) in held), None)
@@ -554,11 +706,11 @@ class CorpusStore:
 
     def _add_batch(self, m: Manifest, docs, chunks, token_ids, vectors: np.ndarray, *, fingerprint: str, job: str | None) -> None:
         """Write one batch's files (each durable) and add it to ``m`` (not yet written)."""
-        batch_id = max((b["id"] for b in m.batches), default=0) + 1
+        batch_id = m.last_batch_id + 1
         self.add_written(m, self.write_batch_files(m, batch_id, m.chunks, docs, chunks, token_ids, vectors, fingerprint=fingerprint, job=job))
 
     def write_batch_files(self, m: Manifest, batch_id: int, first: int, docs, chunks, token_ids, vectors: np.ndarray, *,
-                          fingerprint: str, job: str | None = None) -> dict[str, Any]:
+                          fingerprint: str, job: str | None = None) -> Batch:
         """The files of batch ``batch_id`` whose chunks take the global positions ``first``...
         (each file durable), and its manifest entry, which :meth:`add_written` commits. ``m``
         gives only the corpus's fixed fields (name, shards, dim, dtype): several processes may
@@ -581,7 +733,7 @@ class CorpusStore:
         make_dir(root / "docs")
         write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
 
-        def write_shard(s: int) -> dict[str, Any]:
+        def write_shard(s: int) -> SegmentFiles:
             rows = np.nonzero(positions % m.shards == s)[0]
             return self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],
                                        [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
@@ -594,26 +746,22 @@ class CorpusStore:
                 shard_entries = list(pool.map(write_shard, range(m.shards)))
         else:
             shard_entries = [write_shard(s) for s in range(m.shards)]
-        return {
-            "id": batch_id, "first": first, "chunks": len(chunks), "documents": len(docs),
-            "tokens": int(sum(c.tokens for c in chunks)),
-            "docs": {"file": f"docs/{tag}.jsonl", "sha256": _sha256(docs_bytes)},
-            "shards": shard_entries, **({"job": job} if job else {}),
-        }
+        return Batch(id=batch_id, first=first, chunks=len(chunks), documents=len(docs), tokens=int(sum(c.tokens for c in chunks)),
+                     docs=FileRef(f"docs/{tag}.jsonl", _sha256(docs_bytes)), shards=tuple(shard_entries), job=job or None)
 
     @staticmethod
-    def add_written(m: Manifest, entry: dict[str, Any]) -> None:
+    def add_written(m: Manifest, batch: Batch) -> None:
         """Add a batch written by :meth:`write_batch_files` to ``m`` (not yet written). It must be
         the next batch: its id after the last and its first position the corpus's chunk count."""
-        last_id = max((b["id"] for b in m.batches), default=0)
-        if entry["id"] <= last_id or entry["first"] != m.chunks:
-            raise StoreError(f"corpus {m.name!r}: batch {entry['id']} at position {entry['first']} does not follow "
+        last_id = m.last_batch_id
+        if batch.id <= last_id or batch.first != m.chunks:
+            raise StoreError(f"corpus {m.name!r}: batch {batch.id} at position {batch.first} does not follow "
                              f"batch {last_id} ending at {m.chunks}")
-        m.batches.append(entry)
+        m.batches.append(batch)
         m.version += 1
-        m.documents += entry["documents"]
-        m.chunks += entry["chunks"]
-        m.tokens += entry["tokens"]
+        m.documents += batch.documents
+        m.chunks += batch.chunks
+        m.tokens += batch.tokens
 
     @contextmanager
     def hold(self, name: str, uid: str | None = None, what: str = "write") -> Iterator[Manifest]:
@@ -630,13 +778,13 @@ class CorpusStore:
                 tmp.unlink(missing_ok=True)
             yield m
 
-    def commit_written(self, m: Manifest, entry: dict[str, Any]) -> Manifest:
+    def commit_written(self, m: Manifest, batch: Batch) -> Manifest:
         """Commit one written batch (the caller holds :meth:`hold`): ``m`` updated and durable."""
-        self.add_written(m, entry)
+        self.add_written(m, batch)
         self._write_manifest(m)
         return m
 
-    def _write_segment(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str) -> dict[str, Any]:
+    def _write_segment(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str) -> SegmentFiles:
         txt_bytes = _one_record_per_line(_encode_texts(positions, doc_ids, texts))
         vec = self._write_vectors(m, shard, tag, positions, vectors, tokens)
         txt_name = f"{tag}.jsonl"
@@ -645,29 +793,26 @@ class CorpusStore:
             write_atomic(folder / txt_name, txt_bytes)
         else:  # written by an earlier attempt, perhaps before its directory was synced
             fsync_dir(folder)
-        return {
-            "chunks": int(len(positions)), "fingerprint": fingerprint, "vectors": vec,
-            "texts": {"file": f"shard_{shard:03d}/{txt_name}", "sha256": _sha256(txt_bytes)},
-        }
+        return SegmentFiles(len(positions), fingerprint, vec, FileRef(f"shard_{shard:03d}/{txt_name}", _sha256(txt_bytes)))
 
-    def _write_vectors(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens) -> dict[str, Any]:
-        """One segment's vectors file, durable; its manifest entry {file, sha256}."""
+    def _write_vectors(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens) -> FileRef:
+        """One segment's vectors file, durable."""
         folder = self.path(m.name) / f"shard_{shard:03d}"
         make_dir(folder)
         data = _encode_segment(positions, vectors, tokens, m.dtype)
         # A fresh file name per write: a reader holding the old manifest still finds its files.
         name = f"{tag}.{secrets.token_hex(3)}.safetensors"
         write_atomic(folder / name, data)
-        return {"file": f"shard_{shard:03d}/{name}", "sha256": _sha256(data)}
+        return FileRef(f"shard_{shard:03d}/{name}", _sha256(data))
 
-    def _rewrite_vectors(self, m: Manifest, shard: int, batch: dict[str, Any], vectors: np.ndarray, token_ids: Sequence[np.ndarray],
-                         dim: int) -> dict[str, Any]:
+    def _rewrite_vectors(self, m: Manifest, shard: int, batch: Batch, vectors: np.ndarray, token_ids: Sequence[np.ndarray],
+                         dim: int) -> FileRef:
         """New vectors for a segment whose texts stay as they are (repair, re-index)."""
         positions = segment_positions(m, shard, batch)
         if vectors.ndim != 2 or vectors.shape != (len(positions), dim) or len(token_ids) != len(positions):
-            raise StoreError(f"corpus {m.name!r} shard {shard} batch {batch['id']}: vectors of shape {tuple(vectors.shape)} and "
+            raise StoreError(f"corpus {m.name!r} shard {shard} batch {batch.id}: vectors of shape {tuple(vectors.shape)} and "
                              f"{len(token_ids)} token arrays for {len(positions)} chunks of dimension {dim}")
-        return self._write_vectors(m, shard, f"batch_{batch['id']:06d}", positions, vectors, token_ids)
+        return self._write_vectors(m, shard, f"batch_{batch.id:06d}", positions, vectors, token_ids)
 
     def _remove_strays(self, m: Manifest) -> int:
         """Files of crashed writes: anything in docs/ or shard_*/ that the manifest does not list
@@ -684,45 +829,45 @@ class CorpusStore:
         return removed
 
     @staticmethod
-    def job_batch(m: Manifest, job: str) -> dict[str, Any] | None:
-        return next((b for b in m.batches if b.get("job") == job), None)
+    def job_batch(m: Manifest, job: str) -> Batch | None:
+        return next((b for b in m.batches if b.job == job), None)
 
     # -- reading and repairing shards
 
-    def read_segment(self, m: Manifest, shard: int, batch: dict[str, Any]) -> tuple[Segment | None, SegmentProblem | None]:
+    def read_segment(self, m: Manifest, shard: int, batch: Batch) -> tuple[Segment | None, SegmentProblem | None]:
         """One batch's rows of one shard, checked against the manifest; never wrong rows."""
-        entry = batch["shards"][shard]
+        entry = batch.shards[shard]
         root = self.path(m.name)
         expected = segment_positions(m, shard, batch)
 
         def problem(file: str, reason: str, repairable: bool) -> tuple[None, SegmentProblem]:
-            return None, SegmentProblem(m.name, shard, batch["id"], file, reason, repairable)
+            return None, SegmentProblem(m.name, shard, batch.id, file, reason, repairable)
 
-        texts = self._read_checked(root / entry["texts"]["file"], entry["texts"]["sha256"])
+        texts = self._read_checked(root / entry.texts.file, entry.texts.sha256)
         if texts is None:
-            reason = "missing" if not (root / entry["texts"]["file"]).exists() else "checksum mismatch"
-            return problem(entry["texts"]["file"], f"{reason}; the chunk texts are lost, re-create the corpus", False)
+            reason = "missing" if not (root / entry.texts.file).exists() else "checksum mismatch"
+            return problem(entry.texts.file, f"{reason}; the chunk texts are lost, re-create the corpus", False)
         try:
             rows = _records(texts, _TEXT_FIELDS)
         except ValueError as exc:
-            return problem(entry["texts"]["file"], f"{exc}; the chunk texts are unreadable, restore the file or re-create the corpus", False)
+            return problem(entry.texts.file, f"{exc}; the chunk texts are unreadable, restore the file or re-create the corpus", False)
         if len(rows) != len(expected) or any(r["position"] != p for r, p in zip(rows, expected)):
-            return problem(entry["texts"]["file"], "rows do not match the manifest", False)
-        if entry.get("fingerprint") != m.fingerprint:
-            return problem(entry["vectors"]["file"], f"vectors from model {entry.get('fingerprint')}, corpus model {m.fingerprint}", True)
-        data = self._read_checked(root / entry["vectors"]["file"], entry["vectors"]["sha256"])
+            return problem(entry.texts.file, "rows do not match the manifest", False)
+        if entry.fingerprint != m.fingerprint:
+            return problem(entry.vectors.file, f"vectors from model {entry.fingerprint}, corpus model {m.fingerprint}", True)
+        data = self._read_checked(root / entry.vectors.file, entry.vectors.sha256)
         if data is None:
-            reason = "missing" if not (root / entry["vectors"]["file"]).exists() else "checksum mismatch"
-            return problem(entry["vectors"]["file"], reason, True)
+            reason = "missing" if not (root / entry.vectors.file).exists() else "checksum mismatch"
+            return problem(entry.vectors.file, reason, True)
         try:
             arrays = st_load(data)
             vectors, positions, flat, offsets = arrays["vectors"], arrays["positions"], arrays["tokens"], arrays["offsets"]
         except Exception as exc:  # safetensors raises its own error types
-            return problem(entry["vectors"]["file"], f"unreadable ({exc})", True)
+            return problem(entry.vectors.file, f"unreadable ({exc})", True)
         if vectors.shape != (len(expected), m.dim) or not np.array_equal(positions, expected) or len(offsets) != len(expected) + 1:
-            return problem(entry["vectors"]["file"], "arrays do not match the manifest", True)
+            return problem(entry.vectors.file, "arrays do not match the manifest", True)
         tokens = [flat[offsets[i] : offsets[i + 1]] for i in range(len(expected))]
-        return Segment(batch["id"], positions, vectors, tokens, [r["doc"] for r in rows], [r["text"] for r in rows]), None
+        return Segment(batch.id, positions, vectors, tokens, [r["doc"] for r in rows], [r["text"] for r in rows]), None
 
     def replace_vectors(self, name: str, shard: int, batch_id: int, vectors: np.ndarray, token_ids: Sequence[np.ndarray], fingerprint: str,
                         uid: str | None = None) -> Manifest:
@@ -734,17 +879,18 @@ class CorpusStore:
             if fingerprint != m.fingerprint:
                 raise CorpusConflict(f"corpus {name!r} is for model {m.fingerprint}, not {fingerprint}")
             batch = self._batch(m, batch_id)
-            entry = batch["shards"][shard]
-            old = entry["vectors"]["file"]
-            entry["vectors"], entry["fingerprint"] = self._rewrite_vectors(m, shard, batch, vectors, token_ids, m.dim), fingerprint
+            entry = batch.shards[shard]
+            old = entry.vectors.file
+            vec = self._rewrite_vectors(m, shard, batch, vectors, token_ids, m.dim)
+            m.put_batch(batch.with_segment(shard, replace(entry, vectors=vec, fingerprint=fingerprint)))
             m.version += 1
             self._write_manifest(m)
             self._remove_unlisted(m, [old])
             return m
 
     @staticmethod
-    def _batch(m: Manifest, batch_id: int) -> dict[str, Any]:
-        batch = next((b for b in m.batches if b["id"] == batch_id), None)
+    def _batch(m: Manifest, batch_id: int) -> Batch:
+        batch = m.batch(batch_id)
         if batch is None:
             raise StoreError(f"corpus {m.name!r} has no batch {batch_id}")
         return batch
@@ -756,9 +902,9 @@ class CorpusStore:
             if file not in listed:
                 remove_file(self.path(m.name) / file)
 
-    def read_texts(self, m: Manifest, shard: int, batch: dict[str, Any]) -> list[tuple[int, str, str]]:
+    def read_texts(self, m: Manifest, shard: int, batch: Batch) -> list[tuple[int, str, str]]:
         """(position, doc id, text) of a segment, checked; a StoreError when they are lost."""
-        rows = self._read_records(m, batch["shards"][shard]["texts"], _TEXT_FIELDS)
+        rows = self._read_records(m, batch.shards[shard].texts, _TEXT_FIELDS)
         return [(r["position"], r["doc"], r["text"]) for r in rows]
 
     # -- re-indexing: new vectors for every segment beside the current ones, swapped in at once
@@ -770,30 +916,31 @@ class CorpusStore:
         with self.lock(name):
             m = self.read(name)
             self._check_uid(m, uid, "re-index")
-            target = {"fingerprint": fingerprint, "dim": int(dim), "model": to_dict(model)}
-            if m.reindex is not None and all(m.reindex.get(k) == v for k, v in target.items()):
+            target = Reindex(fingerprint, int(dim), to_dict(model), m.last_batch_id)
+            if m.reindex is not None and replace(m.reindex, through=target.through) == target:
                 return m
-            staged = [s.pop("next")["vectors"]["file"] for b in m.batches for s in b["shards"] if "next" in s]
-            m.reindex = {**target, "through": max((b["id"] for b in m.batches), default=0)}
+            staged = [s.next.vectors.file for b in m.batches for s in b.shards if s.next is not None]
+            m.batches = [replace(b, shards=tuple(replace(s, next=None) for s in b.shards)) for b in m.batches]
+            m.reindex = target
             self._write_manifest(m)
             self._remove_unlisted(m, staged)
             return m
 
     @staticmethod
-    def reindex_todo(m: Manifest) -> list[tuple[dict[str, Any], int]]:
+    def reindex_todo(m: Manifest) -> list[tuple[Batch, int]]:
         """The (batch, shard) segments the re-index under way has still to re-embed: those of the
         batches it began with that have no staged vectors, and later ones of another model."""
         if m.reindex is None:
             return []
-        target, through = m.reindex["fingerprint"], m.reindex["through"]
-        return [(b, s) for b in m.batches for s, entry in enumerate(b["shards"])
-                if entry.get("next", {}).get("fingerprint") != target and (b["id"] <= through or entry.get("fingerprint") != target)]
+        target, through = m.reindex.fingerprint, m.reindex.through
+        return [(b, s) for b in m.batches for s, entry in enumerate(b.shards)
+                if (entry.next is None or entry.next.fingerprint != target) and (b.id <= through or entry.fingerprint != target)]
 
     def _reindexing(self, name: str, uid: str, fingerprint: str) -> Manifest:
         """The manifest (the caller holds the lock) of generation ``uid`` under a re-index to ``fingerprint``."""
         m = self.read(name)
         self._check_uid(m, uid, "re-index")
-        if m.reindex is None or m.reindex["fingerprint"] != fingerprint:
+        if m.reindex is None or m.reindex.fingerprint != fingerprint:
             raise CorpusConflict(f"corpus {name!r}: the re-index to model {fingerprint} was finished or replaced by another one")
         return m
 
@@ -803,15 +950,15 @@ class CorpusStore:
         with self.lock(name):
             m = self._reindexing(name, uid, fingerprint)
             batch = self._batch(m, batch_id)
-            entry = batch["shards"][shard]
-            old = entry.get("next", {}).get("vectors", {}).get("file")
-            vec = self._rewrite_vectors(m, shard, batch, vectors, token_ids, m.reindex["dim"])
-            entry["next"] = {"fingerprint": fingerprint, "vectors": vec}
+            entry = batch.shards[shard]
+            old = entry.next.vectors.file if entry.next is not None else None
+            vec = self._rewrite_vectors(m, shard, batch, vectors, token_ids, m.reindex.dim)
+            m.put_batch(batch.with_segment(shard, replace(entry, next=StagedVectors(fingerprint, vec))))
             self._write_manifest(m)
             self._remove_unlisted(m, [old] if old else [])
             return m
 
-    def finish_reindex(self, name: str, uid: str, fingerprint: str) -> tuple[Manifest, list[tuple[dict[str, Any], int]]]:
+    def finish_reindex(self, name: str, uid: str, fingerprint: str) -> tuple[Manifest, list[tuple[Batch, int]]]:
         """Swap every staged segment in, with the model, in one manifest commit, once none is left
         to re-embed. Returns the manifest and the segments still to do (then nothing changed)."""
         with self.lock(name):
@@ -819,13 +966,11 @@ class CorpusStore:
             todo = self.reindex_todo(m)
             if todo:
                 return m, todo
-            replaced = []
-            for entry in (s for b in m.batches for s in b["shards"] if "next" in s):
-                replaced.append(entry["vectors"]["file"])
-                staged = entry.pop("next")
-                entry["vectors"], entry["fingerprint"] = staged["vectors"], staged["fingerprint"]
+            replaced = [s.vectors.file for b in m.batches for s in b.shards if s.next is not None]
+            m.batches = [replace(b, shards=tuple(s if s.next is None else replace(s, vectors=s.next.vectors, fingerprint=s.next.fingerprint, next=None)
+                                                 for s in b.shards)) for b in m.batches]
             target, m.reindex = m.reindex, None
-            m.fingerprint, m.dim, m.model = target["fingerprint"], target["dim"], target["model"]
+            m.fingerprint, m.dim, m.model = target.fingerprint, target.dim, target.model
             m.version += 1
             self._write_manifest(m)
             self._remove_unlisted(m, replaced)

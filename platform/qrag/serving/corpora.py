@@ -20,7 +20,7 @@ from qrag.data.sample import DataError
 from qrag.index.holder import corpus_bytes_per_holder
 from qrag.index.jobs import Job
 from qrag.index.shards import ShardUnhealthy
-from qrag.index.store import CorpusChanged, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
+from qrag.index.store import Batch, CorpusChanged, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 from qrag.retrieval.embedder import Tokenization
 from qrag.serving.backends import EncoderClient, ShardClient
 from qrag.serving.errors import ServiceError, data_error, store_error
@@ -74,7 +74,7 @@ class CorpusAdmin:
         """The manifest of a corpus indexed with the served model (409 otherwise); with
         ``reindexing``, also one being re-indexed to it (appends may go on meanwhile)."""
         m = self.manifest(name)
-        target = (m.reindex or {}).get("fingerprint")
+        target = m.reindex.fingerprint if m.reindex is not None else None
         if m.fingerprint == self.model.fingerprint or (reindexing and target == self.model.fingerprint):
             return m
         if target == self.model.fingerprint:
@@ -265,24 +265,24 @@ class CorpusAdmin:
         todo = self.store.reindex_todo(m)
         while True:  # appends of another model meanwhile leave segments to re-embed at the swap
             job.chunks_total = m.chunks
-            job.chunks_done = m.chunks - sum(batch["shards"][shard]["chunks"] for batch, shard in todo)
+            job.chunks_done = m.chunks - sum(batch.shards[shard].chunks for batch, shard in todo)
             for batch, shard in todo:
                 await self._reembed_segment(m, shard, batch, stage=True)
-                job.chunks_done += batch["shards"][shard]["chunks"]
+                job.chunks_done += batch.shards[shard].chunks
             m, todo = await asyncio.to_thread(self.store.finish_reindex, name, uid, fingerprint)
             if not todo:
                 return
 
-    async def _reembed_segment(self, m: Manifest, shard: int, batch: dict[str, Any], stage: bool = False) -> None:
+    async def _reembed_segment(self, m: Manifest, shard: int, batch: Batch, stage: bool = False) -> None:
         """New vectors of one segment from its stored texts: staged for the re-index under way, or
         in place of missing or corrupt ones (repair); of ``m``'s generation only."""
         rows = await asyncio.to_thread(self.store.read_texts, m, shard, batch)
         ids = await asyncio.to_thread(self.tok.tokenize_chunks, [t for _, _, t in rows], m.chunk_tokens)
         vectors = await self._embed_chunks(ids)
         if stage:
-            await asyncio.to_thread(self.store.stage_vectors, m.name, m.uid, self.model.fingerprint, shard, batch["id"], vectors, ids)
+            await asyncio.to_thread(self.store.stage_vectors, m.name, m.uid, self.model.fingerprint, shard, batch.id, vectors, ids)
         else:
-            await asyncio.to_thread(self.store.replace_vectors, m.name, shard, batch["id"], vectors, ids, self.model.fingerprint, m.uid)
+            await asyncio.to_thread(self.store.replace_vectors, m.name, shard, batch.id, vectors, ids, self.model.fingerprint, m.uid)
 
     async def repaired(self, name: str, exc: ShardUnhealthy) -> Manifest:
         """Repair what a query found unhealthy, and the corpus to search again: 503 when the
@@ -303,12 +303,12 @@ class CorpusAdmin:
         async with lock:
             m = await asyncio.to_thread(self.store.read, name)
             for problem in exc.problems:
-                batch = next((b for b in m.batches if b["id"] == problem.batch), None)
+                batch = m.batch(problem.batch)
                 if batch is None:
                     continue  # the corpus was re-created meanwhile: the retry reads the new one
-                entry = batch["shards"][problem.shard]
+                entry = batch.shards[problem.shard]
                 segment, still = await asyncio.to_thread(self.store.read_segment, m, problem.shard, batch)
-                if still is None and entry.get("fingerprint") == m.fingerprint:
+                if still is None and entry.fingerprint == m.fingerprint:
                     continue  # another request repaired it meanwhile
                 await self._reembed_segment(m, problem.shard, batch)
                 m = await asyncio.to_thread(self.store.current, m, "repair")
