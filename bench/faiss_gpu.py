@@ -8,7 +8,7 @@ states, for corpora of 1M, 10M and 100M tokens (20K, 200K and 2M chunks of ~50 t
 
 - ``torch``: the shards' own path (``ShardOptions(faiss="never")``), float32 vectors;
 - ``faiss_flat``: a ``GpuIndexFlatIP`` per shard (float32), searched for ``k`` plus the selected
-  count, the selected rows filtered out afterwards (what ``ShardIndex._faiss_topk`` does);
+  count, the selected rows filtered out afterwards (what ``ShardIndex._faiss_best_chunks`` does);
 - ``faiss_flat_fp16``: the same with float16 storage (``useFloat16``);
 - ``faiss_one_index``: one ``GpuIndexFlatIP`` over the whole corpus (FAISS at its best: no
   per-shard calls);

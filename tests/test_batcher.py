@@ -56,9 +56,9 @@ class ScoreByDistance:
     def __init__(self, offset: int = 1, in_process: bool = True, fail: bool = False):
         self.offset, self.fail, self.passes = offset, fail, []
         if in_process:
-            self.topk_now = self._topk
+            self.score_now = self._score
 
-    def _topk(self, states, rows, selected, k):
+    def _score(self, states, rows, selected, k):
         self.passes.append(len(states))
         if self.fail:
             raise RuntimeError("shard down")
@@ -72,9 +72,9 @@ class ScoreByDistance:
         records = {int(c): ChunkRecord(f"d{c}", f"chunk {c}", np.array([1, 100 + c, 2], np.int32)) for c in ids[ids >= 0]}
         return [ShardHits(q, ids, None, records)]
 
-    async def topk(self, states, rows, selected, k):
+    async def score(self, states, rows, selected, k):
         await asyncio.sleep(0)
-        return self._topk(states, rows, selected, k)
+        return self._score(states, rows, selected, k)
 
 
 def run_of(first: int, steps: int = 3) -> SearchRun:

@@ -35,7 +35,7 @@ class _Seg:
         self.tokens = [np.array([1, 2], dtype=np.int64) for _ in positions]
 
 
-def test_fused_topk_gives_the_blocked_paths_hits(monkeypatch):
+def test_fused_best_chunks_gives_the_blocked_paths_hits(monkeypatch):
     rng = np.random.default_rng(1)
     d, n_shards, shard, rows = 16, 2, 0, 40
     cfg = ModelConfig(encoder="unused", positions="relative")
@@ -44,9 +44,9 @@ def test_fused_topk_gives_the_blocked_paths_hits(monkeypatch):
     states = torch.from_numpy(rng.standard_normal((2, d)).astype(np.float32))
     selected, n_total = [[4, 11], []], 2 * rows
     mine = [[g // n_shards for g in s if g % n_shards == shard] for s in selected]
-    blocked = index._exact_topk(states, selected, mine, rows, n_total, 5)  # CPU: the blocked eager path
+    blocked = index._exact_best_chunks(states, selected, mine, rows, n_total, 5)  # CPU: the blocked eager path
     monkeypatch.setitem(shards_mod._FUSED, "fn", relative_scores)  # the compiled function's source, eagerly
-    fused = index._fused_topk(states, selected, index.vectors, rows, n_total, 5)
+    fused = index._fused_best_chunks(states, selected, index.vectors, rows, n_total, 5)
     for a, b in zip(blocked, fused):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 

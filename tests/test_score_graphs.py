@@ -40,7 +40,7 @@ def reference(shards, states, selected, n_total, k):
     sel = torch.from_numpy(selected_matrix(selected, n_total))
     out = []
     for s in shards:
-        q, i, pos = s.device_topk(torch.from_numpy(states), sel, n_total, k)
+        q, i, pos = s.best_chunks_on_device(torch.from_numpy(states), sel, n_total, k)
         out.append((q.numpy(), i.numpy(), None if pos is None else pos.numpy()))
     return out
 
@@ -63,7 +63,7 @@ def test_replays_answer_like_the_eager_step_for_every_batch_size(graphs, positio
     for rows in (1, 3, 3, 2, 5, 1, 3):  # buckets 1, 4, 4 (a replay), 4, 8, 1 (a replay), 4
         states = rng.standard_normal((rows, D)).astype(np.float32)
         selected = [sorted(rng.choice(n_total, size=2, replace=False).tolist()) for _ in range(rows)]
-        got = graphs.topk(shards, torch.from_numpy(states), selected_matrix(selected, n_total), n_total, k)
+        got = graphs.replay_best_chunks(shards, torch.from_numpy(states), selected_matrix(selected, n_total), n_total, k)
         assert_same(got, reference(shards, states, selected, n_total, k))
         assert all(q.shape == (rows, k) for q, _, _ in got)  # padded rows cut off
     assert graphs.captures == 3 and graphs.replays == 4  # buckets 1, 4 and 8, each captured once
@@ -72,28 +72,28 @@ def test_replays_answer_like_the_eager_step_for_every_batch_size(graphs, positio
 def test_more_rows_than_the_largest_bucket_and_a_failed_capture_fall_back(graphs, monkeypatch):
     shards = [s for s in make_shards("relative") if s.n]
     states = torch.zeros(9, D)
-    assert graphs.topk(shards, states, selected_matrix([[]] * 9, 30), 30, 2) is None
+    assert graphs.replay_best_chunks(shards, states, selected_matrix([[]] * 9, 30), 30, 2) is None
 
     def broken(self, step, device):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(ScoreGraphs, "_record", broken)
-    assert graphs.topk(shards, torch.zeros(2, D), selected_matrix([[]] * 2, 30), 30, 2) is None
+    assert graphs.replay_best_chunks(shards, torch.zeros(2, D), selected_matrix([[]] * 2, 30), 30, 2) is None
     assert any("capturing" in why for why in graphs.failures.values())
     monkeypatch.setattr(ScoreGraphs, "_record", eager_record)
-    assert graphs.topk(shards, torch.zeros(2, D), selected_matrix([[]] * 2, 30), 30, 2) is None  # not retried
+    assert graphs.replay_best_chunks(shards, torch.zeros(2, D), selected_matrix([[]] * 2, 30), 30, 2) is None  # not retried
 
 
 def test_a_replaced_shard_is_captured_again(graphs):
     states = np.random.default_rng(2).standard_normal((2, D)).astype(np.float32)
     sel = selected_matrix([[1], [2]], 30)
     first = [s for s in make_shards("relative", seed=0) if s.n]
-    graphs.topk(first, torch.from_numpy(states), sel, 30, 2)
+    graphs.replay_best_chunks(first, torch.from_numpy(states), sel, 30, 2)
     entry_key = next(iter(graphs._captured))
     second = [s for s in make_shards("relative", seed=5) if s.n]
     # The same ids, pointers and sizes as the first shards: only the weak references tell them apart.
     graphs._captured[tuple([tuple((id(s), s.rows_within(30), s.vectors.data_ptr()) for s in second), *entry_key[1:]])] = graphs._captured[entry_key]
-    got = graphs.topk(second, torch.from_numpy(states), sel, 30, 2)
+    got = graphs.replay_best_chunks(second, torch.from_numpy(states), sel, 30, 2)
     assert_same(got, reference(second, states, [[1], [2]], 30, 2))
     assert graphs.captures == 2
 

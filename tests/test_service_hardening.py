@@ -403,7 +403,7 @@ def test_loading_a_corpus_does_not_block_queries_of_another(model, tmp_path):
     assert entered.wait(10)
     states = model.embed_states([model.tokenize_question("the king")])
     t0 = time.perf_counter()
-    hits = holder.topk("fast", store.read("fast").uid, 1, states, [[]], store.read("fast").chunks, 2)
+    hits = holder.best_chunks("fast", store.read("fast").uid, 1, states, [[]], store.read("fast").chunks, 2)
     assert hits.ids.shape == (1, 2) and time.perf_counter() - t0 < 5 and loader.is_alive()  # answered while "slow" loads
     assert holder.loaded("fast", store.read("fast").uid, 1) is not None and holder.loaded("slow", store.read("slow").uid, 1) is None
     release.set()

@@ -1,5 +1,5 @@
 """The batched shard scorer (score_shards: every torch shard of a device in one pass, one copy to
-the host) answers exactly what each shard's own topk answers."""
+the host) answers exactly what each shard's own best_chunks answers."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_batched_scoring_gives_the_per_shard_hits(positions, k, n_total):
     shards = make_shards(positions)
     selected = selected_below(n_total)
     states = np.random.default_rng(1).standard_normal((len(selected), D)).astype(np.float32)
-    want = [s.topk(states, selected, n_total, k) for s in shards]
+    want = [s.best_chunks(states, selected, n_total, k) for s in shards]
     got = score_shards(shards, states, selected, n_total, k)
     assert_same_hits(got, want)
     assert got[2].q.shape == (len(selected), 0)  # the empty shard
@@ -85,13 +85,13 @@ def test_batched_fused_scoring_gives_the_per_shard_hits(monkeypatch):
     monkeypatch.setitem(shards_mod._FUSED, "fn", relative_scores)
     shards = make_shards("relative")
     states = torch.from_numpy(np.random.default_rng(2).standard_normal((len(SELECTED), D)).astype(np.float32))
-    want = [s.topk(states, selected_below(22), 22, 4) for s in shards]
+    want = [s.best_chunks(states, selected_below(22), 22, 4) for s in shards]
     assert_same_hits(score_shards(shards, states, selected_below(22), 22, 4), want)
 
 
 def test_batched_off_keeps_the_per_shard_path(monkeypatch):
     calls = []
-    monkeypatch.setattr(ShardIndex, "device_topk", lambda self, *a: calls.append(self.shard))
+    monkeypatch.setattr(ShardIndex, "best_chunks_on_device", lambda self, *a: calls.append(self.shard))
     shards = make_shards("relative", batched=False)
     states = np.random.default_rng(3).standard_normal((2, D)).astype(np.float32)
     score_shards(shards, states, selected_below(22)[:2], 22, 3)
@@ -113,8 +113,8 @@ def test_one_copy_to_the_host_per_step_for_all_shards(monkeypatch):
     shards = make_shards("relative")
     states = np.random.default_rng(4).standard_normal((len(SELECTED), D)).astype(np.float32)
     backend = HeldShards(shards, 22)
-    backend.topk(states, list(range(len(SELECTED))), selected_below(22), 3)
+    backend.score(states, list(range(len(SELECTED))), selected_below(22), 3)
     assert counts == {"cpu": 1, "item": 0, "tolist": 0}
     counts.update(cpu=0)
-    [s.topk(states, selected_below(22), 22, 3) for s in shards]
+    [s.best_chunks(states, selected_below(22), 22, 3) for s in shards]
     assert counts["cpu"] >= 2 * 3  # three scored shards, top Q, rows and positions copied apart

@@ -104,7 +104,7 @@ class Shard:
         warm_holder(self.holder, c)
 
     async def ready(self, corpus: str, uid: str, version: int):
-        """Load the corpus version (before a query's rounds); the answer as :meth:`topk`'s."""
+        """Load the corpus version (before a query's rounds); the answer as :meth:`best_chunks`'s."""
         async def load():
             await self._ensure(corpus, uid, version)  # (the answer is the status alone: shards stay here)
 
@@ -116,14 +116,14 @@ class Shard:
             cs = await asyncio.get_running_loop().run_in_executor(self.loader, self.holder.ensure, corpus, uid, version)
         return cs
 
-    async def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int):
+    async def best_chunks(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int):
         """("ok", ShardHits) | ("unhealthy", problems) | ("not_found", message) |
         ("over_budget", (corpus, need, budget)): plain data, so the ingress sees the reason
         whatever Ray does to exception types."""
 
         async def score():
             cs = await self._ensure(corpus, uid, version)
-            return await asyncio.to_thread(cs.topk, states, selected, n_total, k)
+            return await asyncio.to_thread(cs.best_chunks, states, selected, n_total, k)
 
         return await self._guarded(score())
 
@@ -180,8 +180,8 @@ class RemoteShards:
             raise ShardOverBudget(*payload)
         return payload
 
-    async def topk(self, *args) -> ShardHits:
-        return self._answer(*await self._call(self.handle.topk, *args))
+    async def best_chunks(self, *args) -> ShardHits:
+        return self._answer(*await self._call(self.handle.best_chunks, *args))
 
     async def ready(self, corpus: str, uid: str, version: int) -> None:
         self._answer(*await self._call(self.handle.ready, corpus, uid, version))

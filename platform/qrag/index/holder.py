@@ -254,8 +254,10 @@ class ShardHolder:
             self._loads_done.notify_all()
             return gone
 
-    def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int) -> ShardHits:
-        return self.ensure(corpus, uid, version).topk(states, selected, n_total, k)
+    def best_chunks(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
+                    k: int) -> ShardHits:
+        """:meth:`CorpusShards.best_chunks` of corpus version (``corpus``, ``uid``, ``version``), loaded first if need be."""
+        return self.ensure(corpus, uid, version).best_chunks(states, selected, n_total, k)
 
     def preload(self, fingerprint: str | None = None) -> list[str]:
         """Load every stored corpus (of the model ``fingerprint``, when given), most recently
@@ -290,7 +292,7 @@ class ShardHolder:
         for rows in [b for b in BATCH_BUCKETS if b <= max_rows]:
             states = np.zeros((rows, m.dim), np.float32)
             for width in range(0, max(0, min(max_selected, n_total - 1)) + 1):
-                cs.topk(states, [list(range(width))] * rows, n_total, min(k, n_total))
+                cs.best_chunks(states, [list(range(width))] * rows, n_total, min(k, n_total))
                 runs += 1
         return runs
 

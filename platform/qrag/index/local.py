@@ -44,7 +44,7 @@ class HeldShards:
     def __init__(self, shards: Sequence[ShardIndex], n_total: int):
         self.shards, self.n_total = list(shards), n_total
 
-    def topk(self, states, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+    def score(self, states, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
         return score_shards(self.shards, states, selected, self.n_total, k)
 
 

@@ -87,9 +87,9 @@ class ScoreGraphs:
         self.replays = 0
         self.captures = 0
 
-    def topk(self, shards: Sequence[Any], states: torch.Tensor, sel: np.ndarray, n_total: int, k: int
+    def replay_best_chunks(self, shards: Sequence[Any], states: torch.Tensor, sel: np.ndarray, n_total: int, k: int
              ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None:
-        """Each shard's :meth:`~qrag.index.shards.ShardIndex.device_topk` for the rows of ``states``
+        """Each shard's :meth:`~qrag.index.shards.ShardIndex.best_chunks_on_device` for the rows of ``states``
         (on the shards' GPU) and ``sel`` (:func:`~qrag.index.shards.selected_matrix`), on the host;
         None where no graph serves (more rows than the largest bucket, a failed capture)."""
         rows, width = len(states), sel.shape[1]
@@ -134,7 +134,7 @@ class ScoreGraphs:
         sl[: len(sel)] = torch.from_numpy(sel).to(device)
 
         def step():
-            tops = [s.device_topk(st, sl, n_total, k) for s in shards]
+            tops = [s.best_chunks_on_device(st, sl, n_total, k) for s in shards]
             return tops, pack([t for top in tops for t in top if t is not None])
 
         graph, (tops, packed) = self._record(step, device)

@@ -243,7 +243,7 @@ class ShardIndex:
             return self.vectors[start : self.n].cpu().numpy(), self._batches()
 
     @torch.no_grad()
-    def topk(self, states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
+    def best_chunks(self, states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
         """Each state row's best ``k`` chunks of this shard among the first ``n_total`` global
         positions, the row's ``selected`` (global) chunks excluded."""
         n = self.rows_within(n_total)
@@ -254,10 +254,10 @@ class ShardIndex:
             return ShardHits.empty(rows, with_pos)
         mine = [[g // self.n_shards for g in sel if g % self.n_shards == self.shard and g < n_total] for sel in selected]
         if self.uses_faiss:
-            q, local = self._faiss_topk(states, mine, n, k)
+            q, local = self._faiss_best_chunks(states, mine, n, k)
             pos = None
         else:
-            q, local, pos = self._exact_topk(states, selected, mine, n, n_total, k)
+            q, local, pos = self._exact_best_chunks(states, selected, mine, n, n_total, k)
         return self.hits(q, local, pos)
 
     def rows_within(self, n_total: int) -> int:
@@ -265,7 +265,7 @@ class ShardIndex:
         return min(self.n, shard_rows(self.shard, self.n_shards, n_total))
 
     def hits(self, q: np.ndarray, local: np.ndarray, pos: np.ndarray | None) -> ShardHits:
-        """The host half of a top-k: local rows (-1: none) to global ids, and their records."""
+        """The host half of :meth:`best_chunks`: local rows (-1: none) to global ids, and their records."""
         ids = np.where(local >= 0, self.shard + self.n_shards * local, -1)
         records = {int(g): self.record(int(g)) for g in np.unique(ids[ids >= 0])}
         return ShardHits(q, ids.astype(np.int64), pos, records)
@@ -305,8 +305,8 @@ class ShardIndex:
         return banned[:, :n]
 
     @torch.no_grad()
-    def device_topk(self, states: torch.Tensor, sel: torch.Tensor, n_total: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The device half of :meth:`topk` for torch-scored shards (``n > 0``, ``k > 0``): each row's
+    def best_chunks_on_device(self, states: torch.Tensor, sel: torch.Tensor, n_total: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The device half of :meth:`best_chunks` for torch-scored shards (``n > 0``, ``k > 0``): each row's
         best ``min(k, n)`` Q, their local rows and their positions (None: positions off), left on
         the device (no host sync). ``states`` and ``sel`` (:func:`selected_matrix`) are on the device.
         The same arithmetic as the per-shard path, so the same picks and values."""
@@ -335,11 +335,11 @@ class ShardIndex:
 
     # The per-shard path (ShardOptions.batched off): its own selected set, exclusion by host
     # lists and three copies to the host per shard; kept as the reference the bench compares to.
-    def _exact_topk(self, states, selected, mine, n, n_total, k):
+    def _exact_best_chunks(self, states, selected, mine, n, n_total, k):
         vectors = self.vectors[:n]
         c = self.model
         if self._wants_fused():
-            hits = self._fused_topk(states, selected, vectors, n, n_total, k)
+            hits = self._fused_best_chunks(states, selected, vectors, n, n_total, k)
             if hits is not None:
                 return hits
         pos = None
@@ -352,7 +352,7 @@ class ShardIndex:
                 q[r, rows] = float("-inf")
         return self._top(q, k, n, None if pos is None else lambda top_i: pos.gather(1, top_i))
 
-    def _fused_topk(self, states, selected, vectors, n, n_total, k):
+    def _fused_best_chunks(self, states, selected, vectors, n, n_total, k):
         if _fused() is None:
             return None
         c = self.model
@@ -362,7 +362,7 @@ class ShardIndex:
             return None
         return self._top(q, k, n, lambda top_i: positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell))
 
-    def _faiss_topk(self, states, mine, n, k):
+    def _faiss_best_chunks(self, states, mine, n, k):
         faiss_index = self._shard_faiss()
         extra = max((len(m) for m in mine), default=0) + (self.n - n)  # rows to filter out afterwards
         kk = min(self.n, k + extra)
@@ -408,7 +408,7 @@ def _faiss():
 @torch.no_grad()
 def score_shards(shards: Sequence[ShardIndex], states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]],
                  n_total: int, k: int) -> list[ShardHits]:
-    """Each shard's :meth:`ShardIndex.topk`, in order. The torch-scored shards of a device are
+    """Each shard's :meth:`ShardIndex.best_chunks`, in order. The torch-scored shards of a device are
     scored in one pass: the states and the selected set go to the device once, every shard's
     device half is launched, and all their results come back in one copy (a host sync per shard
     costs more than the scoring). FAISS shards, empty ones and those with ``batched`` off answer
@@ -419,16 +419,16 @@ def score_shards(shards: Sequence[ShardIndex], states: torch.Tensor | np.ndarray
         if shard.options.batched and not shard.uses_faiss and k > 0 and shard.rows_within(n_total) > 0:
             by_device.setdefault(shard.device, []).append(j)
         else:
-            out[j] = shard.topk(states, selected, n_total, k)
+            out[j] = shard.best_chunks(states, selected, n_total, k)
     sel = selected_matrix(selected, n_total) if by_device else None
     for device, idx in by_device.items():
         st = states_on(states, device)
         results = None
         if device.type == "cuda" and all(shards[j].options.graphs for j in idx):
-            results = score_graphs_for(device).topk([shards[j] for j in idx], st, sel, n_total, k)
+            results = score_graphs_for(device).replay_best_chunks([shards[j] for j in idx], st, sel, n_total, k)
         if results is None:
             sel_d = torch.from_numpy(sel).to(device)
-            tops = [shards[j].device_topk(st, sel_d, n_total, k) for j in idx]
+            tops = [shards[j].best_chunks_on_device(st, sel_d, n_total, k) for j in idx]
             host = iter(to_host([t for top in tops for t in top if t is not None]))
             results = [(next(host), next(host), next(host) if top[2] is not None else None) for top in tops]
         for j, (q, top_i, pos) in zip(idx, results):
@@ -510,7 +510,8 @@ class CorpusShards:
             if problems:
                 raise ShardUnhealthy(problems)
 
-    def topk(self, states, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
+    def best_chunks(self, states, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
+        """Each state row's best ``k`` chunks of the shards held here (:func:`score_shards`, merged)."""
         shards = [self.shards[s] for s in self.slots if s in self.shards]
         if not shards:
             return ShardHits.empty(len(states), False)

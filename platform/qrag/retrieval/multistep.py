@@ -162,15 +162,21 @@ class SearchRun:
 
 
 class ScoringBackend(Protocol):
-    """Top-k chunks per state row. Row r belongs to run ``rows[r]`` of the round (backends that
-    hold one context per run use it; a corpus shared by all runs ignores it); ``selected[r]`` are
-    its path's chosen global positions, sorted. Returns one :class:`ShardHits` per shard."""
+    """What the search driver scores with: ``score`` gives each state row's best ``k`` chunks. Row
+    r belongs to run ``rows[r]`` of the round (backends that hold one context per run use it; a
+    corpus shared by all runs ignores it); ``selected[r]`` are its path's chosen global positions,
+    sorted. Returns one :class:`ShardHits` per shard (or shard holder); the driver merges them.
+    Implementations: ``HeldShards`` (qrag.index.local), ``ContextVectors`` (qrag.retrieval.search),
+    and, awaited, ``ShardClients`` and ``HeldInProcess`` (qrag.serving.backends)."""
 
-    def topk(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
+    def score(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
 
 
 class AsyncScoringBackend(Protocol):
-    async def topk(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
+    """:class:`ScoringBackend` for :func:`search_async`: ``score`` is awaited (a backend whose work
+    runs in this process may also offer ``score_now``, the same answer synchronously)."""
+
+    async def score(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
 
 
 @dataclass
@@ -238,7 +244,7 @@ def search(runs: Sequence[SearchRun], embed: Callable[[list[np.ndarray]], Any], 
         t0 = time.perf_counter()
         states = embed(r.seqs)
         t1 = time.perf_counter()
-        hits = backend.topk(states, r.rows, r.selected, r.k)
+        hits = backend.score(states, r.rows, r.selected, r.k)
         t2 = time.perf_counter()
         r.advance(hits)
         if timings is not None:
@@ -252,7 +258,7 @@ async def search_async(runs: Sequence[SearchRun], embed: Callable[[list[np.ndarr
         t0 = time.perf_counter()
         states = await embed(r.seqs)
         t1 = time.perf_counter()
-        hits = await backend.topk(states, r.rows, r.selected, r.k)
+        hits = await backend.score(states, r.rows, r.selected, r.k)
         t2 = time.perf_counter()
         r.advance(hits)
         if timings is not None:

@@ -34,7 +34,7 @@ class ContextVectors:
         self.valid = torch.arange(vectors.shape[1], device=vectors.device)[None, :] < self.counts[:, None]
 
     @torch.no_grad()
-    def topk(self, states: torch.Tensor, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+    def score(self, states: torch.Tensor, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
         dev, width = self.vectors.device, self.vectors.shape[1]
         idx = torch.tensor(rows, device=dev)
         mask = torch.zeros(len(rows), width, dtype=torch.bool, device=dev)

@@ -3,7 +3,7 @@
 The service sees two small interfaces: an :class:`EncoderClient` and :class:`ShardClient` s
 (each holds some shards of every corpus). Behind Ray Serve they may be deployment handles
 (``qrag.distributed.serving``); here they are objects of this process, which also answer
-synchronously (``embed_now``, ``topk_now``) so that the batcher runs a whole round in one
+synchronously (``embed_now``, ``best_chunks_now``, ``score_now``) so that the batcher runs a whole round in one
 worker thread (:mod:`qrag.serving.batcher`).
 """
 
@@ -36,8 +36,8 @@ class EncoderClient(Protocol):
 class ShardClient(Protocol):
     """Holds some shards of every corpus; raises ShardUnhealthy instead of serving a bad one."""
 
-    async def topk(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
-                   k: int) -> ShardHits: ...
+    async def best_chunks(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
+                          k: int) -> ShardHits: ...
     async def ready(self, corpus: str, uid: str, version: int) -> None: ...
     async def stats(self, corpus: str | None) -> dict[str, Any]: ...
     async def forget(self, corpus: str) -> None: ...
@@ -82,12 +82,12 @@ class LocalShards:
         self.holder = holder
         self._loader = ThreadPoolExecutor(loaders, thread_name_prefix="qrag-load")
 
-    def topk_now(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
-                 k: int) -> ShardHits:
-        return self.holder.topk(corpus, uid, version, states, selected, n_total, k)
+    def best_chunks_now(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
+                        k: int) -> ShardHits:
+        return self.holder.best_chunks(corpus, uid, version, states, selected, n_total, k)
 
-    async def topk(self, *args) -> ShardHits:
-        return await asyncio.to_thread(self.topk_now, *args)
+    async def best_chunks(self, *args) -> ShardHits:
+        return await asyncio.to_thread(self.best_chunks_now, *args)
 
     async def ready(self, corpus: str, uid: str, version: int) -> None:
         if self.holder.loaded(corpus, uid, version) is None:
@@ -105,18 +105,18 @@ class ShardClients:
 
     def __init__(self, clients: Sequence[ShardClient], m: Manifest):
         self.clients, self.m = list(clients), m
-        if all(hasattr(c, "topk_now") for c in self.clients):
-            self.topk_now = self._topk_now
+        if all(hasattr(c, "best_chunks_now") for c in self.clients):  # every holder in this process
+            self.score_now = self._score_now
 
     def _args(self, states: np.ndarray, selected: list[list[int]], k: int) -> tuple:
         m = self.m
         return m.name, m.uid, m.version, states, selected, m.chunks, k
 
-    async def topk(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
-        return list(await asyncio.gather(*(c.topk(*self._args(states, selected, k)) for c in self.clients)))
+    async def score(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return list(await asyncio.gather(*(c.best_chunks(*self._args(states, selected, k)) for c in self.clients)))
 
-    def _topk_now(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
-        return [c.topk_now(*self._args(states, selected, k)) for c in self.clients]
+    def _score_now(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return [c.best_chunks_now(*self._args(states, selected, k)) for c in self.clients]
 
     async def ready(self) -> None:
         """Every client holds the corpus version (loads happen here, not in a round)."""
@@ -130,8 +130,8 @@ class HeldInProcess:
     def __init__(self, backend: HeldShards):
         self.backend = backend
 
-    def topk_now(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
-        return list(self.backend.topk(states, rows, selected, k))
+    def score_now(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return list(self.backend.score(states, rows, selected, k))
 
-    async def topk(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
-        return await asyncio.to_thread(self.topk_now, states, rows, selected, k)
+    async def score(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:
+        return await asyncio.to_thread(self.score_now, states, rows, selected, k)

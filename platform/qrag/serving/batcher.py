@@ -36,9 +36,10 @@ class StateEncoder(Protocol):
 
 
 class Scoring(Protocol):
-    """A corpus version's scoring backend (``rows``: each state row's search in the group)."""
+    """A corpus version's scoring backend (``rows``: each state row's search in the group); one
+    whose work runs in this process also has ``score_now``, the same answer synchronously."""
 
-    async def topk(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
+    async def score(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
 
 
 @dataclass(eq=False)
@@ -135,7 +136,7 @@ class LockstepBatcher:
             raise
 
     def _in_process(self, groups: list[_Group]) -> bool:
-        return getattr(self.encoder, "embed_now", None) is not None and all(getattr(g.backend, "topk_now", None) is not None
+        return getattr(self.encoder, "embed_now", None) is not None and all(getattr(g.backend, "score_now", None) is not None
                                                                             for g in groups)
 
     def _fail(self, loop: asyncio.AbstractEventLoop, failures: list[tuple[list[_Search], Exception]]) -> None:
@@ -160,7 +161,7 @@ class LockstepBatcher:
         failures = []
         for g in groups:
             try:
-                hits = g.backend.topk_now(vectors[g.lo:g.hi], *_rows(g))
+                hits = g.backend.score_now(vectors[g.lo:g.hi], *_rows(g))
             except Exception as exc:  # noqa: BLE001 - this corpus's searches fail; the others go on
                 failures.append((g.searches, exc))
                 continue
@@ -177,7 +178,7 @@ class LockstepBatcher:
         except Exception as exc:  # noqa: BLE001 - the round's searches fail with it
             return [(live, exc)]
         t1 = time.perf_counter()
-        answers = await asyncio.gather(*(g.backend.topk(vectors[g.lo:g.hi], *_rows(g)) for g in groups), return_exceptions=True)
+        answers = await asyncio.gather(*(g.backend.score(vectors[g.lo:g.hi], *_rows(g)) for g in groups), return_exceptions=True)
         t2 = time.perf_counter()
         failures = []
         for g, hits in zip(groups, answers):
