@@ -149,7 +149,7 @@ def main() -> None:
         lib = [library(q) for q in timed]
         one = [client.retrieve(body(q)) for q in timed]
         row = {
-            "holders": len(service.shards), "state_batch_size": state_batch,
+            "holders": len(service.holders), "state_batch_size": state_batch,
             "library_concurrency_1": summary([ms for ms, _ in lib]),
             "http_concurrency_1": summary([ms for ms, _ in one]),
             "same_chunks_http_vs_library": round(sum(a[1] == b[1] for a, b in zip(lib, one)) / len(lib), 4),

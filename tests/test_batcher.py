@@ -165,7 +165,7 @@ def test_concurrent_service_requests_answer_as_offline_search(model, tmp_path): 
     cfg = SearchConfig(max_steps=3, alternatives=2)
     offline = [[s.chunk for s in index.retrieve("books", q, cfg)[0].steps] for q in questions]
     service = local_service(serve_cfg(tmp_path), model)
-    assert service.shards[0].holder.preload() == ["books"]  # as a replica does at start
+    assert service.holders[0].holder.preload() == ["books"]  # as a replica does at start
 
     async def all_at_once():
         return await asyncio.gather(*(service.retrieve(RetrieveParams(question=q, corpus="books", max_steps=3, alternatives=2))
@@ -186,7 +186,7 @@ def test_warm_scoring_runs_every_shape_a_replica_serves(model, tmp_path):  # noq
     index.create("books", chunk_tokens=24, shards=2)
     index.add_documents("books", make_documents(4, 1))
     service = local_service(serve_cfg(tmp_path, state_batch_size=8, warm_steps=3), model)
-    holder = service.shards[0].holder
+    holder = service.holders[0].holder
     assert warm_holder(holder, service.cfg) == {"corpora": ["books"], "shapes": 0, "seconds": pytest.approx(0, abs=60)}  # CPU: no graphs
     assert holder.warm_scoring("books", 8, 2, 4) == 4 * 3  # buckets 1, 2, 4, 8; 0, 1 or 2 chunks selected
 

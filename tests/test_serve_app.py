@@ -216,7 +216,7 @@ def test_fewer_shard_deployments_each_hold_several_shards(tmp_path, tiny_encoder
     from qrag.retrieval.embedder import load_embedding_model, resolve_source
 
     service = local_service(cfg, load_embedding_model(resolve_source(None, tiny_encoder), "cpu"))
-    assert len(service.shards) == 1 and service.shards[0].holder.holders == 1
+    assert len(service.holders) == 1 and service.holders[0].holder.holders == 1
 
 
 def bad_requests() -> list[tuple[bytes, dict[str, str], int]]:

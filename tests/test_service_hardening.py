@@ -370,12 +370,12 @@ def test_over_budget_is_507_and_delete_frees_the_shards(model, tmp_path, loop):
     client = make_client(service, loop)
     assert client("POST", "/v1/corpora", json={"name": "small", "documents": docs_json(1)}).status_code == 201
     assert client("POST", "/v1/retrieve", json={"corpus": "small", "question": "q"}).status_code == 200
-    assert sum(s.holder.stats()["corpora"] for s in service.shards) == len(service.shards)
+    assert sum(s.holder.stats()["corpora"] for s in service.holders) == len(service.holders)
     r = client("POST", "/v1/corpora", json={"name": "big", "documents": docs_json(40, seed=2)})
     assert r.status_code == 507 and "shard_memory_bytes" in r.json()["error"]["message"]
     assert client("GET", "/v1/corpora/big").status_code == 404
     assert client("DELETE", "/v1/corpora/small").status_code == 200
-    assert all(s.holder.stats()["corpora"] == 0 and s.holder.stats()["bytes"] == 0 for s in service.shards)
+    assert all(s.holder.stats()["corpora"] == 0 and s.holder.stats()["bytes"] == 0 for s in service.holders)
 
 
 def test_loading_a_corpus_does_not_block_queries_of_another(model, tmp_path):

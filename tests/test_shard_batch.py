@@ -9,7 +9,7 @@ import torch
 
 from qrag.config import ModelConfig
 from qrag.index import shards as shards_mod
-from qrag.index.local import HeldShards
+from qrag.index.local import ShardsBackend
 from qrag.index.shards import ShardIndex, ShardOptions, relative_scores, score_shards
 
 D, N_SHARDS = 16, 4
@@ -112,7 +112,7 @@ def test_one_copy_to_the_host_per_step_for_all_shards(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     shards = make_shards("relative")
     states = np.random.default_rng(4).standard_normal((len(SELECTED), D)).astype(np.float32)
-    backend = HeldShards(shards, 22)
+    backend = ShardsBackend(shards, 22)
     backend.score(states, list(range(len(SELECTED))), selected_below(22), 3)
     assert counts == {"cpu": 1, "item": 0, "tolist": 0}
     counts.update(cpu=0)

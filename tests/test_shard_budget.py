@@ -25,11 +25,11 @@ def model(tiny_encoder):
 
 def test_the_shard_budget_is_on_by_default_and_sized_from_the_machine(model, tmp_path):
     service = local_service(serve_cfg(tmp_path), model)  # no shard_memory_bytes given
-    budgets = [s.holder.memory_bytes for s in service.shards]
+    budgets = [s.holder.memory_bytes for s in service.holders]
     expected = machine_budget(torch.device("cpu"), 0.5, len(budgets))
     assert all(b is not None and 0.5 * expected < b < 2 * expected for b in budgets), (budgets, expected)
-    assert local_service(serve_cfg(tmp_path, shard_memory_fraction=0.0), model).shards[0].holder.memory_bytes is None
-    assert local_service(serve_cfg(tmp_path, shard_memory_bytes=12345), model).shards[0].holder.memory_bytes == 12345
+    assert local_service(serve_cfg(tmp_path, shard_memory_fraction=0.0), model).holders[0].holder.memory_bytes is None
+    assert local_service(serve_cfg(tmp_path, shard_memory_bytes=12345), model).holders[0].holder.memory_bytes == 12345
 
 
 def test_concurrent_loads_reserve_their_memory_before_they_load(model, tmp_path):
@@ -70,7 +70,7 @@ def test_writes_check_the_machine_sized_budget_before_embedding(model, tmp_path)
     from qrag.serving.errors import ServiceError
 
     service = local_service(serve_cfg(tmp_path), model)
-    for s in service.shards:
+    for s in service.holders:
         s.holder.memory_bytes = 1000  # as if the machine had almost nothing to spare
     assert service.corpora.shard_budget() == 1000
     docs = [{"id": d.id, "text": d.text} for d in make_documents(3)]

@@ -94,6 +94,9 @@ def encoder_stats_of(model) -> dict[str, Any]:
 
 @serve.deployment(name="Shard", ray_actor_options={"num_cpus": 0}, **SHARD_LIMITS)
 class Shard:
+    """The Serve deployment around one ShardHolder (deployments Shard0..: slot i of every corpus);
+    the Ingress reaches it through a :class:`RemoteHolder`."""
+
     def __init__(self, cfg: dict[str, Any], slot: int):
         c = from_dict(ServeConfig, cfg)
         device = pick_device(c.shard_device)
@@ -161,8 +164,8 @@ async def call_backend(method, args: tuple, what: str, timeout_s: float, retry_a
         raise overloaded(what, retry_after_s, f"failed ({cause})") from None
 
 
-class RemoteShards:
-    """A Shard deployment behind the service's shard-client interface."""
+class RemoteHolder:
+    """A Shard deployment (its ShardHolder) behind the service's holder-client interface."""
 
     def __init__(self, handle, retry_after_s: int, timeout_s: float = 30.0):
         self.handle, self.retry_after_s, self.timeout_s = handle, retry_after_s, timeout_s
@@ -233,7 +236,7 @@ class Ingress:
         self.model = await asyncio.to_thread(serving_model, c)
         store = CorpusStore(c.storage)
         if shards:
-            clients = [RemoteShards(h, c.retry_after_s, c.handle_timeout_s) for h in shards]
+            clients = [RemoteHolder(h, c.retry_after_s, c.handle_timeout_s) for h in shards]
         else:
             clients = local_holders(c, store, pick_device(c.shard_device), holders=1)
             await asyncio.to_thread(warm_holder, clients[0].holder, c, self.model.fingerprint)

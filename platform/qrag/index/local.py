@@ -36,8 +36,8 @@ class Embedder(Protocol):
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray: ...
 
 
-class HeldShards:
-    """Scoring backend over shards held by this process (the library index, an inline context):
+class ShardsBackend:
+    """Scoring backend over ShardIndex objects the caller holds (the library index, an inline context):
     every state row is scored against the first ``n_total`` chunks of one corpus (the torch shards
     of a device in one pass with one copy to the host: :func:`qrag.index.shards.score_shards`)."""
 
@@ -140,7 +140,7 @@ class LocalIndex:
         return [run.result(seconds=seconds) for run in runs]
 
     @staticmethod
-    def _backend(cs: CorpusShards, m: Manifest) -> HeldShards:
+    def _backend(cs: CorpusShards, m: Manifest) -> ShardsBackend:
         if m.chunks < 1:
             raise StoreError(f"corpus {m.name!r} has no chunks")
-        return HeldShards([cs.shards[s] for s in range(m.shards)], m.chunks)
+        return ShardsBackend([cs.shards[s] for s in range(m.shards)], m.chunks)

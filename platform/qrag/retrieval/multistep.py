@@ -5,8 +5,8 @@ A :class:`SearchRun` is one question's search. Runs step in lockstep (:func:`rou
 embeds the states of every live path of every run in one call, asks a scoring backend for each
 state's top-k chunks, and advances every run. Backends differ only in where the chunk vectors
 live — in memory for the contexts of evaluation (:class:`qrag.retrieval.search.ContextVectors`), in shards
-held by this process (:class:`qrag.index.shards.HeldShards`: the library index, an inline
-context), or behind Serve handles (:class:`qrag.serving.backends.ShardClients`) — so every path of the
+held by this process (:class:`qrag.index.local.ShardsBackend`: the library index, an inline
+context), or behind Serve handles (:class:`qrag.serving.backends.HoldersBackend`) — so every path of the
 platform returns the same steps. :func:`search` and :func:`search_async` are the two transports
 (the Serve ingress awaits its encoder and shards); the logic they drive lives here once.
 
@@ -166,8 +166,8 @@ class ScoringBackend(Protocol):
     r belongs to run ``rows[r]`` of the round (backends that hold one context per run use it; a
     corpus shared by all runs ignores it); ``selected[r]`` are its path's chosen global positions,
     sorted. Returns one :class:`ShardHits` per shard (or shard holder); the driver merges them.
-    Implementations: ``HeldShards`` (qrag.index.local), ``ContextVectors`` (qrag.retrieval.search),
-    and, awaited, ``ShardClients`` and ``HeldInProcess`` (qrag.serving.backends)."""
+    Implementations: ``ShardsBackend`` (qrag.index.local), ``ContextVectors`` (qrag.retrieval.search),
+    and, awaited, ``HoldersBackend`` and ``InlineBackend`` (qrag.serving.backends)."""
 
     def score(self, states: Any, rows: list[int], selected: list[list[int]], k: int) -> Sequence[ShardHits]: ...
 

@@ -1,7 +1,8 @@
 """The encoder and the shard holders the service talks to, and their in-process forms.
 
-The service sees two small interfaces: an :class:`EncoderClient` and :class:`ShardClient` s
-(each holds some shards of every corpus). Behind Ray Serve they may be deployment handles
+The service sees two small interfaces: an :class:`EncoderClient` and :class:`HolderClient` s
+(each reaches one :class:`~qrag.index.holder.ShardHolder`, which holds some shards of every
+corpus; the hierarchy is in :mod:`qrag.index`). Behind Ray Serve they may be deployment handles
 (``qrag.distributed.serving``); here they are objects of this process, which also answer
 synchronously (``embed_now``, ``best_chunks_now``, ``score_now``) so that the batcher runs a whole round in one
 worker thread (:mod:`qrag.serving.batcher`).
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from qrag.index.holder import ShardHolder
-from qrag.index.local import HeldShards
+from qrag.index.local import ShardsBackend
 from qrag.index.store import Manifest
 from qrag.retrieval.embedder import EmbeddingModel
 from qrag.retrieval.hits import ShardHits
@@ -33,8 +34,9 @@ class EncoderClient(Protocol):
     async def embed_chunks(self, seqs: list[np.ndarray]) -> np.ndarray: ...
 
 
-class ShardClient(Protocol):
-    """Holds some shards of every corpus; raises ShardUnhealthy instead of serving a bad one."""
+class HolderClient(Protocol):
+    """A client of one shard holder (some shards of every corpus): :class:`LocalHolder` in this
+    process, ``RemoteHolder`` over a Serve handle. Raises ShardUnhealthy instead of serving a bad shard."""
 
     async def best_chunks(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
                           k: int) -> ShardHits: ...
@@ -74,7 +76,7 @@ class LocalEncoder:
         return await asyncio.to_thread(self._call, self.model.embed_chunks, seqs)
 
 
-class LocalShards:
+class LocalHolder:
     """A :class:`ShardHolder` of this process behind the client interface. Corpora load in their
     own threads, so a search of a loaded corpus never waits behind another's load."""
 
@@ -100,10 +102,10 @@ class LocalShards:
         self.holder.forget(corpus)
 
 
-class ShardClients:
-    """The scoring backend of one corpus version over every shard client, asked all at once."""
+class HoldersBackend:
+    """The scoring backend of one corpus version over every holder client, asked all at once."""
 
-    def __init__(self, clients: Sequence[ShardClient], m: Manifest):
+    def __init__(self, clients: Sequence[HolderClient], m: Manifest):
         self.clients, self.m = list(clients), m
         if all(hasattr(c, "best_chunks_now") for c in self.clients):  # every holder in this process
             self.score_now = self._score_now
@@ -124,10 +126,11 @@ class ShardClients:
         await asyncio.gather(*(c.ready(m.name, m.uid, m.version) for c in self.clients))
 
 
-class HeldInProcess:
-    """Shards held by this process for one request (an inline context)."""
+class InlineBackend:
+    """The scoring backend of an inline context: its shard, held by this process for one request
+    (a :class:`ShardsBackend` behind the awaited interface, with ``score_now`` for the batcher)."""
 
-    def __init__(self, backend: HeldShards):
+    def __init__(self, backend: ShardsBackend):
         self.backend = backend
 
     def score_now(self, states: np.ndarray, rows: list[int], selected: list[list[int]], k: int) -> list[ShardHits]:

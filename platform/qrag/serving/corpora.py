@@ -22,7 +22,7 @@ from qrag.index.jobs import Job
 from qrag.index.shards import ShardUnhealthy
 from qrag.index.store import Batch, CorpusChanged, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 from qrag.retrieval.embedder import Tokenization
-from qrag.serving.backends import EncoderClient, ShardClient
+from qrag.serving.backends import EncoderClient, HolderClient
 from qrag.serving.errors import ServiceError, data_error, store_error
 from qrag.serving.identity import ModelIdentity, chunk_token_limit, public_source
 from qrag.serving.job_runner import JobRunner
@@ -32,9 +32,9 @@ from qrag.serving.service_config import ServeConfig
 
 class CorpusAdmin:
     def __init__(self, cfg: ServeConfig, store: CorpusStore, tok: Tokenization, model: ModelIdentity, encoder: EncoderClient,
-                 shards: Sequence[ShardClient], metrics: Metrics | None = None):
+                 holders: Sequence[HolderClient], metrics: Metrics | None = None):
         self.cfg, self.store, self.tok, self.model = cfg, store, tok, model
-        self.encoder, self.shards, self.metrics = encoder, list(shards), metrics
+        self.encoder, self.holders, self.metrics = encoder, list(holders), metrics
         self.max_chunk_tokens = chunk_token_limit(model.max_positions, tok)
         self.jobs = JobRunner(cfg, store, self._summary_or_none)
         self._manifests: dict[str, tuple[tuple[int, int], Manifest]] = {}
@@ -105,7 +105,7 @@ class CorpusAdmin:
 
     async def stats(self, name: str) -> dict[str, Any]:
         m = self.manifest(name)
-        held = await asyncio.gather(*(s.stats(name) for s in self.shards), return_exceptions=True)
+        held = await asyncio.gather(*(s.stats(name) for s in self.holders), return_exceptions=True)
         shards = [h if isinstance(h, dict) else {"error": type(h).__name__} for h in held]
         return {**m.summary(), "bytes": await asyncio.to_thread(self.store.disk_bytes, name),
                 "memory_bytes": sum(s.get("bytes", 0) for s in shards), "shard_holders": shards,
@@ -163,7 +163,7 @@ class CorpusAdmin:
             raise ServiceError(404, "corpus", f"unknown corpus {name!r}") from None
         self._manifests.pop(name, None)
         # Free the shards' memory now (replicas not reached drop it at their next sweep).
-        await asyncio.gather(*(s.forget(name) for s in self.shards), return_exceptions=True)
+        await asyncio.gather(*(s.forget(name) for s in self.holders), return_exceptions=True)
         return {"deleted": name}
 
     def _documents(self, documents: Any) -> list[Document]:
@@ -202,7 +202,7 @@ class CorpusAdmin:
         holders of this process sized from the machine (holders behind handles check their own)."""
         if self.cfg.shard_memory_bytes is not None:
             return self.cfg.shard_memory_bytes
-        budgets = [b for b in (getattr(getattr(c, "holder", None), "memory_bytes", None) for c in self.shards) if b is not None]
+        budgets = [b for b in (getattr(getattr(c, "holder", None), "memory_bytes", None) for c in self.holders) if b is not None]
         return min(budgets) if budgets else None
 
     def check_memory(self, m: Manifest | None, name: str, chunks: int, tokens: int) -> None:
@@ -212,7 +212,7 @@ class CorpusAdmin:
             return
         if m is None:
             m = Manifest(name=name, uid="", fingerprint="", model={}, dim=self.model.dim, chunk_tokens=0, shards=self.cfg.shards)
-        need = corpus_bytes_per_holder(m, len(self.shards), chunks, tokens)
+        need = corpus_bytes_per_holder(m, len(self.holders), chunks, tokens)
         if need > budget:
             raise ServiceError(507, "documents" if chunks else "corpus",
                                f"corpus {name!r} would need about {need / 2**20:.1f} MiB in each index shard; the budget is "

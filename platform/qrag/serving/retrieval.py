@@ -16,12 +16,12 @@ import torch
 from qrag.config import SearchConfig
 from qrag.data.documents import Document, check_text
 from qrag.data.sample import DataError
-from qrag.index.local import HeldShards
+from qrag.index.local import ShardsBackend
 from qrag.index.shards import ShardIndex, ShardOptions, ShardUnhealthy
 from qrag.index.store import Segment
 from qrag.retrieval.hits import ChunkRecord
 from qrag.retrieval.multistep import SearchRun, Timings
-from qrag.serving.backends import HeldInProcess, ShardClients
+from qrag.serving.backends import HoldersBackend, InlineBackend
 from qrag.serving.batcher import LockstepBatcher
 from qrag.serving.corpora import CorpusAdmin
 from qrag.serving.errors import ServiceError, data_error
@@ -99,7 +99,7 @@ class RetrievalRequests:
         timings = Timings(tokenize=time.perf_counter() - t0)
         for attempt in range(2 + len(m.batches) * m.shards):
             try:
-                backend = ShardClients(self.corpora.shards, m)
+                backend = HoldersBackend(self.corpora.holders, m)
                 await backend.ready()
                 run = SearchRun(question, self.tok.layout, search, m.chunks)
                 await self.batcher.run(run, backend, (m.name, m.uid, m.version, m.chunks), timings)
@@ -123,7 +123,7 @@ class RetrievalRequests:
         timings.encode += time.perf_counter() - t
         shard = ShardIndex("context", 0, 1, self.model.model_cfg, self.model.dim, torch.device("cpu"), ShardOptions(faiss="never"))
         await asyncio.to_thread(shard.add, Segment(0, np.arange(len(chunks)), vectors, ids, [c.doc_id for c in chunks], [c.text for c in chunks]))
-        backend = HeldInProcess(HeldShards([shard], len(chunks)))
+        backend = InlineBackend(ShardsBackend([shard], len(chunks)))
         run = SearchRun(question, self.tok.layout, search, len(chunks))
         await self.batcher.run(run, backend, backend, timings)  # its own key: nobody shares an inline context
         timings.total = time.perf_counter() - t0

@@ -19,7 +19,7 @@ import torch
 from qrag.index.holder import ShardHolder
 from qrag.index.store import CorpusStore
 from qrag.retrieval.embedder import EmbeddingModel, Tokenization
-from qrag.serving.backends import EncoderClient, LocalEncoder, LocalShards, ShardClient
+from qrag.serving.backends import EncoderClient, HolderClient, LocalEncoder, LocalHolder
 from qrag.serving.batcher import LockstepBatcher
 from qrag.serving.corpora import CorpusAdmin
 from qrag.serving.identity import ModelIdentity
@@ -30,16 +30,17 @@ from qrag.serving.service_config import ServeConfig
 
 class RetrievalService:
     def __init__(self, cfg: ServeConfig, store: CorpusStore, tok: Tokenization, model: ModelIdentity,
-                 encoder: EncoderClient, shards: Sequence[ShardClient], metrics: Metrics | None = None):
+                 encoder: EncoderClient, holders: Sequence[HolderClient], metrics: Metrics | None = None):
         self.cfg, self.store, self.model = cfg, store, model
-        self.corpora = CorpusAdmin(cfg, store, tok, model, encoder, shards, metrics)
+        self.corpora = CorpusAdmin(cfg, store, tok, model, encoder, holders, metrics)
         self.batcher = LockstepBatcher(encoder, cfg.state_batch_size)
         self.requests = RetrievalRequests(self.corpora, self.batcher)
         self.jobs = self.corpora.jobs
 
     @property
-    def shards(self) -> list[ShardClient]:
-        return self.corpora.shards
+    def holders(self) -> list[HolderClient]:
+        """The clients of the shard holders every corpus's shards are spread over."""
+        return self.corpora.holders
 
     @property
     def encoder(self) -> EncoderClient:
@@ -86,16 +87,16 @@ class RetrievalService:
             "status": "ok", "model": self.model.describe(),
             "message": "serving a trained checkpoint" if trained else
                        "serving the UNTRAINED bundled encoder: no checkpoint is configured (set checkpoint in serve/config.yaml or --checkpoint)",
-            "shards": len(self.corpora.shards), "corpora": len(self.store.names()),
+            "shards": len(self.corpora.holders), "corpora": len(self.store.names()),
         }
 
 
-def local_holders(cfg: ServeConfig, store: CorpusStore, device: str | torch.device, holders: int | None = None) -> list[LocalShards]:
+def local_holders(cfg: ServeConfig, store: CorpusStore, device: str | torch.device, holders: int | None = None) -> list[LocalHolder]:
     """Shard holders of this process: ``holders`` of them (default ``cfg.shard_holders()``)."""
     n = cfg.shard_holders() if holders is None else holders
     options = cfg.shard_options()
     budget = cfg.shard_budget(torch.device(device), n)  # shard_memory_bytes, or a share of the machine
-    return [LocalShards(ShardHolder(store, s, n, torch.device(device), options, budget)) for s in range(n)]
+    return [LocalHolder(ShardHolder(store, s, n, torch.device(device), options, budget)) for s in range(n)]
 
 
 def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu", metrics: Metrics | None = None,
