@@ -1,4 +1,4 @@
-"""Training throughput through Ray: the learner fed by 1, 2, 4 EnvRunner actors, against the
+"""Training throughput through Ray: the learner fed by 1, 2, 4 EpisodeFeeder actors, against the
 same learner alone (``qrag.rl.train.TrainingRun`` with its own in-process sampling, no Ray).
 
     python bench/train_throughput.py --mode cpu --out bench/results/train_throughput_cpu.json
@@ -95,7 +95,7 @@ def with_runners(cfg, runners: int, skip: int) -> dict:
         ray.shutdown()
     out = result.return_value
     row = steady_state(out["update_seconds"], out["wait_seconds"], cfg.learner.episodes_per_update, skip)
-    return {"setup": f"Ray Train learner + {runners} EnvRunners", "runners": runners,
+    return {"setup": f"Ray Train learner + {runners} EpisodeFeeders", "runners": runners,
             "job_wall_s": round(time.perf_counter() - t0, 1), **row}
 
 
@@ -108,7 +108,7 @@ def measure(cfg, args, mode: dict, skip: int, rows: list[dict]) -> None:
             rows.append(with_runners(cfg, n, skip))
         except Exception as exc:  # noqa: BLE001 - e.g. no Ray on the GPU machine: keep the other rows
             traceback.print_exc()
-            rows.append({"setup": f"Ray Train learner + {n} EnvRunners", "runners": n, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append({"setup": f"Ray Train learner + {n} EpisodeFeeders", "runners": n, "error": f"{type(exc).__name__}: {exc}"})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
 

@@ -90,7 +90,7 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", default=str(ROOT / "configs" / "hotpot.yaml"), help="training preset")
     ap.add_argument("--updates", type=int, default=30, help="timed updates per training run")
     ap.add_argument("--warmup", type=int, default=3, help="updates left out of the figures")
-    ap.add_argument("--runners", type=int, default=4, help="EnvRunners of each training run")
+    ap.add_argument("--runners", type=int, default=4, help="EpisodeFeeders (distributed.runners) of each training run")
     ap.add_argument("--learner-gpus", type=float, default=0.2, help="GPU fraction of the learner (shares GPU 0 with a shard)")
     ap.add_argument("--encoder-gpus", type=float, default=0.2, help="GPU fraction of the Serve encoder")
     ap.add_argument("--steps", type=int, default=2, help="retrieval steps per query")

@@ -537,9 +537,9 @@ def placement_problems(cfg: Any, cluster: dict) -> list[str]:
     if d.runners:
         hosts = [w for w in workers if all(w.custom.get(k, 0) >= v for k, v in wanted.items())]
         if not wanted:
-            problems.append("distributed.runner_resources is empty: EnvRunners may land on GPU nodes; pin them to the CPU group's marker")
+            problems.append("distributed.runner_resources is empty: EpisodeFeeders may land on GPU nodes; pin them to the CPU group's marker")
         if any(w.gpus for w in hosts):
-            problems.append(f"EnvRunners may be placed on GPU groups {[w.name for w in hosts if w.gpus]}: give the CPU group a marker resource only it declares")
+            problems.append(f"EpisodeFeeders may be placed on GPU groups {[w.name for w in hosts if w.gpus]}: give the CPU group a marker resource only it declares")
         capacity = sum(w.cpus * w.min for w in hosts if not w.gpus)
         if d.runners * d.runner_cpus > capacity:
             problems.append(f"{d.runners} runners x {d.runner_cpus:g} CPUs > {capacity:g} CPUs of the runner groups at minReplicas")

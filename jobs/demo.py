@@ -1,7 +1,7 @@
 """`make demo`: train through Ray on embedded defaults, then compare with the untrained encoder.
 
 Starts a local Ray on 127.0.0.1 and runs the main training job (`qrag.distributed.job`, what
-`jobs/train_hotpot.py` runs) on the `configs/smoke.yaml` preset: EnvRunner actors load and
+`jobs/train_hotpot.py` runs) on the `configs/smoke.yaml` preset: EpisodeFeeder actors load and
 tokenise the shipped HotpotQA subset, a Ray Train worker trains the bundled MiniLM, MLflow
 records the run in runs/mlflow.db. Then it evaluates the untrained encoder (the paper's
 "multi-step RAG w/o FT") on the same dev questions and prints both.

@@ -1,4 +1,4 @@
-"""Train a Q-RAG retriever on BabiLong (one bAbI task or a mix) on Ray: EnvRunner actors feed a
+"""Train a Q-RAG retriever on BabiLong (one bAbI task or a mix) on Ray: EpisodeFeeder actors feed a
 Ray Train learner; MLflow tracks the run.
 
     ray job submit --working-dir . -- python jobs/train_babilong.py --tasks qa3 [key=value ...]   # runs land in ~/ray_results

@@ -1,4 +1,4 @@
-"""Train a Q-RAG retriever on HotpotQA on Ray (EnvRunner actors + a Ray Train learner, MLflow).
+"""Train a Q-RAG retriever on HotpotQA on Ray (EpisodeFeeder actors + a Ray Train learner, MLflow).
 
     ray job submit --working-dir . -- python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs land in ~/ray_results
     python jobs/train_hotpot.py [--config YAML] [key=value ...]     # starts a local Ray on 127.0.0.1

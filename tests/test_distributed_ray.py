@@ -1,5 +1,5 @@
 """Training on a real local Ray cluster (127.0.0.1): `ray job submit`, MLflow, checkpoints that
-survive a dead EnvRunner, a crashed learner and a re-submitted job."""
+survive a dead EpisodeFeeder, a crashed learner and a re-submitted job."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_dead_runner_and_crashed_learner_do_not_stop_the_run(cluster, tiny_encod
     res = _train(cluster, args)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     log = res.stdout + res.stderr
-    assert "EnvRunner 0 dies" in log and "the learner exits after update 3" in log
+    assert "EpisodeFeeder 0 dies" in log and "the learner exits after update 3" in log
     assert "from update 2" in log  # the restarted learner resumed from the checkpoint
     assert _summary(res.stdout)["updates"] == 5
     client, run = _mlflow_run(out, "faults")

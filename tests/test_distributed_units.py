@@ -1,4 +1,4 @@
-"""qrag.distributed without a Ray cluster: episode packing, runner shards, MLflow history,
+"""qrag.distributed without a Ray cluster: episode packing, episode feeders' shards, MLflow history,
 path resolution and the checks that stop a job before any actor starts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from qrag.config import ConfigError, load_config
 from qrag.distributed.episodes import EpisodeBatch
 from qrag.distributed.faults import FaultPlan, claim_once
-from qrag.distributed.runner import EnvRunner, ShardStream
+from qrag.distributed.feeder import EpisodeFeeder, ShardStream
 from qrag.model.encoder import load_tokenizer
 from qrag.data.tokens import TokenizedSample, TokenLayout
 
@@ -46,32 +46,32 @@ def test_shard_stream_walks_shuffled_epochs_deterministically():
     assert ShardStream(7, seed=3, index=2).take(0, 7) != first[:7]
 
 
-def test_env_runners_partition_the_training_split(tiny_cfg):
+def test_episode_feeders_partition_the_training_split(tiny_cfg):
     tok = load_tokenizer(tiny_cfg.model.encoder)
     layout = TokenLayout.from_tokenizer(tok, tiny_cfg.model.max_state_tokens)
-    runners = [EnvRunner(tiny_cfg, i, 3, tiny_cfg.model.encoder, layout, 4) for i in range(3)]
-    shards = [{e.id for e in r.episodes} for r in runners]
+    feeders = [EpisodeFeeder(tiny_cfg, i, 3, tiny_cfg.model.encoder, layout, 4) for i in range(3)]
+    shards = [{e.id for e in f.episodes} for f in feeders]
     assert all(shards) and not (shards[0] & shards[1]) and not (shards[1] & shards[2])
     from qrag.data import load_samples
     from qrag.data.chunking import tokenizer_counter
 
     train = {s.id for s in load_samples(tiny_cfg.data, "train", tokenizer_counter(tok))}
     assert set().union(*shards) == train
-    batch = runners[1].episodes_for(2).unpack()
+    batch = feeders[1].episodes_for(2).unpack()
     assert len(batch) == 4 and {e.id for e in batch} <= shards[1]
-    again = EnvRunner(tiny_cfg, 1, 3, tiny_cfg.model.encoder, layout, 4).episodes_for(2).unpack()
-    assert [e.id for e in again] == [e.id for e in batch]  # a restarted runner answers the same
+    again = EpisodeFeeder(tiny_cfg, 1, 3, tiny_cfg.model.encoder, layout, 4).episodes_for(2).unpack()
+    assert [e.id for e in again] == [e.id for e in batch]  # a restarted feeder answers the same
     with pytest.raises(ValueError, match="tokenizer"):
-        EnvRunner(tiny_cfg, 0, 3, tiny_cfg.model.encoder, dataclasses.replace(layout, pad_id=layout.pad_id + 1), 4)
+        EpisodeFeeder(tiny_cfg, 0, 3, tiny_cfg.model.encoder, dataclasses.replace(layout, pad_id=layout.pad_id + 1), 4)
 
 
-def test_runners_leave_the_validation_part_to_the_learner(tiny_cfg):
+def test_feeders_leave_the_validation_part_to_the_learner(tiny_cfg):
     from qrag.data.splits import in_validation
 
     cfg = dataclasses.replace(tiny_cfg, data=dataclasses.replace(tiny_cfg.data, val_fraction=0.3))
     tok = load_tokenizer(cfg.model.encoder)
     layout = TokenLayout.from_tokenizer(tok, cfg.model.max_state_tokens)
-    ids = {e.id for e in EnvRunner(cfg, 0, 1, cfg.model.encoder, layout, 4).episodes}
+    ids = {e.id for e in EpisodeFeeder(cfg, 0, 1, cfg.model.encoder, layout, 4).episodes}
     assert ids and not any(in_validation(i, 0.3) for i in ids)
 
 

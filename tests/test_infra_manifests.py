@@ -128,7 +128,7 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
     (RAYJOB, entrypoint("jobs/train_hotpot.py", "jobs/train_hotpotqa.py"), "is not a file of the project"),
     (RAYJOB, entrypoint("distributed.runners=8", "distributed.runnerz=8"), "unknown config key distributed.runnerz"),
     (RAYJOB, entrypoint("distributed.runners=8", "distributed.runners=20"), "20 runners x 1 CPUs > 16 CPUs"),
-    (RAYJOB, entrypoint("'distributed.runner_resources={qrag_cpu_node: 0.001}'", ""), "EnvRunners may land on GPU nodes"),
+    (RAYJOB, entrypoint("'distributed.runner_resources={qrag_cpu_node: 0.001}'", ""), "EpisodeFeeders may land on GPU nodes"),
     (RAYJOB, entrypoint("qrag_cpu_node", "qrag_cpu"), "asks for 0.001 of 'qrag_cpu' but the Ray cluster has 0"),
     (RAYJOB, entrypoint("distributed.learner_cpus=4", "distributed.learner_cpus=12"), "no worker group can hold the learner"),
     (RAYJOB, lambda d: d["spec"].update(clusterSelector={"ray.io/cluster": "other"}), "names RayCluster 'other'"),

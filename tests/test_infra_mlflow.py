@@ -1,7 +1,7 @@
 """A real MLflow tracking server (infra/mlflow/server.sh) on 127.0.0.1, with a SQLite and (where
 PostgreSQL is installed) a PostgreSQL backend store: a short Ray training job logs to it over
 HTTP, and the run, its metrics and its checkpoint artifact are read back from the server.
-On the same local Ray cluster: EnvRunners carry the configured custom resource and no GPU, and
+On the same local Ray cluster: EpisodeFeeders carry the configured custom resource and no GPU, and
 Serve-like GPU fractions put two shards on two different GPUs whatever the start order.
 
 The server comes from its own venv (`make mlflow-server`: full mlflow at the client's version;
@@ -192,7 +192,7 @@ def train(cluster, tiny_encoder, hotpot_file, out_dir: Path, tracking_uri: str, 
 PROBE_RUNNERS = """
 import json, sys
 from ray.util.state import list_actors
-actors = list_actors(address=sys.argv[1], filters=[("class_name", "=", "EnvRunner")], detail=True, limit=1000)
+actors = list_actors(address=sys.argv[1], filters=[("class_name", "=", "EpisodeFeeder")], detail=True, limit=1000)
 print(json.dumps([a.required_resources for a in actors]))
 """
 

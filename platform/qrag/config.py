@@ -180,17 +180,17 @@ class AnswerConfig:
 
 @dataclass
 class DistributedConfig:
-    """Training on Ray (``qrag.distributed``): env runners, the learner's resources, faults; the
+    """Training on Ray (``qrag.distributed``): episode feeders (the "runners" of these keys), the learner's resources, faults; the
     ``mlflow_*`` keys also apply to ``qrag train`` (one MLflow logger for both paths)."""
 
-    runners: int = opt(2, "EnvRunner actors (CPU) that load, chunk and tokenise the training split, one shard each; 0 = sample in the learner.")
+    runners: int = opt(2, "EpisodeFeeder actors (CPU; older docs: EnvRunners) that load the prepared training split, one shard each, and serve packed episodes to the learner; 0 = sample in the learner.")
     envs_per_runner: int = opt(0, "Episodes a runner returns per request; 0 = learner.episodes_per_update / runners, rounded up.")
     prefetch: int = opt(2, "Requests the learner keeps in flight per runner, so episodes are ready before it asks.")
     runner_cpus: float = opt(1.0, "Logical CPUs reserved per runner.")
     learner_cpus: float = opt(1.0, "Logical CPUs reserved for the learner (also its torch threads).")
     learner_gpu: bool | None = opt(None, "Give the learner a GPU: null = when the cluster has one.")
     learner_gpus: float = opt(1.0, "GPUs the learner reserves when it has one; a fraction (e.g. 0.2) lets it share its GPU with Serve deployments (qrag.distributed.placement).")
-    runner_resources: dict[str, float] = opt({}, "Custom Ray resources each EnvRunner asks for, e.g. {qrag_cpu_node: 0.001} to keep runners on the nodes that declare it (infra/: the CPU worker group).")
+    runner_resources: dict[str, float] = opt({}, "Custom Ray resources each EpisodeFeeder asks for, e.g. {qrag_cpu_node: 0.001} to keep runners on the nodes that declare it (infra/: the CPU worker group).")
     learner_resources: dict[str, float] = opt({}, "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); every name must be declared by some node.")
     autoscale_to: dict[str, float] = opt({}, "What an autoscaling cluster can grow to, e.g. {CPU: 64, GPU: 8, qrag_cpu_node: 4000}: the run is checked against these, not only against the nodes up now ({} = $QRAG_AUTOSCALE_TO as JSON, else the nodes up now).")
     runner_max_restarts: int = opt(3, "Ray restarts a dead runner this many times (-1 = always).")

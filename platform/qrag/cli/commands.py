@@ -60,7 +60,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                         "and print it; the next slice passes it to --resume (no evaluation until the last slice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics are still printed)")
     ray = p.add_argument_group("on Ray (needs the ray extra: pip install 'qrag[ray]')")
-    ray.add_argument("--ray", action="store_true", help="train on Ray, as jobs/train_*.py do: EnvRunner actors feed a Ray Train learner, "
+    ray.add_argument("--ray", action="store_true", help="train on Ray, as jobs/train_*.py do: EpisodeFeeder actors feed a Ray Train learner, "
                      "MLflow tracks the run; the same run name again resumes it (no --resume or --stop-at)")
     add_cluster_arguments(ray, when="with --ray: ")
 

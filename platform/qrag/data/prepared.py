@@ -1,7 +1,7 @@
 """Chunked, tokenised splits as Arrow tables, cached on disk so that no process re-tokenises.
 
 Loading HotpotQA means parsing JSON, counting tokens of every sentence to cap paragraphs, and
-tokenising every chunk; the learner and every EnvRunner did all of it at each start.
+tokenising every chunk; the learner and every episode feeder did all of it at each start.
 :func:`prepare_split` does it once per (data source, tokenizer, chunking settings) and keeps the
 result as a Hugging Face ``datasets`` table (one row per sample: text, support, meta and token
 ids), saved under the cache directory and memory-mapped by later starts. Runners take

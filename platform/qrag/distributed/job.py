@@ -53,7 +53,7 @@ def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_keys_epilog(),
-        description="Train a Q-RAG retriever on Ray: EnvRunner actors feed a Ray Train learner; MLflow tracks the run. "
+        description="Train a Q-RAG retriever on Ray: EpisodeFeeder actors feed a Ray Train learner; MLflow tracks the run. "
                     "Submitting the same run name again resumes it.",
     )
     p.add_argument("--config", default=default_config, metavar="YAML", help=f"config preset (default {default_config})")
@@ -143,7 +143,7 @@ def launch(job: Job) -> dict[str, Any]:
     cfg = job.cfg
     uri = tracking_uri(cfg)
     job.say(f"run {job.run_dir}  (checkpoints in checkpoints/update_*, final/; {cfg.updates} updates, "
-            f"{cfg.distributed.runners} EnvRunners)")
+            f"{cfg.distributed.runners} EpisodeFeeders)")
     job.say(f"MLflow {uri or 'off'}" + (f"  (experiment {cfg.distributed.mlflow_experiment!r})" if uri else ""))
     started = connect(job)
     try:

@@ -4,7 +4,7 @@ Two mechanisms, both plain Ray resources, so that config alone decides:
 
 * **Node pinning.** Node types declare a marker resource (``infra/``: the CPU worker group
   declares ``qrag_cpu_node: 1000``). An actor that asks for a sliver of it (0.001, the way Ray's
-  own ``accelerator_type`` option works) can only be placed on such nodes. EnvRunners take
+  own ``accelerator_type`` option works) can only be placed on such nodes. EpisodeFeeders take
   ``distributed.runner_resources`` and never a GPU; the learner takes ``distributed.learner_gpus``
   and ``distributed.learner_resources``.
 * **GPU fractions.** Within a node Ray gives every GPU request a device; fractions are the only
@@ -61,7 +61,7 @@ def check_gpu_amount(key: str, value: float) -> float:
 
 
 def runner_resources(cfg: TrainConfig) -> dict[str, float]:
-    """Custom resources of one EnvRunner actor (it never asks for a GPU)."""
+    """Custom resources of one EpisodeFeeder actor (it never asks for a GPU)."""
     return check_resource_map("distributed.runner_resources", cfg.distributed.runner_resources)
 
 

@@ -2,7 +2,7 @@
 
 The worker runs the same ``TrainingRun.run()`` as ``qrag train``; only three things differ:
 
-* episodes come from a ``RunnerPool`` of EnvRunner actors (or, with ``distributed.runners=0``,
+* episodes come from a ``FeederPool`` of EpisodeFeeder actors (or, with ``distributed.runners=0``,
   from the worker's own copy of the training split);
 * checkpoints are written to a scratch directory and reported to Ray Train, which persists them
   in ``<storage>/<run name>/`` with the layout ``qrag train`` uses (``checkpoints/update_N``,
@@ -230,7 +230,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     """The Ray Train worker: the learner."""
     import ray.train
 
-    from qrag.distributed.source import RunnerPool
+    from qrag.distributed.source import FeederPool
 
     cfg: TrainConfig = config["cfg"]
     run_dir: str = config["run_dir"]
@@ -250,7 +250,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         layout = TokenLayout.from_tokenizer(load_tokenizer(tokenizer_path), cfg.model.max_state_tokens)
         faults = FaultPlan(cfg, run_dir)
         if d.runners:
-            pool = RunnerPool(cfg, tokenizer_path, layout, faults)  # runners load their shards meanwhile
+            pool = FeederPool(cfg, tokenizer_path, layout, faults)  # the feeders load their shards meanwhile
         checkpoint = ray.train.get_checkpoint()
         with checkpoint.as_directory() if checkpoint else nullcontext(None) as resume:
             run = _WorkerRun(cfg, scratch, resume=resume, load_data=pool is None)
@@ -262,7 +262,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             _load_eval_splits(run, cfg)
             t0 = time.perf_counter()
             pool.start(run.learner.update)
-            _say(f"learner: {d.runners} EnvRunners ready ({sum(i['samples'] for i in pool.infos)} training questions, "
+            _say(f"learner: {d.runners} EpisodeFeeders ready ({sum(i['samples'] for i in pool.infos)} training questions, "
                  f"waited {time.perf_counter() - t0:.1f} s), {len(run.dev_tok)} dev questions, device {run.device}, "
                  f"from update {run.learner.update}")
         source = pool if pool is not None else run.local_source()

@@ -1,7 +1,7 @@
 """The training loop on one machine, without Ray.
 
 ``TrainingRun`` owns the model, the learner and the data; ``run()`` takes episodes from any
-source (local sampling here, env-runner actors under Ray), updates, evaluates, checkpoints and
+source (local sampling here, episode-feeder actors under Ray), updates, evaluates, checkpoints and
 reports metrics to a callback. ``qrag train`` and the Ray Train worker both call it.
 """
 

@@ -5,7 +5,7 @@
   ``<sweep>/trials/<sweep>-<trial id>/``) and calls ``train_with_ray`` with a Train
   ``UserCallback`` (``ray.tune.integration.ray_train.TuneReportCallback``) that forwards every
   report of the learner to Tune: evaluations (every ``eval_every`` updates, on the validation
-  part of train) and checkpoints. The learner and its EnvRunners get their resources from
+  part of train) and checkpoints. The learner and its EpisodeFeeders get their resources from
   Ray Train, so the trial itself reserves only a sliver of a CPU (``resources.trial_cpus``).
 * **Scheduler.** Ray's ASHA on ``update`` (time) and the sweep metric, with two additions: its
   rungs are saved in ``<sweep>/asha_state.pkl`` (Tune's public ``TrialScheduler.save``) after every decision (``Tuner.restore`` would

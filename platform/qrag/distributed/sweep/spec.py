@@ -62,8 +62,8 @@ class ResourcesSpec:
     gpus: float | None = opt(None, "GPUs of the learner: a fraction lets trials share a GPU (0.25 = four per GPU); "
                                    "0 = CPU only; null = the training config's distributed.learner_gpu(s).")
     learner_cpus: float | None = opt(None, "CPUs of the learner (its torch threads); null = the training config's.")
-    runners: int | None = opt(None, "EnvRunner actors per trial; null = the training config's.")
-    runner_cpus: float | None = opt(None, "CPUs per EnvRunner; null = the training config's.")
+    runners: int | None = opt(None, "EpisodeFeeder actors per trial; null = the training config's.")
+    runner_cpus: float | None = opt(None, "CPUs per EpisodeFeeder; null = the training config's.")
     trial_cpus: float = opt(0.01, "CPUs reserved for the Tune trial process itself: a sliver, it only waits for its Ray Train run "
                                   "(the learner and runners reserve their own).")
 

@@ -1,18 +1,22 @@
-"""EnvRunner: the CPU side of training, one shard of the training split per runner.
+"""EpisodeFeeder: the CPU side of training, one shard of the training split per feeder.
 
-A runner takes the prepared training split (chunked and tokenised once, then read from the
+A feeder takes the prepared training split (chunked and tokenised once, then read from the
 Arrow cache: ``qrag.data.prepared``), keeps its ``.shard()``: every ``count``-th sample starting
-at ``index``, decodes only those, and then answers ``episodes(k)``: its k-th batch of ready-to-step episodes, packed for the object store.
+at ``index``, decodes only those, and then answers ``episodes_for(k)``: its k-th batch of
+ready-to-step episodes, packed for the object store. It steps no environment: the learner does.
+(Older code and docs called it EnvRunner; the config keys still count "runners": one runner is
+one feeder.)
 
-Batch k is a pure function of (seed, index, k): the runner walks shuffled epochs of its shard,
+Batch k is a pure function of (seed, index, k): the feeder walks shuffled epochs of its shard,
 each epoch's order drawn from ``seed``, ``index`` and the epoch number. So a request lost with a
-dead runner can be re-issued to its restarted copy and returns the same episodes, and a learner
+dead feeder can be re-issued to its restarted copy and returns the same episodes, and a learner
 resumed at update u asks for exactly the episodes an uninterrupted run would have seen.
 
 Stepping the MDP stays in the learner (``qrag.rl.env.RetrievalEnv``): it is index bookkeeping over
 these arrays between two GPU encoder calls, and a round trip per step would only add latency.
 
-The class is plain Python; ``qrag.distributed.source`` runs it as a Ray actor.
+The class is plain Python (tests build it directly); ``qrag.distributed.source`` runs it as a
+Ray actor, named EpisodeFeeder in Ray's dashboard and state API.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ class ShardStream:
         return [int(self._perm(p // self.size)[p % self.size]) for p in range(start, start + count)]
 
 
-class EnvRunner:
+class EpisodeFeeder:
+    """One shard of the training split, served as batches of ready-to-step episodes."""
+
     def __init__(
         self,
         cfg: TrainConfig,
@@ -70,11 +76,12 @@ class EnvRunner:
         tokenizer = load_tokenizer(tokenizer_path)
         mine = TokenLayout.from_tokenizer(tokenizer, cfg.model.max_state_tokens)
         if mine != layout:
-            raise ValueError(f"runner {index}: tokenizer {tokenizer_path} gives {mine}, the learner's model uses {layout}")
+            raise ValueError(f"episode feeder {index}: tokenizer {tokenizer_path} gives {mine}, the learner's model uses {layout}")
         # The train split minus its validation part, as ``TrainingRun.load_data`` splits it.
         train = prepare_split(cfg.data, "train", tokenizer, layout).split_validation(cfg.data.val_fraction)[0]
         if len(train) < count:
-            raise DataError(f"runner {index}: the training split has {len(train)} samples, too few for {count} runners")
+            raise DataError(f"episode feeder {index}: the training split has {len(train)} samples, too few for {count} feeders "
+                            f"(distributed.runners)")
         self.episodes = train.shard(count, index).tokenized()
         self.stream = ShardStream(len(self.episodes), cfg.seed, index)
         self.served = 0
@@ -84,9 +91,14 @@ class EnvRunner:
         return {"index": self.index, "samples": len(self.episodes), "pid": os.getpid(), "startup_s": self.startup_s}
 
     def episodes_for(self, k: int) -> EpisodeBatch:
-        """The runner's k-th batch (k counts this runner's requests from the start of training)."""
+        """The feeder's k-th batch (k counts this feeder's requests from the start of training)."""
         if k == self.crash_at and claim_once(self.crash_marker):
-            hard_exit(f"EnvRunner {self.index} dies while serving its request {k}")
+            hard_exit(f"EpisodeFeeder {self.index} dies while serving its request {k}")
         picks = self.stream.take(k * self.per_request, self.per_request)
         self.served += len(picks)
         return EpisodeBatch.pack([self.episodes[i] for i in picks])
+
+    def episodes_for_pid(self, k: int) -> tuple[int, EpisodeBatch]:
+        """:meth:`episodes_for` with the pid of the process that packed it: the pool counts
+        restarts, and the requests a restarted feeder had to re-run, by it."""
+        return os.getpid(), self.episodes_for(k)
