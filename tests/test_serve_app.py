@@ -582,7 +582,8 @@ def test_web_page_in_headless_chromium(app, tmp_path):
     try:
         driver.get(app["url"] + "/")
         wait = WebDriverWait(driver, 60)
-        driver.find_element(By.ID, "api-key").send_keys(READ_KEY)  # the server has keys: reads need one
+        wait.until(lambda d: "model hidden" in d.find_element(By.ID, "model").text)  # keys set: no details for strangers
+        driver.find_element(By.ID, "api-key").send_keys(READ_KEY)  # typing the key asks again, no blur needed
         wait.until(lambda d: "positions relative" in d.find_element(By.ID, "model").text)
         driver.execute_script("document.getElementById('context').value = arguments[0];", context)
         driver.find_element(By.ID, "question").send_keys(question)

@@ -34,6 +34,11 @@ async function loadHealth() {
   try {
     const h = await api("/healthz");
     const m = h.model;
+    if (!m) { // a server with keys names its model only to a caller with a read key
+      $("model").textContent = "model hidden: enter a read key";
+      $("model").classList.remove("untrained");
+      return;
+    }
     $("model").textContent = `${m.trained ? "trained checkpoint" : "UNTRAINED encoder"} · positions ${m.positions} · ${m.fingerprint}`;
     $("model").classList.toggle("untrained", !m.trained);
     $("model").title = h.message;
@@ -184,8 +189,14 @@ $("file").addEventListener("change", async (e) => {
   if (file) $("context").value = await file.text();
 });
 $("api-key").value = sessionStorage.getItem("qrag-api-key") || "";
-$("api-key").addEventListener("change", () => {
-  sessionStorage.setItem("qrag-api-key", $("api-key").value.trim());
-  if ($("use-corpus").checked) chooseSource();
+// A new key may unlock the model's details and the corpus list: ask again once typing pauses.
+let keyTimer = null;
+$("api-key").addEventListener("input", () => {
+  clearTimeout(keyTimer);
+  keyTimer = setTimeout(() => {
+    sessionStorage.setItem("qrag-api-key", $("api-key").value.trim());
+    loadHealth();
+    if ($("use-corpus").checked) chooseSource();
+  }, 300);
 });
 loadHealth();
