@@ -72,9 +72,13 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
     from qrag.data.tokens import tokenize_samples
 
     device = pick_device(args.device)
-    if is_untrained(args.checkpoint):  # the untrained encoder ("multi-step RAG w/o FT"), for smoke tests and the baseline row
+    if is_untrained(
+        args.checkpoint
+    ):  # the untrained encoder ("multi-step RAG w/o FT"), for smoke tests and the baseline row
         base = load_config(ROOT / "configs" / "hotpot.yaml", [])
-        qnet, tokenizer, layout = baseline_qnet(base.model, device, args.checkpoint)  # "none": full-vector cosine (the paper's)
+        qnet, tokenizer, layout = baseline_qnet(
+            base.model, device, args.checkpoint
+        )  # "none": full-vector cosine (the paper's)
         trained_on, label = None, args.label or f"{baseline_label(qnet.cfg.similarity)} (ours)"
     else:
         qnet, tokenizer, layout, base = load_qnet(args.checkpoint, device, with_targets=False)
@@ -85,24 +89,54 @@ def retrieve_stage(args: argparse.Namespace, out: Path) -> dict:
     for name, (overrides, split) in DATASETS.items():
         cfg = from_dict(TrainConfig, apply_overrides(to_dict(base), [*overrides, *args.overrides]))
         samples = load_samples(cfg.data, split, count)[: args.limit]
-        tokenized = tokenize_samples(samples, tokenizer, layout, chunk_tokens=cfg.data.chunk_tokens, question_tokens=cfg.data.question_tokens)
+        tokenized = tokenize_samples(
+            samples, tokenizer, layout, chunk_tokens=cfg.data.chunk_tokens, question_tokens=cfg.data.question_tokens
+        )
         retriever = Retriever(qnet, layout, device, cfg.learner.encode_tokens)
         t0 = time.perf_counter()
-        result = evaluate(retriever, samples, tokenized, cfg.search, extra={
-            "checkpoint": args.checkpoint, "dataset": name, "split": split, "device": str(device), "positions": qnet.cfg.positions,
-            "similarity": qnet.cfg.similarity,
-            "train_dataset": trained_on, "label": label, "encoder": base.model.encoder, "chunk_tokens": cfg.data.chunk_tokens,
-            "retrieval_machine": info,
-        })
+        result = evaluate(
+            retriever,
+            samples,
+            tokenized,
+            cfg.search,
+            extra={
+                "checkpoint": args.checkpoint,
+                "dataset": name,
+                "split": split,
+                "device": str(device),
+                "positions": qnet.cfg.positions,
+                "similarity": qnet.cfg.similarity,
+                "train_dataset": trained_on,
+                "label": label,
+                "encoder": base.model.encoder,
+                "chunk_tokens": cfg.data.chunk_tokens,
+                "retrieval_machine": info,
+            },
+        )
         attach_reader_inputs(result.records, samples, full_passages=True)
         result.write(out / f"{name}.retrieval.json")
         s = result.summary
         headline[name] = {k: s[k] for k in ("fact_em", "fact_f1", "num_samples", "avg_steps")}
-        print(f"retrieve {name}: {s['num_samples']} questions, T={cfg.search.max_steps}, fact_em {s['fact_em']:.3f} "
-              f"fact_f1 {s['fact_f1']:.3f} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        print(
+            f"retrieve {name}: {s['num_samples']} questions, T={cfg.search.max_steps}, fact_em {s['fact_em']:.3f} "
+            f"fact_f1 {s['fact_f1']:.3f} ({time.perf_counter() - t0:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         if name == "hotpotqa" and args.early_stopping_steps > 0:
-            full = evaluate(retriever, samples, tokenized, type(cfg.search)(**{**to_dict(cfg.search), "max_steps": args.early_stopping_steps,
-                                                                               "stop_threshold": None, "beam_width": 1}))
+            full = evaluate(
+                retriever,
+                samples,
+                tokenized,
+                type(cfg.search)(
+                    **{
+                        **to_dict(cfg.search),
+                        "max_steps": args.early_stopping_steps,
+                        "stop_threshold": None,
+                        "beam_width": 1,
+                    }
+                ),
+            )
             table = analyse(full.records)
             table.update(source=f"{args.checkpoint} on hotpotqa {split}, T={args.early_stopping_steps}", label=label)
             (out / "hotpotqa.early_stopping.json").write_text(json.dumps(table, indent=2) + "\n")
@@ -116,14 +150,18 @@ def answer_stage(args: argparse.Namespace, out: Path) -> dict:
     from qrag.answers.local import LocalAnswerer
     from qrag.evaluation.report import build_report
 
-    reader = LocalAnswerer(args.reader, device=args.reader_device, batch_size=args.batch_size, max_tokens=args.max_tokens)
+    reader = LocalAnswerer(
+        args.reader, device=args.reader_device, batch_size=args.batch_size, max_tokens=args.max_tokens
+    )
     files, headline = [], {}
     for name in DATASETS:
         src = out / f"{name}.retrieval.json"
         if not src.is_file():
             raise SystemExit(f"{src}: missing; run --stage retrieve first (or copy its files here)")
         summary = json.loads(src.read_text())
-        records = [json.loads(line) for line in src.with_suffix(".records.jsonl").read_text().splitlines() if line.strip()]
+        records = [
+            json.loads(line) for line in src.with_suffix(".records.jsonl").read_text().splitlines() if line.strip()
+        ]
         t0 = time.perf_counter()
         summary.update(answer_records(records, reader, load_prompt("", name), name))
         summary["answer_seconds"] = seconds = time.perf_counter() - t0
@@ -134,35 +172,72 @@ def answer_stage(args: argparse.Namespace, out: Path) -> dict:
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
         files.append(dst)
-        headline[name] = {k: summary.get(k) for k in ("fact_em", "fact_f1", "ans_em", "ans_f1", "num_samples", "answered", "answer_errors")}
+        headline[name] = {
+            k: summary.get(k)
+            for k in ("fact_em", "fact_f1", "ans_em", "ans_f1", "num_samples", "answered", "answer_errors")
+        }
         headline[name]["answer_seconds_per_question"] = seconds / max(1, len(records))
-        print(f"answer {name}: ans_em {summary['ans_em']} ans_f1 {summary['ans_f1']} ({summary['answer_errors']} errors, "
-              f"{seconds:.0f} s)", file=sys.stderr, flush=True)
+        print(
+            f"answer {name}: ans_em {summary['ans_em']} ans_f1 {summary['ans_f1']} ({summary['answer_errors']} errors, "
+            f"{seconds:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     es = out / "hotpotqa.early_stopping.json"
-    report = build_report([*files, *args.also, *([es] if es.is_file() else [])], out, paper=True,
-                          title=f"Q-RAG on HotpotQA dev and MuSiQue (OOD); reader {reader.name}")
+    report = build_report(
+        [*files, *args.also, *([es] if es.is_file() else [])],
+        out,
+        paper=True,
+        title=f"Q-RAG on HotpotQA dev and MuSiQue (OOD); reader {reader.name}",
+    )
     print(report.text())
-    return {"stage": "answer", "reader": reader.name, "results": headline, "report": str(out / "report.md"),
-            "plots": [str(p) for p in report.plots], **machine_info()}
+    return {
+        "stage": "answer",
+        "reader": reader.name,
+        "results": headline,
+        "report": str(out / "report.md"),
+        "plots": [str(p) for p in report.plots],
+        **machine_info(),
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="runs/hotpot/final", help="HotpotQA-trained checkpoint, or 'none' (untrained encoder, full-vector cosine; 'none:twin' = half-vector variant)")
+    ap.add_argument(
+        "--checkpoint",
+        default="runs/hotpot/final",
+        help="HotpotQA-trained checkpoint, or 'none' (untrained encoder, full-vector cosine; 'none:twin' = half-vector variant)",
+    )
     ap.add_argument("--stage", choices=["retrieve", "answer", "all"], default="all")
-    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "answers"), help="per-dataset files and report.md")
-    ap.add_argument("--out", default=None, help="the one-line JSON result (default: OUT_DIR/retrieve.json for --stage retrieve, "
-                                                "else bench/results/answers.json)")
+    ap.add_argument(
+        "--out-dir", default=str(ROOT / "bench" / "results" / "answers"), help="per-dataset files and report.md"
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="the one-line JSON result (default: OUT_DIR/retrieve.json for --stage retrieve, "
+        "else bench/results/answers.json)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="first N questions of each dataset (smoke tests)")
     ap.add_argument("--device", default="auto", help="retrieval device")
     ap.add_argument("--label", default=None, help="row name in the table (default 'Q-RAG (ours)')")
-    ap.add_argument("--early-stopping-steps", type=int, default=5, help="T of the full-length HotpotQA run for the early-stopping table (0 = skip)")
+    ap.add_argument(
+        "--early-stopping-steps",
+        type=int,
+        default=5,
+        help="T of the full-length HotpotQA run for the early-stopping table (0 = skip)",
+    )
     ap.add_argument("--reader", default="smollm2", help="smollm2 | a .gguf file | a Hugging Face causal-LM directory")
     ap.add_argument("--reader-device", default="auto")
     ap.add_argument("--batch-size", type=int, default=8, help="reader questions per generate() call")
     ap.add_argument("--max-tokens", type=int, default=32, help="reader's most new tokens per answer")
-    ap.add_argument("--also", nargs="*", default=[], metavar="RESULT.json",
-                    help="more eval summaries for the table, e.g. bench/results/answers_baseline/*.retrieval.json (untrained encoder)")
+    ap.add_argument(
+        "--also",
+        nargs="*",
+        default=[],
+        metavar="RESULT.json",
+        help="more eval summaries for the table, e.g. bench/results/answers_baseline/*.retrieval.json (untrained encoder)",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides for both datasets, e.g. learner.encode_tokens=65536")
     args = ap.parse_args()
     out = Path(args.out_dir)

@@ -28,7 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a trained checkpoint directory")
     ap.add_argument("--widths", default="2,4", help="beam widths, comma-separated (default 2,4)")
-    ap.add_argument("--rules", default="", help="path-scoring rules (default: every rule in qrag.retrieval.multistep.BEAM_SCORES)")
+    ap.add_argument(
+        "--rules", default="", help="path-scoring rules (default: every rule in qrag.retrieval.multistep.BEAM_SCORES)"
+    )
     ap.add_argument("--steps", type=int, help="retrieval steps T (default: the run's search.max_steps)")
     ap.add_argument("--limit", type=int, help="use the first N validation questions")
     ap.add_argument("--device", default="auto")
@@ -43,7 +45,9 @@ def validation_part(cfg, tokenizer):
     from qrag.data.splits import split_validation
 
     if cfg.data.val_fraction <= 0:
-        raise SystemExit("the checkpoint's run trained on all of train (data.val_fraction=0): no validation part to compare on")
+        raise SystemExit(
+            "the checkpoint's run trained on all of train (data.val_fraction=0): no validation part to compare on"
+        )
     return split_validation(load_samples(cfg.data, "train", tokenizer_counter(tokenizer)), cfg.data.val_fraction)[1]
 
 
@@ -70,7 +74,9 @@ def memo_retriever(qnet, layout, dev, encode_tokens: int):
     return MemoRetriever(qnet, layout, dev, encode_tokens)
 
 
-def compare(checkpoint: str, widths: list[int], rules: list[str], steps: int | None, limit: int | None, device: str) -> dict:
+def compare(
+    checkpoint: str, widths: list[int], rules: list[str], steps: int | None, limit: int | None, device: str
+) -> dict:
     from qrag.model.checkpoint import load_qnet
     from qrag.model.encoder import pick_device
     from qrag.evaluation.evaluate import evaluate
@@ -80,7 +86,9 @@ def compare(checkpoint: str, widths: list[int], rules: list[str], steps: int | N
     dev = pick_device(device)
     qnet, tokenizer, layout, cfg = load_qnet(checkpoint, dev, with_targets=False)
     samples = validation_part(cfg, tokenizer)[:limit]
-    tokenized = tokenize_samples(samples, tokenizer, layout, chunk_tokens=cfg.data.chunk_tokens, question_tokens=cfg.data.question_tokens)
+    tokenized = tokenize_samples(
+        samples, tokenizer, layout, chunk_tokens=cfg.data.chunk_tokens, question_tokens=cfg.data.question_tokens
+    )
     retriever = memo_retriever(qnet, layout, dev, cfg.learner.encode_tokens)
     base = dataclasses.replace(cfg.search, stop_threshold=None, max_steps=steps or cfg.search.max_steps)
     runs: dict[str, dict] = {}
@@ -89,7 +97,9 @@ def compare(checkpoint: str, widths: list[int], rules: list[str], steps: int | N
     per_question: dict[str, list[float]] = {"greedy": [r["fact_em"] for r in greedy.records]}
     for rule in rules or list(BEAM_SCORES):
         for width in widths:
-            result = evaluate(retriever, samples, tokenized, dataclasses.replace(base, beam_width=width, beam_score=rule))
+            result = evaluate(
+                retriever, samples, tokenized, dataclasses.replace(base, beam_width=width, beam_score=rule)
+            )
             name = f"beam{width}_{rule}"
             runs[name] = _row(result.summary)
             per_question[name] = [r["fact_em"] for r in result.records]
@@ -104,8 +114,14 @@ def compare(checkpoint: str, widths: list[int], rules: list[str], steps: int | N
         "split": f"validation part of train (data.val_fraction={cfg.data.val_fraction}; held out of training, not dev)",
         "questions": len(samples),
         "max_steps": base.max_steps,
-        "trained": {"updates": cfg.updates, "episodes_per_update": cfg.learner.episodes_per_update, "encoder": cfg.model.encoder,
-                    "positions": cfg.model.positions, "env_max_steps": cfg.env.max_steps, "config_name": cfg.name},
+        "trained": {
+            "updates": cfg.updates,
+            "episodes_per_update": cfg.learner.episodes_per_update,
+            "encoder": cfg.model.encoder,
+            "positions": cfg.model.positions,
+            "env_max_steps": cfg.env.max_steps,
+            "config_name": cfg.name,
+        },
         "runs": runs,
     }
 
@@ -120,10 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     widths = [int(w) for w in args.widths.split(",") if w.strip()]
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
-    result = {"benchmark": "beam_vs_greedy", **compare(args.checkpoint, widths, rules, args.steps, args.limit, args.device),
-              "seconds": round(time.perf_counter() - t0, 1), "machine": machine_info()}
+    result = {
+        "benchmark": "beam_vs_greedy",
+        **compare(args.checkpoint, widths, rules, args.steps, args.limit, args.device),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "machine": machine_info(),
+    }
     for name, row in result["runs"].items():
-        extra = f"  (+{row['em_wins_vs_greedy']}/-{row['em_losses_vs_greedy']} questions vs greedy)" if "em_wins_vs_greedy" in row else ""
+        extra = (
+            f"  (+{row['em_wins_vs_greedy']}/-{row['em_losses_vs_greedy']} questions vs greedy)"
+            if "em_wins_vs_greedy" in row
+            else ""
+        )
         print(f"{name:>14}: Fact EM {row['fact_em']:.3f}  F1 {row['fact_f1']:.3f}{extra}")
     if args.out:
         print(f"wrote {write_result(args.out, result)}")

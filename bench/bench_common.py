@@ -12,7 +12,6 @@ from qrag.integrations.provenance import write_json as write_result
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 def free_port() -> int:
     """A free TCP port on the loopback address (benchmarks bind only there)."""
     with socket.socket() as s:

@@ -73,7 +73,16 @@ def torch_shards(vectors: torch.Tensor, n_shards: int, device: torch.device) -> 
         shard = ShardIndex("bench", s, n_shards, cfg, vectors.shape[1], device, ShardOptions(faiss="never"))
         m = len(rows)
         shard.reserve(m)
-        shard.add(Segment(1, (s + n_shards * np.arange(m)).astype(np.int64), vectors[rows].cpu().numpy(), [empty] * m, ["d"] * m, [""] * m))
+        shard.add(
+            Segment(
+                1,
+                (s + n_shards * np.arange(m)).astype(np.int64),
+                vectors[rows].cpu().numpy(),
+                [empty] * m,
+                ["d"] * m,
+                [""] * m,
+            )
+        )
         shards.append(shard)
     return shards
 
@@ -96,7 +105,9 @@ def faiss_shards(faiss, res, vectors: np.ndarray, n_shards: int, fp16: bool) -> 
     return out
 
 
-def search_shards(indexes: list[Any], n_shards: int, states: np.ndarray, selected: list[list[int]], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def search_shards(
+    indexes: list[Any], n_shards: int, states: np.ndarray, selected: list[list[int]], k: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per shard: search k + the selected count, drop the selected rows (global ids -> local)."""
     extra = max(len(s) for s in selected)
     res = []
@@ -125,10 +136,16 @@ def torch_picks(hits, k: int) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chunks", default="20000,200000,2000000", help="corpus sizes in chunks (~50 tokens each: 1M, 10M, 100M tokens)")
+    ap.add_argument(
+        "--chunks",
+        default="20000,200000,2000000",
+        help="corpus sizes in chunks (~50 tokens each: 1M, 10M, 100M tokens)",
+    )
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--states", default="1,8", help="state rows per scoring call (1: one query's step; 8: batched queries)")
+    ap.add_argument(
+        "--states", default="1,8", help="state rows per scoring call (1: one query's step; 8: batched queries)"
+    )
     ap.add_argument("--k", type=int, default=8, help="picks per state (a search keeps max(beam, alternatives + 1))")
     ap.add_argument("--selected", type=int, default=3, help="chunks each state holds already (left out of its picks)")
     ap.add_argument("--repeats", type=int, default=100)
@@ -170,14 +187,22 @@ def main() -> None:
             exact = torch_picks(score_shards(shards, states_t, selected, n, k), k)
             row: dict[str, Any] = {"chunks": n, "tokens_approx": n * 50, "states": b, "k": k, "shards": args.shards}
             row["torch_ms"] = median_ms(lambda: score_shards(shards, states_t, selected, n, k), args.repeats)
-            row["faiss_flat_ms"] = median_ms(lambda: search_shards(flat, args.shards, states, selected, k), args.repeats)
-            row["faiss_flat_fp16_ms"] = median_ms(lambda: search_shards(flat16, args.shards, states, selected, k), args.repeats)
+            row["faiss_flat_ms"] = median_ms(
+                lambda: search_shards(flat, args.shards, states, selected, k), args.repeats
+            )
+            row["faiss_flat_fp16_ms"] = median_ms(
+                lambda: search_shards(flat16, args.shards, states, selected, k), args.repeats
+            )
             row["faiss_one_index_ms"] = median_ms(lambda: search_shards([one], 1, states, selected, k), args.repeats)
             row["faiss_ivf_ms"] = median_ms(lambda: search_shards([ivf], 1, states, selected, k), args.repeats)
             agree = lambda picks: float(np.mean([set(a) == set(b_) for a, b_ in zip(picks, exact)]))  # noqa: E731
             row["agreement_with_torch"] = {
-                "faiss_flat": agree(global_picks(search_shards(flat, args.shards, states, selected, k), args.shards, k)),
-                "faiss_flat_fp16": agree(global_picks(search_shards(flat16, args.shards, states, selected, k), args.shards, k)),
+                "faiss_flat": agree(
+                    global_picks(search_shards(flat, args.shards, states, selected, k), args.shards, k)
+                ),
+                "faiss_flat_fp16": agree(
+                    global_picks(search_shards(flat16, args.shards, states, selected, k), args.shards, k)
+                ),
                 "faiss_one_index": agree(global_picks(search_shards([one], 1, states, selected, k), 1, k)),
             }
             ivf_picks = global_picks(search_shards([ivf], 1, states, selected, k), 1, k)
@@ -190,10 +215,16 @@ def main() -> None:
         shards = flat = flat16 = one = ivf = vectors = None  # this size's memory goes before the next size's
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    result = {"bench": "faiss_gpu", **machine_info(), "faiss": faiss.__version__, "faiss_gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0, "device": str(dev),
-              "settings": {k: getattr(args, k) for k in ("dim", "shards", "k", "selected", "repeats", "ivf_nprobe")},
-              "cublas_note": "faiss-gpu-cu12 1.14.1 with CUDA 12.9's runtime; its cuBLAS calls forwarded to CUDA 13's (bench/cublas12/)",
-              "rows": rows}
+    result = {
+        "bench": "faiss_gpu",
+        **machine_info(),
+        "faiss": faiss.__version__,
+        "faiss_gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0,
+        "device": str(dev),
+        "settings": {k: getattr(args, k) for k in ("dim", "shards", "k", "selected", "repeats", "ivf_nprobe")},
+        "cublas_note": "faiss-gpu-cu12 1.14.1 with CUDA 12.9's runtime; its cuBLAS calls forwarded to CUDA 13's (bench/cublas12/)",
+        "rows": rows,
+    }
     if args.out:
         write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))

@@ -46,26 +46,76 @@ READ_KEY, WRITE_KEY = "fuzz-read-" + "r" * 20, "fuzz-write-" + "w" * 20
 SENTINEL = "sentinel-corpus-7f3a"  # created before the run; no name the fuzzer draws
 TARGETS = ("books", "fuzz")  # kept in existence, so that writes to them reach the routes
 PREFIX = "/qrag"
-NAMES = ["books", "fuzz", "a.b_c-d", "nope", "..", ".", "a b", "x" * 65, "books\n", "\u2028", "caf\u00e9", "%2e%2e", "-", "0"]
+NAMES = [
+    "books",
+    "fuzz",
+    "a.b_c-d",
+    "nope",
+    "..",
+    ".",
+    "a b",
+    "x" * 65,
+    "books\n",
+    "\u2028",
+    "caf\u00e9",
+    "%2e%2e",
+    "-",
+    "0",
+]
 WRITES = ("POST", "PUT", "PATCH", "DELETE")
 READ_ONLY_POSTS = ("/v1/retrieve",)
 # Answers the models of api_models declare, by route template, for the 2xx check.
-ANSWERS = {"/healthz": "Health", "/v1/corpora": "CorpusList", "/v1/corpora/{name}": "CorpusStats",
-           "/v1/corpora/{name}/jobs": "CorpusJobs", "/v1/jobs/{job_id}": "Job", "/v1/retrieve": "RetrieveAnswer"}
+ANSWERS = {
+    "/healthz": "Health",
+    "/v1/corpora": "CorpusList",
+    "/v1/corpora/{name}": "CorpusStats",
+    "/v1/corpora/{name}/jobs": "CorpusJobs",
+    "/v1/jobs/{job_id}": "Job",
+    "/v1/retrieve": "RetrieveAnswer",
+}
 WRITE_ANSWERS = {"/v1/corpora/{name}": "Deleted"}
 
 # -- strategies from the schema --------------------------------------------------------------------
 
 EDGE_INTS = [0, 1, -1, 2, 7, 8, 16, 17, 24, 510, 511, 512, 2**31, -(2**63), 10**30]
-EDGE_STRINGS = ["", " ", "books", "q", "a" * 3000, "\x00", "\ud800", "\u2028", "caf\u00e9", "A sentence. Another one, with a comma.",
-                '"quoted"', "\\", "<script>", "../../etc/passwd"]
+EDGE_STRINGS = [
+    "",
+    " ",
+    "books",
+    "q",
+    "a" * 3000,
+    "\x00",
+    "\ud800",
+    "\u2028",
+    "caf\u00e9",
+    "A sentence. Another one, with a comma.",
+    '"quoted"',
+    "\\",
+    "<script>",
+    "../../etc/passwd",
+]
 
 
-SENTENCES = st.lists(st.sampled_from(["The painter met the queen.", "A ship left the harbour at dawn.", "Rivers, castles and kings.",
-                                       "Nobody saw the lamp", "\u00c9t\u00e9 \u00e0 Paris."]), min_size=1, max_size=4).map(" ".join)
+SENTENCES = st.lists(
+    st.sampled_from(
+        [
+            "The painter met the queen.",
+            "A ship left the harbour at dawn.",
+            "Rivers, castles and kings.",
+            "Nobody saw the lamp",
+            "\u00c9t\u00e9 \u00e0 Paris.",
+        ]
+    ),
+    min_size=1,
+    max_size=4,
+).map(" ".join)
 # Values that get past the first checks, for the fields whose names say what they hold.
-HINTS = {"name": st.one_of(st.sampled_from(NAMES[:3]), st.from_regex(r"[a-z][a-z0-9._-]{0,12}", fullmatch=True)), "corpus": st.sampled_from(NAMES[:2] + [SENTINEL]), "text": SENTENCES,
-         "question": st.sampled_from(["who met the painter", "where did the ship go", "the lamp"])}
+HINTS = {
+    "name": st.one_of(st.sampled_from(NAMES[:3]), st.from_regex(r"[a-z][a-z0-9._-]{0,12}", fullmatch=True)),
+    "corpus": st.sampled_from(NAMES[:2] + [SENTINEL]),
+    "text": SENTENCES,
+    "question": st.sampled_from(["who met the painter", "where did the ship go", "the lamp"]),
+}
 
 
 def from_schema(schema: dict[str, Any], components: dict[str, Any]) -> st.SearchStrategy:
@@ -80,15 +130,18 @@ def from_schema(schema: dict[str, Any], components: dict[str, Any]) -> st.Search
     if kind == "object":
         props = {k: _hinted(k, from_schema(v, components)) for k, v in schema.get("properties", {}).items()}
         required = set(schema.get("required", ()))
-        return st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
-                                     optional={k: v for k, v in props.items() if k not in required})
+        return st.fixed_dictionaries(
+            {k: v for k, v in props.items() if k in required},
+            optional={k: v for k, v in props.items() if k not in required},
+        )
     if kind == "array":
         return st.lists(from_schema(schema.get("items", {}), components), max_size=4)
     simple = {
         "string": st.one_of(st.sampled_from(EDGE_STRINGS), st.text(max_size=80)),
         "integer": st.one_of(st.sampled_from(EDGE_INTS), st.integers(-1000, 1000)),
         "number": st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(-10, 10)),
-        "boolean": st.booleans(), "null": st.none(),
+        "boolean": st.booleans(),
+        "null": st.none(),
     }
     return simple.get(kind, st.none())
 
@@ -98,32 +151,55 @@ def _hinted(name: str, drawn: st.SearchStrategy) -> st.SearchStrategy:
     return drawn if hint is None else st.one_of(hint, hint, drawn)
 
 
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                           max_leaves=12)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 HOSTILE_BODIES = [
-    b"", b"{", b"null", b"[]", b'{"a": NaN}', b"\xff\xfe", b'{"question": "caf\xe9"}', b"[" * 5000 + b"]" * 5000,
-    b'{"name": "x", "documents": ["' + b'\\",' * 20000 + b"]}", json.dumps({f"k{i}": i for i in range(20000)}).encode(),
-    b'{"question": "q", "corpus": "books", "question": "again"}', b'{"name": "books", "documents": [{"id": 1e999, "text": "x"}]}',
+    b"",
+    b"{",
+    b"null",
+    b"[]",
+    b'{"a": NaN}',
+    b"\xff\xfe",
+    b'{"question": "caf\xe9"}',
+    b"[" * 5000 + b"]" * 5000,
+    b'{"name": "x", "documents": ["' + b'\\",' * 20000 + b"]}",
+    json.dumps({f"k{i}": i for i in range(20000)}).encode(),
+    b'{"question": "q", "corpus": "books", "question": "again"}',
+    b'{"name": "books", "documents": [{"id": 1e999, "text": "x"}]}',
 ]
 
 
 def body_strategy(schema: dict[str, Any] | None, components: dict[str, Any]) -> st.SearchStrategy:
     """Bytes for an operation's body: from its schema (sometimes with an unknown field), any
     JSON, raw bytes, or one of the hostile bodies."""
-    others = [JSON_VALUES.map(lambda v: json.dumps(v).encode()), st.binary(max_size=64), st.sampled_from(HOSTILE_BODIES)]
+    others = [
+        JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=64),
+        st.sampled_from(HOSTILE_BODIES),
+    ]
     if schema is None:
         return st.one_of(st.just(b""), *others)
     valid = from_schema(schema, components)
     extra = st.tuples(valid, st.text(min_size=1, max_size=8), JSON_VALUES).map(
-        lambda t: {**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0])
+        lambda t: {**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0]
+    )
     valid_bytes = valid.map(lambda v: json.dumps(v).encode())
-    return st.one_of([valid_bytes] * 5 + [extra.map(lambda v: json.dumps(v).encode()), *others])  # mostly past the parser
+    return st.one_of(
+        [valid_bytes] * 5 + [extra.map(lambda v: json.dumps(v).encode()), *others]
+    )  # mostly past the parser
 
 
-AUTH = {"none": [], "read": [("authorization", f"Bearer {READ_KEY}")], "write": [("authorization", f"Bearer {WRITE_KEY}")],
-        "unknown": [("authorization", "Bearer not-a-key")], "basic": [("authorization", f"Basic {WRITE_KEY}")],
-        "read+write": [("authorization", f"Bearer {READ_KEY}"), ("authorization", f"Bearer {WRITE_KEY}")]}
+AUTH = {
+    "none": [],
+    "read": [("authorization", f"Bearer {READ_KEY}")],
+    "write": [("authorization", f"Bearer {WRITE_KEY}")],
+    "unknown": [("authorization", "Bearer not-a-key")],
+    "basic": [("authorization", f"Basic {WRITE_KEY}")],
+    "read+write": [("authorization", f"Bearer {READ_KEY}"), ("authorization", f"Bearer {WRITE_KEY}")],
+}
 
 
 @dataclass
@@ -148,16 +224,26 @@ def operations(openapi: dict[str, Any]) -> list[tuple[str, str, dict[str, Any] |
     out = []
     for path, ops in openapi["paths"].items():
         for method, op in ops.items():
-            out.append((method.upper(), path, op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")))
+            out.append(
+                (
+                    method.upper(),
+                    path,
+                    op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema"),
+                )
+            )
     return out
 
 
 def request_strategy(openapi: dict[str, Any]) -> st.SearchStrategy:
     components = openapi.get("components", {}).get("schemas", {})
     targets = st.sampled_from(TARGETS)
-    name = st.one_of(targets, targets, st.sampled_from(NAMES), st.text(max_size=12).filter(lambda s: "/" not in s and s != SENTINEL))
+    name = st.one_of(
+        targets, targets, st.sampled_from(NAMES), st.text(max_size=12).filter(lambda s: "/" not in s and s != SENTINEL)
+    )
     headers = st.tuples(
-        st.sampled_from(["application/json"] * 6 + ["text/plain", "application/x+json", "application/json; charset=latin-1", None]),
+        st.sampled_from(
+            ["application/json"] * 6 + ["text/plain", "application/x+json", "application/json; charset=latin-1", None]
+        ),
         st.sampled_from(["127.0.0.1"] * 16 + ["evil.example", "127.0.0.1:8000", "dup"]),
         st.sampled_from([None] * 12 + ["http://127.0.0.1", "https://127.0.0.1", "http://evil.example", "null"]),
     )
@@ -195,12 +281,22 @@ class Tally:
     worst_lag_request: str = ""
 
     def summary(self) -> dict[str, Any]:
-        return {"requests": self.requests, "statuses": dict(sorted(self.statuses.items())),
-                "server_errors_5xx": len(self.server_errors), "unauthenticated_writes_accepted": len(self.unauthenticated_writes_accepted),
-                "malformed_error_bodies": len(self.malformed_errors), "nonconforming_answers": len(self.nonconforming_answers),
-                "worst_loop_lag_ms": round(self.worst_loop_lag_ms, 1), "worst_lag_request": self.worst_lag_request,
-                "examples": {"5xx": self.server_errors[:5], "unauthenticated_writes": self.unauthenticated_writes_accepted[:5],
-                             "malformed_errors": self.malformed_errors[:5], "nonconforming": self.nonconforming_answers[:5]}}
+        return {
+            "requests": self.requests,
+            "statuses": dict(sorted(self.statuses.items())),
+            "server_errors_5xx": len(self.server_errors),
+            "unauthenticated_writes_accepted": len(self.unauthenticated_writes_accepted),
+            "malformed_error_bodies": len(self.malformed_errors),
+            "nonconforming_answers": len(self.nonconforming_answers),
+            "worst_loop_lag_ms": round(self.worst_loop_lag_ms, 1),
+            "worst_lag_request": self.worst_lag_request,
+            "examples": {
+                "5xx": self.server_errors[:5],
+                "unauthenticated_writes": self.unauthenticated_writes_accepted[:5],
+                "malformed_errors": self.malformed_errors[:5],
+                "nonconforming": self.nonconforming_answers[:5],
+            },
+        }
 
 
 class Fuzzer:
@@ -233,7 +329,9 @@ class Fuzzer:
     def stop(self) -> None:
         self._probing = False
 
-    async def _send(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, prefix: str = "") -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, prefix: str = ""
+    ) -> httpx.Response:
         transport = httpx.ASGITransport(app=self.app, root_path=prefix)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1" + prefix, timeout=300) as c:
             return await c.request(method, path, headers=headers, content=body or None)
@@ -250,7 +348,10 @@ class Fuzzer:
         self.check(req, r)
         self.keep_targets()
         if self._lag_ms > self.tally.worst_loop_lag_ms:
-            self.tally.worst_loop_lag_ms, self.tally.worst_lag_request = self._lag_ms, f"{req.method} {req.path} {len(req.body)} B -> {r.status_code}"
+            self.tally.worst_loop_lag_ms, self.tally.worst_lag_request = (
+                self._lag_ms,
+                f"{req.method} {req.path} {len(req.body)} B -> {r.status_code}",
+            )
         return r
 
     def check(self, req: Request, r: httpx.Response) -> None:
@@ -313,9 +414,15 @@ class Fuzzer:
         self._settle_jobs()
         lost = []
         after = self.call("GET", f"/v1/corpora/{SENTINEL}", READ_KEY)
-        if after.status_code != 200 or {k: after.json()[k] for k in ("documents", "chunks", "version")} != sentinel_before:
+        if (
+            after.status_code != 200
+            or {k: after.json()[k] for k in ("documents", "chunks", "version")} != sentinel_before
+        ):
             lost.append(f"{SENTINEL}: {after.status_code} {after.text[:200]}")
-        if self.call("POST", "/v1/retrieve", READ_KEY, {"corpus": SENTINEL, "question": "the painter"}).status_code != 200:
+        if (
+            self.call("POST", "/v1/retrieve", READ_KEY, {"corpus": SENTINEL, "question": "the painter"}).status_code
+            != 200
+        ):
             lost.append(f"{SENTINEL}: no longer answers")
         for name, documents in self.acknowledged.items():
             r = self.call("GET", f"/v1/corpora/{name}", READ_KEY)
@@ -335,6 +442,7 @@ class Fuzzer:
 
 # -- the event loop under hostile bodies ------------------------------------------------------------
 
+
 @functools.cache
 def hostile_requests() -> dict[str, tuple[str, bytes]]:
     """Requests that each kept the event loop busy for seconds in the HTTP layer (route, body)."""
@@ -342,21 +450,35 @@ def hostile_requests() -> dict[str, tuple[str, bytes]]:
         "escaped quotes": ("/v1/corpora", b'{"name": "x", "documents": ["' + b'\\",' * 2_000_000 + b"]}"),
         "a million unknown keys": ("/v1/retrieve", json.dumps({f"k{i}": 1 for i in range(10**6)}).encode()),
         "deep nesting": ("/v1/retrieve", b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-        "4 MB document, unknown corpus": ("/v1/corpora/nope/documents",
-                                          json.dumps({"documents": [{"id": "d", "text": "word " * 800_000}]}).encode()),
-        "20000 documents": ("/v1/corpora", json.dumps({"name": "x", "documents": [{"id": str(i), "text": "t"} for i in range(20000)]}).encode()),
+        "4 MB document, unknown corpus": (
+            "/v1/corpora/nope/documents",
+            json.dumps({"documents": [{"id": "d", "text": "word " * 800_000}]}).encode(),
+        ),
+        "20000 documents": (
+            "/v1/corpora",
+            json.dumps({"name": "x", "documents": [{"id": str(i), "text": "t"} for i in range(20000)]}).encode(),
+        ),
     }
 
 
 def accepted_large() -> dict[str, tuple[str, bytes]]:
     """Large bodies the service accepts: they go on to chunking, tokenising and embedding."""
     return {
-        "4 MB document, indexed": ("/v1/corpora", json.dumps({"name": "big", "documents": [{"id": "d", "text": "word " * 800_000}]}).encode()),
+        "4 MB document, indexed": (
+            "/v1/corpora",
+            json.dumps({"name": "big", "documents": [{"id": "d", "text": "word " * 800_000}]}).encode(),
+        ),
         "1M-character context": ("/v1/retrieve", json.dumps({"question": "q", "context": "word " * 200_000}).encode()),
     }
 
 
-HOSTILE_NAMES = ["escaped quotes", "a million unknown keys", "deep nesting", "4 MB document, unknown corpus", "20000 documents"]
+HOSTILE_NAMES = [
+    "escaped quotes",
+    "a million unknown keys",
+    "deep nesting",
+    "4 MB document, unknown corpus",
+    "20000 documents",
+]
 
 
 async def probe_while(client: httpx.AsyncClient, request) -> tuple[float, httpx.Response]:
@@ -386,14 +508,22 @@ def hostile_lags(app, cases: dict[str, tuple[str, bytes]], key: str = WRITE_KEY)
 
     async def go():
         out = {}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=600) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=600
+        ) as c:
             await c.get("/healthz")
             for name, (path, body) in cases.items():
                 t0 = time.perf_counter()
-                request = c.post(path, content=body, headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+                request = c.post(
+                    path, content=body, headers={"authorization": f"Bearer {key}", "content-type": "application/json"}
+                )
                 worst, r = await probe_while(c, request)
-                out[name] = {"bytes": len(body), "status": r.status_code, "seconds": round(time.perf_counter() - t0, 2),
-                             "worst_healthz_ms": round(worst, 1)}
+                out[name] = {
+                    "bytes": len(body),
+                    "status": r.status_code,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "worst_healthz_ms": round(worst, 1),
+                }
         return out
 
     return asyncio.run(go())
@@ -408,12 +538,23 @@ def make_app(encoder: str, storage: Path, **limits: Any):
     from qrag.serving.service_config import ServeConfig
 
     model = load_embedding_model(resolve_source(None, encoder), "cpu", positions="relative")
-    cfg = ServeConfig(**{"storage": str(storage), "shards": 2, "chunk_tokens": 24, "max_body_bytes": 256 * 1024, "max_documents": 50,
-                         "request_timeout_s": 120.0, **limits})
+    cfg = ServeConfig(
+        **{
+            "storage": str(storage),
+            "shards": 2,
+            "chunk_tokens": 24,
+            "max_body_bytes": 256 * 1024,
+            "max_documents": 50,
+            "request_timeout_s": 120.0,
+            **limits,
+        }
+    )
     return build_api(local_service(cfg, model), keys={digest(READ_KEY): "read", digest(WRITE_KEY): "write"})
 
 
-SENTINEL_DOCS = [{"id": f"s{i}", "text": f"The painter {i} met the queen near the harbour. The ship left at dawn."} for i in range(4)]
+SENTINEL_DOCS = [
+    {"id": f"s{i}", "text": f"The painter {i} met the queen near the harbour. The ship left at dawn."} for i in range(4)
+]
 
 
 def fuzz(app, examples: int, seed_value: int, derandomize: bool = False) -> dict[str, Any]:
@@ -423,15 +564,27 @@ def fuzz(app, examples: int, seed_value: int, derandomize: bool = False) -> dict
     thread.start()
     fuzzer = Fuzzer(app, loop)
     try:
-        assert fuzzer.call("POST", "/v1/corpora", json_body={"name": SENTINEL, "documents": SENTINEL_DOCS}).status_code == 201
-        before = {k: fuzzer.call("GET", f"/v1/corpora/{SENTINEL}", READ_KEY).json()[k] for k in ("documents", "chunks", "version")}
+        assert (
+            fuzzer.call("POST", "/v1/corpora", json_body={"name": SENTINEL, "documents": SENTINEL_DOCS}).status_code
+            == 201
+        )
+        before = {
+            k: fuzzer.call("GET", f"/v1/corpora/{SENTINEL}", READ_KEY).json()[k]
+            for k in ("documents", "chunks", "version")
+        }
         openapi = fuzzer.call("GET", "/openapi.json", None).json()
         fuzzer.keep_targets()
         fuzzer.start()
 
         @seed(seed_value)
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize, print_blob=False,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=derandomize,
+            print_blob=False,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(request_strategy(openapi))
         def one(req: Request) -> None:
             fuzzer.run(req)
@@ -449,14 +602,22 @@ def fuzz(app, examples: int, seed_value: int, derandomize: bool = False) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--examples", type=int, default=100, help="requests drawn")
     parser.add_argument("--seed", type=int, default=32)
-    parser.add_argument("--encoder", default="tiny", help="encoder served (untrained): tiny (a random-init 2-layer BERT built here), "
-                                                          "minilm (bundled) or a local directory")
+    parser.add_argument(
+        "--encoder",
+        default="tiny",
+        help="encoder served (untrained): tiny (a random-init 2-layer BERT built here), "
+        "minilm (bundled) or a local directory",
+    )
     parser.add_argument("--storage", default=None, help="corpora folder (default: a temporary one)")
     parser.add_argument("--out", default=None, help="write the JSON result here too")
-    parser.add_argument("--hostile", action="store_true", help="also time /healthz while each hostile or large body is handled")
+    parser.add_argument(
+        "--hostile", action="store_true", help="also time /healthz while each hostile or large body is handled"
+    )
     args = parser.parse_args(argv)
     encoder = args.encoder
     with tempfile.TemporaryDirectory() as tmp:
@@ -466,12 +627,23 @@ def main(argv: list[str] | None = None) -> int:
             from conftest import build_tiny_encoder
 
             args.encoder = str(build_tiny_encoder(Path(tmp) / "tiny_encoder"))
-        result = {"settings": {"examples": args.examples, "seed": args.seed, "encoder": encoder, "keys": "read + write",
-                               "max_body_bytes": 256 * 1024, "max_documents": 50},
-                  **fuzz(make_app(args.encoder, root / "fuzz"), args.examples, args.seed)}
+        result = {
+            "settings": {
+                "examples": args.examples,
+                "seed": args.seed,
+                "encoder": encoder,
+                "keys": "read + write",
+                "max_body_bytes": 256 * 1024,
+                "max_documents": 50,
+            },
+            **fuzz(make_app(args.encoder, root / "fuzz"), args.examples, args.seed),
+        }
         if args.hostile:
             big = make_app(args.encoder, root / "hostile", max_body_bytes=32 * 2**20, max_documents=10_000)
-            result["hostile_bodies"] = {"max_body_bytes": 32 * 2**20, **hostile_lags(big, {**hostile_requests(), **accepted_large()})}
+            result["hostile_bodies"] = {
+                "max_body_bytes": 32 * 2**20,
+                **hostile_lags(big, {**hostile_requests(), **accepted_large()}),
+            }
     if args.out:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_common import machine_info, write_result

@@ -31,10 +31,20 @@ def _one(args, barrier, results) -> None:
     from qrag.retrieval.embedder import resolve_source
     from serve_scale import random_weights_model
 
-    model = random_weights_model(resolve_source(None, args.encoder), argparse.Namespace(
-        encoder=args.encoder, positions="relative", device=args.device, encode_tokens=args.encode_tokens, chunk_batch=args.chunk_batch))
+    model = random_weights_model(
+        resolve_source(None, args.encoder),
+        argparse.Namespace(
+            encoder=args.encoder,
+            positions="relative",
+            device=args.device,
+            encode_tokens=args.encode_tokens,
+            chunk_batch=args.chunk_batch,
+        ),
+    )
     rng = np.random.default_rng(os.getpid())
-    slices = [[rng.integers(1000, 30000, args.length, dtype=np.int32) for _ in range(args.chunk_batch)] for _ in range(4)]
+    slices = [
+        [rng.integers(1000, 30000, args.length, dtype=np.int32) for _ in range(args.chunk_batch)] for _ in range(4)
+    ]
     for s in slices:  # graphs captured, kernels chosen
         model.embed_chunks_start(s)()
     if model.device.type == "cuda":
@@ -79,7 +89,9 @@ def main() -> None:
             p.join()
         tokens = sum(t for t, _ in got)
         seconds = max(s for _, s in got)
-        rows.append({"processes": n, "tokens_per_s": round(tokens / seconds), "per_process": [round(t / s) for t, s in got]})
+        rows.append(
+            {"processes": n, "tokens_per_s": round(tokens / seconds), "per_process": [round(t / s) for t, s in got]}
+        )
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["tokens_per_s"]
     for r in rows:

@@ -56,10 +56,14 @@ def main() -> int:
     selected = out["checkpoint"]
     evals = {
         "selected_greedy": evaluate_checkpoint(selected, split="dev"),
-        f"selected_beam{args.beam}": evaluate_checkpoint(selected, overrides=["search.beam_width=%d" % args.beam], split="dev"),
+        f"selected_beam{args.beam}": evaluate_checkpoint(
+            selected, overrides=["search.beam_width=%d" % args.beam], split="dev"
+        ),
         "last_greedy": evaluate_checkpoint(out["final_checkpoint"], split="dev"),
         "untrained_greedy": evaluate_checkpoint("none", cfg, split="dev"),  # the paper's: full-vector cosine
-        "untrained_halfvector_greedy": evaluate_checkpoint("none:twin", cfg, split="dev"),  # extra: mean of half cosines
+        "untrained_halfvector_greedy": evaluate_checkpoint(
+            "none:twin", cfg, split="dev"
+        ),  # extra: mean of half cosines
     }
     for value in evals.values():
         value.pop("search", None)

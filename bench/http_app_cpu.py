@@ -31,22 +31,37 @@ from qrag.serving.http_api import build_api  # noqa: E402
 from qrag.serving.service_config import ServeConfig  # noqa: E402
 
 KEY = "bench-read-key-" + "r" * 16
-TEXT = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled into "
-        "his breast in an effort to escape the vile wind, slipped quickly through the glass doors of Victory Mansions. ") * 2
+TEXT = (
+    "It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled into "
+    "his breast in an effort to escape the vile wind, slipped quickly through the glass doors of Victory Mansions. "
+) * 2
 
 
 def answer(question: str, steps: int = 4, alternatives: int = 3) -> dict:
     """The shape of a real answer: each step its chunk, Q, position and runner-ups."""
+
     def chunk(i: int) -> dict:
         return {"chunk_id": 1000 + i, "doc_id": f"book-{i % 7}", "text": TEXT}
 
-    return {"corpus": "books", "question": question, "n_chunks": 156_000, "stopped_early": False,
-            "steps": [{"step": s + 1, **chunk(s), "q": 0.5 - 0.01 * s, "position": 10.0 * s,
-                       "alternatives": [{**chunk(10 * s + a), "q": 0.4 - 0.01 * a} for a in range(alternatives)]}
-                      for s in range(steps)],
-            "timings": {"tokenize_ms": 0.4, "encode_ms": 3.5, "score_ms": 5.9, "merge_ms": 0.5, "total_ms": 10.9},
-            "search": {"max_steps": steps, "beam_width": 1, "stop_threshold": None, "alternatives": alternatives},
-            "model": {"fingerprint": "0123456789abcdef", "trained": True}}
+    return {
+        "corpus": "books",
+        "question": question,
+        "n_chunks": 156_000,
+        "stopped_early": False,
+        "steps": [
+            {
+                "step": s + 1,
+                **chunk(s),
+                "q": 0.5 - 0.01 * s,
+                "position": 10.0 * s,
+                "alternatives": [{**chunk(10 * s + a), "q": 0.4 - 0.01 * a} for a in range(alternatives)],
+            }
+            for s in range(steps)
+        ],
+        "timings": {"tokenize_ms": 0.4, "encode_ms": 3.5, "score_ms": 5.9, "merge_ms": 0.5, "total_ms": 10.9},
+        "search": {"max_steps": steps, "beam_width": 1, "stop_threshold": None, "alternatives": alternatives},
+        "model": {"fingerprint": "0123456789abcdef", "trained": True},
+    }
 
 
 class StubService:
@@ -61,11 +76,25 @@ class StubService:
 
 async def call(app, body: bytes) -> int:
     status = 0
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/retrieve", "raw_path": b"/v1/retrieve", "root_path": "", "query_string": b"",
-             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()), (b"authorization", f"Bearer {KEY}".encode())],
-             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/retrieve",
+        "raw_path": b"/v1/retrieve",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"127.0.0.1:8000"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"authorization", f"Bearer {KEY}".encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
     sent = False
 
     async def receive():
@@ -87,15 +116,21 @@ async def call(app, body: bytes) -> int:
 async def run(n: int) -> dict:
     cfg = ServeConfig(storage="unused")
     app = build_api(StubService(cfg), {}, None, {digest(KEY): "read"})
-    body = json.dumps({"corpus": "books", "question": "what happened when the clocks were striking thirteen", "max_steps": 4}).encode()
+    body = json.dumps(
+        {"corpus": "books", "question": "what happened when the clocks were striking thirteen", "max_steps": 4}
+    ).encode()
     for _ in range(200):  # warm-up
         assert await call(app, body) == 200
     cpu0, t0 = time.process_time(), time.perf_counter()
     for _ in range(n):
         await call(app, body)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-    return {"requests": n, "cpu_us_per_request": round(cpu / n * 1e6, 1), "wall_us_per_request": round(wall / n * 1e6, 1),
-            "answer_bytes": len(json.dumps(answer("q")))}
+    return {
+        "requests": n,
+        "cpu_us_per_request": round(cpu / n * 1e6, 1),
+        "wall_us_per_request": round(wall / n * 1e6, 1),
+        "answer_bytes": len(json.dumps(answer("q"))),
+    }
 
 
 def main() -> None:

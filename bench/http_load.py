@@ -52,12 +52,17 @@ def percentile(values: list[float], p: float) -> float | None:
 def summary(out: Outcome, clients: int) -> dict:
     lat = out.latencies_ms
     return {
-        "clients": clients, "requests": len(lat), "seconds": round(out.seconds, 2),
+        "clients": clients,
+        "requests": len(lat),
+        "seconds": round(out.seconds, 2),
         "queries_per_s": round(len(lat) / out.seconds, 1) if out.seconds else None,
-        "p50_ms": _r(percentile(lat, 50)), "p90_ms": _r(percentile(lat, 90)), "p99_ms": _r(percentile(lat, 99)),
+        "p50_ms": _r(percentile(lat, 50)),
+        "p90_ms": _r(percentile(lat, 90)),
+        "p99_ms": _r(percentile(lat, 99)),
         "mean_ms": _r(statistics.fmean(lat)) if lat else None,
         "service_mean_ms": {k: _r(statistics.fmean(v)) for k, v in sorted(out.service_ms.items()) if v},
-        "statuses": {str(k): v for k, v in sorted(out.statuses.items())}, "errors": out.errors,
+        "statuses": {str(k): v for k, v in sorted(out.statuses.items())},
+        "errors": out.errors,
     }
 
 
@@ -66,7 +71,9 @@ def _r(x: float | None) -> float | None:
 
 
 class _Client(threading.Thread):
-    def __init__(self, url: str, bodies: list[dict], seed: int, stop: threading.Event, limit: int | None, headers: dict):
+    def __init__(
+        self, url: str, bodies: list[dict], seed: int, stop: threading.Event, limit: int | None, headers: dict
+    ):
         super().__init__(daemon=True)
         parts = urlsplit(url)
         self.host, self.port, self.path = parts.hostname, parts.port or 80, parts.path or "/"
@@ -105,8 +112,17 @@ class _Client(threading.Thread):
         conn.close()
 
 
-def _process(url: str, bodies: list[dict], clients: int, seed: int, seconds: float | None, limit: int | None, headers: dict,
-             start_at: float, queue) -> None:
+def _process(
+    url: str,
+    bodies: list[dict],
+    clients: int,
+    seed: int,
+    seconds: float | None,
+    limit: int | None,
+    headers: dict,
+    start_at: float,
+    queue,
+) -> None:
     stop = threading.Event()
     threads = [_Client(url, bodies, seed * 1000 + i, stop, limit, headers) for i in range(clients)]
     while time.time() < start_at:  # every process starts together
@@ -125,8 +141,14 @@ def _process(url: str, bodies: list[dict], clients: int, seed: int, seconds: flo
     queue.put(out)
 
 
-def closed_loop(url: str, bodies: list[dict], clients: int, seconds: float | None = None, requests_per_client: int | None = None,
-                headers: dict | None = None) -> dict:
+def closed_loop(
+    url: str,
+    bodies: list[dict],
+    clients: int,
+    seconds: float | None = None,
+    requests_per_client: int | None = None,
+    headers: dict | None = None,
+) -> dict:
     """``clients`` clients posting ``bodies`` (chosen at random) to ``url`` for ``seconds`` (or
     ``requests_per_client`` each); the summary of what they saw."""
     ctx = mp.get_context("fork")
@@ -136,7 +158,12 @@ def closed_loop(url: str, bodies: list[dict], clients: int, seconds: float | Non
     procs = []
     for p in range(n_proc):
         share = clients // n_proc + (1 if p < clients % n_proc else 0)
-        procs.append(ctx.Process(target=_process, args=(url, bodies, share, p, seconds, requests_per_client, headers or {}, start_at, queue)))
+        procs.append(
+            ctx.Process(
+                target=_process,
+                args=(url, bodies, share, p, seconds, requests_per_client, headers or {}, start_at, queue),
+            )
+        )
     for proc in procs:
         proc.start()
     total = Outcome()

@@ -57,8 +57,14 @@ except ImportError:  # older library: the same through split_files/read_document
 
 def args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--books", default=None, help="folder, file or glob of .txt/.txt.gz books; default $QRAG_DATA_DIR/gutenberg_novels")
-    ap.add_argument("--tokens", type=int, default=10_000_000, help="corpus size in tokens (books in name order, the last one cut)")
+    ap.add_argument(
+        "--books",
+        default=None,
+        help="folder, file or glob of .txt/.txt.gz books; default $QRAG_DATA_DIR/gutenberg_novels",
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=10_000_000, help="corpus size in tokens (books in name order, the last one cut)"
+    )
     ap.add_argument("--chunk-tokens", type=int, default=64)
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--checkpoint", default=None, help="a checkpoint dir; default: the untrained bundled encoder")
@@ -68,16 +74,30 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--encode-batch", type=int, default=8192, help="chunks per encoder-actor call")
     ap.add_argument("--encode-tokens", type=int, default=131072, help="padded tokens per forward")
     ap.add_argument("--commit-chunks", type=int, default=65536)
-    ap.add_argument("--format", default="jsonl", choices=["jsonl", "text"], help="the input: one JSONL file, or a text file per book")
-    ap.add_argument("--doc-tokens", type=int, default=32768, help="jsonl: documents of about this many tokens cut from the books at line ends")
-    ap.add_argument("--file-part-mb", type=float, default=16.0, help="jsonl: the file is read as parts of about this many MiB")
+    ap.add_argument(
+        "--format",
+        default="jsonl",
+        choices=["jsonl", "text"],
+        help="the input: one JSONL file, or a text file per book",
+    )
+    ap.add_argument(
+        "--doc-tokens",
+        type=int,
+        default=32768,
+        help="jsonl: documents of about this many tokens cut from the books at line ends",
+    )
+    ap.add_argument(
+        "--file-part-mb", type=float, default=16.0, help="jsonl: the file is read as parts of about this many MiB"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--storage", default=None, help="index folder (default: a temporary one, removed at the end)")
     ap.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/index_ray_h100.json")
     return ap
 
 
-def build_input(books: list[Path], tokens: int, folder: Path, tokenizer, fmt: str = "text", doc_tokens: int = 32768) -> dict:
+def build_input(
+    books: list[Path], tokens: int, folder: Path, tokenizer, fmt: str = "text", doc_tokens: int = 32768
+) -> dict:
     """Books holding about ``tokens`` tokens (counted with the model's tokenizer) as text files,
     one per book, or as one ``docs.jsonl`` of documents cut from them at line ends."""
     from serve_scale import CHARS_PER_TOKEN, book_parts
@@ -104,7 +124,13 @@ def build_input(books: list[Path], tokens: int, folder: Path, tokenizer, fmt: st
                 break
     if fmt != "jsonl":
         (folder / "docs.jsonl").unlink(missing_ok=True)
-    return {"books": used, "documents": docs, "format": fmt, "approx_tokens": total, "bytes": sum(p.stat().st_size for p in folder.iterdir())}
+    return {
+        "books": used,
+        "documents": docs,
+        "format": fmt,
+        "approx_tokens": total,
+        "bytes": sum(p.stat().st_size for p in folder.iterdir()),
+    }
 
 
 def corpus_token_ids(store: CorpusStore, name: str) -> list[np.ndarray]:
@@ -143,11 +169,23 @@ def main() -> int:
         ensure_ray()
         gpus = int(ray.cluster_resources().get("GPU", 0))
         actors = args.encoder_actors or max(1, gpus)
-        cfg = BulkIndexConfig(corpus="bench", inputs=[str(work / "books")], format=args.format, checkpoint=args.checkpoint, encoder=args.encoder,
-                              storage=str(storage), chunk_tokens=args.chunk_tokens, shards=args.shards, dtype=args.dtype,
-                              encoder_actors=actors, tokenize_actors=args.tokenize_actors, encode_batch=args.encode_batch,
-                              encode_tokens=args.encode_tokens, commit_chunks=args.commit_chunks,
-                              file_part_bytes=max(1, int(args.file_part_mb * 2**20)))
+        cfg = BulkIndexConfig(
+            corpus="bench",
+            inputs=[str(work / "books")],
+            format=args.format,
+            checkpoint=args.checkpoint,
+            encoder=args.encoder,
+            storage=str(storage),
+            chunk_tokens=args.chunk_tokens,
+            shards=args.shards,
+            dtype=args.dtype,
+            encoder_actors=actors,
+            tokenize_actors=args.tokenize_actors,
+            encode_batch=args.encode_batch,
+            encode_tokens=args.encode_tokens,
+            commit_chunks=args.commit_chunks,
+            file_part_bytes=max(1, int(args.file_part_mb * 2**20)),
+        )
         stats = bulk_index(cfg)
         store = CorpusStore(storage)
         bytes_on_disk = store.disk_bytes("bench")
@@ -159,21 +197,46 @@ def main() -> int:
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         result = {
-            "bench": "index_ray", **machine_info(), "device": str(model.device), "ray": ray.__version__,
+            "bench": "index_ray",
+            **machine_info(),
+            "device": str(model.device),
+            "ray": ray.__version__,
             "model": {"source": source.describe(), "dim": model.dim, "fingerprint": model.fingerprint},
             "input": built,
-            "corpus": {"documents": stats["corpus_documents"], "chunks": stats["corpus_chunks"], "text_tokens": stats["tokens"],
-                       "encoder_tokens": stats["encoder_tokens"], "chunk_tokens": args.chunk_tokens, "shards": args.shards,
-                       "dtype": args.dtype, "bytes_on_disk": bytes_on_disk},
-            "pipeline": {"encoder_actors": actors, "encoder_gpus_each": stats["encoder_gpus"], "gpus": gpus,
-                         "tokenize_actors": args.tokenize_actors or "auto", "encode_batch": args.encode_batch,
-                         "encode_tokens": args.encode_tokens, "commit_chunks": args.commit_chunks, "commits": stats["commits"],
-                         "files": stats["files"], "read_tasks": stats["parts"], "file_part_mb": args.file_part_mb},
+            "corpus": {
+                "documents": stats["corpus_documents"],
+                "chunks": stats["corpus_chunks"],
+                "text_tokens": stats["tokens"],
+                "encoder_tokens": stats["encoder_tokens"],
+                "chunk_tokens": args.chunk_tokens,
+                "shards": args.shards,
+                "dtype": args.dtype,
+                "bytes_on_disk": bytes_on_disk,
+            },
+            "pipeline": {
+                "encoder_actors": actors,
+                "encoder_gpus_each": stats["encoder_gpus"],
+                "gpus": gpus,
+                "tokenize_actors": args.tokenize_actors or "auto",
+                "encode_batch": args.encode_batch,
+                "encode_tokens": args.encode_tokens,
+                "commit_chunks": args.commit_chunks,
+                "commits": stats["commits"],
+                "files": stats["files"],
+                "read_tasks": stats["parts"],
+                "file_part_mb": args.file_part_mb,
+            },
             "indexing": {
-                "seconds": stats["seconds"], "tokens_per_s": stats["tokens_per_s"], "encoder_tokens_per_s": stats["encoder_tokens_per_s"],
-                "read_tokenize_cpu_seconds": stats["prep_seconds"], "embed_actor_seconds": stats["embed_seconds"],
-                "write_seconds": stats["write_seconds"], "driver_wait_seconds": stats["wait_seconds"],
-                "embed_tokens_per_s_per_actor": round(stats["encoder_tokens"] / stats["embed_seconds"]) if stats["embed_seconds"] else None,
+                "seconds": stats["seconds"],
+                "tokens_per_s": stats["tokens_per_s"],
+                "encoder_tokens_per_s": stats["encoder_tokens_per_s"],
+                "read_tokenize_cpu_seconds": stats["prep_seconds"],
+                "embed_actor_seconds": stats["embed_seconds"],
+                "write_seconds": stats["write_seconds"],
+                "driver_wait_seconds": stats["wait_seconds"],
+                "embed_tokens_per_s_per_actor": round(stats["encoder_tokens"] / stats["embed_seconds"])
+                if stats["embed_seconds"]
+                else None,
                 "bare_forward_tokens_per_s": round(bare),
                 "end_to_end_share_of_bare": round(stats["encoder_tokens_per_s"] / (bare * actors), 3),
             },

@@ -44,7 +44,14 @@ from qrag.index.pipeline import embed_group  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 from qrag.model.encoder import resolve_encoder  # noqa: E402
 from qrag.retrieval.embedder import resolve_source  # noqa: E402
-from serve_scale import _init_worker, _prepare, bare_forward_tokens_per_s, document_jobs, prepared_groups, random_weights_model  # noqa: E402
+from serve_scale import (  # noqa: E402
+    _init_worker,
+    _prepare,
+    bare_forward_tokens_per_s,
+    document_jobs,
+    prepared_groups,
+    random_weights_model,
+)  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -72,7 +79,11 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
     def row(self, tokens: int) -> dict:
-        return {"seconds": round(self.wall, 3), "tokens_per_s": round(tokens / self.wall), "process_cpu_seconds": round(self.cpu, 3)}
+        return {
+            "seconds": round(self.wall, 3),
+            "tokens_per_s": round(tokens / self.wall),
+            "process_cpu_seconds": round(self.cpu, 3),
+        }
 
 
 def busy_tokenisers(pool, jobs, workers: int, stop: threading.Event) -> threading.Thread:
@@ -119,18 +130,30 @@ def prep_rates(jobs: list, workers: int, init: tuple, args, dev) -> tuple[dict, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=None, help="books folder (default $QRAG_DATA_DIR/gutenberg_novels)")
-    ap.add_argument("--encoder", default="minilm", help="'minilm' or a HF directory (random weights of its architecture)")
+    ap.add_argument(
+        "--encoder", default="minilm", help="'minilm' or a HF directory (random weights of its architecture)"
+    )
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--chunk-tokens", type=int, default=64)
-    ap.add_argument("--doc-tokens", type=int, default=0, help="documents of about this many tokens cut from the books (serve_scale's --doc-tokens); 0 = whole books")
+    ap.add_argument(
+        "--doc-tokens",
+        type=int,
+        default=0,
+        help="documents of about this many tokens cut from the books (serve_scale's --doc-tokens); 0 = whole books",
+    )
     ap.add_argument("--chunk-batch", type=int, default=8192)
     ap.add_argument("--encode-tokens", type=int, default=131072)
     ap.add_argument("--commit-chunks", type=int, default=16384)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--prep-workers", default=None, metavar="N,N,...", help="only the tokenising stage, with each of these worker "
-                    "counts: gathered into commit groups as the pipeline does (unpacked chunks), and raw (the packed results only), "
-                    "to tell the workers' ceiling from the gathering process's")
+    ap.add_argument(
+        "--prep-workers",
+        default=None,
+        metavar="N,N,...",
+        help="only the tokenising stage, with each of these worker "
+        "counts: gathered into commit groups as the pipeline does (unpacked chunks), and raw (the packed results only), "
+        "to tell the workers' ceiling from the gathering process's",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.positions = "relative"
@@ -146,8 +169,14 @@ def main() -> None:
     if args.prep_workers:
         for n in [int(x) for x in args.prep_workers.split(",")]:
             rows[f"prep_{n}_workers"], rows[f"raw_{n}_workers"] = prep_rates(jobs, n, init, args, dev)
-        result = {"bench": "index_stages", **machine_info(), "device": str(dev), "cpu_count": os.cpu_count(), "stages": rows,
-                  "settings": {k: getattr(args, k) for k in ("tokens", "commit_chunks", "chunk_tokens", "doc_tokens")}}
+        result = {
+            "bench": "index_stages",
+            **machine_info(),
+            "device": str(dev),
+            "cpu_count": os.cpu_count(),
+            "stages": rows,
+            "settings": {k: getattr(args, k) for k in ("tokens", "commit_chunks", "chunk_tokens", "doc_tokens")},
+        }
         print(json.dumps(result))
         if args.out:
             write_result(args.out, result)
@@ -188,17 +217,41 @@ def main() -> None:
         stop.set()
         busy.join()
     rows["embed_busy_cpu"] = t.row(tokens)
-    rows["bare"] = {"tokens_per_s": round(float(np.median(bare_forward_tokens_per_s(model, [x for g in groups for x in g.ids], args.encode_tokens, 3))))}
+    rows["bare"] = {
+        "tokens_per_s": round(
+            float(
+                np.median(bare_forward_tokens_per_s(model, [x for g in groups for x in g.ids], args.encode_tokens, 3))
+            )
+        )
+    }
     with tempfile.TemporaryDirectory() as storage:
         store = CorpusStore(storage)
-        store.create("bench", fingerprint=model.fingerprint, model=model.model_cfg, dim=model.dim, chunk_tokens=args.chunk_tokens, shards=4)
+        store.create(
+            "bench",
+            fingerprint=model.fingerprint,
+            model=model.model_cfg,
+            dim=model.dim,
+            chunk_tokens=args.chunk_tokens,
+            shards=4,
+        )
         with Timer(dev) as t:
             for g, v in zip(groups, vectors):
                 store.append("bench", g.docs, g.chunks, g.ids, v, model.fingerprint)
         rows["write"] = t.row(tokens)
-    result = {"bench": "index_stages", **machine_info(), "device": str(dev), "encoder_tokens": tokens,
-              "chunks": sum(len(g.ids) for g in groups), "groups": len(groups), "workers": args.workers, "torch_threads": threads,
-              "settings": {k: getattr(args, k) for k in ("chunk_batch", "encode_tokens", "commit_chunks", "chunk_tokens", "doc_tokens")}, "stages": rows}
+    result = {
+        "bench": "index_stages",
+        **machine_info(),
+        "device": str(dev),
+        "encoder_tokens": tokens,
+        "chunks": sum(len(g.ids) for g in groups),
+        "groups": len(groups),
+        "workers": args.workers,
+        "torch_threads": threads,
+        "settings": {
+            k: getattr(args, k) for k in ("chunk_batch", "encode_tokens", "commit_chunks", "chunk_tokens", "doc_tokens")
+        },
+        "stages": rows,
+    }
     print(json.dumps(result))
     if args.out:
         write_result(args.out, result)

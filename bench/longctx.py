@@ -50,8 +50,14 @@ from bench_common import machine_info  # noqa: E402
 from qrag.data.dev_draw import QUESTIONS, QUESTIONS_LONG  # noqa: E402
 from qrag.integrations.provenance import git_state  # noqa: E402
 
-PRESETS = {"qa1": "babilong-qa1.yaml", "qa2": "babilong-qa2.yaml", "qa3": "babilong-qa3.yaml",
-           "qa4": "babilong-qa4.yaml", "qa5": "babilong-qa5.yaml", "niah": "niah.yaml"}
+PRESETS = {
+    "qa1": "babilong-qa1.yaml",
+    "qa2": "babilong-qa2.yaml",
+    "qa3": "babilong-qa3.yaml",
+    "qa4": "babilong-qa4.yaml",
+    "qa5": "babilong-qa5.yaml",
+    "niah": "niah.yaml",
+}
 BABILONG_LENGTHS = "1k,4k,32k,128k,1m,10m"
 NIAH_LENGTHS = "4k,32k,128k,1m"
 # What --pack-assets copies (sizes stored): bAbI qa1-qa5 (<1 MB), training books that hold the
@@ -61,60 +67,126 @@ PACK_TRAIN_BOOKS = 4
 PACK_DEV_BOOKS = 10
 PACK_VAL_BOOKS = 5  # validation background: the train collection's books that training never reads (~1.5M tokens)
 # What a length row keeps where a result lists per-length scores (sweep_model's rows have more).
-ROW_KEYS = ("task", "length", "fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "num_samples", "steps", "credit")
+ROW_KEYS = (
+    "task",
+    "length",
+    "fact_em",
+    "fact_f1",
+    "oracle_fact_em",
+    "oracle_fact_f1",
+    "num_samples",
+    "steps",
+    "credit",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="qa3", help="qa1..qa5 or niah, comma-separated for several in one call (default qa3)")
+    p.add_argument(
+        "--task", default="qa3", help="qa1..qa5 or niah, comma-separated for several in one call (default qa3)"
+    )
     p.add_argument("--minutes", type=float, default=5.0, help="training time per task (default 5)")
-    p.add_argument("--updates", type=int, default=None,
-                   help="train exactly this many updates instead of filling --minutes (the first updates are slow, so a "
-                        "time budget undercounts; fixed counts also make runs comparable)")
+    p.add_argument(
+        "--updates",
+        type=int,
+        default=None,
+        help="train exactly this many updates instead of filling --minutes (the first updates are slow, so a "
+        "time budget undercounts; fixed counts also make runs comparable)",
+    )
     p.add_argument("--assets", metavar="DIR", help="a folder made by --pack-assets (encoder/, babi/, novels/, essays/)")
     p.add_argument("--encoder", help="encoder directory (default: assets/encoder, else the bundled MiniLM)")
     p.add_argument("--babi", help="bAbI v1.2 folder with en/ and en-10k/")
     p.add_argument("--novels", help="background books (a folder with train/ and dev/, or gutenberg_novels)")
     p.add_argument("--essays", help="PaulGrahamEssays.json[.gz]")
     p.add_argument("--lengths", help=f"evaluation lengths (default {BABILONG_LENGTHS}; NIAH {NIAH_LENGTHS})")
-    p.add_argument("--questions", type=int, default=QUESTIONS,
-                   help=f"BabiLong dev questions per length (default {QUESTIONS}: the frozen dev draw, qrag/data/dev_draw.py)")
-    p.add_argument("--questions-10m", type=int, default=QUESTIONS_LONG,
-                   help=f"BabiLong dev questions at 10M tokens (default {QUESTIONS_LONG}: the frozen dev draw)")
+    p.add_argument(
+        "--questions",
+        type=int,
+        default=QUESTIONS,
+        help=f"BabiLong dev questions per length (default {QUESTIONS}: the frozen dev draw, qrag/data/dev_draw.py)",
+    )
+    p.add_argument(
+        "--questions-10m",
+        type=int,
+        default=QUESTIONS_LONG,
+        help=f"BabiLong dev questions at 10M tokens (default {QUESTIONS_LONG}: the frozen dev draw)",
+    )
     p.add_argument("--niah-questions", type=int, default=25, help="questions per NIAH task and length (default 25)")
     p.add_argument("--train-tokens", type=int, default=2048, help="training context length (default 2048)")
-    p.add_argument("--stop-at", type=int, default=None, metavar="UPDATE",
-                   help="one slice of a longer run: train up to this update, save a resumable checkpoint under --runs and "
-                        "exit without evaluating; the next call passes --resume (needs --updates: the whole schedule)")
-    p.add_argument("--resume", action="store_true",
-                   help="go on from the latest checkpoint under --runs/<task> (same --updates, --train-tokens and overrides)")
-    p.add_argument("--select-lengths", default="",
-                   help="choose the reported checkpoint on the val split at these lengths (e.g. 1m): held-out bAbI train "
-                        "questions in validation books, T = search.max_steps. Candidates: the periodic checkpoints "
-                        "(checkpoint_every=N), keep_best's and the final weights; dev is evaluated once, with the chosen one")
-    p.add_argument("--select-questions", type=int, default=100, help="validation questions per length with --select-lengths")
-    p.add_argument("--val-questions", type=int, default=100,
-                   help="validation questions (held out of train) that choose the learned Q-threshold stop (default 100; 0 = off)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="training seed: seed=N and data.seed=N (init, data order, actions, generated training contexts); the run "
-                        "is <task>-seed<N> under --runs and its result longctx_<task>_seed<N>.json (dev: the frozen draw whatever N)")
-    p.add_argument("--no-eval", action="store_true", help="train to the end and stop: no selection, no dev evaluation (--eval-only does them)")
-    p.add_argument("--eval-only", action="store_true",
-                   help="no training: choose (--select-lengths) and evaluate the finished run under --runs (trained with --no-eval)")
-    p.add_argument("--baseline-only", action="store_true",
-                   help="no training: evaluate only the untrained encoder (longctx_<task>_untrained.json)")
-    p.add_argument("--answer", choices=("none", "local", "openai"), default="none",
-                   help="also answer every dev question from its retrieved chunks with a reader LLM and score it by the "
-                        "benchmark's rule (RULER: share of needle values found; BabiLong: the label): ans_em, ans_f1 beside the rows")
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        metavar="UPDATE",
+        help="one slice of a longer run: train up to this update, save a resumable checkpoint under --runs and "
+        "exit without evaluating; the next call passes --resume (needs --updates: the whole schedule)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the latest checkpoint under --runs/<task> (same --updates, --train-tokens and overrides)",
+    )
+    p.add_argument(
+        "--select-lengths",
+        default="",
+        help="choose the reported checkpoint on the val split at these lengths (e.g. 1m): held-out bAbI train "
+        "questions in validation books, T = search.max_steps. Candidates: the periodic checkpoints "
+        "(checkpoint_every=N), keep_best's and the final weights; dev is evaluated once, with the chosen one",
+    )
+    p.add_argument(
+        "--select-questions", type=int, default=100, help="validation questions per length with --select-lengths"
+    )
+    p.add_argument(
+        "--val-questions",
+        type=int,
+        default=100,
+        help="validation questions (held out of train) that choose the learned Q-threshold stop (default 100; 0 = off)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="training seed: seed=N and data.seed=N (init, data order, actions, generated training contexts); the run "
+        "is <task>-seed<N> under --runs and its result longctx_<task>_seed<N>.json (dev: the frozen draw whatever N)",
+    )
+    p.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="train to the end and stop: no selection, no dev evaluation (--eval-only does them)",
+    )
+    p.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="no training: choose (--select-lengths) and evaluate the finished run under --runs (trained with --no-eval)",
+    )
+    p.add_argument(
+        "--baseline-only",
+        action="store_true",
+        help="no training: evaluate only the untrained encoder (longctx_<task>_untrained.json)",
+    )
+    p.add_argument(
+        "--answer",
+        choices=("none", "local", "openai"),
+        default="none",
+        help="also answer every dev question from its retrieved chunks with a reader LLM and score it by the "
+        "benchmark's rule (RULER: share of needle values found; BabiLong: the label): ans_em, ans_f1 beside the rows",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results folder")
     p.add_argument("--runs", default=str(ROOT / "runs" / "bench-longctx"), help="checkpoints folder")
     p.add_argument("--no-baseline", action="store_true", help="skip the untrained encoder")
     p.add_argument("--pack-assets", metavar="DIR", help="write the fp16 encoder and a data subset to DIR, then exit")
-    p.add_argument("--generation-only", action="store_true",
-                   help="only time generating + tokenising one BabiLong sample per length (CPU; peak RSS), then exit")
-    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge result files into longctx_all.json (+ .png), then exit")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for training, e.g. learner.lr=3e-5")
+    p.add_argument(
+        "--generation-only",
+        action="store_true",
+        help="only time generating + tokenising one BabiLong sample per length (CPU; peak RSS), then exit",
+    )
+    p.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="merge result files into longctx_all.json (+ .png), then exit"
+    )
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides for training, e.g. learner.lr=3e-5"
+    )
     return p.parse_args(argv)
 
 
@@ -141,8 +213,10 @@ def pack_assets(dest: Path) -> dict:
         for f in sorted((default_dir() / variant).glob("qa[1-5]_*")):
             shutil.copy2(f, dest / "babi" / variant / f.name)
     novels = default_background()
-    picks = {split: split_files(novels, split)[:count] for split, count in
-             (("train", PACK_TRAIN_BOOKS), ("val", PACK_VAL_BOOKS), ("dev", PACK_DEV_BOOKS))}
+    picks = {
+        split: split_files(novels, split)[:count]
+        for split, count in (("train", PACK_TRAIN_BOOKS), ("val", PACK_VAL_BOOKS), ("dev", PACK_DEV_BOOKS))
+    }
     for split, files in picks.items():
         (dest / "novels" / split).mkdir(parents=True, exist_ok=True)
         for f in files:
@@ -175,8 +249,14 @@ def run_config(task: str, args: argparse.Namespace, paths: dict):
     """The run's config: the task's preset, this bench's settings, then the command line's overrides."""
     from qrag.config import load_config
 
-    overrides = [f"model.encoder={paths['encoder']}", f"out_dir={args.runs}", f"name={run_name(task, args)}",
-                 f"data.context_tokens={args.train_tokens}", "checkpoint_every=0", "eval_every=0"]
+    overrides = [
+        f"model.encoder={paths['encoder']}",
+        f"out_dir={args.runs}",
+        f"name={run_name(task, args)}",
+        f"data.context_tokens={args.train_tokens}",
+        "checkpoint_every=0",
+        "eval_every=0",
+    ]
     if args.seed is not None:
         overrides += [f"seed={args.seed}", f"data.seed={args.seed}"]
     overrides += list(args.overrides)
@@ -210,7 +290,9 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         from qrag.data.babilong import generate_from_config
     measure = Measure.from_tokenizer(run.tokenizer)
     tokens = ChunkTokens(run.tokenizer, run.layout, cfg.data.chunk_tokens, cfg.data.question_tokens)
-    data_info = attach_data(run, generate_from_config(cfg.data, "train", measure), generate_from_config(cfg.data, "dev", measure), tokens)
+    data_info = attach_data(
+        run, generate_from_config(cfg.data, "train", measure), generate_from_config(cfg.data, "dev", measure), tokens
+    )
     tokens.clear()
     data_s = time.perf_counter() - t0
     log(f"{task}: {len(run.train_tok)} train / {len(run.dev_tok)} dev samples in {data_s:.0f}s")
@@ -242,12 +324,18 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     history = run.history
     last = [h for h in history if "train/return" in h][-5:]
     # The periodic evaluations on the val split at the training length (what keep_best chose from).
-    periodic = [{"update": h["update"], "fact_em": round(h["eval/fact_em"], 4), "fact_f1": round(h["eval/fact_f1"], 4)}
-                for h in history if "eval/fact_f1" in h]
+    periodic = [
+        {"update": h["update"], "fact_em": round(h["eval/fact_em"], 4), "fact_f1": round(h["eval/fact_f1"], 4)}
+        for h in history
+        if "eval/fact_f1" in h
+    ]
     best_update = max(periodic, key=lambda e: e["fact_f1"])["update"] if cfg.keep_best and periodic else None
     return {
-        "checkpoint": out["checkpoint"], "updates": out["updates"], "seconds": round(train_s, 1),
-        "data_seconds": round(data_s, 1), **({"slices": slices} if len(slices) > 1 else {}),
+        "checkpoint": out["checkpoint"],
+        "updates": out["updates"],
+        "seconds": round(train_s, 1),
+        "data_seconds": round(data_s, 1),
+        **({"slices": slices} if len(slices) > 1 else {}),
         # Measured over the whole loop: the probe's first updates run full-length episodes on cold
         # kernels, so its per-update time (kept as probe_seconds_per_update) overstates the cost.
         "seconds_per_update": round((train_s - data_s) / max(1, out["updates"]), 3),
@@ -255,12 +343,24 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         "episodes_per_s": round(cfg.learner.episodes_per_update * out["updates"] / max(1e-9, train_s - data_s), 1),
         "episodes_per_update": cfg.learner.episodes_per_update,
         "train_return_last": sum(h["train/return"] for h in last) / max(1, len(last)),
-        "dev_fact_f1": out["eval"]["fact_f1"], "dev_fact_em": out["eval"]["fact_em"],
-        **({"val_by_update": periodic} if periodic else {}), **({"keep_best_update": best_update} if best_update else {}),
-        "config": {"context_tokens": cfg.data.context_tokens, "positions": cfg.model.positions, "env.max_steps": cfg.env.max_steps,
-                   "lr": cfg.learner.lr, "alpha": cfg.learner.alpha, "value_top_k": cfg.learner.value_top_k,
-                   "credit": cfg.env.credit, "samples_per_task": cfg.data.samples_per_task, "seed": cfg.seed,
-                   "data_seed": cfg.data.seed, "val_fraction": cfg.data.val_fraction, "overrides": list(args.overrides)},
+        "dev_fact_f1": out["eval"]["fact_f1"],
+        "dev_fact_em": out["eval"]["fact_em"],
+        **({"val_by_update": periodic} if periodic else {}),
+        **({"keep_best_update": best_update} if best_update else {}),
+        "config": {
+            "context_tokens": cfg.data.context_tokens,
+            "positions": cfg.model.positions,
+            "env.max_steps": cfg.env.max_steps,
+            "lr": cfg.learner.lr,
+            "alpha": cfg.learner.alpha,
+            "value_top_k": cfg.learner.value_top_k,
+            "credit": cfg.env.credit,
+            "samples_per_task": cfg.data.samples_per_task,
+            "seed": cfg.seed,
+            "data_seed": cfg.data.seed,
+            "val_fraction": cfg.data.val_fraction,
+            "overrides": list(args.overrides),
+        },
         "data": data_info,
         "selected_on": training_selection(task, cfg, args, data_info),
     }, cfg
@@ -268,12 +368,16 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
 
 def training_selection(task: str, cfg, args: argparse.Namespace, data_info: dict) -> str:
     """What the training run itself chose, and on what: generated from its settings."""
-    settings = (f"settings: the preset configs/{PRESETS[task]} with overrides {list(args.overrides) or 'none'}, "
-                "given to this run (it chose none of them)")
+    settings = (
+        f"settings: the preset configs/{PRESETS[task]} with overrides {list(args.overrides) or 'none'}, "
+        "given to this run (it chose none of them)"
+    )
     if cfg.keep_best and cfg.eval_every > 0:
-        checkpoint = (f"checkpoint: the best Fact F1 of the evaluations every {cfg.eval_every} updates on {min(cfg.eval_limit or 10**9, data_info['val_samples'])} "
-                      f"samples of the validation part of train ({data_info['val_sources']} sources held out by "
-                      f"{'story' if task != 'niah' else 'sample'}, data.val_fraction={cfg.data.val_fraction})")
+        checkpoint = (
+            f"checkpoint: the best Fact F1 of the evaluations every {cfg.eval_every} updates on {min(cfg.eval_limit or 10**9, data_info['val_samples'])} "
+            f"samples of the validation part of train ({data_info['val_sources']} sources held out by "
+            f"{'story' if task != 'niah' else 'sample'}, data.val_fraction={cfg.data.val_fraction})"
+        )
     else:
         checkpoint = "checkpoint: the final weights, no selection"
     return f"{settings}; {checkpoint}"
@@ -284,10 +388,21 @@ def record_slice(run_dir: Path, first: int, last: int, seconds: float, data_seco
     slices.json and return them all: the training time of a run cut into slices."""
     path = run_dir / "slices.json"
     slices = json.loads(path.read_text()) if first > 0 and path.is_file() else []
-    slices = [sl for sl in slices if sl["to"] <= first]  # a slice re-run from an older checkpoint replaces the later ones
+    slices = [
+        sl for sl in slices if sl["to"] <= first
+    ]  # a slice re-run from an older checkpoint replaces the later ones
     git = git_state()
-    slices.append({"from": first, "to": last, "seconds": round(seconds, 1), "data_seconds": round(data_seconds, 1),
-                   "git_commit": git["commit"], "git_dirty": git["dirty"], "git_diff_sha256": git["diff_sha256"]})
+    slices.append(
+        {
+            "from": first,
+            "to": last,
+            "seconds": round(seconds, 1),
+            "data_seconds": round(data_seconds, 1),
+            "git_commit": git["commit"],
+            "git_dirty": git["dirty"],
+            "git_diff_sha256": git["diff_sha256"],
+        }
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(slices, indent=1) + "\n")
     return slices
@@ -309,12 +424,15 @@ def describe_data(train_samples: list, val_samples: list) -> dict:
     from qrag.metrics import mean
 
     metas = [s.meta for s in train_samples]
-    return {"train_samples": len(train_samples), "val_samples": len(val_samples),
-            "train_sources": len({validation_key(s) for s in train_samples}),
-            "val_sources": len({validation_key(s) for s in val_samples}),
-            "context_tokens": round(mean([m.get("context_tokens", 0) for m in metas]), 1),
-            "hard_negatives": round(mean([m.get("hard_negatives", m.get("near_misses", 0)) for m in metas]), 2),
-            "renamed_share": round(mean([1.0 if m.get("renamed") else 0.0 for m in metas]), 3)}
+    return {
+        "train_samples": len(train_samples),
+        "val_samples": len(val_samples),
+        "train_sources": len({validation_key(s) for s in train_samples}),
+        "val_sources": len({validation_key(s) for s in val_samples}),
+        "context_tokens": round(mean([m.get("context_tokens", 0) for m in metas]), 1),
+        "hard_negatives": round(mean([m.get("hard_negatives", m.get("near_misses", 0)) for m in metas]), 2),
+        "renamed_share": round(mean([1.0 if m.get("renamed") else 0.0 for m in metas]), 3),
+    }
 
 
 def attach_data(run, train_items, dev_items, tokens) -> dict:
@@ -364,8 +482,19 @@ def evaluate(task: str, checkpoint: str | None, cfg, args: argparse.Namespace, d
         from qrag.evaluation.evaluate import ReaderHook
 
         answer = ReaderHook(cfg.answer, args.answer)
-    return run_sweep(models, cfg, task_list(task), lengths, samples, split="dev", steps=steps_for(task), device=device,
-                     val_samples=args.val_questions, answer=answer, log=log)
+    return run_sweep(
+        models,
+        cfg,
+        task_list(task),
+        lengths,
+        samples,
+        split="dev",
+        steps=steps_for(task),
+        device=device,
+        val_samples=args.val_questions,
+        answer=answer,
+        log=log,
+    )
 
 
 def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, device, log) -> dict:
@@ -379,19 +508,40 @@ def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, d
     candidates = periodic + [p for p in (run_dir / "best", run_dir / "final") if is_checkpoint(p)]
     scored = []
     for c in candidates:
-        rows = sweep_model(c.name, str(c), cfg, task_list(task), lengths, lambda _: args.select_questions, split="val",
-                           steps=steps_for(task), device=device, log=log)
-        scored.append({"checkpoint": str(c), "val_fact_em": round(sum(r["fact_em"] for r in rows) / len(rows), 4),
-                       "val_fact_f1": round(sum(r["fact_f1"] for r in rows) / len(rows), 4),
-                       "rows": [{k: r[k] for k in ROW_KEYS} for r in rows]})
+        rows = sweep_model(
+            c.name,
+            str(c),
+            cfg,
+            task_list(task),
+            lengths,
+            lambda _: args.select_questions,
+            split="val",
+            steps=steps_for(task),
+            device=device,
+            log=log,
+        )
+        scored.append(
+            {
+                "checkpoint": str(c),
+                "val_fact_em": round(sum(r["fact_em"] for r in rows) / len(rows), 4),
+                "val_fact_f1": round(sum(r["fact_f1"] for r in rows) / len(rows), 4),
+                "rows": [{k: r[k] for k in ROW_KEYS} for r in rows],
+            }
+        )
         log(f"select: {c.name}: val Fact EM {scored[-1]['val_fact_em']}, F1 {scored[-1]['val_fact_f1']}")
     if not scored:
         raise SystemExit(f"longctx: --select-lengths: no checkpoint under {run_dir}")
     chosen = max(reversed(scored), key=lambda x: (x["val_fact_em"], x["val_fact_f1"]))
-    return {"checkpoint": chosen["checkpoint"], "lengths": args.select_lengths, "questions": args.select_questions,
-            "split": "val (held-out train stories, never trained on; in validation books)" if task != "niah" else
-                     "val (held-out train samples, never trained on: their own needles, RULER's haystack texts)",
-            "candidates": scored, "chosen_among": [Path(c["checkpoint"]).name for c in scored]}
+    return {
+        "checkpoint": chosen["checkpoint"],
+        "lengths": args.select_lengths,
+        "questions": args.select_questions,
+        "split": "val (held-out train stories, never trained on; in validation books)"
+        if task != "niah"
+        else "val (held-out train samples, never trained on: their own needles, RULER's haystack texts)",
+        "candidates": scored,
+        "chosen_among": [Path(c["checkpoint"]).name for c in scored],
+    }
 
 
 def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
@@ -419,12 +569,22 @@ def measure_generation(args: argparse.Namespace, paths: dict) -> dict:
         tokens = ChunkTokens(tokenizer, layout, 64, 48)
         reset_peak(cpu)
         t0 = time.perf_counter()
-        g = next(generate_babilong("qa3", "dev", length, 1, measure, facts_path=paths["babi"], background=paths["novels"]))
+        g = next(
+            generate_babilong("qa3", "dev", length, 1, measure, facts_path=paths["babi"], background=paths["novels"])
+        )
         gen_s = time.perf_counter() - t0
         tok = tokens([g])[0]
-        out["rows"].append({"length": length_label(length), "chunks": len(g.sample.chunks), "context_tokens": g.sample.meta["context_tokens"],
-                            "generate_seconds": round(gen_s, 2), "tokenize_seconds": round(time.perf_counter() - t0 - gen_s, 2),
-                            "peak_rss_mb": round(peak_mb(cpu)), "token_array_mb": round(sum(c.nbytes for c in tok.chunks) / 2**20, 1)})
+        out["rows"].append(
+            {
+                "length": length_label(length),
+                "chunks": len(g.sample.chunks),
+                "context_tokens": g.sample.meta["context_tokens"],
+                "generate_seconds": round(gen_s, 2),
+                "tokenize_seconds": round(time.perf_counter() - t0 - gen_s, 2),
+                "peak_rss_mb": round(peak_mb(cpu)),
+                "token_array_mb": round(sum(c.nbytes for c in tok.chunks) / 2**20, 1),
+            }
+        )
         del g, tok, tokens
     return out
 
@@ -448,9 +608,16 @@ def summary_line(task: str, training: dict, table: dict) -> dict:
                         for length, v in values.items():
                             per_length.setdefault(length, []).append(v)
                 source[f"{model}/mean"] = {k: round(sum(v) / len(v), 1) for k, v in per_length.items()}
-    return {"bench": "longctx", "task": task, "device": table["device"], "updates": training.get("updates"),
-            "train_seconds": training.get("seconds"), "fact_em": em, "fact_f1": f1,
-            "protocols": {k: PROTOCOL_NOTES[k] for k in ("fact_em", "fact_f1")}}
+    return {
+        "bench": "longctx",
+        "task": task,
+        "device": table["device"],
+        "updates": training.get("updates"),
+        "train_seconds": training.get("seconds"),
+        "fact_em": em,
+        "fact_f1": f1,
+        "protocols": {k: PROTOCOL_NOTES[k] for k in ("fact_em", "fact_f1")},
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -489,7 +656,9 @@ def main(argv: list[str]) -> int:
             fh.write(line + "\n")
 
     if (args.stop_at or args.resume) and not args.updates:
-        raise SystemExit("longctx: --stop-at and --resume need --updates (the whole run's schedule, the same in every slice)")
+        raise SystemExit(
+            "longctx: --stop-at and --resume need --updates (the whole run's schedule, the same in every slice)"
+        )
     if sum((args.no_eval, args.eval_only, args.baseline_only)) > 1:
         raise SystemExit("longctx: --no-eval, --eval-only and --baseline-only exclude each other")
     for task in [t.strip() for t in args.task.split(",") if t.strip()]:
@@ -511,29 +680,65 @@ def run_task(task: str, args: argparse.Namespace, paths: dict, device, out_dir: 
         else:
             training, cfg = train(task, args, paths, device, log)
             if "stopped_at" in training:
-                print(json.dumps({"bench": "longctx", "task": task, **training,
-                                  "next": "run the same command with --resume (and without --stop-at for the last slice)"}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "bench": "longctx",
+                            "task": task,
+                            **training,
+                            "next": "run the same command with --resume (and without --stop-at for the last slice)",
+                        }
+                    ),
+                    flush=True,
+                )
                 return
             (Path(cfg.out_dir) / cfg.name / "training.json").write_text(json.dumps(training, indent=1) + "\n")
             if args.no_eval:
-                print(json.dumps({"bench": "longctx", "task": task, "trained": training["checkpoint"], "updates": training["updates"],
-                                  "next": "the same command with --eval-only instead of --no-eval"}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "bench": "longctx",
+                            "task": task,
+                            "trained": training["checkpoint"],
+                            "updates": training["updates"],
+                            "next": "the same command with --eval-only instead of --no-eval",
+                        }
+                    ),
+                    flush=True,
+                )
                 return
         if args.select_lengths:
             t0 = time.perf_counter()
             selection = select_checkpoint(task, Path(cfg.out_dir) / cfg.name, cfg, args, device, log)
-            training.update(checkpoint=selection["checkpoint"], selection={**selection, "seconds": round(time.perf_counter() - t0, 1)},
-                            selected_on=training["selected_on"].split("; ")[0] + f"; checkpoint: the best Fact EM on the val split at "
-                            f"{args.select_lengths} ({args.select_questions} questions, {selection['split']}) among "
-                            f"{', '.join(selection['chosen_among'])}")
+            training.update(
+                checkpoint=selection["checkpoint"],
+                selection={**selection, "seconds": round(time.perf_counter() - t0, 1)},
+                selected_on=training["selected_on"].split("; ")[0]
+                + f"; checkpoint: the best Fact EM on the val split at "
+                f"{args.select_lengths} ({args.select_questions} questions, {selection['split']}) among "
+                f"{', '.join(selection['chosen_among'])}",
+            )
         checkpoint = training["checkpoint"]
         name = f"longctx_{task}.json" if args.seed is None else f"longctx_{task}_seed{args.seed}.json"
     t0 = time.perf_counter()
     table = evaluate(task, checkpoint, cfg, args, device, log)
-    table.update(bench="longctx", task=task, machine=machine_info(), training=training, paths=paths,
-                 eval_seconds=round(time.perf_counter() - t0, 1),
-                 selected_on="; ".join(x for x in (training.get("selected_on"), table.get("selected_on"),
-                                                   "dev: never used for choosing, evaluated once on the frozen draw") if x))
+    table.update(
+        bench="longctx",
+        task=task,
+        machine=machine_info(),
+        training=training,
+        paths=paths,
+        eval_seconds=round(time.perf_counter() - t0, 1),
+        selected_on="; ".join(
+            x
+            for x in (
+                training.get("selected_on"),
+                table.get("selected_on"),
+                "dev: never used for choosing, evaluated once on the frozen draw",
+            )
+            if x
+        ),
+    )
     path = out_dir / name
     write_table(table, path)
     plot_table(table, path.with_suffix(".png"))
@@ -546,7 +751,9 @@ def finished_training(task: str, args: argparse.Namespace, paths: dict) -> tuple
     cfg = run_config(task, args, paths)
     record = Path(cfg.out_dir) / cfg.name / "training.json"
     if not record.is_file():
-        raise SystemExit(f"longctx: --eval-only: {record} not found (train the run to its end first, e.g. with --no-eval)")
+        raise SystemExit(
+            f"longctx: --eval-only: {record} not found (train the run to its end first, e.g. with --no-eval)"
+        )
     return json.loads(record.read_text()), cfg
 
 

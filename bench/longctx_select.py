@@ -31,31 +31,74 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info  # noqa: E402
 from longctx import PRESETS, ROW_KEYS, describe_data, resolve_paths, split_items  # noqa: E402
-DIAGNOSTICS = ("success", "policy_entropy", "q_taken", "q_success", "q_failure", "value_next", "nonzero_return_share",
-               "target", "loss", "alpha")
+
+DIAGNOSTICS = (
+    "success",
+    "policy_entropy",
+    "q_taken",
+    "q_success",
+    "q_failure",
+    "value_next",
+    "nonzero_return_share",
+    "target",
+    "loss",
+    "alpha",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="qa3", help="qa1..qa5 or niah")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME:k=v,k=v",
-                   help="a variant: a name and config overrides (repeat; 'NAME:' = the preset as it is)")
-    p.add_argument("--minutes-each", type=float, default=1.5, help="training time per variant (its schedule is sized from the speed of updates 3-5)")
-    p.add_argument("--updates", type=int, default=0, help="train every variant for exactly this many updates instead (equal episodes: a fair ablation)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:k=v,k=v",
+        help="a variant: a name and config overrides (repeat; 'NAME:' = the preset as it is)",
+    )
+    p.add_argument(
+        "--minutes-each",
+        type=float,
+        default=1.5,
+        help="training time per variant (its schedule is sized from the speed of updates 3-5)",
+    )
+    p.add_argument(
+        "--updates",
+        type=int,
+        default=0,
+        help="train every variant for exactly this many updates instead (equal episodes: a fair ablation)",
+    )
     p.add_argument("--val-questions", type=int, default=200, help="validation questions scored per variant")
     p.add_argument("--assets", metavar="DIR", help="a folder made by bench/longctx.py --pack-assets")
     p.add_argument("--encoder")
     p.add_argument("--babi")
     p.add_argument("--novels")
     p.add_argument("--essays")
-    p.add_argument("--lengths", default="", help="also evaluate each trained variant on dev at these lengths "
-                   "(e.g. 4k,128k,1m; T = search.max_steps; reported once, never used for choosing)")
-    p.add_argument("--val-lengths", default="", help="also score each trained variant on the val split at these lengths (e.g. 1m): "
-                   "held-out bAbI train questions in the validation books, which no training context holds; T = search.max_steps")
-    p.add_argument("--val-questions-long", type=int, default=100, help="validation questions per length with --val-lengths")
+    p.add_argument(
+        "--lengths",
+        default="",
+        help="also evaluate each trained variant on dev at these lengths "
+        "(e.g. 4k,128k,1m; T = search.max_steps; reported once, never used for choosing)",
+    )
+    p.add_argument(
+        "--val-lengths",
+        default="",
+        help="also score each trained variant on the val split at these lengths (e.g. 1m): "
+        "held-out bAbI train questions in the validation books, which no training context holds; T = search.max_steps",
+    )
+    p.add_argument(
+        "--val-questions-long", type=int, default=100, help="validation questions per length with --val-lengths"
+    )
     p.add_argument("--dev-questions", type=int, default=100, help="dev questions per length with --lengths")
-    p.add_argument("--table-out", help="with --lengths: also write the variants' length table here (qrag report reads it)")
-    p.add_argument("--score-credit", default="chunk", choices=("chunk", "text"), help="credit rule of the validation score, the same for every variant")
+    p.add_argument(
+        "--table-out", help="with --lengths: also write the variants' length table here (qrag report reads it)"
+    )
+    p.add_argument(
+        "--score-credit",
+        default="chunk",
+        choices=("chunk", "text"),
+        help="credit rule of the validation score, the same for every variant",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every variant")
@@ -104,8 +147,15 @@ def main(argv: list[str]) -> int:
         """(train samples, train tokens, val samples, val tokens) of these data settings, made once."""
         key = json.dumps(to_dict(data_cfg), sort_keys=True, default=str)
         if key not in datasets:
-            train_items, val_items = split_items(generate_from_config(data_cfg, "train", measure), data_cfg.val_fraction)
-            datasets[key] = ([g.sample for g in train_items], tokens(train_items), [g.sample for g in val_items], tokens(val_items))
+            train_items, val_items = split_items(
+                generate_from_config(data_cfg, "train", measure), data_cfg.val_fraction
+            )
+            datasets[key] = (
+                [g.sample for g in train_items],
+                tokens(train_items),
+                [g.sample for g in val_items],
+                tokens(val_items),
+            )
         return datasets[key]
 
     common = data_for(cfg0.data)
@@ -113,20 +163,35 @@ def main(argv: list[str]) -> int:
     log(f"{len(common[1])} train / {len(common[3])} validation samples in {time.perf_counter() - t0:.0f}s")
     n_val = min(args.val_questions, len(common[3]))
     out_path = Path(args.out) / f"longctx_select_{args.task}.json"
-    result = {"bench": "longctx_select", "task": args.task, "machine": machine_info(),
-              "selected_on": (f"validation: the first {n_val} of {len(common[3])} samples of the {len(val_sources)} sources "
-                              f"(bAbI stories; NIAH samples) that data.val_fraction={cfg0.data.val_fraction} holds out of every "
-                              "variant's training data; the same questions for every variant; dev never looked at"),
-              "val_questions": n_val, "common_data": describe_data(common[0], common[2]), "minutes_each": args.minutes_each,
-              "common_overrides": args.overrides, "variants": []}
+    result = {
+        "bench": "longctx_select",
+        "task": args.task,
+        "machine": machine_info(),
+        "selected_on": (
+            f"validation: the first {n_val} of {len(common[3])} samples of the {len(val_sources)} sources "
+            f"(bAbI stories; NIAH samples) that data.val_fraction={cfg0.data.val_fraction} holds out of every "
+            "variant's training data; the same questions for every variant; dev never looked at"
+        ),
+        "val_questions": n_val,
+        "common_data": describe_data(common[0], common[2]),
+        "minutes_each": args.minutes_each,
+        "common_overrides": args.overrides,
+        "variants": [],
+    }
 
     def score(run) -> dict:
         # One credit rule for every variant (a text-credit run is still scored by its chunks).
         ev = run.evaluate(n_val, split="val", credit=args.score_credit).summary
-        return {k: round(ev[k], 4) for k in ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1")} | {"steps": run.cfg.search.max_steps, "credit": ev["credit"]}
+        return {k: round(ev[k], 4) for k in ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1")} | {
+            "steps": run.cfg.search.max_steps,
+            "credit": ev["credit"],
+        }
 
     for label, how in (("untrained (full-vector cosine)", "cosine"), ("untrained (half-vector cosines)", "twin")):
-        cfg_b = load_config(ROOT / "configs" / PRESETS[args.task], base + args.overrides + ["model.positions=none", f"model.similarity={how}"])
+        cfg_b = load_config(
+            ROOT / "configs" / PRESETS[args.task],
+            base + args.overrides + ["model.positions=none", f"model.similarity={how}"],
+        )
         run = TrainingRun(cfg_b, device=device, load_data=False)
         run.train_samples, run.train_tok, run.val_samples, run.val_tok = common
         result["variants"].append({"name": label, "val": score(run)})
@@ -140,8 +205,10 @@ def main(argv: list[str]) -> int:
         train_samples, train_tok = data_for(cfg.data)[:2]  # this variant's own data settings
         leaked = val_sources & {validation_key(s) for s in train_samples}
         if leaked:
-            raise SystemExit(f"longctx_select: variant {name!r} would train on {len(leaked)} validation source(s) (e.g. "
-                             f"{sorted(leaked)[0]}): keep data.val_fraction and data.seed common to every variant")
+            raise SystemExit(
+                f"longctx_select: variant {name!r} would train on {len(leaked)} validation source(s) (e.g. "
+                f"{sorted(leaked)[0]}): keep data.val_fraction and data.seed common to every variant"
+            )
         run.train_samples, run.train_tok, run.val_samples, run.val_tok = train_samples, train_tok, common[2], common[3]
         from qrag.rl.train import EpochSampler
 
@@ -162,7 +229,9 @@ def main(argv: list[str]) -> int:
                 run.learner.total_updates = max(6, int((budget - (time.perf_counter() - started)) / per_update) + 5)
             if run.learner.update % 5 == 0 or run.learner.update == 1:
                 d = m.as_dict()
-                history.append({"update": run.learner.update, **{k: round(float(d[k]), 4) for k in DIAGNOSTICS if k in d}})
+                history.append(
+                    {"update": run.learner.update, **{k: round(float(d[k]), 4) for k in DIAGNOSTICS if k in d}}
+                )
             if run.learner.update >= run.learner.total_updates and per_update is not None:
                 break
         train_s = time.perf_counter() - started
@@ -173,18 +242,33 @@ def main(argv: list[str]) -> int:
 
             ckpt = str(run.save(Path("/tmp/qrag-select") / name, resumable=False))
             tasks = [args.task] if args.task != "niah" else list(run.cfg.data.tasks)
+            run_cfg = run.cfg  # the closure must not see `run`, which is deleted below
 
             def sweep(spec: str, split: str, n: int) -> list[dict]:
                 lengths = [parse_length(x) for x in spec.split(",") if x.strip()]
-                return sweep_model(name, ckpt, run.cfg, tasks, lengths, lambda _: n, split=split, device=device, log=log) if lengths else []
+                return (
+                    sweep_model(name, ckpt, run_cfg, tasks, lengths, lambda _: n, split=split, device=device, log=log)
+                    if lengths
+                    else []
+                )
 
             long_val = [{k: r[k] for k in ROW_KEYS} for r in sweep(args.val_lengths, "val", args.val_questions_long)]
             table_rows.extend(sweep(args.lengths, "dev", args.dev_questions))
-        entry = {"name": name, "overrides": overrides, "data": describe_data(train_samples, common[2]), "updates": run.learner.update,
-                 "episodes_per_s": round(run.learner.update * cfg.learner.episodes_per_update / train_s, 1),
-                 "train_seconds": round(train_s, 1), "val": val, **({"val_lengths": long_val} if long_val else {}), "history": history}
+        entry = {
+            "name": name,
+            "overrides": overrides,
+            "data": describe_data(train_samples, common[2]),
+            "updates": run.learner.update,
+            "episodes_per_s": round(run.learner.update * cfg.learner.episodes_per_update / train_s, 1),
+            "train_seconds": round(train_s, 1),
+            "val": val,
+            **({"val_lengths": long_val} if long_val else {}),
+            "history": history,
+        }
         result["variants"].append(entry)
-        log(f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; long val {long_val}; last {history[-1] if history else {}}")
+        log(
+            f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; long val {long_val}; last {history[-1] if history else {}}"
+        )
         if table_rows:
             result["dev_lengths"] = [{k: r[k] for k in ("model", *ROW_KEYS)} for r in table_rows]
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,9 @@ def join(parts_dir: Path, target_dir: Path) -> Path:
     target = target_dir / manifest["name"]
     missing = [p for p in manifest["parts"] if not (parts_dir / p).is_file()]
     if missing:
-        raise SystemExit(f"{parts_dir}: missing {', '.join(missing)}: carry each part folder, in calls to the same warm machine")
+        raise SystemExit(
+            f"{parts_dir}: missing {', '.join(missing)}: carry each part folder, in calls to the same warm machine"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "wb") as out:
         for p in manifest["parts"]:

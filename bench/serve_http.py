@@ -47,27 +47,39 @@ def args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--storage", required=True, help="index folder holding the corpus")
     ap.add_argument("--corpus", default="bench")
-    ap.add_argument("--encoder", default="minilm", help="the encoder the corpus was built with ('minilm' or a HF directory)")
+    ap.add_argument(
+        "--encoder", default="minilm", help="the encoder the corpus was built with ('minilm' or a HF directory)"
+    )
     ap.add_argument("--positions", default="relative", choices=["none", "absolute", "relative"])
     ap.add_argument("--shards", type=int, default=4, help="the corpus's shard count")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--concurrency", default="8,32", help="closed-loop HTTP clients, beside concurrency 1")
-    ap.add_argument("--holders", default="per-shard,1",
-                    help="shard-holder layouts timed, comma-separated: per-shard (one holder per shard, as the Serve "
-                         "deployments) and/or a number (1 = every shard in one holder: one scoring pass per step)")
-    ap.add_argument("--state-batch", default="32",
-                    help="state_batch_size values timed, comma-separated: concurrent requests' states embedded in one forward "
-                         "(1 = one request per forward, the in-process encoder before it batched)")
+    ap.add_argument(
+        "--holders",
+        default="per-shard,1",
+        help="shard-holder layouts timed, comma-separated: per-shard (one holder per shard, as the Serve "
+        "deployments) and/or a number (1 = every shard in one holder: one scoring pass per step)",
+    )
+    ap.add_argument(
+        "--state-batch",
+        default="32",
+        help="state_batch_size values timed, comma-separated: concurrent requests' states embedded in one forward "
+        "(1 = one request per forward, the in-process encoder before it batched)",
+    )
     ap.add_argument("--out", default=None)
     return ap
 
 
 def summary(ms: list[float], seconds: float | None = None) -> dict:
     ms = sorted(ms)
-    out = {"queries": len(ms), "p50_ms": round(statistics.median(ms), 3),
-           "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3), "mean_ms": round(statistics.fmean(ms), 3)}
+    out = {
+        "queries": len(ms),
+        "p50_ms": round(statistics.median(ms), 3),
+        "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3),
+        "mean_ms": round(statistics.fmean(ms), 3),
+    }
     if seconds:
         out["queries_per_s"] = round(len(ms) / seconds, 1)
     return out
@@ -112,7 +124,9 @@ def main() -> None:
     from qrag.index.shards import ShardOptions
 
     store = CorpusStore(args.storage)
-    questions = questions_from(LocalIndex(store, model, torch.device("cpu"), ShardOptions(faiss="never")), args.queries + 10)
+    questions = questions_from(
+        LocalIndex(store, model, torch.device("cpu"), ShardOptions(faiss="never")), args.queries + 10
+    )
     warm, timed = questions[:10], questions[10:]
     body = lambda q: {"question": q, "corpus": args.corpus, "max_steps": args.steps, "alternatives": 0}  # noqa: E731
 
@@ -122,13 +136,23 @@ def main() -> None:
     def measure(holders: int | None, state_batch: int) -> tuple[dict, list[list[int]]]:
         """One service (``holders`` shard holders: shard_deployments; ``state_batch``: state_batch_size), served on a
         fresh port: the library and HTTP paths."""
-        service = local_service(replace(cfg, state_batch_size=state_batch), model, device=str(dev), holders=holders or cfg.shards)
+        service = local_service(
+            replace(cfg, state_batch_size=state_batch), model, device=str(dev), holders=holders or cfg.shards
+        )
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(build_api(service), host="127.0.0.1", port=port, log_level="warning",
-                                               access_log=False, loop="asyncio",
-                                               # the library phase runs between the warm-up and the HTTP phase: on a slow
-                                               # device it outlasts uvicorn's 5 s keep-alive, which closed the connection
-                                               timeout_keep_alive=600))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_api(service),
+                host="127.0.0.1",
+                port=port,
+                log_level="warning",
+                access_log=False,
+                loop="asyncio",
+                # the library phase runs between the warm-up and the HTTP phase: on a slow
+                # device it outlasts uvicorn's 5 s keep-alive, which closed the connection
+                timeout_keep_alive=600,
+            )
+        )
         asyncio.run_coroutine_threadsafe(server.serve(), loop)
         deadline = time.time() + 60
         while not server.started:
@@ -149,13 +173,16 @@ def main() -> None:
         lib = [library(q) for q in timed]
         one = [client.retrieve(body(q)) for q in timed]
         row = {
-            "holders": len(service.holders), "state_batch_size": state_batch,
+            "holders": len(service.holders),
+            "state_batch_size": state_batch,
             "library_concurrency_1": summary([ms for ms, _ in lib]),
             "http_concurrency_1": summary([ms for ms, _ in one]),
             "same_chunks_http_vs_library": round(sum(a[1] == b[1] for a, b in zip(lib, one)) / len(lib), 4),
             "http_closed_loop": [],
         }
-        row["http_overhead_ms_p50"] = round(row["http_concurrency_1"]["p50_ms"] - row["library_concurrency_1"]["p50_ms"], 3)
+        row["http_overhead_ms_p50"] = round(
+            row["http_concurrency_1"]["p50_ms"] - row["library_concurrency_1"]["p50_ms"], 3
+        )
         for c in [int(x) for x in args.concurrency.split(",") if x.strip()]:
             clients = [Client(port) for _ in range(c)]
             share = [timed[i::c] for i in range(c)]
@@ -171,15 +198,27 @@ def main() -> None:
     batches = [int(b) for b in args.state_batch.split(",") if b.strip()]
     rows, picks = zip(*(measure(h, b) for h in layouts for b in batches))
     result = {
-        "bench": "serve_http", "machine": machine_info(), "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "device": str(dev),
-        "corpus": {"storage": args.storage, "name": args.corpus, "shards": args.shards, "chunks": int(store.read(args.corpus).chunks)},
-        "steps": args.steps, "positions": args.positions,
+        "bench": "serve_http",
+        "machine": machine_info(),
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "device": str(dev),
+        "corpus": {
+            "storage": args.storage,
+            "name": args.corpus,
+            "shards": args.shards,
+            "chunks": int(store.read(args.corpus).chunks),
+        },
+        "steps": args.steps,
+        "positions": args.positions,
         "method": "one process, no Ray: the service's FastAPI app on uvicorn (127.0.0.1, HTTP/1.1 keep-alive) against "
-                  "the same RetrievalService awaited directly on the same event loop; same questions; per holder layout "
-                  "and state_batch_size",
+        "the same RetrievalService awaited directly on the same event loop; same questions; per holder layout "
+        "and state_batch_size",
         "modes": list(rows),
-        "same_chunks_across_modes": round(sum(len({tuple(p[i]) for p in picks}) == 1 for i in range(len(timed))) / len(timed), 4),
+        "same_chunks_across_modes": round(
+            sum(len({tuple(p[i]) for p in picks}) == 1 for i in range(len(timed))) / len(timed), 4
+        ),
     }
     print(json.dumps(result))
     if args.out:

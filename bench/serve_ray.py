@@ -54,14 +54,34 @@ def args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--storage", required=True, help="corpora folder holding --corpus-name (serve_scale.py --storage)")
     ap.add_argument("--corpus-name", default="bench")
-    ap.add_argument("--checkpoint", default=None, help="the checkpoint the corpus was indexed with (default: the untrained encoder)")
-    ap.add_argument("--library", default=None, help="serve_scale.py's result file of the same corpus, measured in the same call")
-    ap.add_argument("--config", default=str(ROOT / "serve" / "config.yaml"), help="the Serve config file whose application is deployed")
-    ap.add_argument("--layouts", default="default", help="comma-separated: default, replicas=N (a GPU each), per_gpu=N (N replicas "
-                    "sharing each GPU), shards=D")
-    ap.add_argument("--serve-env", default="classic", help="comma-separated Ray environments, a cluster each: classic (Serve's "
-                    "defaults) or throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept)")
-    ap.add_argument("--trace-sample", type=float, default=0.0, help="share of requests Serve traces (its spans, read back per layout); 0 = off")
+    ap.add_argument(
+        "--checkpoint", default=None, help="the checkpoint the corpus was indexed with (default: the untrained encoder)"
+    )
+    ap.add_argument(
+        "--library", default=None, help="serve_scale.py's result file of the same corpus, measured in the same call"
+    )
+    ap.add_argument(
+        "--config",
+        default=str(ROOT / "serve" / "config.yaml"),
+        help="the Serve config file whose application is deployed",
+    )
+    ap.add_argument(
+        "--layouts",
+        default="default",
+        help="comma-separated: default, replicas=N (a GPU each), per_gpu=N (N replicas sharing each GPU), shards=D",
+    )
+    ap.add_argument(
+        "--serve-env",
+        default="classic",
+        help="comma-separated Ray environments, a cluster each: classic (Serve's "
+        "defaults) or throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept)",
+    )
+    ap.add_argument(
+        "--trace-sample",
+        type=float,
+        default=0.0,
+        help="share of requests Serve traces (its spans, read back per layout); 0 = off",
+    )
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all torch sees); 0 = a CPU check")
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
     ap.add_argument("--steps", type=int, default=4)
@@ -70,7 +90,12 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-seconds", type=float, default=8.0)
     ap.add_argument("--breakdown-clients", type=int, default=64, help="clients of the loaded breakdown (0: none)")
     ap.add_argument("--p99-ms", type=float, default=100.0)
-    ap.add_argument("--metrics-wait-s", type=float, default=12.0, help="Ray exports metrics every few seconds: wait this long before reading")
+    ap.add_argument(
+        "--metrics-wait-s",
+        type=float,
+        default=12.0,
+        help="Ray exports metrics every few seconds: wait this long before reading",
+    )
     ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs here")
     ap.add_argument("--out", help="also write the JSON here")
     return ap
@@ -94,7 +119,10 @@ def layout_app(app: dict, layout: str, args) -> tuple[dict, list[dict]]:
     elif kind == "per_gpu":
         n = int(value)
         deployments["Ingress"]["num_replicas"] = n * max(1, args.gpus)
-        deployments["Ingress"]["ray_actor_options"] = {"num_cpus": 0, "num_gpus": round(1.0 / n, 4) if args.gpus else 0.0}
+        deployments["Ingress"]["ray_actor_options"] = {
+            "num_cpus": 0,
+            "num_gpus": round(1.0 / n, 4) if args.gpus else 0.0,
+        }
     elif kind == "shards":
         d = int(value)
         conf["shard_deployments"] = d
@@ -102,7 +130,11 @@ def layout_app(app: dict, layout: str, args) -> tuple[dict, list[dict]]:
         # 0.4 + 0.6: the Ingress fits beside one shard, and no two shards share a GPU.
         deployments["Ingress"]["ray_actor_options"] = {"num_cpus": 0, "num_gpus": 0.4 if gpus else 0.0}
         for i in range(d):
-            deployments[f"Shard{i}"] = {"name": f"Shard{i}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.6 if gpus else 0.0}}
+            deployments[f"Shard{i}"] = {
+                "name": f"Shard{i}",
+                "num_replicas": 1,
+                "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.6 if gpus else 0.0},
+            }
     elif kind != "default":
         raise SystemExit(f"serve_ray.py: unknown layout {layout!r} (default, replicas=N, per_gpu=N, shards=D)")
     if not args.gpus:
@@ -190,7 +222,10 @@ def breakdown(client: dict, serve_means: dict[str, float]) -> dict:
     stages = {k: service.get(f"{k}_ms") for k in ("tokenize", "encode", "score", "merge")}
     inside = sum(v for v in stages.values() if v is not None)
     return {
-        "client_mean_ms": client["mean_ms"], "app_mean_ms": app, "service_mean_ms": total, "stages_mean_ms": stages,
+        "client_mean_ms": client["mean_ms"],
+        "app_mean_ms": app,
+        "service_mean_ms": total,
+        "stages_mean_ms": stages,
         "proxy_and_hops_ms": _minus(client["mean_ms"], app),  # the proxy, the replica hop, loopback, the client
         "http_app_ms": _minus(app, total),  # FastAPI, the guards, JSON in and out
         "batcher_wait_ms": _minus(total, inside),  # waiting for a round, thread hand-offs
@@ -213,8 +248,10 @@ def serve_env(variant: str, trace_sample: float) -> dict[str, str]:
         raise SystemExit(f"serve_ray.py: unknown --serve-env {variant!r} (classic, throughput)")
     env = dict(THROUGHPUT_ENV) if variant == "throughput" else {}
     if trace_sample > 0:
-        env.update(RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH="ray.serve._private.tracing_utils:default_tracing_exporter",
-                   RAY_SERVE_TRACING_SAMPLING_RATIO=str(trace_sample))
+        env.update(
+            RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH="ray.serve._private.tracing_utils:default_tracing_exporter",
+            RAY_SERVE_TRACING_SAMPLING_RATIO=str(trace_sample),
+        )
     return env
 
 
@@ -241,7 +278,10 @@ def new_spans(session_logs: Path, offsets: dict[str, int]) -> dict[str, list[flo
             used = len(text[:i].encode())
             start, end = span.get("start_time"), span.get("end_time")
             if start and end:
-                seconds = (datetime.fromisoformat(end.replace("Z", "+00:00")) - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+                seconds = (
+                    datetime.fromisoformat(end.replace("Z", "+00:00"))
+                    - datetime.fromisoformat(start.replace("Z", "+00:00"))
+                ).total_seconds()
                 durations.setdefault(span.get("name", "?"), []).append(seconds * 1e3)
         offsets[f.name] = offsets.get(f.name, 0) + used
     return durations
@@ -249,8 +289,11 @@ def new_spans(session_logs: Path, offsets: dict[str, int]) -> dict[str, list[flo
 
 def span_summary(durations: dict[str, list[float]]) -> dict | None:
     """Count, mean and median of each span name (None: no spans)."""
-    out = {name: {"count": len(v), "mean_ms": round(sum(v) / len(v), 3), "p50_ms": round(sorted(v)[len(v) // 2], 3)}
-           for name, v in sorted(durations.items()) if v}
+    out = {
+        name: {"count": len(v), "mean_ms": round(sum(v) / len(v), 3), "p50_ms": round(sorted(v)[len(v) // 2], 3)}
+        for name, v in sorted(durations.items())
+        if v
+    }
     return out or None
 
 
@@ -265,7 +308,9 @@ def measure(url: str, bodies: list[dict], args, metrics_url: str) -> dict:
     before = serve_latency_sums(metrics_url)
     row["concurrency_1"] = closed_loop(endpoint, bodies, 1, requests_per_client=args.queries)
     time.sleep(args.metrics_wait_s)
-    row["breakdown_concurrency_1"] = breakdown(row["concurrency_1"], mean_between(before, serve_latency_sums(metrics_url)))
+    row["breakdown_concurrency_1"] = breakdown(
+        row["concurrency_1"], mean_between(before, serve_latency_sums(metrics_url))
+    )
     curve = []
     for clients in (int(c) for c in args.clients.split(",")):
         curve.append(closed_loop(endpoint, bodies, clients, seconds=args.load_seconds))
@@ -278,7 +323,10 @@ def measure(url: str, bodies: list[dict], args, metrics_url: str) -> dict:
         before = serve_latency_sums(metrics_url)
         loaded = closed_loop(endpoint, bodies, args.breakdown_clients, seconds=args.load_seconds)
         time.sleep(args.metrics_wait_s)
-        row["breakdown_loaded"] = {"load": loaded, **breakdown(loaded, mean_between(before, serve_latency_sums(metrics_url)))}
+        row["breakdown_loaded"] = {
+            "load": loaded,
+            **breakdown(loaded, mean_between(before, serve_latency_sums(metrics_url))),
+        }
     row["placement"] = gpu_assignment()
     return row
 
@@ -287,8 +335,15 @@ def library_figures(path: str | None) -> dict | None:
     if not path:
         return None
     lib = json.loads(Path(path).read_text())
-    return {"file": Path(path).name, "commit": lib.get("commit"), "gpu": lib.get("gpu"), "corpus": lib.get("corpus"),
-            "latency_concurrency_1": lib.get("latency_concurrency_1"), "throughput": lib.get("throughput"), "indexing": lib.get("indexing")}
+    return {
+        "file": Path(path).name,
+        "commit": lib.get("commit"),
+        "gpu": lib.get("gpu"),
+        "corpus": lib.get("corpus"),
+        "latency_concurrency_1": lib.get("latency_concurrency_1"),
+        "throughput": lib.get("throughput"),
+        "indexing": lib.get("indexing"),
+    }
 
 
 def ratios(library: dict | None, serve_row: dict) -> dict | None:
@@ -298,11 +353,16 @@ def ratios(library: dict | None, serve_row: dict) -> dict | None:
     c1 = serve_row["concurrency_1"]
     lib_qps = (library.get("throughput") or {}).get("max_queries_per_s_with_p99_under_limit")
     serve_qps = serve_row["max_queries_per_s_with_p99_under_limit"]
-    return {"p50_serve_over_library": round(c1["p50_ms"] / lat["p50_ms"], 3), "p99_serve_over_library": round(c1["p99_ms"] / lat["p99_ms"], 3),
-            "throughput_library_over_serve": round(lib_qps / serve_qps, 3) if lib_qps and serve_qps else None}
+    return {
+        "p50_serve_over_library": round(c1["p50_ms"] / lat["p50_ms"], 3),
+        "p99_serve_over_library": round(c1["p99_ms"] / lat["p99_ms"], 3),
+        "throughput_library_over_serve": round(lib_qps / serve_qps, 3) if lib_qps and serve_qps else None,
+    }
 
 
-def run_cluster(args, variant: str, tmp: Path, app: dict, bodies: list[dict], library: dict | None, result: dict) -> None:
+def run_cluster(
+    args, variant: str, tmp: Path, app: dict, bodies: list[dict], library: dict | None, result: dict
+) -> None:
     """One Ray cluster with ``variant``'s environment: every layout deployed and measured in turn,
     each written to ``result`` (and --out) as soon as it is measured."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -322,13 +382,21 @@ def run_cluster(args, variant: str, tmp: Path, app: dict, bodies: list[dict], li
             conf, deployments = layout_app(app, layout, args)
             t0 = time.perf_counter()
             url = deploy(conf, deployments, port)
-            row = {"serve_env": variant, "env": extra, "deploy_seconds": round(time.perf_counter() - t0, 1), "deployments": deployments,
-                   **measure(url, bodies, args, f"http://127.0.0.1:{metrics_port}/metrics")}
+            row = {
+                "serve_env": variant,
+                "env": extra,
+                "deploy_seconds": round(time.perf_counter() - t0, 1),
+                "deployments": deployments,
+                **measure(url, bodies, args, f"http://127.0.0.1:{metrics_port}/metrics"),
+            }
             row["against_library"] = ratios(library, row)
             key = layout if variant == "classic" else f"{layout}@{variant}"
             result["layouts"][key] = row
-            print(f"serve_ray.py: {key}: c=1 {row['concurrency_1']} max q/s {row['max_queries_per_s_with_p99_under_limit']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"serve_ray.py: {key}: c=1 {row['concurrency_1']} max q/s {row['max_queries_per_s_with_p99_under_limit']}",
+                file=sys.stderr,
+                flush=True,
+            )
             serve.delete("qrag")
             row["spans"] = span_summary(new_spans(tmp / "ray" / "session_latest" / "logs", span_offsets))
             if args.out:
@@ -358,13 +426,31 @@ def main() -> None:
     from bench_common import machine_info, write_result
 
     tmp = Path(tempfile.mkdtemp(prefix="qrag_serve_ray_"))
-    bodies = [{"corpus": args.corpus_name, "question": q, "max_steps": args.steps} for q in questions(args.storage, args.corpus_name)]
+    bodies = [
+        {"corpus": args.corpus_name, "question": q, "max_steps": args.steps}
+        for q in questions(args.storage, args.corpus_name)
+    ]
     app = app_config(args.config)
     library = library_figures(args.library)
-    result: dict = {"bench": "serve_ray", **machine_info(), "gpus": args.gpus, "steps": args.steps, "checkpoint": args.checkpoint,
-                    "config": Path(args.config).name, "library": library,
-                    "settings": {"layouts": args.layouts, "serve_env": args.serve_env, "trace_sample": args.trace_sample, "queries": args.queries, "clients": args.clients,
-                                 "load_seconds": args.load_seconds, "p99_limit_ms": args.p99_ms}, "layouts": {}}
+    result: dict = {
+        "bench": "serve_ray",
+        **machine_info(),
+        "gpus": args.gpus,
+        "steps": args.steps,
+        "checkpoint": args.checkpoint,
+        "config": Path(args.config).name,
+        "library": library,
+        "settings": {
+            "layouts": args.layouts,
+            "serve_env": args.serve_env,
+            "trace_sample": args.trace_sample,
+            "queries": args.queries,
+            "clients": args.clients,
+            "load_seconds": args.load_seconds,
+            "p99_limit_ms": args.p99_ms,
+        },
+        "layouts": {},
+    }
     try:
         for variant in [x.strip() for x in args.serve_env.split(",") if x.strip()]:
             run_cluster(args, variant, tmp / variant, app, bodies, library, result)

@@ -62,8 +62,13 @@ print("QRAG_BENCH " + json.dumps(out), flush=True)
 
 
 def measure(code_root: Path, overrides: list[str], cache: Path, mode: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(code_root / "platform"), QRAG_DATA_CACHE=str(cache),
-               TOKENIZERS_PARALLELISM="false", QRAG_BENCH_T0=repr(time.time()))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(code_root / "platform"),
+        QRAG_DATA_CACHE=str(cache),
+        TOKENIZERS_PARALLELISM="false",
+        QRAG_BENCH_T0=repr(time.time()),
+    )
     cmd = [sys.executable, "-c", CHILD, str(ROOT / "configs" / "hotpot.yaml"), mode, *overrides]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("QRAG_BENCH ")]
@@ -78,13 +83,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="commit whose code has no data cache")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of (before, first, cached)")
-    ap.add_argument("--modes", default="ready,data", help="ready (TrainingRun), data (load_data alone), update (+ first update: minutes on CPU)")
+    ap.add_argument(
+        "--modes",
+        default="ready,data",
+        help="ready (TrainingRun), data (load_data alone), update (+ first update: minutes on CPU)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "startup_cpu.json"))
     args = ap.parse_args()
     overrides = ["device=cpu", "updates=1"]
     with tempfile.TemporaryDirectory(prefix="qrag-startup-") as tmp:
         before_root = Path(tmp) / "before"
-        archive = subprocess.run(["git", "archive", args.before, "platform"], cwd=ROOT, capture_output=True, check=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", args.before, "platform"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
         before_root.mkdir()
         (Path(tmp) / "before.tar").write_bytes(archive)
         with tarfile.open(Path(tmp) / "before.tar") as tar:
@@ -113,14 +124,19 @@ def main() -> None:
         return round(statistics.median(values), 2) if values else None
 
     keys = ("ready_s", "data_s", "model_s", "first_update_s")
-    summary = {mode: {kind: {key: med(mode, kind, key) for key in keys if med(mode, kind, key) is not None}
-                      for kind in ("before", "first", "cached")} for mode in args.modes.split(",")}
+    summary = {
+        mode: {
+            kind: {key: med(mode, kind, key) for key in keys if med(mode, kind, key) is not None}
+            for kind in ("before", "first", "cached")
+        }
+        for mode in args.modes.split(",")
+    }
     result = {
         "what": "start-up of `qrag train --config configs/hotpot.yaml device=cpu updates=1`, median seconds over runs. "
-                "mode 'ready': from process start until TrainingRun is built (model and data load side by side, as "
-                "qrag train does; data_s = the data thread, which shares the GIL with the model load); mode 'data': "
-                "process start -> tokenizer -> TrainingRun.load_data done, no model (the data path alone). "
-                "before = the code without the cache; first = empty cache (builds it); cached = the next start",
+        "mode 'ready': from process start until TrainingRun is built (model and data load side by side, as "
+        "qrag train does; data_s = the data thread, which shares the GIL with the model load); mode 'data': "
+        "process start -> tokenizer -> TrainingRun.load_data done, no model (the data path alone). "
+        "before = the code without the cache; first = empty cache (builds it); cached = the next start",
         "before_commit": args.before,
         "machine": machine_info(),
         "summary": summary,

@@ -42,11 +42,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # The paper's defaults (appendix: training details) and what §5 / Fig. 3 says about them.
 PAPER = {
-    "defaults": {"learner.alpha": 0.05, "learner.lam": 0.5, "learner.tau": 0.02, "learner.lr": 1.5e-5,
-                 "learner.episodes_per_update": 96},
+    "defaults": {
+        "learner.alpha": 0.05,
+        "learner.lam": 0.5,
+        "learner.tau": 0.02,
+        "learner.lr": 1.5e-5,
+        "learner.episodes_per_update": 96,
+    },
     "finding": "Fig. 3 (BabiLong QA2/QA3, multilingual-e5-large): Q-RAG is sensitive to the entropy temperature α and to "
-               "λ of the λ-returns; the defaults α=0.05, λ=0.5, τ=0.02 are used for every benchmark. Table 3: without "
-               "target networks (no EMA τ) F1 drops from ~97 to ~79 ± 26 (unstable); without soft-Q to ~95.",
+    "λ of the λ-returns; the defaults α=0.05, λ=0.5, τ=0.02 are used for every benchmark. Table 3: without "
+    "target networks (no EMA τ) F1 drops from ~97 to ~79 ± 26 (unstable); without soft-Q to ~95.",
 }
 
 
@@ -84,7 +89,10 @@ def sensitivity(sweep, outcomes) -> dict:
     out = {}
     for dim in sweep.dims:
         values = [o.params.get(dim.key) for o, _ in scored]
-        entry = {"paper_default": PAPER["defaults"].get(dim.key), "best_trial_value": best.params.get(dim.key) if best else None}
+        entry = {
+            "paper_default": PAPER["defaults"].get(dim.key),
+            "best_trial_value": best.params.get(dim.key) if best else None,
+        }
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             xs = [math.log(v) if dim.log_scale and v > 0 else float(v) for v in values]
             entry["spearman_vs_score"] = spearman(xs, [s for _, s in scored])
@@ -128,11 +136,17 @@ def plot_only(result_path: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tune/hotpot_alpha_lambda_tau.yaml", help="sweep file (relative to the repository root)")
+    ap.add_argument(
+        "--config", default="tune/hotpot_alpha_lambda_tau.yaml", help="sweep file (relative to the repository root)"
+    )
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides for every trial")
     ap.add_argument("--trials", type=int, help="draws from the space (default: the sweep file's)")
-    ap.add_argument("--work", default="runs/sweep_gpu", help="where trials train and progress is kept (kept between calls)")
-    ap.add_argument("--minutes", type=float, help="start no trial that would end past this many minutes; run again to go on")
+    ap.add_argument(
+        "--work", default="runs/sweep_gpu", help="where trials train and progress is kept (kept between calls)"
+    )
+    ap.add_argument(
+        "--minutes", type=float, help="start no trial that would end past this many minutes; run again to go on"
+    )
     ap.add_argument("--out", help="result JSON (default bench/results/sweep_hotpot_<gpu>.json)")
     ap.add_argument("--plot", metavar="RESULT.json", help="only render the CSV, PNG and best config of a result JSON")
     args = ap.parse_args()
@@ -156,24 +170,39 @@ def main() -> int:
     gpu = (info.get("gpu") or "cpu").lower().replace("nvidia ", "").split()[0]
     out = Path(args.out or ROOT / "bench" / "results" / f"sweep_hotpot_{gpu}.json")
     result = {
-        "benchmark": "sweep_hotpot", "config": args.config, "overrides": [o for o in args.overrides if not o.startswith("out_dir=")],
-        "trials_per_grid_point": sweep.spec.trials, "complete": complete, "trials_done": len(outcomes),
-        "trials_total": sweep.total_trials(), "sweep": sweep.summary(),
+        "benchmark": "sweep_hotpot",
+        "config": args.config,
+        "overrides": [o for o in args.overrides if not o.startswith("out_dir=")],
+        "trials_per_grid_point": sweep.spec.trials,
+        "complete": complete,
+        "trials_done": len(outcomes),
+        "trials_total": sweep.total_trials(),
+        "sweep": sweep.summary(),
         "metric": f"{sweep.score_scope} {sweep.metric} on the validation part of train (data.val_fraction "
-                  f"{sweep.base.data.val_fraction}); dev_fact_f1 = the final dev evaluation of completed trials",
+        f"{sweep.base.data.val_fraction}); dev_fact_f1 = the final dev evaluation of completed trials",
         "counts": {s: sum(o.status == s for o in outcomes) for s in ("completed", "stopped", "error")},
         "seconds_this_call": round(time.monotonic() - t0, 1),
-        "sensitivity": sensitivity(sweep, outcomes), "paper": PAPER,
-        "trial_outcomes": [o.to_json() for o in outcomes], **info,
+        "sensitivity": sensitivity(sweep, outcomes),
+        "paper": PAPER,
+        "trial_outcomes": [o.to_json() for o in outcomes],
+        **info,
     }
     if complete:
         result["files"] = write_files(sweep, outcomes, out)
         from qrag.distributed.sweep.results import best_outcome
 
         best = best_outcome(outcomes, sweep)
-        result["best"] = None if best is None else {
-            "trial": best.trial_id, "params": best.params, "score": best.score(sweep.mode, sweep.score_scope),
-            "dev_fact_f1": best.dev_fact_f1, "updates": best.updates}
+        result["best"] = (
+            None
+            if best is None
+            else {
+                "trial": best.trial_id,
+                "params": best.params,
+                "score": best.score(sweep.mode, sweep.score_scope),
+                "dev_fact_f1": best.dev_fact_f1,
+                "updates": best.updates,
+            }
+        )
     else:
         result["next"] = "run the same command again (same machine, same --work) to continue"
     write_result(out, result)

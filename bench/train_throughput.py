@@ -41,10 +41,23 @@ MODES = {
     # A tiny random-init encoder (the tests' one) keeps the learner fast, so the figures show
     # whether the runners and the object store keep up, not how slow MiniLM is on 2 cores.
     # `--encoder minilm` measures the smoke preset's real model instead.
-    "cpu": {"config": "configs/smoke.yaml", "updates": 30, "skip": 5, "runners": [1, 2, 4], "encoder": "tiny",
-            "overrides": ["learner.episodes_per_update=32", "learner.micro_batch=32"]},
+    "cpu": {
+        "config": "configs/smoke.yaml",
+        "updates": 30,
+        "skip": 5,
+        "runners": [1, 2, 4],
+        "encoder": "tiny",
+        "overrides": ["learner.episodes_per_update=32", "learner.micro_batch=32"],
+    },
     # The paper's HotpotQA settings as configs/hotpot.yaml sizes them for one GPU.
-    "gpu": {"config": "configs/hotpot.yaml", "updates": 40, "skip": 5, "runners": [2, 4], "encoder": "minilm", "overrides": []},
+    "gpu": {
+        "config": "configs/hotpot.yaml",
+        "updates": 40,
+        "skip": 5,
+        "runners": [2, 4],
+        "encoder": "minilm",
+        "overrides": [],
+    },
 }
 
 
@@ -67,9 +80,19 @@ def learner_alone(cfg, skip: int) -> dict:
     setup_s = time.perf_counter() - t0
     run.run(report=lambda update, metrics: None)
     hist = run.history
-    row = steady_state([h["perf/update_s"] for h in hist], [h["perf/runner_wait_s"] for h in hist],
-                       cfg.learner.episodes_per_update, skip)
-    return {"setup": "learner alone (no Ray)", "runners": 0, "device": str(run.device), "setup_s": round(setup_s, 1), **row}
+    row = steady_state(
+        [h["perf/update_s"] for h in hist],
+        [h["perf/runner_wait_s"] for h in hist],
+        cfg.learner.episodes_per_update,
+        skip,
+    )
+    return {
+        "setup": "learner alone (no Ray)",
+        "runners": 0,
+        "device": str(run.device),
+        "setup_s": round(setup_s, 1),
+        **row,
+    }
 
 
 def with_runners(cfg, runners: int, skip: int) -> dict:
@@ -95,8 +118,12 @@ def with_runners(cfg, runners: int, skip: int) -> dict:
         ray.shutdown()
     out = result.return_value
     row = steady_state(out["update_seconds"], out["wait_seconds"], cfg.learner.episodes_per_update, skip)
-    return {"setup": f"Ray Train learner + {runners} EpisodeFeeders", "runners": runners,
-            "job_wall_s": round(time.perf_counter() - t0, 1), **row}
+    return {
+        "setup": f"Ray Train learner + {runners} EpisodeFeeders",
+        "runners": runners,
+        "job_wall_s": round(time.perf_counter() - t0, 1),
+        **row,
+    }
 
 
 def measure(cfg, args, mode: dict, skip: int, rows: list[dict]) -> None:
@@ -108,7 +135,13 @@ def measure(cfg, args, mode: dict, skip: int, rows: list[dict]) -> None:
             rows.append(with_runners(cfg, n, skip))
         except Exception as exc:  # noqa: BLE001 - e.g. no Ray on the GPU machine: keep the other rows
             traceback.print_exc()
-            rows.append({"setup": f"Ray Train learner + {n} EpisodeFeeders", "runners": n, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append(
+                {
+                    "setup": f"Ray Train learner + {n} EpisodeFeeders",
+                    "runners": n,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
 
@@ -117,10 +150,17 @@ def main() -> int:
     ap.add_argument("--mode", choices=sorted(MODES), default="cpu")
     ap.add_argument("--updates", type=int, help="updates per setup (default: by mode)")
     ap.add_argument("--skip", type=int, help="first updates left out of the figures (default: by mode)")
-    ap.add_argument("--runners", type=lambda text: [int(n) for n in text.split(",")], metavar="N,N,...",
-                    help="runner counts to measure, e.g. 1,2,4 (default: by mode)")
+    ap.add_argument(
+        "--runners",
+        type=lambda text: [int(n) for n in text.split(",")],
+        metavar="N,N,...",
+        help="runner counts to measure, e.g. 1,2,4 (default: by mode)",
+    )
     ap.add_argument("--no-alone", action="store_true", help="skip the learner-alone row")
-    ap.add_argument("--encoder", help="tiny (random-init 2-layer BERT, MiniLM's tokenizer) | minilm | a directory (default: by mode)")
+    ap.add_argument(
+        "--encoder",
+        help="tiny (random-init 2-layer BERT, MiniLM's tokenizer) | minilm | a directory (default: by mode)",
+    )
     ap.add_argument("--out", help="write the JSON result here, e.g. bench/results/train_throughput_cpu.json")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = ap.parse_args()
@@ -138,11 +178,21 @@ def main() -> int:
 
         encoder = str(build_tiny_encoder(work / "tiny_encoder"))
     cores = os.cpu_count() or 1
-    base = [*mode["overrides"], f"model.encoder={encoder}", f"updates={updates}", "eval_every=0", "checkpoint_every=0", "log_every=1000",
-            "data.dev_fraction=0.05",  # the final evaluation is not what is measured: keep it short
-            f"out_dir={work}", "name=throughput", "distributed.mlflow_uri=none", "distributed.max_failures=0",
-            f"distributed.learner_cpus={min(4, cores) if args.mode == 'cpu' else 4}",
-            f"distributed.runner_cpus={0.5 if args.mode == 'cpu' else 1}"]
+    base = [
+        *mode["overrides"],
+        f"model.encoder={encoder}",
+        f"updates={updates}",
+        "eval_every=0",
+        "checkpoint_every=0",
+        "log_every=1000",
+        "data.dev_fraction=0.05",  # the final evaluation is not what is measured: keep it short
+        f"out_dir={work}",
+        "name=throughput",
+        "distributed.mlflow_uri=none",
+        "distributed.max_failures=0",
+        f"distributed.learner_cpus={min(4, cores) if args.mode == 'cpu' else 4}",
+        f"distributed.runner_cpus={0.5 if args.mode == 'cpu' else 1}",
+    ]
     cfg = resolve_paths(load_config(ROOT / mode["config"], [*base, *args.overrides]), Path.cwd())
     preflight(cfg)
 
@@ -159,10 +209,18 @@ def main() -> int:
     except ImportError:
         ray_version = None
     result = {
-        "bench": "train_throughput", "mode": args.mode, **machine_info(), "ray": ray_version,
+        "bench": "train_throughput",
+        "mode": args.mode,
+        **machine_info(),
+        "ray": ray_version,
         "load_avg_1m": {"start": load_start, "end": round(os.getloadavg()[0], 2)},  # a shared machine is noisy
-        "encoder": args.encoder or mode["encoder"], "config": mode["config"], "episodes_per_update": cfg.learner.episodes_per_update,
-        "updates": updates, "skip": skip, "overrides": [*mode["overrides"], *args.overrides], "rows": rows,
+        "encoder": args.encoder or mode["encoder"],
+        "config": mode["config"],
+        "episodes_per_update": cfg.learner.episodes_per_update,
+        "updates": updates,
+        "skip": skip,
+        "overrides": [*mode["overrides"], *args.overrides],
+        "rows": rows,
     }
     print(json.dumps(result))
     if args.out:

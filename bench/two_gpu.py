@@ -67,39 +67,81 @@ def corpus_and_ray_args(ap: argparse.ArgumentParser, tokens: int, shards: int) -
     """The options :func:`corpus_in_child` passes on to :func:`build_corpus` (this script's and
     bench/serve_ray.py's), and Ray's head: one set, so the child always understands them."""
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
-    ap.add_argument("--storage", default=None, help="corpus folder (default: a temporary one); an existing corpus of enough tokens is reused")
-    ap.add_argument("--corpus", default=None, help="folder or glob of .txt/.txt.gz books (default $QRAG_DATA_DIR/gutenberg_novels)")
-    ap.add_argument("--tokens", type=int, default=tokens, help=f"corpus size in tokens, books cycled until reached (default {tokens:,})")
+    ap.add_argument(
+        "--storage",
+        default=None,
+        help="corpus folder (default: a temporary one); an existing corpus of enough tokens is reused",
+    )
+    ap.add_argument(
+        "--corpus", default=None, help="folder or glob of .txt/.txt.gz books (default $QRAG_DATA_DIR/gutenberg_novels)"
+    )
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=tokens,
+        help=f"corpus size in tokens, books cycled until reached (default {tokens:,})",
+    )
     ap.add_argument("--chunk-tokens", type=int, default=64)
     ap.add_argument("--shards", type=int, default=shards, help=f"index shards of the corpus (default {shards})")
-    ap.add_argument("--corpus-workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)), help="processes chunking and tokenising books")
-    ap.add_argument("--checkpoint", default=None, help="serve (and index with) this checkpoint; default the untrained encoder")
-    ap.add_argument("--random-encoder", metavar="DIR", default=None,
-                    help="a folder with an encoder's config.json and tokenizer but no weights (e.g. MiniLM's, ~1 MB): train and serve a "
-                         "random-init model of that shape (same speed; fits a small upload); sets QRAG_ENCODER for every process")
-    ap.add_argument("--ray-logs", metavar="DIR", help="copy the tails of Ray's own logs (raylet, GCS, agents, drivers) flat into DIR "
-                    "when the run ends or fails, e.g. $OUT/raylogs (files deeper than two folders under $OUT do not come back)")
-    ap.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (placement by actor needs its state API; off by "
-                    "default: with `ray start --block` a dashboard that dies takes the node down, as it did on the GPU image)")
+    ap.add_argument(
+        "--corpus-workers",
+        type=int,
+        default=max(1, min(12, (os.cpu_count() or 2) - 2)),
+        help="processes chunking and tokenising books",
+    )
+    ap.add_argument(
+        "--checkpoint", default=None, help="serve (and index with) this checkpoint; default the untrained encoder"
+    )
+    ap.add_argument(
+        "--random-encoder",
+        metavar="DIR",
+        default=None,
+        help="a folder with an encoder's config.json and tokenizer but no weights (e.g. MiniLM's, ~1 MB): train and serve a "
+        "random-init model of that shape (same speed; fits a small upload); sets QRAG_ENCODER for every process",
+    )
+    ap.add_argument(
+        "--ray-logs",
+        metavar="DIR",
+        help="copy the tails of Ray's own logs (raylet, GCS, agents, drivers) flat into DIR "
+        "when the run ends or fails, e.g. $OUT/raylogs (files deeper than two folders under $OUT do not come back)",
+    )
+    ap.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start Ray's dashboard (placement by actor needs its state API; off by "
+        "default: with `ray start --block` a dashboard that dies takes the node down, as it did on the GPU image)",
+    )
 
 
 def args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all that torch sees); 0 = a CPU check")
+    ap.add_argument(
+        "--gpus", type=int, default=None, help="GPUs for Ray (default: all that torch sees); 0 = a CPU check"
+    )
     corpus_and_ray_args(ap, tokens=20_000_000, shards=2)  # 2 shards: one per GPU
     ap.add_argument("--config", default=str(ROOT / "configs" / "hotpot.yaml"), help="training preset")
     ap.add_argument("--updates", type=int, default=30, help="timed updates per training run")
     ap.add_argument("--warmup", type=int, default=3, help="updates left out of the figures")
     ap.add_argument("--runners", type=int, default=4, help="EpisodeFeeders (distributed.runners) of each training run")
-    ap.add_argument("--learner-gpus", type=float, default=0.2, help="GPU fraction of the learner (shares GPU 0 with a shard)")
+    ap.add_argument(
+        "--learner-gpus", type=float, default=0.2, help="GPU fraction of the learner (shares GPU 0 with a shard)"
+    )
     ap.add_argument("--encoder-gpus", type=float, default=0.2, help="GPU fraction of the Serve encoder")
     ap.add_argument("--steps", type=int, default=2, help="retrieval steps per query")
     ap.add_argument("--queries", type=int, default=200, help="sequential queries timed per shard layout")
-    ap.add_argument("--concurrency", type=int, default=8, help="clients retrieving in a loop during the second training run")
+    ap.add_argument(
+        "--concurrency", type=int, default=8, help="clients retrieving in a loop during the second training run"
+    )
     ap.add_argument("--out", help="also write the JSON here, e.g. bench/results/two_gpu.json")
-    ap.add_argument("--ray-temp", metavar="DIR", help="Ray's temp dir; default: inside the run's temporary folder (keep it short: "
-                    "Ray's Unix sockets live under it)")
-    ap.add_argument("--check-imports", action="store_true", help="only report which modules the run needs and lacks, then exit")
+    ap.add_argument(
+        "--ray-temp",
+        metavar="DIR",
+        help="Ray's temp dir; default: inside the run's temporary folder (keep it short: "
+        "Ray's Unix sockets live under it)",
+    )
+    ap.add_argument(
+        "--check-imports", action="store_true", help="only report which modules the run needs and lacks, then exit"
+    )
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="training config overrides (key=value)")
     return ap
@@ -107,9 +149,26 @@ def args_parser() -> argparse.ArgumentParser:
 
 # What the run imports: Ray Train and Serve (with the dashboard's state API), the Serve app's
 # HTTP stack, the library's model code.
-NEEDED = ("ray", "ray.train.torch", "ray.serve", "ray.util.state", "ray.dashboard.modules.state.state_head", "aiohttp_cors",
-          "opencensus", "fastapi", "starlette", "uvicorn", "pydantic", "pyarrow", "torch", "transformers", "safetensors", "yaml",
-          "qrag.distributed.serving", "qrag.distributed.train")
+NEEDED = (
+    "ray",
+    "ray.train.torch",
+    "ray.serve",
+    "ray.util.state",
+    "ray.dashboard.modules.state.state_head",
+    "aiohttp_cors",
+    "opencensus",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "pyarrow",
+    "torch",
+    "transformers",
+    "safetensors",
+    "yaml",
+    "qrag.distributed.serving",
+    "qrag.distributed.train",
+)
 
 
 def missing_modules() -> dict[str, str]:
@@ -178,7 +237,9 @@ def build_corpus(args) -> dict:
     samples: list[str] = []
     tokens = chunks_total = 0
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(args.corpus_workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64)) as pool:
+    with ProcessPoolExecutor(
+        args.corpus_workers, initializer=_init_worker, initargs=(tokenizer_dir, model.layout, 64)
+    ) as pool:
         pending = [pool.submit(_prepare, next(jobs)) for _ in range(args.corpus_workers + 1)]
         while tokens < args.tokens:
             doc_id, packed = pending.pop(0).result()
@@ -195,18 +256,34 @@ def build_corpus(args) -> dict:
     if device != "cpu":
         torch.cuda.synchronize()
     m = store.read(CORPUS)
-    return {"reused": False, **m.summary(), "build_seconds": round(time.perf_counter() - t0, 1),
-            "questions": make_questions(samples, rng)}
+    return {
+        "reused": False,
+        **m.summary(),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "questions": make_questions(samples, rng),
+    }
 
 
 def corpus_in_child(args) -> tuple[dict, list[str]]:
     """:func:`build_corpus` in a child process (its CUDA context must not stay on GPU 0): the
     corpus summary and questions drawn from its text."""
-    child = subprocess.run([sys.executable, __file__, "--build-only", f"--gpus={args.gpus}", f"--storage={args.storage}",
-                            f"--tokens={args.tokens}", f"--chunk-tokens={args.chunk_tokens}", f"--corpus-workers={args.corpus_workers}",
-                            f"--shards={args.shards}",
-                            *([f"--corpus={args.corpus}"] if args.corpus else []), *([f"--checkpoint={args.checkpoint}"] if args.checkpoint else [])],
-                           capture_output=True, text=True)
+    child = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--build-only",
+            f"--gpus={args.gpus}",
+            f"--storage={args.storage}",
+            f"--tokens={args.tokens}",
+            f"--chunk-tokens={args.chunk_tokens}",
+            f"--corpus-workers={args.corpus_workers}",
+            f"--shards={args.shards}",
+            *([f"--corpus={args.corpus}"] if args.corpus else []),
+            *([f"--checkpoint={args.checkpoint}"] if args.checkpoint else []),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if child.returncode:
         raise SystemExit(f"building the corpus failed: {child.stderr[-3000:]}")
     corpus = json.loads(child.stdout.strip().splitlines()[-1])
@@ -220,8 +297,11 @@ def cluster_env() -> dict[str, str]:
     auth, no inherited RAY_ADDRESS, the library on the path."""
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32))
     os.environ.pop("RAY_ADDRESS", None)
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH")) if p)}
+    return {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH")) if p),
+    }
 
 
 def make_questions(texts: list[str], rng: random.Random, n: int = 400) -> list[str]:
@@ -236,7 +316,9 @@ def make_questions(texts: list[str], rng: random.Random, n: int = 400) -> list[s
 def questions_from_store(store) -> list[str]:
     """Questions from the stored chunk texts of a reused corpus (a few batches, both shards)."""
     m = store.read(CORPUS)
-    texts = [t for batch in m.batches[:20] for shard in range(m.shards) for _, _, t in store.read_texts(m, shard, batch)]
+    texts = [
+        t for batch in m.batches[:20] for shard in range(m.shards) for _, _, t in store.read_texts(m, shard, batch)
+    ]
     return make_questions(texts, random.Random(0))
 
 
@@ -246,21 +328,45 @@ def questions_from_store(store) -> list[str]:
 class RayHead:
     """`ray start --head --block` on 127.0.0.1 in its own process group."""
 
-    def __init__(self, tmp: Path, gpus: int, cpus: int, env: dict[str, str], temp_dir: Path | None = None, dashboard: bool = True,
-                 metrics_port: int | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        gpus: int,
+        cpus: int,
+        env: dict[str, str],
+        temp_dir: Path | None = None,
+        dashboard: bool = True,
+        metrics_port: int | None = None,
+    ):
         self.gcs_port, dash = free_port(), free_port()
         while dash in (self.gcs_port, metrics_port):  # a released port can come back at once
             dash = free_port()
         self.env = env
         self.log = open(tmp / "ray_start.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-             f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--num-cpus={cpus}",
-             f"--num-gpus={gpus}", f"--temp-dir={temp_dir or tmp / 'ray'}", "--disable-usage-stats",
-             *([f"--metrics-export-port={metrics_port}"] if metrics_port else []),
-             # `--block` takes the whole node down when any Ray process dies, the dashboard included
-             *([] if dashboard else ["--include-dashboard=false"])],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--port={self.gcs_port}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dash}",
+                f"--num-cpus={cpus}",
+                f"--num-gpus={gpus}",
+                f"--temp-dir={temp_dir or tmp / 'ray'}",
+                "--disable-usage-stats",
+                *([f"--metrics-export-port={metrics_port}"] if metrics_port else []),
+                # `--block` takes the whole node down when any Ray process dies, the dashboard included
+                *([] if dashboard else ["--include-dashboard=false"]),
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.address = f"127.0.0.1:{self.gcs_port}"
         deadline = time.time() + 180
@@ -285,11 +391,27 @@ class RayHead:
 
 def train(args, head: RayHead, out_dir: Path, name: str, use_gpu: bool) -> dict:
     """jobs/train_hotpot.py on the cluster; episodes/s from the learner's per-update lines."""
-    cmd = [sys.executable, str(ROOT / "jobs" / "train_hotpot.py"), "--address", head.address, "--config", args.config,
-           f"name={name}", f"out_dir={out_dir}", f"updates={args.warmup + args.updates}", "eval_every=0", "keep_best=false",
-           "checkpoint_every=0", "eval_limit=50", "log_every=1", f"distributed.runners={args.runners}",
-           "distributed.mlflow_uri=none", f"distributed.learner_gpu={'true' if use_gpu else 'false'}",
-           f"distributed.learner_gpus={args.learner_gpus}", *args.overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "jobs" / "train_hotpot.py"),
+        "--address",
+        head.address,
+        "--config",
+        args.config,
+        f"name={name}",
+        f"out_dir={out_dir}",
+        f"updates={args.warmup + args.updates}",
+        "eval_every=0",
+        "keep_best=false",
+        "checkpoint_every=0",
+        "eval_limit=50",
+        "log_every=1",
+        f"distributed.runners={args.runners}",
+        "distributed.mlflow_uri=none",
+        f"distributed.learner_gpu={'true' if use_gpu else 'false'}",
+        f"distributed.learner_gpus={args.learner_gpus}",
+        *args.overrides,
+    ]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - t0
@@ -298,13 +420,17 @@ def train(args, head: RayHead, out_dir: Path, name: str, use_gpu: bool) -> dict:
     rows = {}
     for line in (res.stdout + res.stderr).splitlines():
         if '{"update":' in line and "perf/episodes_per_s" in line:
-            row = json.loads(line[line.index('{"update":'):])
+            row = json.loads(line[line.index('{"update":') :])
             rows[row["update"]] = row
     timed = [rows[u] for u in sorted(rows) if u > args.warmup]
     eps = [r["perf/episodes_per_s"] for r in timed]
-    return {"updates": len(timed), "episodes_per_s_median": round(statistics.median(eps), 2) if eps else None,
-            "episodes_per_s_mean": round(statistics.fmean(eps), 2) if eps else None,
-            "runner_wait_share_last": timed[-1].get("perf/runner_wait_share") if timed else None, "job_wall_s": round(wall, 1)}
+    return {
+        "updates": len(timed),
+        "episodes_per_s_median": round(statistics.median(eps), 2) if eps else None,
+        "episodes_per_s_mean": round(statistics.fmean(eps), 2) if eps else None,
+        "runner_wait_share_last": timed[-1].get("perf/runner_wait_share") if timed else None,
+        "job_wall_s": round(wall, 1),
+    }
 
 
 # -- 3. Serve ---------------------------------------------------------------------------------------
@@ -326,17 +452,28 @@ def deploy(args, shards: int, port: int, gpu_count: int) -> str:
     reserved = args.learner_gpus + args.encoder_gpus
     shard_gpus = shard_gpu_fraction(2, gpu_count, reserved=reserved) if gpu_count else 0.0
     if gpu_count:
-        problems = gpu_plan_problems(shards, shard_gpus, gpu_count, {"learner": args.learner_gpus, "encoder": args.encoder_gpus})
+        problems = gpu_plan_problems(
+            shards, shard_gpus, gpu_count, {"learner": args.learner_gpus, "encoder": args.encoder_gpus}
+        )
         if problems:
             raise SystemExit(f"two_gpu.py: the GPU plan does not spread: {problems}")
     device = "cuda" if gpu_count else "cpu"
-    cfg = ServeConfig(checkpoint=args.checkpoint, storage=args.storage, shards=shards, encoder_device=device, shard_device=device,
-                      faiss="never", chunk_tokens=args.chunk_tokens,
-                      http_host="127.0.0.1")  # what serve.start binds: the app refuses a public address without API keys
+    cfg = ServeConfig(
+        checkpoint=args.checkpoint,
+        storage=args.storage,
+        shards=shards,
+        encoder_device=device,
+        shard_device=device,
+        faiss="never",
+        chunk_tokens=args.chunk_tokens,
+        http_host="127.0.0.1",
+    )  # what serve.start binds: the app refuses a public address without API keys
     # Serve's per-deployment options (what serve/config.yaml's deployments: section sets).
-    deployments = [{"name": "Ingress", "max_ongoing_requests": 64, "max_queued_requests": 256},
-                   {"name": "Encoder", "ray_actor_options": {"num_cpus": 0, "num_gpus": args.encoder_gpus if gpu_count else 0.0}},
-                   *({"name": f"Shard{i}", "ray_actor_options": {"num_cpus": 0, "num_gpus": shard_gpus}} for i in range(shards))]
+    deployments = [
+        {"name": "Ingress", "max_ongoing_requests": 64, "max_queued_requests": 256},
+        {"name": "Encoder", "ray_actor_options": {"num_cpus": 0, "num_gpus": args.encoder_gpus if gpu_count else 0.0}},
+        *({"name": f"Shard{i}", "ray_actor_options": {"num_cpus": 0, "num_gpus": shard_gpus}} for i in range(shards)),
+    ]
     serve.run(build_app(cfg, {}, deployments), name="qrag", route_prefix="/")
     return wait_healthy(f"http://127.0.0.1:{port}")
 
@@ -382,7 +519,10 @@ class Load:
         while not self.stop_event.is_set():
             t = time.perf_counter()
             try:
-                post(f"{self.url}/v1/retrieve", {"corpus": CORPUS, "question": rng.choice(self.questions), "max_steps": self.steps})
+                post(
+                    f"{self.url}/v1/retrieve",
+                    {"corpus": CORPUS, "question": rng.choice(self.questions), "max_steps": self.steps},
+                )
                 with self.lock:
                     self.lat.append(time.perf_counter() - t)
             except (urllib.error.URLError, OSError, ValueError):
@@ -402,7 +542,12 @@ class Load:
         self.seconds = time.perf_counter() - self.t0
 
     def summary(self) -> dict:
-        return {"clients": len(self.threads), **percentiles(self.lat), "queries_per_s": round(len(self.lat) / self.seconds, 2), "errors": self.errors}
+        return {
+            "clients": len(self.threads),
+            **percentiles(self.lat),
+            "queries_per_s": round(len(self.lat) / self.seconds, 2),
+            "errors": self.errors,
+        }
 
 
 def gpu_assignment() -> dict | None:
@@ -412,7 +557,9 @@ def gpu_assignment() -> dict | None:
     from ray.util.state import list_actors
 
     def smi(query: str, what: str) -> list[list[str]]:
-        out = subprocess.run(["nvidia-smi", f"--query-{what}={query}", "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-{what}={query}", "--format=csv,noheader,nounits"], capture_output=True, text=True
+        )
         return [[x.strip() for x in line.split(",")] for line in out.stdout.strip().splitlines() if line.strip()]
 
     gpus = {uuid: int(idx) for idx, uuid, _ in smi("index,uuid,memory.used", "gpu")}
@@ -431,9 +578,18 @@ def gpu_assignment() -> dict | None:
 # -- the run ------------------------------------------------------------------------------------------
 
 
-RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "dashboard.log", "dashboard.err", "dashboard_agent.log",
-            "runtime_env_agent.log", "ray_process_exit.log",
-            "python-core-driver-*.log")
+RAY_LOGS = (
+    "raylet.out",
+    "raylet.err",
+    "gcs_server.out",
+    "gcs_server.err",
+    "dashboard.log",
+    "dashboard.err",
+    "dashboard_agent.log",
+    "runtime_env_agent.log",
+    "ray_process_exit.log",
+    "python-core-driver-*.log",
+)
 
 
 def copy_ray_logs(temp_dir: Path, dest: Path, tail_bytes: int = 200_000) -> list[str]:
@@ -487,8 +643,15 @@ def main() -> None:
     env = cluster_env()
     ray_temp = Path(args.ray_temp).resolve() if args.ray_temp else tmp / "ray"
     head = RayHead(tmp, args.gpus, args.cpus, env, ray_temp, dashboard=args.dashboard)
-    result: dict = {"bench": "two_gpu", **machine_info(), "gpus": args.gpus, "corpus": corpus,
-                    "encoder": f"random-init, shape of {args.random_encoder}" if args.random_encoder else os.environ.get("QRAG_ENCODER", "minilm (bundled)")}
+    result: dict = {
+        "bench": "two_gpu",
+        **machine_info(),
+        "gpus": args.gpus,
+        "corpus": corpus,
+        "encoder": f"random-init, shape of {args.random_encoder}"
+        if args.random_encoder
+        else os.environ.get("QRAG_ENCODER", "minilm (bundled)"),
+    }
     try:
         import ray
         from ray import serve
@@ -499,7 +662,9 @@ def main() -> None:
         save_partial(args, result)
 
         # The driver joins on loopback too: left to itself it looks its node up by the machine's address.
-        ray.init(address=head.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)  # replicas log every request
+        ray.init(
+            address=head.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False
+        )  # replicas log every request
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         latency = {}
@@ -520,16 +685,28 @@ def main() -> None:
         alone = result["training_alone"]["episodes_per_s_median"]
         loaded = result["training_with_serving_load"]["episodes_per_s_median"]
         result["training_slowdown_under_load"] = round(alone / loaded, 3) if alone and loaded else None
-        result["settings"] = {"config": Path(args.config).name, "overrides": args.overrides, "runners": args.runners,
-                              "learner_gpus": args.learner_gpus, "encoder_gpus": args.encoder_gpus, "steps": args.steps,
-                              "concurrency": args.concurrency, "updates": args.updates, "warmup": args.warmup}
+        result["settings"] = {
+            "config": Path(args.config).name,
+            "overrides": args.overrides,
+            "runners": args.runners,
+            "learner_gpus": args.learner_gpus,
+            "encoder_gpus": args.encoder_gpus,
+            "steps": args.steps,
+            "concurrency": args.concurrency,
+            "updates": args.updates,
+            "warmup": args.warmup,
+        }
         result["complete"] = True
         serve.shutdown()
         ray.shutdown()
     finally:
         head.stop()
         if args.ray_logs:
-            print(f"two_gpu.py: Ray logs copied: {copy_ray_logs(ray_temp, Path(args.ray_logs))}", file=sys.stderr, flush=True)
+            print(
+                f"two_gpu.py: Ray logs copied: {copy_ray_logs(ray_temp, Path(args.ray_logs))}",
+                file=sys.stderr,
+                flush=True,
+            )
         shutil.rmtree(tmp / "runs", ignore_errors=True)
     print(json.dumps(result))
     if args.out:

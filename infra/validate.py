@@ -49,7 +49,10 @@ SCHEMA_IDS = {
     ("ray.io/v1", "RayCluster"): "urn:qrag:schemas:ray.io/v1/RayCluster",
     ("ray.io/v1", "RayJob"): "urn:qrag:schemas:ray.io/v1/RayJob",
     ("ray.io/v1", "RayService"): "urn:qrag:schemas:ray.io/v1/RayService",
-    ("kustomize.config.k8s.io/v1beta1", "Kustomization"): "urn:qrag:schemas:kustomize.config.k8s.io/v1beta1/Kustomization",
+    (
+        "kustomize.config.k8s.io/v1beta1",
+        "Kustomization",
+    ): "urn:qrag:schemas:kustomize.config.k8s.io/v1beta1/Kustomization",
 }
 COMPOSE_SCHEMA = "urn:qrag:schemas:compose"
 K8S_DIRS = ("kuberay", "mlflow/k8s")
@@ -142,7 +145,9 @@ def check_schemas() -> list[str]:
     for doc in k8s_docs():
         schema_id = SCHEMA_IDS.get(doc.key)
         if schema_id is None:
-            problems.append(f"{doc.where}: no schema for apiVersion {doc.key[0]!r} kind {doc.key[1]!r} in infra/schemas/")
+            problems.append(
+                f"{doc.where}: no schema for apiVersion {doc.key[0]!r} kind {doc.key[1]!r} in infra/schemas/"
+            )
         else:
             problems += schema_errors(doc.body, schema_id, doc.where)
     compose = INFRA / "mlflow" / "docker-compose.yaml"
@@ -161,7 +166,10 @@ def cluster_launcher_schema_errors() -> list[str]:
     schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
     config = yaml.safe_load((INFRA / "cluster.yaml").read_text())
     validator = jsonschema.Draft7Validator(schema)
-    return [f"infra/cluster.yaml: {'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in validator.iter_errors(config)]
+    return [
+        f"infra/cluster.yaml: {'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
+        for e in validator.iter_errors(config)
+    ]
 
 
 def serve_configs() -> list[tuple[str, dict]]:
@@ -183,7 +191,10 @@ def serve_config_errors(config: Any, where: str) -> list[str]:
         return [f"{where}: {e['loc']}: {e['msg']}" for e in exc.errors()]
     problems = [f"{where}: unknown key {k!r}" for k in sorted(set(config) - set(ServeDeploySchema.model_fields))]
     for i, app in enumerate(config.get("applications") or []):
-        problems += [f"{where}: applications[{i}]: unknown key {k!r}" for k in sorted(set(app) - set(ServeApplicationSchema.model_fields))]
+        problems += [
+            f"{where}: applications[{i}]: unknown key {k!r}"
+            for k in sorted(set(app) - set(ServeApplicationSchema.model_fields))
+        ]
         problems += deployment_options(app, f"{where}: applications[{i}]")[1]
     return problems
 
@@ -232,18 +243,32 @@ def check_kustomizations() -> list[str]:
             if not target.is_file():
                 problems.append(f"{k.where}: resource {res} does not exist")
             listed.add(target)
-        used = {c.get("image", "").split(":")[0] for r in k.body.get("resources") or [] if (base / r).is_file()
-                for d in read_docs(base / r) for c in containers(d.body)}
+        used = {
+            c.get("image", "").split(":")[0]
+            for r in k.body.get("resources") or []
+            if (base / r).is_file()
+            for d in read_docs(base / r)
+            for c in containers(d.body)
+        }
         for image in k.body.get("images") or []:
             if image["name"] not in used:
-                problems.append(f"{k.where}: images entry {image['name']!r} matches no container image of its resources")
+                problems.append(
+                    f"{k.where}: images entry {image['name']!r} matches no container image of its resources"
+                )
         for gen in k.body.get("secretGenerator") or []:
             for env in gen.get("envs") or []:
                 if not (base / f"{env}.example").is_file():
-                    problems.append(f"{k.where}: secretGenerator {gen['name']} reads {env}: commit {env}.example beside it")
+                    problems.append(
+                        f"{k.where}: secretGenerator {gen['name']} reads {env}: commit {env}.example beside it"
+                    )
             # The Secret kustomize will generate, from the committed example's keys.
-            secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": gen["name"]}, "type": gen.get("type", "Opaque"),
-                      "stringData": {key: "" for key in generated_secrets().get(gen["name"], set())}}
+            secret = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": gen["name"]},
+                "type": gen.get("type", "Opaque"),
+                "stringData": {key: "" for key in generated_secrets().get(gen["name"], set())},
+            }
             problems += schema_errors(secret, SCHEMA_IDS[("v1", "Secret")], f"{k.where} secretGenerator {gen['name']}")
     for path in k8s_files():
         if path.name != "kustomization.yaml" and path.resolve() not in listed:
@@ -258,7 +283,11 @@ def pod_templates(body: dict) -> Iterator[tuple[str, dict]]:
     spec = body.get("spec") or {}
     if body.get("kind") == "Deployment":
         yield "template", spec.get("template") or {}
-    cluster = spec.get("rayClusterConfig") or spec.get("rayClusterSpec") or (spec if body.get("kind") == "RayCluster" else None)
+    cluster = (
+        spec.get("rayClusterConfig")
+        or spec.get("rayClusterSpec")
+        or (spec if body.get("kind") == "RayCluster" else None)
+    )
     if cluster:
         yield "head", (cluster.get("headGroupSpec") or {}).get("template") or {}
         for g in cluster.get("workerGroupSpecs") or []:
@@ -274,7 +303,9 @@ def check_references() -> list[str]:
     """Volumes, claims, secrets, env references, Service selectors and ports."""
     problems = []
     claims = {d.name for d in docs_of("PersistentVolumeClaim")}
-    secrets = generated_secrets() | {d.name: set((d.body.get("stringData") or {}) | (d.body.get("data") or {})) for d in docs_of("Secret")}
+    secrets = generated_secrets() | {
+        d.name: set((d.body.get("stringData") or {}) | (d.body.get("data") or {})) for d in docs_of("Secret")
+    }
     pods: list[tuple[Doc, dict]] = []
     for doc in k8s_docs():
         for label, template in pod_templates(doc.body):
@@ -285,19 +316,27 @@ def check_references() -> list[str]:
             for v in volumes.values():
                 claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
                 if claim and claim not in claims:
-                    problems.append(f"{where}: volume {v['name']} claims {claim!r}, which no manifest under infra/ defines")
+                    problems.append(
+                        f"{where}: volume {v['name']} claims {claim!r}, which no manifest under infra/ defines"
+                    )
             for c in spec.get("containers") or []:
                 for m in c.get("volumeMounts") or []:
                     if m["name"] not in volumes:
-                        problems.append(f"{where}: container {c['name']} mounts volume {m['name']!r}, which the pod does not define")
+                        problems.append(
+                            f"{where}: container {c['name']} mounts volume {m['name']!r}, which the pod does not define"
+                        )
                 defined: set[str] = set()
                 for e in c.get("env") or []:
                     ref = (e.get("valueFrom") or {}).get("secretKeyRef")
                     if ref and not ref.get("optional"):
                         if ref["name"] not in secrets:
-                            problems.append(f"{where}: env {e['name']} reads secret {ref['name']!r}, which nothing defines")
+                            problems.append(
+                                f"{where}: env {e['name']} reads secret {ref['name']!r}, which nothing defines"
+                            )
                         elif ref["key"] not in secrets[ref["name"]]:
-                            problems.append(f"{where}: env {e['name']} reads key {ref['key']!r} that secret {ref['name']} lacks")
+                            problems.append(
+                                f"{where}: env {e['name']} reads key {ref['key']!r} that secret {ref['name']} lacks"
+                            )
                     for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", e.get("value") or ""):
                         if var not in defined:
                             problems.append(f"{where}: env {e['name']} uses $({var}) before it is defined")
@@ -309,7 +348,12 @@ def check_references() -> list[str]:
             problems.append(f"{doc.where}: selector {selector} does not match the pod labels {labels}")
     for svc in docs_of("Service"):
         selector = svc.body["spec"].get("selector") or {}
-        matched = [t for _, t in pods if selector and all(((t.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
+        matched = [
+            t
+            for _, t in pods
+            if selector
+            and all(((t.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items())
+        ]
         if not matched:
             problems.append(f"{svc.where}: selector {selector} matches no pod template under infra/")
             continue
@@ -356,11 +400,22 @@ class Group:
 
 def ray_groups(cluster: dict) -> tuple[Group, list[Group]]:
     """(head, workers) of a RayClusterSpec."""
+
     def group(name: str, params: dict, lo: int, hi: int) -> Group:
-        return Group(name, float(params.get("num-cpus", "nan")), float(params.get("num-gpus", 0)), start_param_resources(params), lo, hi)
+        return Group(
+            name,
+            float(params.get("num-cpus", "nan")),
+            float(params.get("num-gpus", 0)),
+            start_param_resources(params),
+            lo,
+            hi,
+        )
 
     head = group("head", cluster["headGroupSpec"].get("rayStartParams") or {}, 1, 1)
-    workers = [group(g["groupName"], g.get("rayStartParams") or {}, g["minReplicas"], g["maxReplicas"]) for g in cluster.get("workerGroupSpecs") or []]
+    workers = [
+        group(g["groupName"], g.get("rayStartParams") or {}, g["minReplicas"], g["maxReplicas"])
+        for g in cluster.get("workerGroupSpecs") or []
+    ]
     return head, workers
 
 
@@ -400,18 +455,24 @@ def check_autoscale_limits() -> list[str]:
         except (ValueError, AttributeError):
             have = None
         if have != want:
-            problems.append(f"{doc.where}: the head's QRAG_AUTOSCALE_TO {env.get('QRAG_AUTOSCALE_TO')} != the groups at maxReplicas {want}")
+            problems.append(
+                f"{doc.where}: the head's QRAG_AUTOSCALE_TO {env.get('QRAG_AUTOSCALE_TO')} != the groups at maxReplicas {want}"
+            )
         options = " ".join(yaml.safe_load((INFRA / "cluster.yaml").read_text())["docker"].get("run_options") or [])
         found = re.search(r"QRAG_AUTOSCALE_TO='([^']*)'", options)
         if not found or {k: float(v) for k, v in json.loads(found.group(1)).items()} != want:
-            problems.append(f"infra/cluster.yaml: docker.run_options QRAG_AUTOSCALE_TO != the RayCluster's maximum {want}")
+            problems.append(
+                f"infra/cluster.yaml: docker.run_options QRAG_AUTOSCALE_TO != the RayCluster's maximum {want}"
+            )
     return problems
 
 
 def ray_cluster_specs() -> list[tuple[str, dict]]:
     out = [(d.where, d.body["spec"]) for d in docs_of("RayCluster")]
     out += [(d.where, d.body["spec"]["rayClusterConfig"]) for d in docs_of("RayService")]
-    out += [(d.where, d.body["spec"]["rayClusterSpec"]) for d in docs_of("RayJob") if "rayClusterSpec" in d.body["spec"]]
+    out += [
+        (d.where, d.body["spec"]["rayClusterSpec"]) for d in docs_of("RayJob") if "rayClusterSpec" in d.body["spec"]
+    ]
     return out
 
 
@@ -428,7 +489,9 @@ def check_ray_groups() -> list[str]:
     for where, cluster in ray_cluster_specs():
         head, workers = ray_groups(cluster)
         if head.cpus != 0:
-            problems.append(f"{where}: the head should declare num-cpus \"0\" (no tasks or actors beside GCS and drivers)")
+            problems.append(
+                f'{where}: the head should declare num-cpus "0" (no tasks or actors beside GCS and drivers)'
+            )
         groups = [(cluster["headGroupSpec"], head)] + list(zip(cluster.get("workerGroupSpecs") or [], workers))
         for spec, g in groups:
             if g.cpus != g.cpus:  # NaN: not declared
@@ -442,9 +505,17 @@ def check_ray_groups() -> list[str]:
             if g.cpus and _quantity(limits.get("cpu", 0)) != g.cpus:
                 problems.append(f"{where} ({g.name}): cpu limit {limits.get('cpu')} != num-cpus {g.cpus:g}")
             if _quantity(limits.get("nvidia.com/gpu", 0)) != g.gpus:
-                problems.append(f"{where} ({g.name}): nvidia.com/gpu limit {limits.get('nvidia.com/gpu', 0)} != num-gpus {g.gpus:g}")
-            if not any(v.get("emptyDir", {}).get("medium") == "Memory" and any(m["mountPath"] == "/dev/shm" and m["name"] == v["name"]
-                       for m in ray_container.get("volumeMounts") or []) for v in pod.get("volumes") or []):
+                problems.append(
+                    f"{where} ({g.name}): nvidia.com/gpu limit {limits.get('nvidia.com/gpu', 0)} != num-gpus {g.gpus:g}"
+                )
+            if not any(
+                v.get("emptyDir", {}).get("medium") == "Memory"
+                and any(
+                    m["mountPath"] == "/dev/shm" and m["name"] == v["name"]
+                    for m in ray_container.get("volumeMounts") or []
+                )
+                for v in pod.get("volumes") or []
+            ):
                 problems.append(f"{where} ({g.name}): mount a memory emptyDir at /dev/shm (Ray's object store)")
     return problems
 
@@ -488,7 +559,9 @@ def rayjob_plan(doc: Doc) -> JobPlan:
         raise ValueError(f"{doc.where}: --config {args.config} is not a file of the project (under {IMAGE_ROOT})")
     cfg = load_config(config_file, args.overrides)
     base = args.base_dir or "/"
-    out_dir = cfg.out_dir if cfg.out_dir.startswith("/") or "://" in cfg.out_dir else str(PurePosixPath(base) / cfg.out_dir)
+    out_dir = (
+        cfg.out_dir if cfg.out_dir.startswith("/") or "://" in cfg.out_dir else str(PurePosixPath(base) / cfg.out_dir)
+    )
     return JobPlan(cfg, base, f"{out_dir.rstrip('/')}/{cfg.name}", config_file)
 
 
@@ -512,7 +585,9 @@ def check_rayjob() -> list[str]:
         cluster = clusters[target].body["spec"] if target else spec["rayClusterSpec"]
         head_template = cluster["headGroupSpec"]["template"]
         if not under(plan.base_dir, shared_mounts(head_template)):
-            problems.append(f"{doc.where}: --base-dir {plan.base_dir} is not on a volume of the head pod (the driver runs there)")
+            problems.append(
+                f"{doc.where}: --base-dir {plan.base_dir} is not on a volume of the head pod (the driver runs there)"
+            )
         problems += [f"{doc.where}: {p}" for p in placement_problems(plan.cfg, cluster)]
         try:  # what the job itself checks before any actor starts, against the minimum cluster
             learner_resources(plan.cfg, resources_at_min(cluster))
@@ -537,12 +612,18 @@ def placement_problems(cfg: Any, cluster: dict) -> list[str]:
     if d.runners:
         hosts = [w for w in workers if all(w.custom.get(k, 0) >= v for k, v in wanted.items())]
         if not wanted:
-            problems.append("distributed.runner_resources is empty: EpisodeFeeders may land on GPU nodes; pin them to the CPU group's marker")
+            problems.append(
+                "distributed.runner_resources is empty: EpisodeFeeders may land on GPU nodes; pin them to the CPU group's marker"
+            )
         if any(w.gpus for w in hosts):
-            problems.append(f"EpisodeFeeders may be placed on GPU groups {[w.name for w in hosts if w.gpus]}: give the CPU group a marker resource only it declares")
+            problems.append(
+                f"EpisodeFeeders may be placed on GPU groups {[w.name for w in hosts if w.gpus]}: give the CPU group a marker resource only it declares"
+            )
         capacity = sum(w.cpus * w.min for w in hosts if not w.gpus)
         if d.runners * d.runner_cpus > capacity:
-            problems.append(f"{d.runners} runners x {d.runner_cpus:g} CPUs > {capacity:g} CPUs of the runner groups at minReplicas")
+            problems.append(
+                f"{d.runners} runners x {d.runner_cpus:g} CPUs > {capacity:g} CPUs of the runner groups at minReplicas"
+            )
     fits = [w for w in workers if all(w.resources().get(k, 0) >= v for k, v in learner.items())]
     if not fits:
         problems.append(f"no worker group can hold the learner {learner}")
@@ -553,14 +634,28 @@ def serve_access_problems(body: dict, c: Any, where: str) -> list[str]:
     """A RayService listens on 0.0.0.0: the app refuses to start there without API keys, which
     come from a Secret as $QRAG_API_KEYS on every pod (never written into the manifest)."""
     if c.api_keys:
-        return [f"{where}: args.api_keys writes keys into the manifest; give the pods QRAG_API_KEYS from a Secret instead"]
+        return [
+            f"{where}: args.api_keys writes keys into the manifest; give the pods QRAG_API_KEYS from a Secret instead"
+        ]
     if c.allow_unauthenticated:
         return []
-    lacking = [label for label, template in pod_templates(body)
-               if not any(e.get("name") == "QRAG_API_KEYS" and (e.get("valueFrom") or {}).get("secretKeyRef")
-                          for ct in (template.get("spec") or {}).get("containers") or [] for e in ct.get("env") or [])]
-    return [f"{where}: pods {', '.join(lacking)} have no QRAG_API_KEYS from a Secret: the app would refuse to start on 0.0.0.0 "
-            f"without API keys"] if lacking else []
+    lacking = [
+        label
+        for label, template in pod_templates(body)
+        if not any(
+            e.get("name") == "QRAG_API_KEYS" and (e.get("valueFrom") or {}).get("secretKeyRef")
+            for ct in (template.get("spec") or {}).get("containers") or []
+            for e in ct.get("env") or []
+        )
+    ]
+    return (
+        [
+            f"{where}: pods {', '.join(lacking)} have no QRAG_API_KEYS from a Secret: the app would refuse to start on 0.0.0.0 "
+            f"without API keys"
+        ]
+        if lacking
+        else []
+    )
 
 
 def deployment_options(app: dict, where: str) -> tuple[dict[str, dict], list[str]]:
@@ -573,7 +668,9 @@ def deployment_options(app: dict, where: str) -> tuple[dict[str, dict], list[str
 
     d = (app.get("args") or {}).get("shard_deployments", ServeConfig.shard_deployments)
     try:
-        return deployment_overrides(app.get("deployments"), d if isinstance(d, int) else ServeConfig.shard_deployments), []
+        return deployment_overrides(
+            app.get("deployments"), d if isinstance(d, int) else ServeConfig.shard_deployments
+        ), []
     except ConfigError as exc:
         return {}, [f"{where}: {p}" for p in str(exc).split("; ")]
 
@@ -606,8 +703,10 @@ def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str)
     needs = ([INGRESS] if ingress_cuda else []) + (shards if c.shard_device.startswith("cuda") else [])
     no_gpu = [n for n in needs if gpus_of(n) == 0]
     if no_gpu:
-        problems.append(f"{where}: {', '.join(no_gpu)} run on CUDA (encoder_device {c.encoder_device}, shard_device {c.shard_device}) "
-                        "but ask Ray for no GPU (deployments: ray_actor_options.num_gpus)")
+        problems.append(
+            f"{where}: {', '.join(no_gpu)} run on CUDA (encoder_device {c.encoder_device}, shard_device {c.shard_device}) "
+            "but ask Ray for no GPU (deployments: ray_actor_options.num_gpus)"
+        )
     if not gpus:
         return problems
     if not shards:  # the Ingress replicas share the GPUs, replicas_per_gpu to one unless told otherwise
@@ -616,13 +715,17 @@ def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str)
         if at_min > gpus + 1e-9:
             problems.append(f"{where}: deployments ask for more GPUs than the {gpus} of the GPU workers at minReplicas")
         if at_max > gpus_max + 1e-9:
-            problems.append(f"{where}: at {INGRESS} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
-                            "of the GPU workers at maxReplicas")
+            problems.append(
+                f"{where}: at {INGRESS} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
+                "of the GPU workers at maxReplicas"
+            )
         return problems
     unset = [n for n in [INGRESS, *shards] if gpus_of(n) is None]
     if unset:
-        return problems + [f"{where}: set ray_actor_options.num_gpus of {', '.join(unset)} under deployments: "
-                           "(the defaults pack every shard on one GPU)"]
+        return problems + [
+            f"{where}: set ray_actor_options.num_gpus of {', '.join(unset)} under deployments: "
+            "(the defaults pack every shard on one GPU)"
+        ]
     shard_gpus = {gpus_of(n) for n in shards}
     if len(shard_gpus) > 1:
         return problems + [f"{where}: give every shard deployment the same num_gpus (got {sorted(shard_gpus)})"]
@@ -637,8 +740,10 @@ def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str)
         problems.append(f"{where}: deployments ask for more GPUs than the {gpus} of the GPU workers at minReplicas")
     at_max = shard_replicas * per_shard + gpus_of(INGRESS) * replicas(INGRESS, "max")
     if at_max > gpus_max + 1e-9:
-        problems.append(f"{where}: at {INGRESS} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
-                        "of the GPU workers at maxReplicas")
+        problems.append(
+            f"{where}: at {INGRESS} max_replicas the deployments ask for {at_max:g} GPUs, more than the {gpus_max} "
+            "of the GPU workers at maxReplicas"
+        )
     return problems
 
 
@@ -656,21 +761,33 @@ def check_rayservice() -> list[str]:
         _, workers = ray_groups(cluster)
         gpus = int(sum(w.gpus * w.min for w in workers))
         gpus_max = int(sum(w.gpus * w.max for w in workers))
-        serve_ports = {p["containerPort"] for c in containers(doc.body) for p in c.get("ports") or [] if p.get("name") == "serve"}
+        serve_ports = {
+            p["containerPort"] for c in containers(doc.body) for p in c.get("ports") or [] if p.get("name") == "serve"
+        }
         http = serve_cfg.get("http_options") or {}
         if http.get("host") != "0.0.0.0":
-            problems.append(f"{doc.where}: http_options.host must be 0.0.0.0 in a pod (the Service reaches the proxy from outside it)")
+            problems.append(
+                f"{doc.where}: http_options.host must be 0.0.0.0 in a pod (the Service reaches the proxy from outside it)"
+            )
         if serve_ports != {http.get("port", 8000)}:
-            problems.append(f"{doc.where}: the serve container ports {sorted(serve_ports)} differ from http_options.port {http.get('port', 8000)}")
+            problems.append(
+                f"{doc.where}: the serve container ports {sorted(serve_ports)} differ from http_options.port {http.get('port', 8000)}"
+            )
         for app in serve_cfg.get("applications") or []:
             where = f"{doc.where} application {app.get('name')}"
             if app.get("import_path") != reference["import_path"]:
-                problems.append(f"{where}: import_path {app.get('import_path')} is not serve/config.yaml's {reference['import_path']}")
+                problems.append(
+                    f"{where}: import_path {app.get('import_path')} is not serve/config.yaml's {reference['import_path']}"
+                )
             module, _, attr = app.get("import_path", "").partition(":")
             # A module of the checkout (serve.app) or of the installed package (qrag.distributed.serve_app).
-            source = next((p for base in (ROOT, ROOT / "platform") if (p := base / (module.replace(".", "/") + ".py")).is_file()),
-                          ROOT / (module.replace(".", "/") + ".py"))
-            if not source.is_file() or attr not in {n.name for n in ast.parse(source.read_text()).body if isinstance(n, ast.FunctionDef)}:
+            source = next(
+                (p for base in (ROOT, ROOT / "platform") if (p := base / (module.replace(".", "/") + ".py")).is_file()),
+                ROOT / (module.replace(".", "/") + ".py"),
+            )
+            if not source.is_file() or attr not in {
+                n.name for n in ast.parse(source.read_text()).body if isinstance(n, ast.FunctionDef)
+            }:
                 problems.append(f"{where}: {app.get('import_path')} does not resolve to a function in the project")
             try:
                 c = from_dict(ServeConfig, dict(app.get("args") or {}))
@@ -678,19 +795,28 @@ def check_rayservice() -> list[str]:
                 problems.append(f"{where}: args: {exc}")
                 continue
             problems += serve_access_problems(doc.body, c, where)
-            for key in ("storage", "model_cache") + (("checkpoint",) if c.checkpoint and "://" not in c.checkpoint and ":/" not in c.checkpoint else ()):
+            for key in ("storage", "model_cache") + (
+                ("checkpoint",) if c.checkpoint and "://" not in c.checkpoint and ":/" not in c.checkpoint else ()
+            ):
                 value = getattr(c, key)
                 if not value.startswith("/") or not under(value, mounts):
                     problems.append(f"{where}: args.{key} {value} is not on the shared volume of every pod")
             trained = {f"{j.run_dir}/{'best' if j.cfg.keep_best else 'final'}" for j in jobs}
             if c.checkpoint and c.checkpoint.startswith("/") and c.checkpoint not in trained:
-                problems.append(f"{where}: checkpoint {c.checkpoint} is not where a RayJob writes one ({sorted(trained)})")
+                problems.append(
+                    f"{where}: checkpoint {c.checkpoint} is not where a RayJob writes one ({sorted(trained)})"
+                )
             if c.checkpoint and c.checkpoint.startswith("models:/") and "@" in c.checkpoint:
                 # models:/<name>@<alias>: some RayJob must register that name and point that alias at it.
-                registered = {f"models:/{j.cfg.distributed.mlflow_registered_model}@{j.cfg.distributed.mlflow_model_alias}"
-                              for j in jobs if j.cfg.distributed.mlflow_model and j.cfg.distributed.mlflow_registered_model}
+                registered = {
+                    f"models:/{j.cfg.distributed.mlflow_registered_model}@{j.cfg.distributed.mlflow_model_alias}"
+                    for j in jobs
+                    if j.cfg.distributed.mlflow_model and j.cfg.distributed.mlflow_registered_model
+                }
                 if c.checkpoint not in registered:
-                    problems.append(f"{where}: checkpoint {c.checkpoint} is not a model a RayJob registers ({sorted(registered)})")
+                    problems.append(
+                        f"{where}: checkpoint {c.checkpoint} is not a model a RayJob registers ({sorted(registered)})"
+                    )
             problems += deployment_problems(app, c, gpus, gpus_max, where)
     return problems
 
@@ -730,12 +856,13 @@ def dockerfile_instructions(path: Path) -> list[Instruction]:
 def copy_sources(ins: Instruction) -> list[str]:
     words = [w for w in shlex.split(ins.args) if not w.startswith("--")]
     if ins.args.lstrip().startswith("["):
-        words = json.loads(ins.args[ins.args.index("["):])
+        words = json.loads(ins.args[ins.args.index("[") :])
     return words[:-1]
 
 
 def dockerignore_excludes(patterns: list[str], path: str) -> bool:
     """Docker's rule: the last pattern matching the path or one of its parents decides."""
+
     def rx(pattern: str) -> re.Pattern:
         out = ""
         for part in re.split(r"(\*\*|\*|\?)", pattern.strip("/")):
@@ -761,11 +888,17 @@ def check_dockerfiles() -> list[str]:
     import ray
 
     problems = []
-    for path, context, ignore in [(INFRA / "docker" / "Dockerfile", ROOT, INFRA / "docker" / "Dockerfile.dockerignore"),
-                                  (INFRA / "mlflow" / "Dockerfile", INFRA / "mlflow", None)]:
+    for path, context, ignore in [
+        (INFRA / "docker" / "Dockerfile", ROOT, INFRA / "docker" / "Dockerfile.dockerignore"),
+        (INFRA / "mlflow" / "Dockerfile", INFRA / "mlflow", None),
+    ]:
         where = rel(path)
         ins = dockerfile_instructions(path)
-        patterns = [l.strip() for l in ignore.read_text().splitlines() if l.strip() and not l.startswith("#")] if ignore else []
+        patterns = (
+            [line.strip() for line in ignore.read_text().splitlines() if line.strip() and not line.startswith("#")]
+            if ignore
+            else []
+        )
         froms = [i for i in ins if i.op == "FROM"]
         for f in froms:
             ref = f.args.split()[0]
@@ -776,7 +909,9 @@ def check_dockerfiles() -> list[str]:
             if i.op in ("COPY", "ADD") and "--from" not in i.args:
                 for src in copy_sources(i):
                     if not (context / src).exists():
-                        problems.append(f"{where}:{i.line}: {i.op} source {src} does not exist in the build context {rel(context)}")
+                        problems.append(
+                            f"{where}:{i.line}: {i.op} source {src} does not exist in the build context {rel(context)}"
+                        )
                     elif patterns and dockerignore_excludes(patterns, src.rstrip("/")):
                         problems.append(f"{where}:{i.line}: {i.op} source {src} is excluded by {rel(ignore)}")
             if i.op == "RUN":
@@ -790,11 +925,15 @@ def check_dockerfiles() -> list[str]:
     env = " ".join(i.args for i in qrag_ins if i.op == "ENV")
     for var in OFFLINE_VARS:
         if f"{var}=" in env:
-            problems.append(f"infra/docker/Dockerfile: ENV {var} switches the hub off for every user of the image (data.hub needs it)")
+            problems.append(
+                f"infra/docker/Dockerfile: ENV {var} switches the hub off for every user of the image (data.hub needs it)"
+            )
     base = next(i.args.split()[0] for i in qrag_ins if i.op == "FROM")
     version = ray_image_version(base)
     if version != ray.__version__:
-        problems.append(f"infra/docker/Dockerfile: base {base} has Ray {version}, the project runs Ray {ray.__version__}")
+        problems.append(
+            f"infra/docker/Dockerfile: base {base} has Ray {version}, the project runs Ray {ray.__version__}"
+        )
     problems += check_pins(base)
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     py = re.search(r"-py3(\d+)", base)
@@ -843,7 +982,9 @@ def check_pins(image: str) -> list[str]:
     for extra, items in project["optional-dependencies"].items():
         faiss = [r for r in items if requirement_name(r).startswith(FAISS_PACKAGES)]
         if len(faiss) > 1 or (faiss and extra == "ray"):
-            problems.append(f"pyproject.toml: extra {extra!r} pulls {faiss}: FAISS wheels overwrite each other; keep them in extras of their own")
+            problems.append(
+                f"pyproject.toml: extra {extra!r} pulls {faiss}: FAISS wheels overwrite each other; keep them in extras of their own"
+            )
     return problems
 
 
@@ -862,26 +1003,39 @@ def check_images_and_versions() -> list[str]:
     problems = []
     base = next(i.args.split()[0] for i in dockerfile_instructions(INFRA / "docker" / "Dockerfile") if i.op == "FROM")
     ray_version = ray_image_version(base)
-    images = {rel(k.path): kustomize_image(k.path) for k in kustomizations() if any(i["name"] == IMAGE_NAME for i in k.body.get("images") or [])}
+    images = {
+        rel(k.path): kustomize_image(k.path)
+        for k in kustomizations()
+        if any(i["name"] == IMAGE_NAME for i in k.body.get("images") or [])
+    }
     if len(set(images.values())) > 1:
         problems.append(f"kustomizations map {IMAGE_NAME} to different images: {images}")
-    tags = {img.rsplit(':', 1)[1] for img in images.values()}
+    tags = {img.rsplit(":", 1)[1] for img in images.values()}
     for where, cluster in ray_cluster_specs():
         if cluster.get("rayVersion") != ray_version:
-            problems.append(f"{where}: rayVersion {cluster.get('rayVersion')} != the image's Ray {ray_version} ({base})")
+            problems.append(
+                f"{where}: rayVersion {cluster.get('rayVersion')} != the image's Ray {ray_version} ({base})"
+            )
     for doc in k8s_docs():
         if doc.key[0] != "ray.io/v1":
             continue
         for c in containers(doc.body):
             name, tag = image_ref(c.get("image", ""))
             if name != IMAGE_NAME or tag not in tags:
-                problems.append(f"{doc.where}: container {c['name']} runs {c.get('image')}, not the qrag image ({IMAGE_NAME}:{'|'.join(sorted(tags))})")
+                problems.append(
+                    f"{doc.where}: container {c['name']} runs {c.get('image')}, not the qrag image ({IMAGE_NAME}:{'|'.join(sorted(tags))})"
+                )
     launcher = yaml.safe_load((INFRA / "cluster.yaml").read_text())
     if launcher["docker"]["image"] != base:
-        problems.append(f"infra/cluster.yaml: docker.image {launcher['docker']['image']} != the Dockerfile's base {base}")
+        problems.append(
+            f"infra/cluster.yaml: docker.image {launcher['docker']['image']} != the Dockerfile's base {base}"
+        )
     options = " ".join(launcher["docker"].get("run_options") or [])
-    problems += [f"infra/cluster.yaml: docker.run_options set {k}, which switches the hub off on every node (data.hub needs it)"
-                 for k in OFFLINE_VARS if f"{k}=" in options]
+    problems += [
+        f"infra/cluster.yaml: docker.run_options set {k}, which switches the hub off on every node (data.hub needs it)"
+        for k in OFFLINE_VARS
+        if f"{k}=" in options
+    ]
     return problems
 
 
@@ -894,16 +1048,22 @@ def check_cluster_launcher() -> list[str]:
     rc = one("RayCluster").body["spec"]
     head, workers = ray_groups(rc)
     if {k: float(v) for k, v in head_type["resources"].items()} != head.resources():
-        problems.append(f"infra/cluster.yaml: head resources {head_type['resources']} != the RayCluster head's {head.resources()}")
+        problems.append(
+            f"infra/cluster.yaml: head resources {head_type['resources']} != the RayCluster head's {head.resources()}"
+        )
     launched = {name: t for name, t in types.items() if name != launcher["head_node_type"]}
     for w in workers:
         same = [n for n, t in launched.items() if {k: float(v) for k, v in t["resources"].items()} == w.resources()]
         if not same:
-            problems.append(f"infra/cluster.yaml: no node type with the resources of worker group {w.name} {w.resources()}")
+            problems.append(
+                f"infra/cluster.yaml: no node type with the resources of worker group {w.name} {w.resources()}"
+            )
             continue
         t = launched.pop(same[0])
         if (t.get("min_workers", 0), t.get("max_workers")) != (w.min, w.max):
-            problems.append(f"infra/cluster.yaml: {same[0]} workers [{t.get('min_workers', 0)}, {t.get('max_workers')}] != group {w.name} [{w.min}, {w.max}]")
+            problems.append(
+                f"infra/cluster.yaml: {same[0]} workers [{t.get('min_workers', 0)}, {t.get('max_workers')}] != group {w.name} [{w.min}, {w.max}]"
+            )
     for name in launched:
         problems.append(f"infra/cluster.yaml: node type {name} has no worker group in the RayCluster")
     for src in (launcher.get("file_mounts") or {}).values():
@@ -942,14 +1102,26 @@ def check_runtime_env() -> list[str]:
     if sorted(map(str.lower, packages)) != sorted(map(str.lower, wanted)):
         missing = sorted(set(wanted) - set(packages))
         extra = sorted(set(packages) - set(wanted))
-        problems.append(f"infra/runtime_env.yaml: pip packages differ from pyproject.toml (missing {missing}, extra {extra})")
-    rayignore = [l.strip() for l in (ROOT / ".rayignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+        problems.append(
+            f"infra/runtime_env.yaml: pip packages differ from pyproject.toml (missing {missing}, extra {extra})"
+        )
+    rayignore = [
+        line.strip() for line in (ROOT / ".rayignore").read_text().splitlines() if line.strip() and not line.startswith("#")
+    ]
     missing = [p for p in rayignore if p not in data.get("excludes", [])]
     if missing:
         problems.append(f"infra/runtime_env.yaml: excludes lack .rayignore entries {missing}")
-    problems += [f"infra/runtime_env.yaml: env_vars.{k} switches the hub off for every job (data.hub needs it)"
-                 for k in OFFLINE_VARS if k in (data.get("env_vars") or {})]
-    image_env = dict(kv.split("=", 1) for i in dockerfile_instructions(INFRA / "docker" / "Dockerfile") if i.op == "ENV" for kv in i.args.split())
+    problems += [
+        f"infra/runtime_env.yaml: env_vars.{k} switches the hub off for every job (data.hub needs it)"
+        for k in OFFLINE_VARS
+        if k in (data.get("env_vars") or {})
+    ]
+    image_env = dict(
+        kv.split("=", 1)
+        for i in dockerfile_instructions(INFRA / "docker" / "Dockerfile")
+        if i.op == "ENV"
+        for kv in i.args.split()
+    )
     for key, value in (data.get("env_vars") or {}).items():
         if key in image_env and image_env[key] != value:
             problems.append(f"infra/runtime_env.yaml: env_vars.{key}={value} but the image sets {image_env[key]}")
@@ -963,8 +1135,14 @@ def check_compose() -> list[str]:
     mlflow = compose["services"].get("mlflow") or {}
     backend = str((mlflow.get("environment") or {}).get("MLFLOW_BACKEND_STORE_URI", ""))
     if not backend.startswith("postgresql://") or "@postgres:" not in backend:
-        problems.append(f"{rel(path)}: mlflow's MLFLOW_BACKEND_STORE_URI should be the postgres service, got {backend!r}")
-    if not (path.parent / mlflow.get("build", {}).get("context", ".") / mlflow.get("build", {}).get("dockerfile", "Dockerfile")).is_file():
+        problems.append(
+            f"{rel(path)}: mlflow's MLFLOW_BACKEND_STORE_URI should be the postgres service, got {backend!r}"
+        )
+    if not (
+        path.parent
+        / mlflow.get("build", {}).get("context", ".")
+        / mlflow.get("build", {}).get("dockerfile", "Dockerfile")
+    ).is_file():
         problems.append(f"{rel(path)}: mlflow's build context has no Dockerfile")
     for port in mlflow.get("ports") or []:
         host = str(port).rsplit(":", 2)[0] if str(port).count(":") >= 2 else ""
@@ -972,7 +1150,9 @@ def check_compose() -> list[str]:
             problems.append(f"{rel(path)}: publish {port} on 127.0.0.1 by default (the server has no auth)")
     pg = compose["services"].get("postgres") or {}
     if ":?" not in str((pg.get("environment") or {}).get("POSTGRES_PASSWORD", "")):
-        problems.append(f"{rel(path)}: POSTGRES_PASSWORD must be required (${{POSTGRES_PASSWORD:?...}}), never defaulted")
+        problems.append(
+            f"{rel(path)}: POSTGRES_PASSWORD must be required (${{POSTGRES_PASSWORD:?...}}), never defaulted"
+        )
     if not (path.parent / ".env.example").is_file():
         problems.append(f"{rel(path)}: commit infra/mlflow/.env.example beside it")
     return problems
@@ -996,7 +1176,9 @@ def check_mlflow_wiring() -> list[str]:
             host = (url.hostname or "").split(".")
             svc = services.get(host[0])
             if url.scheme != "http" or svc is None or (len(host) > 1 and host[1] != namespace):
-                problems.append(f"{doc.where}: MLFLOW_TRACKING_URI {uri} is not a Service of infra/mlflow/k8s in namespace {namespace}")
+                problems.append(
+                    f"{doc.where}: MLFLOW_TRACKING_URI {uri} is not a Service of infra/mlflow/k8s in namespace {namespace}"
+                )
             elif url.port not in {p["port"] for p in svc.body["spec"]["ports"]}:
                 problems.append(f"{doc.where}: MLFLOW_TRACKING_URI port {url.port} is not a port of Service {svc.name}")
     return problems
@@ -1013,9 +1195,22 @@ def check_scripts() -> list[str]:
     return problems
 
 
-CHECKS = (check_schemas, check_kustomizations, check_references, check_ray_groups, check_rayjob, check_rayservice,
-          check_dockerfiles, check_images_and_versions, check_cluster_launcher, check_autoscale_limits, check_runtime_env, check_compose,
-          check_mlflow_wiring, check_scripts)
+CHECKS = (
+    check_schemas,
+    check_kustomizations,
+    check_references,
+    check_ray_groups,
+    check_rayjob,
+    check_rayservice,
+    check_dockerfiles,
+    check_images_and_versions,
+    check_cluster_launcher,
+    check_autoscale_limits,
+    check_runtime_env,
+    check_compose,
+    check_mlflow_wiring,
+    check_scripts,
+)
 
 
 def all_problems() -> list[str]:

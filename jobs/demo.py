@@ -38,15 +38,27 @@ def main(argv: list[str]) -> int:
     untrained = evaluate_checkpoint("none", job.cfg, out=run_dir / "eval_untrained.json")
     print()
     print(f"{'model':<28}{'fact_em':>9}{'fact_f1':>9}{'questions':>11}")
-    rows = (("Q-RAG (smoke-trained)", trained["fact_em"], trained["fact_f1"], trained["eval_questions"]),
-            ("untrained encoder (w/o FT)", untrained["fact_em"], untrained["fact_f1"], untrained["num_samples"]))
+    rows = (
+        ("Q-RAG (smoke-trained)", trained["fact_em"], trained["fact_f1"], trained["eval_questions"]),
+        ("untrained encoder (w/o FT)", untrained["fact_em"], untrained["fact_f1"], untrained["num_samples"]),
+    )
     for name, em, f1, n in rows:
         print(f"{name:<28}{em:>9.3f}{f1:>9.3f}{n:>11}")
     if trained.get("mlflow_run_id"):
-        print(f"\nMLflow: run {trained['mlflow_run_id']} in {trained['tracking_uri']}; to browse it (needs `pip install mlflow`):\n"
-              f"  mlflow ui --backend-store-uri {trained['tracking_uri']} --host 127.0.0.1 --port 5000")
-    print(json.dumps({"checkpoint": trained["checkpoint"], "trained": trained["fact_em"], "untrained": untrained["fact_em"],
-                      "mlflow_run_id": trained.get("mlflow_run_id")}))
+        print(
+            f"\nMLflow: run {trained['mlflow_run_id']} in {trained['tracking_uri']}; to browse it (needs `pip install mlflow`):\n"
+            f"  mlflow ui --backend-store-uri {trained['tracking_uri']} --host 127.0.0.1 --port 5000"
+        )
+    print(
+        json.dumps(
+            {
+                "checkpoint": trained["checkpoint"],
+                "trained": trained["fact_em"],
+                "untrained": untrained["fact_em"],
+                "mlflow_run_id": trained.get("mlflow_run_id"),
+            }
+        )
+    )
     return 0
 
 

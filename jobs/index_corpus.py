@@ -22,7 +22,9 @@ from qrag.cli.index import index_args, run_index  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="index_corpus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="index_corpus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     index_args(parser)
     return run_index(parser.parse_args(argv))
 

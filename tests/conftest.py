@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -35,9 +34,15 @@ def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed:
     tokenizer = AutoTokenizer.from_pretrained(str(src))
     config_cls, model_cls = {"bert": (BertConfig, BertModel), "mpnet": (MPNetConfig, MPNetModel)}[arch]
     config = config_cls(
-        vocab_size=tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=hidden * 2, max_position_embeddings=512 if arch == "bert" else 514,  # MPNet offsets positions by 2
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=hidden * 2,
+        max_position_embeddings=512 if arch == "bert" else 514,  # MPNet offsets positions by 2
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model_cls(config).save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
@@ -64,16 +69,21 @@ def make_hotpot_records(n: int, seed: int = 0, paragraphs: int = 6) -> list[dict
     for i in range(n):
         titles = [f"Title {i}-{j} {rng.choice(WORDS)}" for j in range(paragraphs)]
         gold = rng.sample(range(paragraphs), 2)
-        context = [[t, [f" {t} is a {rng.choice(WORDS)} of {rng.choice(WORDS)}.", f" It has {rng.choice(WORDS)} {k}."]] for k, t in enumerate(titles)]
-        records.append({
-            "_id": f"q{i:04d}",
-            "question": f"What links {titles[gold[0]]} and {titles[gold[1]]}?",
-            "answer": rng.choice(WORDS),
-            "supporting_facts": [[titles[gold[0]], 0], [titles[gold[1]], 1]],
-            "context": context,
-            "type": "bridge",
-            "level": "hard",
-        })
+        context = [
+            [t, [f" {t} is a {rng.choice(WORDS)} of {rng.choice(WORDS)}.", f" It has {rng.choice(WORDS)} {k}."]]
+            for k, t in enumerate(titles)
+        ]
+        records.append(
+            {
+                "_id": f"q{i:04d}",
+                "question": f"What links {titles[gold[0]]} and {titles[gold[1]]}?",
+                "answer": rng.choice(WORDS),
+                "supporting_facts": [[titles[gold[0]], 0], [titles[gold[1]], 1]],
+                "context": context,
+                "type": "bridge",
+                "level": "hard",
+            }
+        )
     return records
 
 
@@ -89,11 +99,23 @@ def tiny_cfg(tiny_encoder, hotpot_file, tmp_path):
     """A TrainConfig that trains in seconds on CPU."""
     from qrag.config import load_config
 
-    return load_config(None, [
-        f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path / 'runs'}", "name=tiny",
-        "updates=4", "learner.episodes_per_update=6", "learner.micro_batch=3", "learner.warmup_updates=2",
-        "learner.lr=1e-3", "eval_limit=8", "log_every=1", "data.chunk_tokens=48",
-    ])
+    return load_config(
+        None,
+        [
+            f"model.encoder={tiny_encoder}",
+            f"data.path={hotpot_file}",
+            f"out_dir={tmp_path / 'runs'}",
+            "name=tiny",
+            "updates=4",
+            "learner.episodes_per_update=6",
+            "learner.micro_batch=3",
+            "learner.warmup_updates=2",
+            "learner.lr=1e-3",
+            "eval_limit=8",
+            "log_every=1",
+            "data.chunk_tokens=48",
+        ],
+    )
 
 
 def shared_data_dir() -> Path | None:

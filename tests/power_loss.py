@@ -88,7 +88,10 @@ class DurableState:
         """The tree a power cut now would leave."""
 
         def build(ino: int) -> Tree:
-            return {name: build(child) if self.is_dir[child] else self.data.get(child, b"") for name, child in self.entries.get(ino, {}).items()}
+            return {
+                name: build(child) if self.is_dir[child] else self.data.get(child, b"")
+                for name, child in self.entries.get(ino, {}).items()
+            }
 
         return build(self.root_ino)
 

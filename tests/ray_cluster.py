@@ -23,8 +23,13 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 def cluster_env(drop: tuple[str, ...] = ("RAY_ADDRESS",)) -> dict[str, str]:
     env = {
-        **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0",
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+        "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": str(ROOT / "platform"),
         # A job's `python` is the cluster's Python, as on a real cluster: here the test's own
         # interpreter, also when CI runs pytest without activating the virtualenv.
@@ -36,8 +41,13 @@ def cluster_env(drop: tuple[str, ...] = ("RAY_ADDRESS",)) -> dict[str, str]:
 
 
 @contextmanager
-def local_ray_cluster(tmp: Path, *, num_gpus: int = 0, resources: dict[str, float] | None = None,
-                      drop_env: tuple[str, ...] = ("RAY_ADDRESS",)) -> Iterator[dict]:
+def local_ray_cluster(
+    tmp: Path,
+    *,
+    num_gpus: int = 0,
+    resources: dict[str, float] | None = None,
+    drop_env: tuple[str, ...] = ("RAY_ADDRESS",),
+) -> Iterator[dict]:
     """Yields {"env", "gcs", "api"} once the job API answers. ``num_gpus`` are logical GPUs
     (placement only: nothing here runs CUDA)."""
     gcs, dashboard, client, agent, agent_grpc, metrics, env_agent = free_ports(7)
@@ -45,11 +55,30 @@ def local_ray_cluster(tmp: Path, *, num_gpus: int = 0, resources: dict[str, floa
     extra = [f"--resources={json.dumps(resources)}"] if resources else []
     log = open(tmp / "ray_start.log", "w")
     proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
-         "--num-cpus=3", f"--num-gpus={num_gpus}", *extra, f"--temp-dir={tmp / 't'}", "--disable-usage-stats"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={env_agent}",
+            "--num-cpus=3",
+            f"--num-gpus={num_gpus}",
+            *extra,
+            f"--temp-dir={tmp / 't'}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     api = f"http://127.0.0.1:{dashboard}"
     try:

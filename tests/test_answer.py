@@ -90,8 +90,17 @@ class FakeChatServer:
                         self._send(503, {"error": "busy"})
                         return
                 text = server.answers.get(question, "I do not know")
-                self._send(200, {"id": "x", "object": "chat.completion", "model": body["model"],
-                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
+                self._send(
+                    200,
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "model": body["model"],
+                        "choices": [
+                            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                        ],
+                    },
+                )
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -108,16 +117,27 @@ class FakeChatServer:
 
 
 def _records(questions: list[tuple[str, str]]) -> list[dict]:
-    return [{"id": f"r{i}", "question": q, "passages": [f"Passage about {q}."], "gold_answers": [a]} for i, (q, a) in enumerate(questions)]
+    return [
+        {"id": f"r{i}", "question": q, "passages": [f"Passage about {q}."], "gold_answers": [a]}
+        for i, (q, a) in enumerate(questions)
+    ]
 
 
 def test_openai_backend_scores_answers_and_counts_errors_separately():
-    questions = [("Who wrote Hamlet?", "William Shakespeare"), ("Capital of France?", "Paris"),
-                 ("FLAKY capital of Spain?", "Madrid"), ("SLOW question?", "x"), ("FAIL500 question?", "y"),
-                 ("BAD400 question?", "z"), ("Unknown question?", "Berlin")]
+    questions = [
+        ("Who wrote Hamlet?", "William Shakespeare"),
+        ("Capital of France?", "Paris"),
+        ("FLAKY capital of Spain?", "Madrid"),
+        ("SLOW question?", "x"),
+        ("FAIL500 question?", "y"),
+        ("BAD400 question?", "z"),
+        ("Unknown question?", "Berlin"),
+    ]
     answers = {q: f"Answer: {a}." for q, a in questions[:3]}
     with FakeChatServer(answers) as server:
-        reader = OpenAIAnswerer(server.url, api_key="sk-test", timeout=0.8, retries=1, concurrency=4, max_tokens=16, backoff=0.05)
+        reader = OpenAIAnswerer(
+            server.url, api_key="sk-test", timeout=0.8, retries=1, concurrency=4, max_tokens=16, backoff=0.05
+        )
         assert reader.model == "fake-reader"  # taken from GET /v1/models
         records = _records(questions)
         summary = answer_records(records, reader, load_prompt("", "hotpotqa"), "hotpotqa")
@@ -125,12 +145,20 @@ def test_openai_backend_scores_answers_and_counts_errors_separately():
     # Errors: the slow one timed out, 500 exhausted its retry, 400 is not retried.
     assert summary["answer_errors"] == 3 and summary["answered"] == 4
     assert "timed out" in by_q["SLOW question?"]["answer_error"]
-    assert "HTTP 500" in by_q["FAIL500 question?"]["answer_error"] and "2 attempts" in by_q["FAIL500 question?"]["answer_error"]
-    assert "HTTP 400" in by_q["BAD400 question?"]["answer_error"] and "context too long" in by_q["BAD400 question?"]["answer_error"]
+    assert (
+        "HTTP 500" in by_q["FAIL500 question?"]["answer_error"]
+        and "2 attempts" in by_q["FAIL500 question?"]["answer_error"]
+    )
+    assert (
+        "HTTP 400" in by_q["BAD400 question?"]["answer_error"]
+        and "context too long" in by_q["BAD400 question?"]["answer_error"]
+    )
     for q in ("SLOW question?", "FAIL500 question?", "BAD400 question?"):
         assert by_q[q]["ans_em"] is None and by_q[q]["prediction"] is None
     # The flaky one succeeded on its retry; failed questions are not scored as wrong answers.
-    assert by_q["FLAKY capital of Spain?"]["prediction"] == "Madrid" and by_q["FLAKY capital of Spain?"]["ans_em"] == 1.0
+    assert (
+        by_q["FLAKY capital of Spain?"]["prediction"] == "Madrid" and by_q["FLAKY capital of Spain?"]["ans_em"] == 1.0
+    )
     assert summary["ans_em"] == pytest.approx(3 / 4)  # 3 right, "Unknown question?" wrong, errors excluded
     assert by_q["Who wrote Hamlet?"]["reader_output"] == "Answer: William Shakespeare."
     assert "fake-reader" in summary["reader_model"] and summary["prompt"] == "hotpotqa"
@@ -147,7 +175,9 @@ def test_openai_requests_run_concurrently():
     with FakeChatServer({q: a for q, a in questions}, delay=0.5) as server:
         reader = OpenAIAnswerer(server.url, model="m", timeout=10, concurrency=8)
         t0 = time.perf_counter()
-        answers = reader.answer([ChatRequest(str(i), [{"role": "user", "content": f"Question: {q}"}]) for i, (q, _) in enumerate(questions)])
+        answers = reader.answer(
+            [ChatRequest(str(i), [{"role": "user", "content": f"Question: {q}"}]) for i, (q, _) in enumerate(questions)]
+        )
         elapsed = time.perf_counter() - t0
     assert [a.text for a in answers] == [a for _, a in questions]  # answers come back in request order
     assert elapsed < 8 * 0.5 / 2, elapsed  # serial would take 4 s
@@ -192,9 +222,28 @@ def test_eval_with_openai_reader_end_to_end(tiny_encoder, hotpot_file, tmp_path)
     with FakeChatServer(answers) as server:
         server.fail.add(failing)  # this question's request always fails on the server side
         out = tmp_path / "eval.json"
-        args = ["eval", "--checkpoint", "none", f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "data.chunk_tokens=48",
-                "--split", "all", "--limit", "5", "--device", "cpu", "--answer", "openai", "--out", str(out),
-                f"answer.base_url={server.url}", "answer.model=fake-reader", "answer.api_key=sk-secret", "answer.retries=0"]
+        args = [
+            "eval",
+            "--checkpoint",
+            "none",
+            f"model.encoder={tiny_encoder}",
+            f"data.path={hotpot_file}",
+            "data.chunk_tokens=48",
+            "--split",
+            "all",
+            "--limit",
+            "5",
+            "--device",
+            "cpu",
+            "--answer",
+            "openai",
+            "--out",
+            str(out),
+            f"answer.base_url={server.url}",
+            "answer.model=fake-reader",
+            "answer.api_key=sk-secret",
+            "answer.retries=0",
+        ]
         assert main(args) == 0
     summary = json.loads(out.read_text())
     recs = [json.loads(line) for line in (tmp_path / "eval.records.jsonl").read_text().splitlines()]
@@ -232,7 +281,7 @@ def test_prompts_are_files_with_placeholders(tmp_path):
 def test_clean_answer():
     assert clean_answer("Answer: Paris.\nBecause ...") == "Paris"
     assert clean_answer("It is 3.5") == "It is 3.5"
-    assert clean_answer("\n\n  \"Berlin\"  \n") == "Berlin"
+    assert clean_answer('\n\n  "Berlin"  \n') == "Berlin"
     assert clean_answer("final answer - yes") == "yes"
     assert clean_answer("The answer to this question is: William Shakespeare") == "William Shakespeare"
     assert clean_answer("The answer is Rex.") == "Rex"
@@ -241,8 +290,14 @@ def test_clean_answer():
 
 
 def test_reader_inputs_are_document_ordered_whole_passages():
-    sample = Sample("s1", "q?", ["c0", "c1 capped", "c2", "c3"], [1, 3], "Gold",
-                    meta={"passages": ["p0", "p1 whole paragraph", "p2", "p3"], "answer_aliases": ["Gold", "Alias"]})
+    sample = Sample(
+        "s1",
+        "q?",
+        ["c0", "c1 capped", "c2", "c3"],
+        [1, 3],
+        "Gold",
+        meta={"passages": ["p0", "p1 whole paragraph", "p2", "p3"], "answer_aliases": ["Gold", "Alias"]},
+    )
     records = [{"id": "s1", "question": "q?", "retrieved": [3, 1]}]
     attach_reader_inputs(records, [sample])
     assert records[0]["passages"] == ["p1 whole paragraph", "p3"]  # document order, not pick order

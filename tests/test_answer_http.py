@@ -41,7 +41,11 @@ class KeepAliveServer(FakeChatServer):
             def _send(self, code: int, body: dict, headers: dict[str, str] | None = None):
                 raw = json.dumps(body).encode()
                 self.send_response(code)
-                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(raw)), **(headers or {})}.items():
+                for k, v in {
+                    "Content-Type": "application/json",
+                    "Content-Length": str(len(raw)),
+                    **(headers or {}),
+                }.items():
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(raw)
@@ -57,7 +61,9 @@ class KeepAliveServer(FakeChatServer):
                 if left:
                     self._send(status, {"error": "busy"}, {"Retry-After": retry_after} if retry_after else None)
                     return
-                self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"re: {question}"}}]})
+                self._send(
+                    200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"re: {question}"}}]}
+                )
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -113,6 +119,10 @@ def test_retries_are_bounded_and_a_long_retry_after_fails_at_once():
         always, later = reader.answer(ask("always", "later"))
         elapsed = time.monotonic() - t0
     assert always.text is None and always.attempts == 3 and "HTTP 429" in always.error and "3 attempts" in always.error
-    assert later.text is None and later.attempts == 1 and "Retry-After 3600 s is beyond answer.retry_after_max_s=5" in later.error
+    assert (
+        later.text is None
+        and later.attempts == 1
+        and "Retry-After 3600 s is beyond answer.retry_after_max_s=5" in later.error
+    )
     assert len(server.times["always"]) == 3 and len(server.times["later"]) == 1
     assert elapsed < 3

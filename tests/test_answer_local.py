@@ -66,8 +66,12 @@ def test_prompt_too_long_is_a_per_question_error(reader):
     small = reader.max_context
     try:
         reader.max_context = 90
-        answers = reader.answer([ChatRequest("long", [{"role": "user", "content": "word " * 200}]),
-                                 ChatRequest("short", [{"role": "user", "content": "Say hi."}])])
+        answers = reader.answer(
+            [
+                ChatRequest("long", [{"role": "user", "content": "word " * 200}]),
+                ChatRequest("short", [{"role": "user", "content": "Say hi."}]),
+            ]
+        )
     finally:
         reader.max_context = small
     assert answers[0].text is None and "exceeds the reader's context" in answers[0].error

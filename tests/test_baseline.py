@@ -19,7 +19,14 @@ CPU = torch.device("cpu")
 def sample_and_pooled(tiny_encoder):
     # A trained-like config (relative positions, twin halves): the baseline must ignore both.
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative"), CPU)
-    samples = [Sample("s", "who painted the castle", [f"the {w} was painted by someone" for w in ("castle", "river", "ship", "king")], [0])]
+    samples = [
+        Sample(
+            "s",
+            "who painted the castle",
+            [f"the {w} was painted by someone" for w in ("castle", "river", "ship", "king")],
+            [0],
+        )
+    ]
     [ts] = tokenize_samples(samples, tok, layout, chunk_tokens=32, question_tokens=16)
     raw = qnet.state_encoder.eval()
     pooled_q = encode(raw, [layout.state(ts.question, [])], pad_id=layout.pad_id, device=CPU)
@@ -51,7 +58,9 @@ def test_half_vector_variant_is_kept_apart_and_labelled(tiny_encoder, sample_and
     ts, layout, pq, pc = sample_and_pooled
     qnet, _, _ = baseline_qnet(ModelConfig(encoder=tiny_encoder), CPU, "none:twin")
     h = pq.shape[-1] // 2
-    expected = 0.5 * (F.cosine_similarity(pq[:, :h], pc[:, :h], dim=-1) + F.cosine_similarity(pq[:, h:], pc[:, h:], dim=-1))
+    expected = 0.5 * (
+        F.cosine_similarity(pq[:, :h], pc[:, :h], dim=-1) + F.cosine_similarity(pq[:, h:], pc[:, h:], dim=-1)
+    )
     assert _first_step_scores(qnet, layout, ts) == pytest.approx(expected.tolist(), abs=1e-5)
     full = F.cosine_similarity(pq, pc, dim=-1)
     assert not torch.allclose(expected, full, atol=1e-3)  # the two rules really differ here

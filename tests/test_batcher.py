@@ -69,7 +69,9 @@ class ScoreByDistance:
             best = sorted(scores, key=lambda x: (-x[0], x[1]))[:k]
             q[r, : len(best)] = [b[0] for b in best]
             ids[r, : len(best)] = [b[1] for b in best]
-        records = {int(c): ChunkRecord(f"d{c}", f"chunk {c}", np.array([1, 100 + c, 2], np.int32)) for c in ids[ids >= 0]}
+        records = {
+            int(c): ChunkRecord(f"d{c}", f"chunk {c}", np.array([1, 100 + c, 2], np.int32)) for c in ids[ids >= 0]
+        }
         return [ShardHits(q, ids, None, records)]
 
     async def score(self, states, rows, selected, k):
@@ -78,13 +80,16 @@ class ScoreByDistance:
 
 
 def run_of(first: int, steps: int = 3) -> SearchRun:
-    return SearchRun(np.array([1, first, 2], np.int32), layout(), SearchConfig(max_steps=steps, alternatives=1), N_CHUNKS)
+    return SearchRun(
+        np.array([1, first, 2], np.int32), layout(), SearchConfig(max_steps=steps, alternatives=1), N_CHUNKS
+    )
 
 
 async def search_all(batcher, runs, backend_of, stagger: float = 0.0):
     async def one(i, run):
         await asyncio.sleep(stagger * i)
         await batcher.run(run, backend_of(i), backend_of(i))
+
     return await asyncio.gather(*(one(i, r) for i, r in enumerate(runs)), return_exceptions=True)
 
 
@@ -97,7 +102,9 @@ def test_concurrent_searches_share_rounds_and_keep_their_own_answers(in_process)
     assert all(r is None for r in asyncio.run(search_all(batcher, runs, lambda i: backend)))
     # Alone, each search gets the same picks.
     for run in solo:
-        asyncio.run(LockstepBatcher(CountingEncoder(in_process), 64).run(run, ScoreByDistance(in_process=in_process), "k"))
+        asyncio.run(
+            LockstepBatcher(CountingEncoder(in_process), 64).run(run, ScoreByDistance(in_process=in_process), "k")
+        )
     assert [r.result().selected for r in runs] == [r.result().selected for r in solo]
     # Six searches of three steps: three rounds of six states, one encoder call and one pass each.
     assert enc.calls == [6, 6, 6] and backend.passes == [6, 6, 6] and batcher.rounds == 3
@@ -168,8 +175,12 @@ def test_concurrent_service_requests_answer_as_offline_search(model, tmp_path): 
     assert service.holders[0].holder.preload() == ["books"]  # as a replica does at start
 
     async def all_at_once():
-        return await asyncio.gather(*(service.retrieve(RetrieveParams(question=q, corpus="books", max_steps=3, alternatives=2))
-                                      for q in questions))
+        return await asyncio.gather(
+            *(
+                service.retrieve(RetrieveParams(question=q, corpus="books", max_steps=3, alternatives=2))
+                for q in questions
+            )
+        )
 
     answers = asyncio.run(all_at_once())
     assert [[s["chunk_id"] for s in a["steps"]] for a in answers] == offline
@@ -187,7 +198,11 @@ def test_warm_scoring_runs_every_shape_a_replica_serves(model, tmp_path):  # noq
     index.add_documents("books", make_documents(4, 1))
     service = local_service(serve_cfg(tmp_path, state_batch_size=8, warm_steps=3), model)
     holder = service.holders[0].holder
-    assert warm_holder(holder, service.cfg) == {"corpora": ["books"], "shapes": 0, "seconds": pytest.approx(0, abs=60)}  # CPU: no graphs
+    assert warm_holder(holder, service.cfg) == {
+        "corpora": ["books"],
+        "shapes": 0,
+        "seconds": pytest.approx(0, abs=60),
+    }  # CPU: no graphs
     assert holder.warm_scoring("books", 8, 2, 4) == 4 * 3  # buckets 1, 2, 4, 8; 0, 1 or 2 chunks selected
 
 

@@ -26,7 +26,14 @@ QUESTIONS = ["the painter and the singer", "where did the king meet the queen", 
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, configure_logging=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=2,
+        configure_logging=False,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -49,8 +56,19 @@ def reference(model, tmp_path_factory):
 
 def config(tiny_encoder, storage, inputs, **kw) -> BulkIndexConfig:
     # Tiny blocks and commit groups so that a dozen documents make several blocks and commits.
-    return BulkIndexConfig(corpus="c", inputs=inputs, encoder=tiny_encoder, storage=str(storage), chunk_tokens=CHUNK_TOKENS, shards=2,
-                           docs_per_block=2, encode_batch=16, commit_chunks=20, block_bytes=4096, **kw)
+    return BulkIndexConfig(
+        corpus="c",
+        inputs=inputs,
+        encoder=tiny_encoder,
+        storage=str(storage),
+        chunk_tokens=CHUNK_TOKENS,
+        shards=2,
+        docs_per_block=2,
+        encode_batch=16,
+        commit_chunks=20,
+        block_bytes=4096,
+        **kw,
+    )
 
 
 def assert_same_corpus(store: CorpusStore, name: str, reference, model) -> None:
@@ -66,7 +84,9 @@ def assert_same_corpus(store: CorpusStore, name: str, reference, model) -> None:
         assert index.retrieve(name, q, cfg)[0].selected == ref_index.retrieve("ref", q, cfg)[0].selected
 
 
-def test_jsonl_interrupted_after_a_commit_resumes_without_reembedding(ray_local, tiny_encoder, model, reference, tmp_path):
+def test_jsonl_interrupted_after_a_commit_resumes_without_reembedding(
+    ray_local, tiny_encoder, model, reference, tmp_path
+):
     docs, _ = reference
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"id": d.id, "text": d.text, "title": "ignored"}) + "\n" for d in docs))
@@ -125,7 +145,9 @@ def test_bad_input_names_the_file_and_the_record(ray_local, tiny_encoder, tmp_pa
     with pytest.raises(DataError, match=rf"{no_id}: line 2: not JSON"):
         list(read_records(str(no_id), "jsonl"))
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"id": "a", "text": "Fine text."}) + "\n\n" + json.dumps({"id": "b", "body": "no text"}) + "\n")
+    bad.write_text(
+        json.dumps({"id": "a", "text": "Fine text."}) + "\n\n" + json.dumps({"id": "b", "body": "no text"}) + "\n"
+    )
     with pytest.raises(DataError, match=rf"{bad}: line 3\.text: must be a string"):
         bulk_index(config(tiny_encoder, tmp_path / "indexes", [str(bad)]))
     assert not (tmp_path / "indexes" / "c" / "corpus.json").exists()
@@ -158,7 +180,10 @@ def test_inputs_through_fsspec_and_parquet(tmp_path):
 def test_qrag_index_refuses_a_missing_input_before_ray_starts(tmp_path, capsys):
     from qrag.cli import main
 
-    assert main(["index", "--corpus", "c", "--input", str(tmp_path / "missing.jsonl"), "--storage", str(tmp_path / "s")]) == 2
+    assert (
+        main(["index", "--corpus", "c", "--input", str(tmp_path / "missing.jsonl"), "--storage", str(tmp_path / "s")])
+        == 2
+    )
     assert f"qrag index: error: {tmp_path / 'missing.jsonl'}: no such file or directory" in capsys.readouterr().err
 
 
@@ -175,7 +200,10 @@ def test_jsonl_parts_hold_every_line_once_in_order(tmp_path, part_bytes):
     blank and CRLF lines read as in the whole file."""
     recs = _jsonl_docs(40)
     path = tmp_path / "big.jsonl"
-    body = "".join(json.dumps(r, ensure_ascii=False) + ("\r\n" if i % 3 == 0 else "\n") + ("\n" if i % 7 == 0 else "") for i, r in enumerate(recs))
+    body = "".join(
+        json.dumps(r, ensure_ascii=False) + ("\r\n" if i % 3 == 0 else "\n") + ("\n" if i % 7 == 0 else "")
+        for i, r in enumerate(recs)
+    )
     path.write_bytes(body.encode())
     parts = plan_parts([(str(path), "jsonl")], part_bytes)
     assert len(parts) == (1 if part_bytes >= len(body.encode()) else -(-len(body.encode()) // part_bytes))
@@ -219,6 +247,8 @@ def test_a_jsonl_file_read_in_parts_gives_the_same_corpus(ray_local, tiny_encode
     docs, _ = reference
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in docs))
-    stats = bulk_index(config(tiny_encoder, tmp_path / "indexes", [str(source)], file_part_bytes=source.stat().st_size // 5))
+    stats = bulk_index(
+        config(tiny_encoder, tmp_path / "indexes", [str(source)], file_part_bytes=source.stat().st_size // 5)
+    )
     assert stats["files"] == 1 and stats["parts"] >= 5 and stats["corpus_documents"] == len(docs)
     assert_same_corpus(CorpusStore(tmp_path / "indexes"), "c", reference, model)

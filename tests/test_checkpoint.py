@@ -34,7 +34,10 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tiny_cfg, tmp_path
 
     from qrag.config import load_config, to_dict
 
-    first_cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flat(to_dict(tiny_cfg)).items()] + ["checkpoint_every=2", "name=split"])
+    first_cfg = load_config(
+        None,
+        [f"{k}={json.dumps(v)}" for k, v in _flat(to_dict(tiny_cfg)).items()] + ["checkpoint_every=2", "name=split"],
+    )
     first = TrainingRun(first_cfg)
     # stop after the checkpoint at update 2, as a crash would
     source = first.local_source()
@@ -57,7 +60,10 @@ def test_a_run_cut_into_slices_equals_an_uninterrupted_run(tiny_cfg, tmp_path):
 
     from qrag.config import load_config, to_dict
 
-    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flat(to_dict(tiny_cfg)).items()] + ["checkpoint_every=0", "name=sliced"])
+    cfg = load_config(
+        None,
+        [f"{k}={json.dumps(v)}" for k, v in _flat(to_dict(tiny_cfg)).items()] + ["checkpoint_every=0", "name=sliced"],
+    )
     first = TrainingRun(cfg)
     out = first.run(report=lambda *_: None, stop_at=2)
     # A slice ends with a resumable checkpoint and no evaluation and no final checkpoint.
@@ -67,7 +73,9 @@ def test_a_run_cut_into_slices_equals_an_uninterrupted_run(tiny_cfg, tmp_path):
 
     # Data handed in from outside (generated haystacks) keeps the epoch order of the checkpoint.
     probe = TrainingRun(cfg, resume=out["checkpoint"], load_data=False)
-    probe.use_data((first.train_samples, first.train_tok), (first.val_samples, first.val_tok), (first.dev_samples, first.dev_tok))
+    probe.use_data(
+        (first.train_samples, first.train_tok), (first.val_samples, first.val_tok), (first.dev_samples, first.dev_tok)
+    )
     assert probe.sampler.state() == first.sampler.state()
 
     resumed = TrainingRun(cfg, resume=out["checkpoint"])

@@ -32,8 +32,19 @@ def test_help_on_every_subcommand():
 
 def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
     common = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "data.chunk_tokens=48"]
-    out = run(["train", *common, f"out_dir={tmp_path}", "name=cli", "updates=2", "learner.episodes_per_update=4",
-               "--no-progress", "learner.micro_batch=4", "eval_limit=5"])  # overrides after an option too
+    out = run(
+        [
+            "train",
+            *common,
+            f"out_dir={tmp_path}",
+            "name=cli",
+            "updates=2",
+            "learner.episodes_per_update=4",
+            "--no-progress",
+            "learner.micro_batch=4",
+            "eval_limit=5",
+        ]
+    )  # overrides after an option too
     assert out.returncode == 0, out.stderr
     final = json.loads(out.stdout.strip().splitlines()[-1])
     assert final["updates"] == 2 and 0 <= final["fact_em"] <= 1
@@ -41,7 +52,23 @@ def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
     assert final["mlflow_run_id"] and final["tracking_uri"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
     ck = tmp_path / "cli" / "final"
     res = tmp_path / "eval.json"
-    ev = run(["eval", "--checkpoint", str(ck), "--limit", "6", "--steps", "3", "--beam", "2", "--out", str(res), "--device", "cpu"])
+    ev = run(
+        [
+            "eval",
+            "--checkpoint",
+            str(ck),
+            "--limit",
+            "6",
+            "--steps",
+            "3",
+            "--beam",
+            "2",
+            "--out",
+            str(res),
+            "--device",
+            "cpu",
+        ]
+    )
     assert ev.returncode == 0, ev.stderr
     summary = json.loads(res.read_text())
     for key in ("fact_em", "fact_f1", "num_samples", "avg_steps"):
@@ -54,12 +81,15 @@ def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
     assert json.loads(base.stdout)["num_samples"] == 4
 
 
-@pytest.mark.parametrize("args,message", [
-    (["train", "learner.alpah=1"], "unknown config key learner.alpah"),
-    (["train", "data.path=/nonexistent/file.json", "updates=1"], "/nonexistent/file.json: no such file"),
-    (["train", "model.encoder=/nonexistent/model", "updates=1"], "encoder directory not found: /nonexistent/model"),
-    (["eval", "--checkpoint", "/nonexistent/ck"], "checkpoint directory not found"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "learner.alpah=1"], "unknown config key learner.alpah"),
+        (["train", "data.path=/nonexistent/file.json", "updates=1"], "/nonexistent/file.json: no such file"),
+        (["train", "model.encoder=/nonexistent/model", "updates=1"], "encoder directory not found: /nonexistent/model"),
+        (["eval", "--checkpoint", "/nonexistent/ck"], "checkpoint directory not found"),
+    ],
+)
 def test_errors_are_one_clear_line(args, message):
     out = run(args)
     assert out.returncode == 2
@@ -70,8 +100,18 @@ def test_errors_are_one_clear_line(args, message):
 def test_train_in_slices_with_stop_at_and_resume(tiny_encoder, hotpot_file, tmp_path):
     """`qrag train --stop-at U` ends a slice with a resumable checkpoint (no eval); `--resume`
     finishes the same run, in the same MLflow run."""
-    common = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "data.chunk_tokens=48", f"out_dir={tmp_path}",
-              "name=sliced", "updates=3", "learner.episodes_per_update=4", "learner.micro_batch=4", "eval_limit=5", "--no-progress"]
+    common = [
+        f"model.encoder={tiny_encoder}",
+        f"data.path={hotpot_file}",
+        "data.chunk_tokens=48",
+        f"out_dir={tmp_path}",
+        "name=sliced",
+        "updates=3",
+        "learner.episodes_per_update=4",
+        "learner.micro_batch=4",
+        "eval_limit=5",
+        "--no-progress",
+    ]
     first = run(["train", *common, "--stop-at", "2"])
     assert first.returncode == 0, first.stderr
     stopped = json.loads(first.stdout.strip().splitlines()[-1])

@@ -38,7 +38,9 @@ def test_every_route_through_the_blocking_client(model, tmp_path):
         assert stats.documents == 5 and stats.compatible and stats.chunks > 5
         assert {j.id for j in reader.corpus_jobs("books").jobs} >= {created.job.id, appended.job.id}
         answer = reader.retrieve("who met the painter", corpus="books", max_steps=2, beam_width=2)
-        assert isinstance(answer, RetrieveAnswer) and len(answer.steps) == 2 and answer.steps[0].doc_id.startswith("doc-")
+        assert (
+            isinstance(answer, RetrieveAnswer) and len(answer.steps) == 2 and answer.steps[0].doc_id.startswith("doc-")
+        )
         inline = reader.retrieve("the castle", context=" ".join(d["text"] for d in docs_json(2)), return_chunks=True)
         assert inline.chunks and inline.corpus is None
         assert c.wait_for_job(c.reindex("books").job.id).state == "done"
@@ -63,7 +65,9 @@ def test_the_asyncio_client_in_process(model, tmp_path):
             assert (await c.wait_for_job(job.id)).state == "done"
             [summary] = (await c.list_corpora()).corpora
             assert isinstance(summary, CorpusSummary) and summary.documents == 2
-            answers = await asyncio.gather(*(c.retrieve(q, corpus="books") for q in ("the painter", "the ship", "a king")))
+            answers = await asyncio.gather(
+                *(c.retrieve(q, corpus="books") for q in ("the painter", "the ship", "a king"))
+            )
             assert all(len(a.steps) == 2 for a in answers)
             assert (await c.job(job.id)).progress == 1.0
         async with AsyncClient("http://127.0.0.1", transport=transport) as stranger:
@@ -139,5 +143,7 @@ def test_the_client_sends_what_the_api_declares():
     c.delete_corpus("a b")
     with pytest.raises(ValueError):  # the answer is no RetrieveAnswer
         c.retrieve("q", context="text", max_steps=3)
-    assert seen == [("DELETE", "/v1/corpora/a%20b", None, "Bearer k3y"),
-                    ("POST", "/v1/retrieve", {"question": "q", "context": "text", "max_steps": 3}, "Bearer k3y")]
+    assert seen == [
+        ("DELETE", "/v1/corpora/a%20b", None, "Bearer k3y"),
+        ("POST", "/v1/retrieve", {"question": "q", "context": "text", "max_steps": 3}, "Bearer k3y"),
+    ]

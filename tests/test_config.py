@@ -13,21 +13,27 @@ def test_defaults_follow_the_paper():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(None, ["learner.lr=1e-3", "learner.alpha=0.1", "updates=7", "search.stop_threshold=0.3", "data.tasks=[qa1, qa2]"])
+    cfg = load_config(
+        None,
+        ["learner.lr=1e-3", "learner.alpha=0.1", "updates=7", "search.stop_threshold=0.3", "data.tasks=[qa1, qa2]"],
+    )
     assert cfg.learner.lr == 1e-3 and cfg.learner.alpha == 0.1 and cfg.updates == 7 and cfg.search.stop_threshold == 0.3
     assert cfg.data.tasks == ["qa1", "qa2"]
     assert isinstance(cfg.learner.lr, float)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("learner.alpah=0.1", "unknown config key learner.alpah"),
-    ("nonsense=1", "unknown config key nonsense"),
-    ("updates=many", "updates: expected an integer"),
-    ("env.never_terminate=maybe", "expected true or false"),
-    ("updates", "expected key=value"),
-    ("learner..alpha=1", "not a dotted config key"),
-    ("learner=3", "expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("learner.alpah=0.1", "unknown config key learner.alpah"),
+        ("nonsense=1", "unknown config key nonsense"),
+        ("updates=many", "updates: expected an integer"),
+        ("env.never_terminate=maybe", "expected true or false"),
+        ("updates", "expected key=value"),
+        ("learner..alpha=1", "not a dotted config key"),
+        ("learner=3", "expected a mapping"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])

@@ -12,15 +12,18 @@ import pytest
 from qrag.config import ConfigError, TrainConfig, choices, from_dict, load_config
 
 
-@pytest.mark.parametrize("override,key,allowed", [
-    ("model.positions=relativ", "model.positions", "none, absolute, relative"),
-    ("search.beam_score=mn", "search.beam_score", "min, last"),
-    ("learner.objective=ppo", "learner.objective", "pqn, sft"),
-    ("data.dataset=hotpot", "data.dataset", "hotpotqa, musique, 2wiki, jsonl, babilong, niah, mixed"),
-    ("env.reward=final", "env.reward", "terminal, per_fact"),
-    ("answer.backend=vllm", "answer.backend", "none, local, openai"),
-    ("distributed.mlflow_checkpoint=all", "distributed.mlflow_checkpoint", "inference, full, none"),
-])
+@pytest.mark.parametrize(
+    "override,key,allowed",
+    [
+        ("model.positions=relativ", "model.positions", "none, absolute, relative"),
+        ("search.beam_score=mn", "search.beam_score", "min, last"),
+        ("learner.objective=ppo", "learner.objective", "pqn, sft"),
+        ("data.dataset=hotpot", "data.dataset", "hotpotqa, musique, 2wiki, jsonl, babilong, niah, mixed"),
+        ("env.reward=final", "env.reward", "terminal, per_fact"),
+        ("answer.backend=vllm", "answer.backend", "none, local, openai"),
+        ("distributed.mlflow_checkpoint=all", "distributed.mlflow_checkpoint", "inference, full, none"),
+    ],
+)
 def test_a_typo_in_an_enumerated_key_fails_at_load(override, key, allowed):
     value = override.split("=", 1)[1]
     with pytest.raises(ConfigError) as err:
@@ -35,13 +38,25 @@ def test_the_error_suggests_the_close_value_and_names_the_file(tmp_path):
         load_config(preset)
 
 
-@pytest.mark.parametrize("value,ok", [("auto", True), ("cpu", True), ("cuda", True), ("cuda:3", True),
-                                      ("gpu", False), ("cuda0", False), ("cuda:x", False)])
+@pytest.mark.parametrize(
+    "value,ok",
+    [
+        ("auto", True),
+        ("cpu", True),
+        ("cuda", True),
+        ("cuda:3", True),
+        ("gpu", False),
+        ("cuda0", False),
+        ("cuda:x", False),
+    ],
+)
 def test_devices_are_checked(value, ok):
     if ok:
         assert load_config(None, [f"device={value}", f"answer.device={value}"]).device == value
         return
-    with pytest.raises(ConfigError, match=rf"device: '{value}' is not allowed \(expected auto \| cpu \| cuda \| cuda:N\)"):
+    with pytest.raises(
+        ConfigError, match=rf"device: '{value}' is not allowed \(expected auto \| cpu \| cuda \| cuda:N\)"
+    ):
         load_config(None, [f"device={value}"])
 
 
@@ -49,8 +64,11 @@ def test_serve_config_choices_are_checked():
     from qrag.serving.service_config import ServeConfig
 
     assert from_dict(ServeConfig, {"dtype": "float16", "faiss": "never", "shard_device": "cuda:1"}).dtype == "float16"
-    for bad, message in (({"dtype": "fp16"}, "dtype: unknown value 'fp16'"), ({"faiss": "yes"}, "faiss: unknown value 'yes'"),
-                         ({"encoder_device": "gpu"}, "encoder_device: 'gpu' is not allowed")):
+    for bad, message in (
+        ({"dtype": "fp16"}, "dtype: unknown value 'fp16'"),
+        ({"faiss": "yes"}, "faiss: unknown value 'yes'"),
+        ({"encoder_device": "gpu"}, "encoder_device: 'gpu' is not allowed"),
+    ):
         with pytest.raises(ConfigError, match=message):
             from_dict(ServeConfig, bad)
 
@@ -93,4 +111,6 @@ def test_train_help_lists_every_choice():
     for key, allowed, help_text in fields:
         assert key in text
         for value in allowed:
-            assert re.search(rf"(?<![\w/]){re.escape(value)}(?![\w/])", help_text), f"{key}: --help does not name {value!r}"
+            assert re.search(rf"(?<![\w/]){re.escape(value)}(?![\w/])", help_text), (
+                f"{key}: --help does not name {value!r}"
+            )

@@ -27,8 +27,11 @@ from test_service_hardening import wait_job
 def other_model(tmp_path_factory):
     from conftest import build_tiny_encoder
 
-    return load_embedding_model(resolve_source(None, str(build_tiny_encoder(tmp_path_factory.mktemp("other"), seed=1))), "cpu",
-                                positions="relative")
+    return load_embedding_model(
+        resolve_source(None, str(build_tiny_encoder(tmp_path_factory.mktemp("other"), seed=1))),
+        "cpu",
+        positions="relative",
+    )
 
 
 class Gate:
@@ -101,7 +104,9 @@ def test_a_reindex_racing_delete_and_create_is_refused(model, tmp_path, loop):
     created = recreate(client, docs_json(2, seed=7))
     gate.release()
     job = wait_job(client, r.json()["job"]["id"])
-    assert job["state"] == "failed" and job["error"]["status"] == 409 and "created again" in job["error"]["message"], job
+    assert job["state"] == "failed" and job["error"]["status"] == 409 and "created again" in job["error"]["message"], (
+        job
+    )
     assert_untouched(service.store, created)
 
 
@@ -132,7 +137,14 @@ def test_every_write_of_the_store_checks_the_generation_it_started_on(tmp_path):
 
     def corpus() -> str:
         m = store.create("c", fingerprint="fp", model=ModelConfig(), dim=4, chunk_tokens=8, shards=1)
-        store.append("c", [Document("a", "t")], [DocumentChunk("a", "t", 1)], [np.asarray([1], np.int32)], np.ones((1, 4), np.float32), "fp")
+        store.append(
+            "c",
+            [Document("a", "t")],
+            [DocumentChunk("a", "t", 1)],
+            [np.asarray([1], np.int32)],
+            np.ones((1, 4), np.float32),
+            "fp",
+        )
         return m.uid
 
     old = corpus()
@@ -140,12 +152,22 @@ def test_every_write_of_the_store_checks_the_generation_it_started_on(tmp_path):
     store.delete("c")
     new = corpus()
     created = store.read("c").__dict__.copy()
-    one = ([Document("b", "t")], [DocumentChunk("b", "t", 1)], [np.asarray([1], np.int32)], np.ones((1, 4), np.float32), "fp")
+    one = (
+        [Document("b", "t")],
+        [DocumentChunk("b", "t", 1)],
+        [np.asarray([1], np.int32)],
+        np.ones((1, 4), np.float32),
+        "fp",
+    )
     writes = {
         "append": lambda: store.append("c", *one, uid=old),
-        "repair": lambda: store.replace_vectors("c", 0, 1, np.ones((1, 4), np.float32), [np.asarray([1], np.int32)], "fp", uid=old),
+        "repair": lambda: store.replace_vectors(
+            "c", 0, 1, np.ones((1, 4), np.float32), [np.asarray([1], np.int32)], "fp", uid=old
+        ),
         "re-index": lambda: store.begin_reindex("c", old, "fp2", 4, ModelConfig()),
-        "staging": lambda: store.stage_vectors("c", old, "fp2", 0, 1, np.ones((1, 4), np.float32), [np.asarray([1], np.int32)]),
+        "staging": lambda: store.stage_vectors(
+            "c", old, "fp2", 0, 1, np.ones((1, 4), np.float32), [np.asarray([1], np.int32)]
+        ),
         "swap": lambda: store.finish_reindex("c", old, "fp2"),
     }
     for what, write in writes.items():
@@ -205,6 +227,7 @@ def test_an_interrupted_reindex_keeps_the_old_model_and_a_second_one_resumes(mod
     assert m.fingerprint == other_model.fingerprint and m.reindex is None and m.dim == other_model.dim
     assert all(e.fingerprint == other_model.fingerprint and e.next is None for b in m.batches for e in b.shards)
     assert set(p.name for p in store.path("books").glob("shard_*/*.safetensors")) == {
-        e.vectors.file.split("/")[1] for b in m.batches for e in b.shards}  # the old vectors are gone
+        e.vectors.file.split("/")[1] for b in m.batches for e in b.shards
+    }  # the old vectors are gone
     assert restarted("POST", "/v1/retrieve", json=ask).status_code == 200
     assert old("POST", "/v1/retrieve", json=ask).status_code == 409

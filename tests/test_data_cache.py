@@ -38,7 +38,9 @@ def setup(tmp_path, tok):
 
 def fresh(cfg, split, tok, layout):
     samples = load_samples(cfg, split, tokenizer_counter(tok))
-    return samples, tokenize_samples(samples, tok, layout, chunk_tokens=cfg.chunk_tokens, question_tokens=cfg.question_tokens)
+    return samples, tokenize_samples(
+        samples, tok, layout, chunk_tokens=cfg.chunk_tokens, question_tokens=cfg.question_tokens
+    )
 
 
 def same_tokens(a, b):
@@ -70,7 +72,9 @@ def test_cached_split_equals_a_fresh_load_and_is_read_back(setup, monkeypatch):
     # validation part and runner shards: the same draws as the list-based code
     train, val = hit.split_validation(0.3)
     want_train, want_val = split_validation(samples, 0.3)
-    assert [s.id for s in train.samples()] == [s.id for s in want_train] and [s.id for s in val.samples()] == [s.id for s in want_val]
+    assert [s.id for s in train.samples()] == [s.id for s in want_train] and [s.id for s in val.samples()] == [
+        s.id for s in want_val
+    ]
     for index in range(3):
         assert [t.id for t in train.shard(3, index).tokenized()] == [s.id for s in want_train[index::3]]
 

@@ -20,9 +20,15 @@ def words(texts):
 def hf_layout(record: dict) -> dict:
     """The official record in the hub's column layout (as ``hotpot_qa``/``distractor`` serves it)."""
     return {
-        "id": record["_id"], "question": record["question"], "answer": record["answer"], "type": record["type"],
+        "id": record["_id"],
+        "question": record["question"],
+        "answer": record["answer"],
+        "type": record["type"],
         "level": record["level"],
-        "supporting_facts": {"title": [t for t, _ in record["supporting_facts"]], "sent_id": [i for _, i in record["supporting_facts"]]},
+        "supporting_facts": {
+            "title": [t for t, _ in record["supporting_facts"]],
+            "sent_id": [i for _, i in record["supporting_facts"]],
+        },
         "context": {"title": [t for t, _ in record["context"]], "sentences": [s for _, s in record["context"]]},
     }
 
@@ -41,7 +47,9 @@ def hub_folder(tmp_path):
     for r in validation:
         r["_id"] = "dev-" + r["_id"]
     datasets.Dataset.from_list([hf_layout(r) for r in train]).to_parquet(str(folder / "train-00000-of-00001.parquet"))
-    datasets.Dataset.from_list([hf_layout(r) for r in validation]).to_parquet(str(folder / "validation-00000-of-00001.parquet"))
+    datasets.Dataset.from_list([hf_layout(r) for r in validation]).to_parquet(
+        str(folder / "validation-00000-of-00001.parquet")
+    )
     return folder, train, validation
 
 
@@ -55,7 +63,9 @@ def test_hub_splits_feed_train_and_dev(hub_folder):
     from qrag.data.hotpotqa import parse_record
 
     expected = [parse_record(r, "x", 220, words) for r in train]
-    assert [(s.chunks, s.support, s.question) for s in got_train] == [(s.chunks, s.support, s.question) for s in expected]
+    assert [(s.chunks, s.support, s.question) for s in got_train] == [
+        (s.chunks, s.support, s.question) for s in expected
+    ]
 
 
 def test_bad_hub_row_names_source_and_row(tmp_path):
@@ -64,7 +74,9 @@ def test_bad_hub_row_names_source_and_row(tmp_path):
     folder = tmp_path / "bad_hub"
     folder.mkdir()
     datasets.Dataset.from_list(records).to_parquet(str(folder / "train.parquet"))
-    with pytest.raises(DataError, match=r"hub .*bad_hub \[train\]: row 1 \(_id=q0001\): supporting fact \['Nowhere', 0\]"):
+    with pytest.raises(
+        DataError, match=r"hub .*bad_hub \[train\]: row 1 \(_id=q0001\): supporting fact \['Nowhere', 0\]"
+    ):
         load_samples(DataConfig(hub=str(folder), dev_fraction=0.0), "train", words)
 
 
@@ -76,7 +88,10 @@ def test_unreachable_hub_is_one_line(monkeypatch):
 
 
 def test_parquet_and_save_to_disk_paths(tmp_path):
-    rows = [{"id": f"r{i}", "question": f"Q{i}?", "chunks": ["a b", "c d", "e f"], "support": [i % 3], "answer": "x"} for i in range(20)]
+    rows = [
+        {"id": f"r{i}", "question": f"Q{i}?", "chunks": ["a b", "c d", "e f"], "support": [i % 3], "answer": "x"}
+        for i in range(20)
+    ]
     ds = datasets.Dataset.from_list(rows)
     ds.to_parquet(str(tmp_path / "mine.parquet"))
     ds.save_to_disk(str(tmp_path / "saved"))

@@ -58,14 +58,20 @@ def test_split_is_deterministic_disjoint_and_near_ratio():
     assert dev_score("abc") == dev_score("abc")
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda r: r.pop("context"), "no context paragraphs"),
-    (lambda r: r.__setitem__("context", []), "no context paragraphs"),
-    (lambda r: r["supporting_facts"].append(["Nowhere", 0]), r"supporting fact \['Nowhere', 0\] points to no context"),
-    (lambda r: r["supporting_facts"].append([r["context"][0][0], 99]), "points to no context sentence"),
-    (lambda r: r.pop("question"), "missing or empty field 'question'"),
-    (lambda r: r.__setitem__("context", [["t", "not a list"]]), r"context\[0\] is not \[title"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda r: r.pop("context"), "no context paragraphs"),
+        (lambda r: r.__setitem__("context", []), "no context paragraphs"),
+        (
+            lambda r: r["supporting_facts"].append(["Nowhere", 0]),
+            r"supporting fact \['Nowhere', 0\] points to no context",
+        ),
+        (lambda r: r["supporting_facts"].append([r["context"][0][0], 99]), "points to no context sentence"),
+        (lambda r: r.pop("question"), "missing or empty field 'question'"),
+        (lambda r: r.__setitem__("context", [["t", "not a list"]]), r"context\[0\] is not \[title"),
+    ],
+)
 def test_bad_records_name_file_and_record(tmp_path, mutate, message):
     recs = make_hotpot_records(3)
     mutate(recs[1])
@@ -104,9 +110,18 @@ def test_shipped_subset_loads_whole(shared_data):
 
 def test_sentence_tools():
     assert split_sentences("Mary went home. John ran! Did he?  Yes.\n\nNew para.") == [
-        "Mary went home.", "John ran!", "Did he?", "Yes.", "New para."]
+        "Mary went home.",
+        "John ran!",
+        "Did he?",
+        "Yes.",
+        "New para.",
+    ]
     # closing quotes and brackets stay with their sentence (a bug once dropped them)
-    assert split_sentences('He said "Go home!" Then (he left.) Why?') == ['He said "Go home!"', "Then (he left.)", "Why?"]
+    assert split_sentences('He said "Go home!" Then (he left.) Why?') == [
+        'He said "Go home!"',
+        "Then (he left.)",
+        "Why?",
+    ]
     assert "".join(split_sentences('"Stop!" It ended.')).replace(" ", "") == '"Stop!"Itended.'
     assert pack_sentences(["a", "b", "c", "d"], [3, 3, 5, 1], 6) == [(0, 2), (2, 4)]
     assert pack_sentences(["long"], [99], 6) == [(0, 1)]

@@ -13,19 +13,28 @@ def write(tmp_path, rows):
 
 
 def test_loads_user_records(tmp_path):
-    path = write(tmp_path, [{"id": "a", "question": "Q?", "chunks": ["x", "y"], "support": [1], "answer": "y", "source": "s"}, ""])
+    path = write(
+        tmp_path,
+        [{"id": "a", "question": "Q?", "chunks": ["x", "y"], "support": [1], "answer": "y", "source": "s"}, ""],
+    )
     [s] = load_jsonl(path, split="all", dev_fraction=0.2)
     assert (s.id, s.chunks, s.support, s.answer, s.meta) == ("a", ["x", "y"], [1], "y", {"source": "s"})
 
 
-@pytest.mark.parametrize("row,message", [
-    ('{"id": "a", "question": "Q", "chunks": ["x"], "support": [0]', "line 1: malformed JSON"),
-    ({"question": "Q", "chunks": ["x"], "support": [0]}, "line 1: missing field 'id'"),
-    ({"id": "a", "question": "Q", "chunks": ["x"], "support": [3]}, r"line 1 \(id=a\): support index 3 points outside"),
-    ({"id": "a", "question": "Q", "chunks": "x", "support": [0]}, "'chunks' must be a list"),
-    ({"id": "a", "question": "Q", "chunks": [], "support": []}, "no context chunks"),
-    ({"id": "r7", "question": "Q", "chunks": ["x", "y"], "support": []}, r"line 1 \(id=r7\): empty support"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ('{"id": "a", "question": "Q", "chunks": ["x"], "support": [0]', "line 1: malformed JSON"),
+        ({"question": "Q", "chunks": ["x"], "support": [0]}, "line 1: missing field 'id'"),
+        (
+            {"id": "a", "question": "Q", "chunks": ["x"], "support": [3]},
+            r"line 1 \(id=a\): support index 3 points outside",
+        ),
+        ({"id": "a", "question": "Q", "chunks": "x", "support": [0]}, "'chunks' must be a list"),
+        ({"id": "a", "question": "Q", "chunks": [], "support": []}, "no context chunks"),
+        ({"id": "r7", "question": "Q", "chunks": ["x", "y"], "support": []}, r"line 1 \(id=r7\): empty support"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, row, message):
     path = write(tmp_path, [row])
     with pytest.raises(DataError, match=message) as err:

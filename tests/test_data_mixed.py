@@ -19,7 +19,9 @@ def words(texts):
 
 
 def musique_line(i: int, hops: int) -> dict:
-    paragraphs = [{"idx": j, "title": f"T{i}-{j}", "paragraph_text": f"Text {j}.", "is_supporting": j < hops} for j in range(6)]
+    paragraphs = [
+        {"idx": j, "title": f"T{i}-{j}", "paragraph_text": f"Text {j}.", "is_supporting": j < hops} for j in range(6)
+    ]
     return {"id": f"{hops}hop__{i}", "question": f"Q{i}?", "answer": "A", "answerable": True, "paragraphs": paragraphs}
 
 
@@ -36,11 +38,15 @@ def files(tmp_path, monkeypatch):
 
 
 def mixed(**extra) -> DataConfig:
-    return DataConfig(dataset="mixed", sources=[
-        {"dataset": "hotpotqa", "path": "dev.json"},  # relative: under QRAG_DATA_DIR
-        {"dataset": "hotpotqa", "path": "train.json", "train": "all", "dev": "none"},
-        {"dataset": "musique", "path": "m.jsonl", "train": "all", "dev": "none", "max_support": 2},
-    ], **extra)
+    return DataConfig(
+        dataset="mixed",
+        sources=[
+            {"dataset": "hotpotqa", "path": "dev.json"},  # relative: under QRAG_DATA_DIR
+            {"dataset": "hotpotqa", "path": "train.json", "train": "all", "dev": "none"},
+            {"dataset": "musique", "path": "m.jsonl", "train": "all", "dev": "none", "max_support": 2},
+        ],
+        **extra,
+    )
 
 
 def test_sources_are_routed_to_train_and_dev(files, caplog):
@@ -62,19 +68,27 @@ def test_sources_are_routed_to_train_and_dev(files, caplog):
 
 
 def test_duplicate_ids_across_sources_are_an_error(files):
-    cfg = DataConfig(dataset="mixed", sources=[{"dataset": "hotpotqa", "path": "dev.json"},
-                                                {"dataset": "hotpotqa", "path": "dev.json", "train": "all", "dev": "none"}])
+    cfg = DataConfig(
+        dataset="mixed",
+        sources=[
+            {"dataset": "hotpotqa", "path": "dev.json"},
+            {"dataset": "hotpotqa", "path": "dev.json", "train": "all", "dev": "none"},
+        ],
+    )
     with pytest.raises(DataError, match="ids must be unique across data.sources"):
         load_samples(cfg, "train", words)
 
 
-@pytest.mark.parametrize("sources,message", [
-    ([], "needs data.sources"),
-    ([{"dataset": "hotpotqa", "split": "all"}], r"data.sources\[0\]: unknown key 'split'"),
-    ([{"dataset": "hotpotqa", "train": "dev"}], r"data.sources\[0\].train: expected one of train \| all \| none"),
-    ([{"dataset": "mixed"}], "other than 'mixed'"),
-    ([{"dataset": "hotpotqa", "max_support": 0}], "max_support: expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "sources,message",
+    [
+        ([], "needs data.sources"),
+        ([{"dataset": "hotpotqa", "split": "all"}], r"data.sources\[0\]: unknown key 'split'"),
+        ([{"dataset": "hotpotqa", "train": "dev"}], r"data.sources\[0\].train: expected one of train \| all \| none"),
+        ([{"dataset": "mixed"}], "other than 'mixed'"),
+        ([{"dataset": "hotpotqa", "max_support": 0}], "max_support: expected a positive integer"),
+    ],
+)
 def test_bad_sources_name_the_key(files, sources, message):
     with pytest.raises(ConfigError, match=message):
         load_samples(DataConfig(dataset="mixed", sources=sources), "train", words)
@@ -84,7 +98,9 @@ def test_mixed_preset_keeps_the_hotpot_dev_split(shared_data, monkeypatch):
     monkeypatch.setenv("QRAG_DATA_DIR", str(shared_data))
     mixed_cfg = load_config(ROOT / "configs" / "hotpot-mixed.yaml", ["data.limit=null"])
     hotpot_cfg = load_config(ROOT / "configs" / "hotpot.yaml")
-    assert [s.id for s in load_samples(mixed_cfg.data, "dev", words)] == [s.id for s in load_samples(hotpot_cfg.data, "dev", words)]
+    assert [s.id for s in load_samples(mixed_cfg.data, "dev", words)] == [
+        s.id for s in load_samples(hotpot_cfg.data, "dev", words)
+    ]
     sources = {s.meta["source"] for s in load_samples(mixed_cfg.data, "train", words)}
     assert sources == {"hotpotqa", "musique", "2wiki"}
 

@@ -21,10 +21,25 @@ def count():
 
 
 def musique_record(i: int, supporting=(2, 7), n: int = 20, **extra) -> dict:
-    paragraphs = [{"idx": j, "title": f"Title {i}-{j}", "paragraph_text": f"Sentence one of {j}. Sentence two of {j}.",
-                   "is_supporting": j in supporting} for j in range(n)]
-    return {"id": f"2hop__{i}", "question": f"Question {i}?", "answer": f"Answer {i}", "answer_aliases": [f"Alias {i}"],
-            "answerable": True, "paragraphs": paragraphs, "question_decomposition": [], **extra}
+    paragraphs = [
+        {
+            "idx": j,
+            "title": f"Title {i}-{j}",
+            "paragraph_text": f"Sentence one of {j}. Sentence two of {j}.",
+            "is_supporting": j in supporting,
+        }
+        for j in range(n)
+    ]
+    return {
+        "id": f"2hop__{i}",
+        "question": f"Question {i}?",
+        "answer": f"Answer {i}",
+        "answer_aliases": [f"Alias {i}"],
+        "answerable": True,
+        "paragraphs": paragraphs,
+        "question_decomposition": [],
+        **extra,
+    }
 
 
 def write_jsonl(path, records, gz=False):
@@ -43,11 +58,16 @@ def test_shipped_musique_files(shared_data, count, monkeypatch):
     train, dev, both = (load_samples(cfg, split, count) for split in ("train", "dev", "all"))
     assert (len(train), len(dev), len(both)) == (150, 100, 250)  # file-based split of the default files
     assert not {s.id for s in train} & {s.id for s in dev}
-    raw = [json.loads(line) for line in gzip.open(shared_data / "musique" / "musique_ans_v1.0.migres100_split_unstated.jsonl.gz", "rt")]
+    raw = [
+        json.loads(line)
+        for line in gzip.open(shared_data / "musique" / "musique_ans_v1.0.migres100_split_unstated.jsonl.gz", "rt")
+    ]
     for sample, record in zip(dev, raw):
         assert sample.id == record["id"] and len(sample.chunks) == 20
         assert sample.support == [p["idx"] for p in record["paragraphs"] if p["is_supporting"]]
-        assert sample.meta["answer_aliases"][0] == record["answer"] and set(record["answer_aliases"]) <= set(sample.meta["answer_aliases"])
+        assert sample.meta["answer_aliases"][0] == record["answer"] and set(record["answer_aliases"]) <= set(
+            sample.meta["answer_aliases"]
+        )
         assert sample.meta["passages"][3].endswith(record["paragraphs"][3]["paragraph_text"].strip())
     # Chunks are "title: sentences" capped at the budget (a single over-long first sentence aside).
     from qrag.data.chunking import split_sentences
@@ -71,15 +91,18 @@ def test_musique_explicit_path_splits_by_id_hash(tmp_path, count):
     assert s.answer == s.meta["answer_aliases"][0] and len(s.meta["answer_aliases"]) == 2
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda r: r.pop("question"), "missing or empty field 'question'"),
-    (lambda r: r.update(answerable=False), "answerable"),
-    (lambda r: [p.update(is_supporting=False) for p in r["paragraphs"]], "no paragraph has is_supporting"),
-    (lambda r: r["paragraphs"][4].update(idx=9), "paragraphs[4] has idx 9"),
-    (lambda r: r["paragraphs"][1].pop("paragraph_text"), "paragraphs[1] needs string fields"),
-    (lambda r: r.update(answer_aliases="x"), "answer_aliases"),
-    (lambda r: r.update(answer=""), "missing or empty field 'answer'"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda r: r.pop("question"), "missing or empty field 'question'"),
+        (lambda r: r.update(answerable=False), "answerable"),
+        (lambda r: [p.update(is_supporting=False) for p in r["paragraphs"]], "no paragraph has is_supporting"),
+        (lambda r: r["paragraphs"][4].update(idx=9), "paragraphs[4] has idx 9"),
+        (lambda r: r["paragraphs"][1].pop("paragraph_text"), "paragraphs[1] needs string fields"),
+        (lambda r: r.update(answer_aliases="x"), "answer_aliases"),
+        (lambda r: r.update(answer=""), "missing or empty field 'answer'"),
+    ],
+)
 def test_musique_bad_records_name_file_and_line(tmp_path, count, mutate, message):
     records = [musique_record(i) for i in range(3)]
     mutate(records[1])
@@ -98,7 +121,12 @@ def test_musique_malformed_json_line(tmp_path, count):
 
 def test_shipped_2wiki_skips_only_records_without_context(shared_data, count, monkeypatch, caplog):
     monkeypatch.setenv("QRAG_DATA_DIR", str(shared_data))
-    raw = [json.loads(line) for line in gzip.open(shared_data / "2wikimultihopqa" / "AdelWang_MIGRES_2wikimultihopqa_wikihop200.jsonl.gz", "rt")]
+    raw = [
+        json.loads(line)
+        for line in gzip.open(
+            shared_data / "2wikimultihopqa" / "AdelWang_MIGRES_2wikimultihopqa_wikihop200.jsonl.gz", "rt"
+        )
+    ]
     no_context = [r["_id"] for r in raw if "context" not in r]
     with caplog.at_level(logging.WARNING, logger="qrag.data.twowiki"):
         samples = load_samples(DataConfig(dataset="2wiki"), "all", count)
@@ -112,8 +140,14 @@ def test_shipped_2wiki_skips_only_records_without_context(shared_data, count, mo
 
 
 def test_2wiki_bad_record_is_an_error_not_a_skip(tmp_path, count):
-    good = {"_id": "a1", "question": "Q?", "answer": "A", "type": "comparison",
-            "context": [["T1", ["s1."]], ["T2", ["s2."]]], "supporting_facts": [["T1", 0]]}
+    good = {
+        "_id": "a1",
+        "question": "Q?",
+        "answer": "A",
+        "type": "comparison",
+        "context": [["T1", ["s1."]], ["T2", ["s2."]]],
+        "supporting_facts": [["T1", 0]],
+    }
     bad = {**good, "_id": "a2", "supporting_facts": [["Nowhere", 0]]}
     empty = {**good, "_id": "a3", "context": []}
     path = write_jsonl(tmp_path / "w.jsonl", [good, bad])

@@ -39,8 +39,12 @@ def saved_hub(tmp_path):
     for r in validation:
         r["_id"] = "dev-" + r["_id"]
     folder = tmp_path / "hotpot_qa_distractor"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list([hf_layout(r) for r in train]),
-                          "validation": datasets.Dataset.from_list([hf_layout(r) for r in validation])}).save_to_disk(str(folder))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([hf_layout(r) for r in train]),
+            "validation": datasets.Dataset.from_list([hf_layout(r) for r in validation]),
+        }
+    ).save_to_disk(str(folder))
     return folder, train, validation
 
 
@@ -49,14 +53,22 @@ def test_no_data_folder_names_every_way_to_give_data(no_shared):
         load_samples(DataConfig(), "train", words)
     message = str(err.value)
     assert message.startswith("no data directory")
-    for way in ("QRAG_DATA_DIR=", "data.path=", "--data", "data.hub=hotpotqa/hotpot_qa:distractor",
-                "data.dataset=musique data.hub=dgslibisey/MuSiQue", "save_to_disk"):
+    for way in (
+        "QRAG_DATA_DIR=",
+        "data.path=",
+        "--data",
+        "data.hub=hotpotqa/hotpot_qa:distractor",
+        "data.dataset=musique data.hub=dgslibisey/MuSiQue",
+        "save_to_disk",
+    ):
         assert way in message, way
 
 
 def test_a_data_dir_that_is_not_there_says_so(no_shared, monkeypatch):
     monkeypatch.setenv("QRAG_DATA_DIR", str(no_shared / "nope"))
-    with pytest.raises(DataError, match=r"QRAG_DATA_DIR=.*nope is not a folder: .*data.hub=hotpotqa/hotpot_qa:distractor"):
+    with pytest.raises(
+        DataError, match=r"QRAG_DATA_DIR=.*nope is not a folder: .*data.hub=hotpotqa/hotpot_qa:distractor"
+    ):
         load_samples(DataConfig(), "dev", words)
 
 
@@ -68,16 +80,30 @@ def test_a_saved_hub_dataset_gives_the_same_samples_as_the_file(no_shared, saved
     official = tmp_path / "official.json"
     official.write_text(json.dumps(train))
     from_file = load_samples(DataConfig(path=str(official), dev_fraction=0.0), "train", words)
-    assert [(s.id, s.chunks, s.support, s.answer) for s in got_train] == [(s.id, s.chunks, s.support, s.answer) for s in from_file]
+    assert [(s.id, s.chunks, s.support, s.answer) for s in got_train] == [
+        (s.id, s.chunks, s.support, s.answer) for s in from_file
+    ]
 
 
 def test_train_from_the_hub_path_without_a_data_folder(no_shared, saved_hub, tiny_encoder, capsys):
     from qrag.cli import main
 
     folder, _, validation = saved_hub
-    code = main(["train", f"data.hub={folder}", f"model.encoder={tiny_encoder}", "data.chunk_tokens=48", "updates=1",
-                 "learner.episodes_per_update=4", "learner.micro_batch=4", "data.cache_dir=none", "distributed.mlflow_uri=none",
-                 f"out_dir={Path.cwd() / 'runs'}", "--no-progress"])
+    code = main(
+        [
+            "train",
+            f"data.hub={folder}",
+            f"model.encoder={tiny_encoder}",
+            "data.chunk_tokens=48",
+            "updates=1",
+            "learner.episodes_per_update=4",
+            "learner.micro_batch=4",
+            "data.cache_dir=none",
+            "distributed.mlflow_uri=none",
+            f"out_dir={Path.cwd() / 'runs'}",
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["num_samples"] == len(validation) and Path(summary["checkpoint"]).is_dir()

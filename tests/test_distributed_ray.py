@@ -28,17 +28,35 @@ def cluster(tmp_path_factory):
 
 def _args(tiny_encoder, hotpot_file, out_dir, name, *extra):
     return [
-        "--config", "configs/smoke.yaml", f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={out_dir}",
-        f"name={name}", "learner.episodes_per_update=6", "learner.micro_batch=6", "learner.warmup_updates=2",
-        "eval_limit=6", "log_every=1", "data.chunk_tokens=48", "checkpoint_every=2", "distributed.runners=2",
-        "distributed.runner_cpus=0.5", *extra,
+        "--config",
+        "configs/smoke.yaml",
+        f"model.encoder={tiny_encoder}",
+        f"data.path={hotpot_file}",
+        f"out_dir={out_dir}",
+        f"name={name}",
+        "learner.episodes_per_update=6",
+        "learner.micro_batch=6",
+        "learner.warmup_updates=2",
+        "eval_limit=6",
+        "log_every=1",
+        "data.chunk_tokens=48",
+        "checkpoint_every=2",
+        "distributed.runners=2",
+        "distributed.runner_cpus=0.5",
+        *extra,
     ]
 
 
 def _train(cluster, args, timeout=420):
     """`python jobs/train_hotpot.py` against the cluster (the plain-python path of the job)."""
-    return subprocess.run([sys.executable, "jobs/train_hotpot.py", "--address", cluster["gcs"], *args], cwd=ROOT,
-                          env=cluster["env"], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "jobs/train_hotpot.py", "--address", cluster["gcs"], *args],
+        cwd=ROOT,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _mlflow_run(out_dir: Path, name: str):
@@ -67,14 +85,41 @@ def test_ray_job_submit_trains_tracks_and_checkpoints(cluster, tiny_encoder, hot
     # driver forwards too (QRAG_DATA_DIR): the job's value stays, nothing clashes.
     job_env = {"env_vars": {"RAY_STORAGE": str(tmp_path / "storage"), "QRAG_DATA_DIR": str(tmp_path)}}
     job = subprocess.run(
-        [RAY, "job", "submit", "--address", cluster["api"], "--working-dir", ".", "--runtime-env-json", json.dumps(job_env), "--",
-         "python", "jobs/train_hotpot.py",
-         *_args(tiny_encoder, hotpot_file, "runs", "submitted", "updates=3", "eval_every=2", "keep_best=true", "data.val_fraction=0.2")],
-        cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=420,
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            cluster["api"],
+            "--working-dir",
+            ".",
+            "--runtime-env-json",
+            json.dumps(job_env),
+            "--",
+            "python",
+            "jobs/train_hotpot.py",
+            *_args(
+                tiny_encoder,
+                hotpot_file,
+                "runs",
+                "submitted",
+                "updates=3",
+                "eval_every=2",
+                "keep_best=true",
+                "data.val_fraction=0.2",
+            ),
+        ],
+        cwd=ROOT,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=420,
     )
     assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-4000:]
     summary = _summary(job.stdout)
-    assert summary["updates"] == 3 and summary["run_dir"] == str(out / "submitted")  # Ray's storage root, not Ray's copy
+    assert summary["updates"] == 3 and summary["run_dir"] == str(
+        out / "submitted"
+    )  # Ray's storage root, not Ray's copy
     client, run = _mlflow_run(out, "submitted")
     assert run.info.status == "FINISHED" and run.info.run_id == summary["mlflow_run_id"]
     assert _steps(client, run, "train/loss") == [1, 2, 3]
@@ -88,10 +133,18 @@ def test_ray_job_submit_trains_tracks_and_checkpoints(cluster, tiny_encoder, hot
     assert run.data.tags.get("qrag.source_sha256") and run.inputs.dataset_inputs[0].dataset.name == "hotpotqa"
     assert (out / "submitted" / "checkpoints" / "update_0000002" / "trainer").is_dir()
     assert (out / "submitted" / "final" / "eval.json").is_file() and (out / "submitted" / "final" / "trainer").is_dir()
-    assert summary["checkpoint"] == str(out / "submitted" / "best") and (out / "submitted" / "best" / "qrag.json").is_file()
+    assert (
+        summary["checkpoint"] == str(out / "submitted" / "best")
+        and (out / "submitted" / "best" / "qrag.json").is_file()
+    )
     local = client.download_artifacts(run.info.run_id, "checkpoint", str(tmp_path / "dl"))
-    ev = subprocess.run([sys.executable, "-m", "qrag", "eval", "--checkpoint", local, "--limit", "4", "--device", "cpu"],
-                        env=cluster["env"], capture_output=True, text=True, timeout=300)
+    ev = subprocess.run(
+        [sys.executable, "-m", "qrag", "eval", "--checkpoint", local, "--limit", "4", "--device", "cpu"],
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["num_samples"] == 4
 
@@ -100,8 +153,16 @@ def test_dead_runner_and_crashed_learner_do_not_stop_the_run(cluster, tiny_encod
     out = tmp_path / "runs"
     # Runner 0 dies while serving a request of update 2; the learner dies after update 3, one
     # update past its checkpoint at update 2, and Ray Train restarts it from there.
-    args = _args(tiny_encoder, hotpot_file, out, "faults", "updates=5", "distributed.kill_runner_at_update=1",
-                 "distributed.fail_at_update=3", "distributed.max_failures=1")
+    args = _args(
+        tiny_encoder,
+        hotpot_file,
+        out,
+        "faults",
+        "updates=5",
+        "distributed.kill_runner_at_update=1",
+        "distributed.fail_at_update=3",
+        "distributed.max_failures=1",
+    )
     res = _train(cluster, args)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     log = res.stdout + res.stderr
@@ -120,10 +181,22 @@ def test_resubmitting_a_failed_run_resumes_it(cluster, tiny_encoder, hotpot_file
     out = tmp_path / "runs"
     # keep_best with an evaluation every update: the best checkpoint chosen before the crash
     # must survive it (the resumed run restores best_f1 and may never choose another).
-    args = _args(tiny_encoder, hotpot_file, out, "again", "updates=4", "distributed.fail_at_update=3", "distributed.max_failures=0",
-                 "keep_best=true", "eval_every=1", "data.val_fraction=0.3")  # keep_best needs a validation part
+    args = _args(
+        tiny_encoder,
+        hotpot_file,
+        out,
+        "again",
+        "updates=4",
+        "distributed.fail_at_update=3",
+        "distributed.max_failures=0",
+        "keep_best=true",
+        "eval_every=1",
+        "data.val_fraction=0.3",
+    )  # keep_best needs a validation part
     first = _train(cluster, args)
-    assert first.returncode == 1 and "submit the same command again" in first.stderr, (first.stdout + first.stderr)[-4000:]
+    assert first.returncode == 1 and "submit the same command again" in first.stderr, (first.stdout + first.stderr)[
+        -4000:
+    ]
     client, run = _mlflow_run(out, "again")
     assert run.info.status == "FAILED" and _steps(client, run, "train/loss") == [1, 2, 3]
     second = _train(cluster, args)

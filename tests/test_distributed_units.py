@@ -4,7 +4,6 @@ path resolution and the checks that stop a job before any actor starts."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -154,13 +153,16 @@ def no_ray(monkeypatch):
     monkeypatch.setattr(job, "launch", refuse)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["learner.alpah=1"], "unknown config key learner.alpah"),
-    (["learner.alpha"], "bad override 'learner.alpha'"),
-    (["data.path=/nonexistent/data.json"], "/nonexistent/data.json: no such file"),
-    (["model.encoder=/nonexistent/model"], "encoder directory not found: /nonexistent/model"),
-    (["distributed.prefetch=0"], "distributed.prefetch must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["learner.alpah=1"], "unknown config key learner.alpah"),
+        (["learner.alpha"], "bad override 'learner.alpha'"),
+        (["data.path=/nonexistent/data.json"], "/nonexistent/data.json: no such file"),
+        (["model.encoder=/nonexistent/model"], "encoder directory not found: /nonexistent/model"),
+        (["distributed.prefetch=0"], "distributed.prefetch must be at least 1"),
+    ],
+)
 def test_bad_input_stops_the_job_before_ray(extra, message, tiny_encoder, hotpot_file, tmp_path, capsys, no_ray):
     from qrag.distributed.job import run_job
 
@@ -178,15 +180,26 @@ def test_relative_paths_default_to_rays_storage_root_on_a_cluster(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "h.json").write_text("[]")
-    cfg = load_config(None, ["out_dir=runs", "data.path=data/h.json", f"model.encoder={tiny_encoder}",
-                             "distributed.mlflow_uri=sqlite:///runs/m.db"])
+    cfg = load_config(
+        None,
+        [
+            "out_dir=runs",
+            "data.path=data/h.json",
+            f"model.encoder={tiny_encoder}",
+            "distributed.mlflow_uri=sqlite:///runs/m.db",
+        ],
+    )
     # Joining a cluster (`ray job submit` sets RAY_ADDRESS): outputs under Ray's storage root,
     # inputs from the (uploaded) working directory.
     on_cluster = resolve_paths(cfg, base_directory(None, cluster=True))
-    assert on_cluster.out_dir == str(tmp_path / "storage" / "runs") and on_cluster.data.path == str(tmp_path / "data" / "h.json")
+    assert on_cluster.out_dir == str(tmp_path / "storage" / "runs") and on_cluster.data.path == str(
+        tmp_path / "data" / "h.json"
+    )
     assert on_cluster.distributed.mlflow_uri == f"sqlite:///{tmp_path / 'storage' / 'runs' / 'm.db'}"
     monkeypatch.delenv("RAY_STORAGE")
-    assert resolve_paths(cfg, base_directory(None, cluster=True)).out_dir == str(Path("~/ray_results/runs").expanduser())
+    assert resolve_paths(cfg, base_directory(None, cluster=True)).out_dir == str(
+        Path("~/ray_results/runs").expanduser()
+    )
     # An input that is not in the working directory has no meaning on the cluster: a clear error.
     missing = load_config(None, ["data.path=elsewhere/h.json", f"model.encoder={tiny_encoder}"])
     with pytest.raises(ConfigError, match="data.path=elsewhere/h.json is a relative path"):
@@ -209,7 +222,9 @@ def test_autoscaling_capacity_counts(monkeypatch):
     monkeypatch.setenv("QRAG_AUTOSCALE_TO", '{"CPU": 16, "GPU": 2}')
     assert learner_resources(cfg, {"CPU": 2.0}) == (True, {"CPU": 2.0, "GPU": 1.0})
     monkeypatch.delenv("QRAG_AUTOSCALE_TO")
-    grown = load_config(None, ["distributed.runners=3", "distributed.learner_cpus=2", "distributed.autoscale_to={CPU: 8}"])
+    grown = load_config(
+        None, ["distributed.runners=3", "distributed.learner_cpus=2", "distributed.autoscale_to={CPU: 8}"]
+    )
     assert learner_resources(grown, {"CPU": 2.0}) == (False, {"CPU": 2.0})
 
 
@@ -223,4 +238,3 @@ def test_the_cluster_must_hold_the_run():
     assert learner_resources(cfg, {"CPU": 8.0}) == (False, {"CPU": 2.0})
     with pytest.raises(ConfigError, match="no GPU"):
         learner_resources(load_config(None, ["distributed.learner_gpu=true"]), {"CPU": 8.0})
-

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import itertools
 import json
 import os
 import re
@@ -130,7 +129,11 @@ def mentioned_paths(doc: Path) -> list[tuple[str, Path]]:
 def path_exists(path: Path) -> bool:
     text = str(path)
     if "<" in text:  # a template (an output named by its run): its folder must exist
-        return Path(text.split("<")[0]).parent.exists() if not text.split("<")[0].endswith("/") else Path(text.split("<")[0]).exists()
+        return (
+            Path(text.split("<")[0]).parent.exists()
+            if not text.split("<")[0].endswith("/")
+            else Path(text.split("<")[0]).exists()
+        )
     m = re.search(r"\{([^{}]*)\}", text)
     if m:  # brace expansion
         return all(path_exists(Path(text[: m.start()] + alt + text[m.end() :])) for alt in m.group(1).split(","))
@@ -215,7 +218,10 @@ def _check_in_child(items: list[dict]) -> list[str]:
                 if item["kind"] == "qrag":
                     code = cli.main(item["argv"])
                 else:
-                    argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = patched_args, patched_known
+                    argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = (
+                        patched_args,
+                        patched_known,
+                    )
                     saved = list(sys.argv), list(sys.path)
                     try:
                         sys.argv = [item["script"], *item["argv"]]
@@ -224,7 +230,10 @@ def _check_in_child(items: list[dict]) -> list[str]:
                         code = "the script ran to its end without parsing arguments"
                     finally:
                         sys.argv, sys.path[:] = saved
-                        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = parse_args, parse_known
+                        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = (
+                            parse_args,
+                            parse_known,
+                        )
         except _Parsed:
             code = 0
         except _WouldWork as exc:
@@ -264,19 +273,25 @@ def test_scripts_exist():
 
 
 def test_every_qrag_and_script_command_parses(tmp_path):
-    items = [i for i in invocations() if i["kind"] == "qrag" or (i["kind"] == "script" and i["script"] not in RUN_BY_TESTS)]
+    items = [
+        i for i in invocations() if i["kind"] == "qrag" or (i["kind"] == "script" and i["script"] not in RUN_BY_TESTS)
+    ]
     for script, test in RUN_BY_TESTS.items():
         assert (ROOT / test).is_file() and script in (ROOT / test).read_text()
     spec = tmp_path / "commands.json"
     spec.write_text(json.dumps(items))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, str(spec)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"checked": len(items)}
 
 
 def test_every_path_the_docs_name_exists():
-    missing = [f"{doc.relative_to(ROOT)}: {raw}" for doc in DOCS for raw, path in mentioned_paths(doc) if not path_exists(path)]
+    missing = [
+        f"{doc.relative_to(ROOT)}: {raw}" for doc in DOCS for raw, path in mentioned_paths(doc) if not path_exists(path)
+    ]
     assert not missing, "\n".join(missing)
 
 

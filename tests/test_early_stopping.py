@@ -34,7 +34,9 @@ def test_shares_lengths_and_fact_scores_by_hand():
     assert (high["early"], high["perfect"], high["late"]) == (1.0, 0.0, 0.0)
     assert high["episode_len"] == pytest.approx(1 / 3) and high["fact_em"] == 0.0
     low = analyse_threshold(traces, -1.0)
-    assert low["late"] == 1.0 and low["episode_len"] == pytest.approx(10 / 3) and low["tpr"] == 1.0 and low["fpr"] == 1.0
+    assert (
+        low["late"] == 1.0 and low["episode_len"] == pytest.approx(10 / 3) and low["tpr"] == 1.0 and low["fpr"] == 1.0
+    )
     assert roc_auc(traces) == pytest.approx(17 / 21)
 
 

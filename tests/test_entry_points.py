@@ -24,7 +24,9 @@ def installed(args: list[str], cwd: Path, timeout: float = 120, **env: str) -> s
     if not QRAG.exists():
         pytest.skip("qrag is not installed into this interpreter's environment")
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([str(QRAG), *args], cwd=cwd, env={**clean, **env}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(QRAG), *args], cwd=cwd, env={**clean, **env}, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_train_ray_and_sweep_are_installed_commands(tmp_path):
@@ -48,8 +50,15 @@ def test_train_ray_checks_its_config_before_ray_starts(tmp_path):
 
 def test_sweep_checks_its_file_before_ray_starts(tmp_path):
     bad = tmp_path / "sweep.yaml"
-    bad.write_text(yaml.safe_dump({"name": "s", "base": str(ROOT / "configs" / "smoke.yaml"),
-                                   "space": {"model.positions": {"choice": ["none", "relativ"]}}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "base": str(ROOT / "configs" / "smoke.yaml"),
+                "space": {"model.positions": {"choice": ["none", "relativ"]}},
+            }
+        )
+    )
     out = installed(["sweep", "--config", str(bad)], tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith("qrag sweep: error:") and "relativ" in out.stderr
@@ -81,26 +90,60 @@ def test_serve_run_key_values_are_typed():
     from qrag.distributed.serve_app import typed_args
     from qrag.serving.service_config import ServeConfig
 
-    args = typed_args({"shards": "4", "warm_up": "false", "checkpoint": "runs/x/final", "api_keys": "k:write",
-                       "allowed_hosts": "[a, b]", "shard_memory_bytes": "null", "dtype": "float16", "encoder_device": "cuda:0"})
+    args = typed_args(
+        {
+            "shards": "4",
+            "warm_up": "false",
+            "checkpoint": "runs/x/final",
+            "api_keys": "k:write",
+            "allowed_hosts": "[a, b]",
+            "shard_memory_bytes": "null",
+            "dtype": "float16",
+            "encoder_device": "cuda:0",
+        }
+    )
     cfg = from_dict(ServeConfig, args)
     assert (cfg.shards, cfg.warm_up, cfg.checkpoint, cfg.api_keys) == (4, False, "runs/x/final", "k:write")
-    assert (cfg.allowed_hosts, cfg.shard_memory_bytes, cfg.dtype, cfg.encoder_device) == (["a", "b"], None, "float16", "cuda:0")
+    assert (cfg.allowed_hosts, cfg.shard_memory_bytes, cfg.dtype, cfg.encoder_device) == (
+        ["a", "b"],
+        None,
+        "float16",
+        "cuda:0",
+    )
 
 
 @pytest.mark.ray
 def test_qrag_train_ray_trains_on_a_local_ray(tiny_encoder, hotpot_file, tmp_path):
-    out = installed(["train", "--ray", "--config", str(ROOT / "configs" / "smoke.yaml"), f"model.encoder={tiny_encoder}",
-                     f"data.path={hotpot_file}", f"out_dir={tmp_path / 'runs'}", "name=pip", "updates=2", "eval_limit=4",
-                     "learner.episodes_per_update=4", "learner.micro_batch=4", "data.chunk_tokens=48", "distributed.runners=1",
-                     "distributed.runner_cpus=0.5", "distributed.mlflow_uri=none"], tmp_path, timeout=600, RAY_USAGE_STATS_ENABLED="0")
+    out = installed(
+        [
+            "train",
+            "--ray",
+            "--config",
+            str(ROOT / "configs" / "smoke.yaml"),
+            f"model.encoder={tiny_encoder}",
+            f"data.path={hotpot_file}",
+            f"out_dir={tmp_path / 'runs'}",
+            "name=pip",
+            "updates=2",
+            "eval_limit=4",
+            "learner.episodes_per_update=4",
+            "learner.micro_batch=4",
+            "data.chunk_tokens=48",
+            "distributed.runners=1",
+            "distributed.runner_cpus=0.5",
+            "distributed.mlflow_uri=none",
+        ],
+        tmp_path,
+        timeout=600,
+        RAY_USAGE_STATS_ENABLED="0",
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     summary = json.loads([line for line in out.stdout.splitlines() if line.startswith('{"run_dir"')][-1])
     assert summary["updates"] == 2 and Path(summary["checkpoint"]).is_dir()
     assert "qrag train: Ray started locally on 127.0.0.1" in out.stdout
 
 
-JSON_LOG_APP = r'''
+JSON_LOG_APP = r"""
 import json, os, sys, time, urllib.request
 import ray
 from ray import serve
@@ -117,7 +160,7 @@ with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=60) as r
 time.sleep(2)  # the replica's access log line is flushed
 serve.shutdown()
 ray.shutdown()
-'''
+"""
 
 
 @pytest.mark.ray
@@ -131,11 +174,21 @@ def test_json_logs_on_request(tiny_encoder, tmp_path):
     ray_dir = Path(tempfile.mkdtemp(prefix="qj", dir="/tmp"))  # Ray's socket paths must stay under 107 bytes
     script = tmp_path / "app.py"
     script.write_text(JSON_LOG_APP)
-    env = {**os.environ, "QRAG_SERVE_JSON_LOGS": "1", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT / "platform")}
+    env = {
+        **os.environ,
+        "QRAG_SERVE_JSON_LOGS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": str(ROOT / "platform"),
+    }
     env.pop("RAY_ADDRESS", None)
     try:
-        out = subprocess.run([sys.executable, str(script), str(ray_dir), str(port), tiny_encoder], env=env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, str(script), str(ray_dir), str(port), tiny_encoder],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         logs = sorted(ray_dir.glob("session_*/logs/serve/replica_qrag_Ingress_*.log"))
         assert logs, sorted(p.name for p in ray_dir.glob("session_*/logs/serve/*"))
@@ -144,7 +197,9 @@ def test_json_logs_on_request(tiny_encoder, tmp_path):
         shutil.rmtree(ray_dir, ignore_errors=True)
     records = [json.loads(line) for line in lines]  # every line parses
     assert records and all(r["deployment"] == "qrag_Ingress" and r["component_name"] == "replica" for r in records)
-    assert any(r["message"].startswith("GET / 200") and r.get("request_id") for r in records)  # the request's access log
+    assert any(
+        r["message"].startswith("GET / 200") and r.get("request_id") for r in records
+    )  # the request's access log
 
 
 def test_log_json_reaches_every_deployment(tmp_path):
@@ -157,12 +212,31 @@ def test_log_json_reaches_every_deployment(tmp_path):
     from qrag.distributed.serving import deployment_overrides
 
     config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump({"applications": [{"name": "qrag", "import_path": "qrag.distributed.serve_app:build",
-                                                        "logging_config": {"log_level": "DEBUG"},
-                                                        "deployments": [{"name": "Shard1", "logging_config": {"log_level": "WARNING"}}]}]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "applications": [
+                    {
+                        "name": "qrag",
+                        "import_path": "qrag.distributed.serve_app:build",
+                        "logging_config": {"log_level": "DEBUG"},
+                        "deployments": [{"name": "Shard1", "logging_config": {"log_level": "WARNING"}}],
+                    }
+                ]
+            }
+        )
+    )
     args = Namespace(config=str(config))
-    deployments = with_logging([{"name": "Shard1", "logging_config": {"log_level": "WARNING"}}], 2, serve_logging_config(args), True)
+    deployments = with_logging(
+        [{"name": "Shard1", "logging_config": {"log_level": "WARNING"}}], 2, serve_logging_config(args), True
+    )
     options = deployment_overrides(deployments, 2)
-    assert options["Ingress"]["logging_config"] == options["Shard0"]["logging_config"] == {"log_level": "DEBUG", "encoding": "JSON"}
+    assert (
+        options["Ingress"]["logging_config"]
+        == options["Shard0"]["logging_config"]
+        == {"log_level": "DEBUG", "encoding": "JSON"}
+    )
     assert options["Shard1"]["logging_config"] == {"log_level": "WARNING", "encoding": "JSON"}  # its own level wins
-    assert with_logging([{"name": "Ingress", "num_replicas": 2}], 0, None, False) == [{"name": "Ingress", "num_replicas": 2}]
+    assert with_logging([{"name": "Ingress", "num_replicas": 2}], 0, None, False) == [
+        {"name": "Ingress", "num_replicas": 2}
+    ]

@@ -16,7 +16,9 @@ from qrag.evaluation.eval_data import eval_data_config
 
 
 def test_data_and_dataset_mean_what_they_say():
-    mixed = DataConfig(dataset="mixed", sources=[{"dataset": "hotpotqa", "path": "/data/a.json"}, {"dataset": "musique"}], tasks=[])
+    mixed = DataConfig(
+        dataset="mixed", sources=[{"dataset": "hotpotqa", "path": "/data/a.json"}, {"dataset": "musique"}], tasks=[]
+    )
     assert eval_data_config(mixed) is mixed
     by_source = eval_data_config(mixed, data="/data/a.json")
     assert (by_source.dataset, by_source.path, by_source.sources) == ("hotpotqa", "/data/a.json", [])
@@ -27,7 +29,10 @@ def test_data_and_dataset_mean_what_they_say():
     with pytest.raises(ConfigError, match="--dataset"):
         eval_data_config(mixed, data="/data/b.json")
     hotpot = DataConfig(dataset="hotpotqa", path="/data/train.json", hub="x/y")
-    assert (eval_data_config(hotpot, data="/data/dev.json").path, eval_data_config(hotpot, data="/data/dev.json").hub) == ("/data/dev.json", None)
+    assert (
+        eval_data_config(hotpot, data="/data/dev.json").path,
+        eval_data_config(hotpot, data="/data/dev.json").hub,
+    ) == ("/data/dev.json", None)
     assert eval_data_config(hotpot, dataset="musique").path is None
 
 
@@ -39,9 +44,27 @@ def mixed_run(tiny_encoder, hotpot_file, tmp_path_factory):
     other = root / "other.json"
     other.write_text(json.dumps([{**r, "_id": f"other{i}"} for i, r in enumerate(make_hotpot_records(30, seed=5))]))
     sources = f"data.sources=[{{dataset: hotpotqa, path: {hotpot_file}, train: all}}]"
-    assert main(["train", "--no-progress", f"model.encoder={tiny_encoder}", "data.dataset=mixed", sources, f"out_dir={root}",
-                 "name=mix", "updates=1", "learner.episodes_per_update=4", "learner.micro_batch=4", "data.chunk_tokens=48",
-                 "eval_limit=4", "data.val_fraction=0.2", "distributed.mlflow_uri=none"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--no-progress",
+                f"model.encoder={tiny_encoder}",
+                "data.dataset=mixed",
+                sources,
+                f"out_dir={root}",
+                "name=mix",
+                "updates=1",
+                "learner.episodes_per_update=4",
+                "learner.micro_batch=4",
+                "data.chunk_tokens=48",
+                "eval_limit=4",
+                "data.val_fraction=0.2",
+                "distributed.mlflow_uri=none",
+            ]
+        )
+        == 0
+    )
     return root / "mix" / "final", Path(hotpot_file), other
 
 
@@ -63,7 +86,9 @@ def test_the_checkpoint_records_the_sources_it_trained_on(mixed_run):
 
 def test_eval_data_file_of_a_mixed_checkpoint(mixed_run, capsys):
     ck, trained_file, other = mixed_run
-    code, summary = evaluate(capsys, "--checkpoint", str(ck), "--data", str(other), "--dataset", "hotpotqa", "--split", "all")
+    code, summary = evaluate(
+        capsys, "--checkpoint", str(ck), "--data", str(other), "--dataset", "hotpotqa", "--split", "all"
+    )
     assert code == 0 and summary["num_samples"] == 30 and summary["dataset"] == "hotpotqa"
     assert summary["train_questions"] == {"checked": True, "allowed": False, "trained_on": 0}
     code, err = evaluate(capsys, "--checkpoint", str(ck), "--data", str(other), "--split", "all")
@@ -74,7 +99,9 @@ def test_training_questions_are_refused_unless_allowed(mixed_run, capsys):
     ck, trained_file, _ = mixed_run
     code, err = evaluate(capsys, "--checkpoint", str(ck), "--data", str(trained_file), "--split", "all")
     assert code == 2 and "--allow-train-questions" in err and "Traceback" not in err
-    code, summary = evaluate(capsys, "--checkpoint", str(ck), "--data", str(trained_file), "--split", "all", "--allow-train-questions")
+    code, summary = evaluate(
+        capsys, "--checkpoint", str(ck), "--data", str(trained_file), "--split", "all", "--allow-train-questions"
+    )
     assert code == 0 and summary["num_samples"] == len(json.loads(trained_file.read_text()))
     recorded = json.loads((ck / "qrag.json").read_text())["trained_sources"]["count"]
     assert summary["train_questions"] == {"checked": True, "allowed": True, "trained_on": recorded}

@@ -29,9 +29,22 @@ def test_faiss_and_the_shards_pick_the_same_chunks(tmp_path):
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 def test_the_cublas_stand_in_exports_cuda_12s_versioned_names(tmp_path):
     """bench/cublas12/: FAISS's cuBLAS calls are bound to version node libcublas.so.12."""
-    out = subprocess.run(["bash", str(ROOT / "bench" / "cublas12" / "build.sh"), str(tmp_path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["bash", str(ROOT / "bench" / "cublas12" / "build.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lib = tmp_path / "libcublas.so.12"
     assert out.stdout.strip() == str(tmp_path) and lib.exists() and (tmp_path / "libcublasLt.so.12").exists()
-    symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
-    for name in ("cublasCreate_v2", "cublasSetStream_v2", "cublasGemmEx", "cublasSgemmEx", "cublasGemmStridedBatchedEx"):
+    symbols = subprocess.run(
+        ["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True
+    ).stdout
+    for name in (
+        "cublasCreate_v2",
+        "cublasSetStream_v2",
+        "cublasGemmEx",
+        "cublasSgemmEx",
+        "cublasGemmStridedBatchedEx",
+    ):
         assert f"{name}@@libcublas.so.12" in symbols

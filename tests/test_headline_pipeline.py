@@ -29,18 +29,53 @@ def test_seeds_train_in_slices_then_evaluate_then_combine(longctx, tiny_encoder,
     from qrag.cli import main
 
     data, out, runs = write_qa1_data(tmp_path), tmp_path / "out", tmp_path / "runs"
-    common = ["--task", "qa1", "--encoder", tiny_encoder, "--babi", str(data / "babi"), "--novels", str(data / "bg"),
-              "--updates", "4", "--train-tokens", "512", "--runs", str(runs), "--out", str(out), "--device", "cpu",
-              "--lengths", "1k,2k", "--questions", "3", "--val-questions", "2",
-              "data.samples_per_task=8", "data.dev_samples_per_task=2", "data.val_fraction=0.5", "data.chunk_tokens=32",
-              "learner.episodes_per_update=4", "learner.micro_batch=4", "learner.warmup_updates=1", "checkpoint_every=2",
-              "eval_every=2", "keep_best=true"]
+    common = [
+        "--task",
+        "qa1",
+        "--encoder",
+        tiny_encoder,
+        "--babi",
+        str(data / "babi"),
+        "--novels",
+        str(data / "bg"),
+        "--updates",
+        "4",
+        "--train-tokens",
+        "512",
+        "--runs",
+        str(runs),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--lengths",
+        "1k,2k",
+        "--questions",
+        "3",
+        "--val-questions",
+        "2",
+        "data.samples_per_task=8",
+        "data.dev_samples_per_task=2",
+        "data.val_fraction=0.5",
+        "data.chunk_tokens=32",
+        "learner.episodes_per_update=4",
+        "learner.micro_batch=4",
+        "learner.warmup_updates=1",
+        "checkpoint_every=2",
+        "eval_every=2",
+        "keep_best=true",
+    ]
     for seed in (0, 1):
         s = ["--seed", str(seed)]
         assert longctx.main(common + s + ["--stop-at", "2"]) == 0
         assert longctx.main(common + s + ["--resume", "--no-eval"]) == 0
         assert not (out / f"longctx_qa1_seed{seed}.json").exists()  # --no-eval: nothing evaluated
-        assert longctx.main(common + s + ["--eval-only", "--select-lengths", "1k", "--select-questions", "2", "--no-baseline"]) == 0
+        assert (
+            longctx.main(
+                common + s + ["--eval-only", "--select-lengths", "1k", "--select-questions", "2", "--no-baseline"]
+            )
+            == 0
+        )
         result = json.loads((out / f"longctx_qa1_seed{seed}.json").read_text())
         training = result["training"]
         assert training["config"]["seed"] == seed and training["checkpoint"].startswith(str(runs / f"qa1-seed{seed}"))

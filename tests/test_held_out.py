@@ -62,7 +62,10 @@ def story_like(g) -> int:
 def test_validation_is_held_out_by_source_story():
     """Two questions of one story land on the same side whatever their ids; without a story the
     source record decides, then the sample's own id."""
-    samples = [Sample(f"q{i}", "q?", ["a", "b"], [0], meta={"story_id": f"story{i // 5}", "source_id": f"src{i}"}) for i in range(400)]
+    samples = [
+        Sample(f"q{i}", "q?", ["a", "b"], [0], meta={"story_id": f"story{i // 5}", "source_id": f"src{i}"})
+        for i in range(400)
+    ]
     train, val = split_validation(samples, 0.3)
     assert train and val
     val_stories = {s.meta["story_id"] for s in val}
@@ -73,8 +76,16 @@ def test_validation_is_held_out_by_source_story():
 
 
 def test_babilong_training_data_holds_no_validation_story(babi_dir, books_everywhere, measure):
-    cfg = DataConfig(dataset="babilong", path=str(books_everywhere), facts_path=str(babi_dir), tasks=["qa1"], context_tokens=512,
-                     samples_per_task=30, chunk_tokens=32, val_fraction=0.4)
+    cfg = DataConfig(
+        dataset="babilong",
+        path=str(books_everywhere),
+        facts_path=str(babi_dir),
+        tasks=["qa1"],
+        context_tokens=512,
+        samples_per_task=30,
+        chunk_tokens=32,
+        val_fraction=0.4,
+    )
     items = generate_from_config(cfg, "train", measure)
     train, val = split_validation([g.sample for g in items], cfg.val_fraction)
     held = {q.story for q in load_babi(babi_dir, "qa1", "train") if in_validation(q.story, 0.4)}
@@ -87,8 +98,18 @@ def test_babilong_training_data_holds_no_validation_story(babi_dir, books_everyw
 def test_hard_negatives_only_in_training_contexts(babi_dir, books_everywhere, measure):
     """Dev, the val split (validation books) and the validation part of train get no hard
     negatives, though every split's books hold story-like chunks."""
-    cfg = DataConfig(dataset="babilong", path=str(books_everywhere), facts_path=str(babi_dir), tasks=["qa1"], context_tokens=1024,
-                     samples_per_task=24, chunk_tokens=32, hard_negatives=6, val_fraction=0.4, rename_entities=True)
+    cfg = DataConfig(
+        dataset="babilong",
+        path=str(books_everywhere),
+        facts_path=str(babi_dir),
+        tasks=["qa1"],
+        context_tokens=1024,
+        samples_per_task=24,
+        chunk_tokens=32,
+        hard_negatives=6,
+        val_fraction=0.4,
+        rename_entities=True,
+    )
     clear_cache()
     train_part, val_part = [], []
     for g in generate_from_config(cfg, "train", measure):
@@ -96,8 +117,11 @@ def test_hard_negatives_only_in_training_contexts(babi_dir, books_everywhere, me
     assert train_part and val_part
     assert np.mean([story_like(g) for g in train_part]) >= 3  # what hard negatives bring
     assert all(g.sample.meta["hard_negatives"] > 0 and g.sample.meta.get("renamed") for g in train_part)
-    for name, items in (("val part of train", val_part), ("val", generate_from_config(cfg, "val", measure)),
-                        ("dev", generate_from_config(cfg, "dev", measure))):
+    for name, items in (
+        ("val part of train", val_part),
+        ("val", generate_from_config(cfg, "val", measure)),
+        ("dev", generate_from_config(cfg, "dev", measure)),
+    ):
         assert all(g.sample.meta["hard_negatives"] == 0 and not g.sample.meta.get("renamed") for g in items), name
         assert np.mean([story_like(g) for g in items]) < 1, name  # a random window holds ~0.3 of them
 
@@ -105,8 +129,15 @@ def test_hard_negatives_only_in_training_contexts(babi_dir, books_everywhere, me
 def test_niah_near_misses_never_in_held_out_samples(measure):
     from qrag.data.niah import generate_from_config as niah_config
 
-    cfg = DataConfig(dataset="niah", tasks=["niah_multikey_2"], context_tokens=1024, samples_per_task=30, chunk_tokens=64,
-                     hard_negatives=4, val_fraction=0.3)
+    cfg = DataConfig(
+        dataset="niah",
+        tasks=["niah_multikey_2"],
+        context_tokens=1024,
+        samples_per_task=30,
+        chunk_tokens=64,
+        hard_negatives=4,
+        val_fraction=0.3,
+    )
     items = niah_config(cfg, "train", measure)
     held = [g for g in items if in_validation(validation_key(g.sample), 0.3)]
     kept = [g for g in items if not in_validation(validation_key(g.sample), 0.3)]

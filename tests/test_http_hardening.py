@@ -50,7 +50,9 @@ def keyed_app(model, tmp_path, **cfg):
 def uvicorn_server(app, root_path: str = ""):
     """``app`` behind a real uvicorn on 127.0.0.1 (``root_path`` as ``--root-path`` sets it)."""
     [port] = free_ports(1)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, root_path=root_path, lifespan="off", log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, root_path=root_path, lifespan="off", log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -84,7 +86,10 @@ async def keys_by_route(client: Callable[[str | None], AsyncClient]) -> None:
         assert await status_of(c.append("books", docs)) == want
         assert await status_of(c.reindex("books")) == want
         assert await status_of(c.delete_corpus("books")) == want
-    assert await status_of(stranger.list_corpora()) == 401 and await status_of(stranger.retrieve("q", corpus="books")) == 401
+    assert (
+        await status_of(stranger.list_corpora()) == 401
+        and await status_of(stranger.retrieve("q", corpus="books")) == 401
+    )
     assert (await writer.create_corpus("books", docs)).corpus.documents == 2
     with pytest.raises(ApiError) as err:  # 60 documents where 50 are allowed: refused from the raw body
         await writer.append("books", docs_json(60, seed=3))
@@ -107,9 +112,13 @@ def test_keys_follow_the_route_under_a_serve_route_prefix(model, tmp_path):
     asyncio.run(keys_by_route(lambda key: AsyncClient("http://127.0.0.1" + PREFIX, key, transport=transport)))
 
 
-def raw(app, method: str, path: str, headers: list[tuple[str, str]], body: bytes = b"", root_path: str = "") -> httpx.Response:
+def raw(
+    app, method: str, path: str, headers: list[tuple[str, str]], body: bytes = b"", root_path: str = ""
+) -> httpx.Response:
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, root_path=root_path), base_url="http://127.0.0.1") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, root_path=root_path), base_url="http://127.0.0.1"
+        ) as c:
             return await c.request(method, path, headers=headers, content=body or None)
 
     return asyncio.run(go())
@@ -135,7 +144,9 @@ def test_origin_is_compared_by_scheme_host_and_port(model, tmp_path):
     app = build_api(local_service(serve_cfg(tmp_path), model))
 
     def create(name: str, origin: str, *extra: tuple[str, str]) -> int:
-        return raw(app, "POST", "/v1/corpora", [("origin", origin), JSON, *extra], json.dumps({"name": name}).encode()).status_code
+        return raw(
+            app, "POST", "/v1/corpora", [("origin", origin), JSON, *extra], json.dumps({"name": name}).encode()
+        ).status_code
 
     assert create("a", "https://127.0.0.1") == 403  # the host matched, the scheme did not
     assert create("b", "http://127.0.0.1:8000") == 403  # nor the port (80)
@@ -172,9 +183,13 @@ def reference_shape(text: str) -> tuple[int, int]:
     return commas, marks
 
 
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from('ab,:[{"\\ \u00e9'), max_size=12),
-                           lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(alphabet='k,:"\\', max_size=4), inner, max_size=4),
-                           max_leaves=20)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from('ab,:[{"\\ \u00e9'), max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(alphabet='k,:"\\', max_size=4), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=300, deadline=None, database=None, derandomize=True)
@@ -204,7 +219,11 @@ def test_the_body_scan_is_linear(model, tmp_path):
     assert r.status_code == 413 and r.json()["error"]["field"] == "documents"
     keys = json.dumps({"question": "q", "corpus": "books", **{f"k{i}": i for i in range(50_000)}}).encode()
     r = raw(app, "POST", "/v1/retrieve", headers, keys)
-    assert r.status_code == 413 and r.json()["error"]["field"] == "body" and "before parsing" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 413
+        and r.json()["error"]["field"] == "body"
+        and "before parsing" in r.json()["error"]["message"]
+    )
 
 
 @pytest.mark.parametrize("case", HOSTILE_NAMES)
@@ -212,7 +231,9 @@ def test_the_event_loop_answers_while_a_hostile_body_is_handled(model, tmp_path,
     app = keyed_app(model, tmp_path, max_body_bytes=32 * 2**20, max_documents=10_000)
     [result] = hostile_lags(app, {case: hostile_requests()[case]}, WRITE).values()
     assert result["status"] < 500, result
-    assert result["worst_healthz_ms"] < 100, f"{case}: /healthz waited {result['worst_healthz_ms']} ms ({result['status']})"
+    assert result["worst_healthz_ms"] < 100, (
+        f"{case}: /healthz waited {result['worst_healthz_ms']} ms ({result['status']})"
+    )
 
 
 # -- OpenAPI --------------------------------------------------------------------------------------
@@ -221,7 +242,10 @@ def test_the_event_loop_answers_while_a_hostile_body_is_handled(model, tmp_path,
 def test_openapi_declares_the_keys_and_every_answer(model, tmp_path):
     schema = raw(keyed_app(model, tmp_path), "GET", "/openapi.json", []).json()
     assert schema["components"]["securitySchemes"]["bearer"] == {
-        "type": "http", "scheme": "bearer", "description": "An API key: 'Authorization: Bearer <key>' (read or write scope)."}
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An API key: 'Authorization: Bearer <key>' (read or write scope).",
+    }
     for path, operations in schema["paths"].items():
         for method, op in operations.items():
             assert op["security"] == ([{}, {"bearer": []}] if path == "/healthz" else [{"bearer": []}]), (method, path)

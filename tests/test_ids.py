@@ -59,7 +59,9 @@ def test_nfc_and_nfd_spellings_of_an_id_are_one_document(client):
     with pytest.raises(DataError, match=r"documents\[1\]\.id: duplicate"):
         parse_documents([{"id": nfc, "text": "t"}, {"id": nfd, "text": "u"}])
     assert parse_documents([{"id": nfd, "text": "t"}])[0].id == nfc
-    r = client("POST", "/v1/corpora", json={"name": "books", "documents": [{"id": nfd, "text": "The painter met the king."}]})
+    r = client(
+        "POST", "/v1/corpora", json={"name": "books", "documents": [{"id": nfd, "text": "The painter met the king."}]}
+    )
     assert r.status_code == 201, r.text
     r = client("POST", "/v1/corpora/books/documents", json={"documents": [{"id": nfc, "text": "Another text."}]})
     assert r.status_code == 409 and r.json()["error"]["field"] == "documents", r.text
@@ -71,7 +73,14 @@ def test_a_corpus_holding_an_unnormalised_id_from_before_still_finds_the_duplica
     store = CorpusStore(tmp_path)
     store.create("c", fingerprint="fp", model=ModelConfig(), dim=4, chunk_tokens=8, shards=1)
     nfd = "cafe\u0301"
-    store.append("c", [Document(nfd, "t")], [DocumentChunk(nfd, "t", 1)], [np.asarray([1], np.int32)], np.ones((1, 4), np.float32), "fp")
+    store.append(
+        "c",
+        [Document(nfd, "t")],
+        [DocumentChunk(nfd, "t", 1)],
+        [np.asarray([1], np.int32)],
+        np.ones((1, 4), np.float32),
+        "fp",
+    )
     with pytest.raises(CorpusConflict, match="already in corpus"):
         store.check_new(store.read("c"), [Document("caf\u00e9", "u")], "fp")
 
@@ -79,12 +88,16 @@ def test_a_corpus_holding_an_unnormalised_id_from_before_still_finds_the_duplica
 def test_stored_strings_keep_every_character_and_no_reader_splits_a_record(tmp_path):
     store = CorpusStore(tmp_path)
     store.create("c", fingerprint="fp", model=ModelConfig(), dim=4, chunk_tokens=8, shards=1)
-    odd = "".join(LINE_ENDS) + "\x00\t\"\\ é 中 😀"
+    odd = "".join(LINE_ENDS) + '\x00\t"\\ é 中 😀'
     doc_id, texts = f"id{odd}", [f"one{odd}", "two \u2028 lines", "three\x85"]
     chunks = [DocumentChunk(doc_id, t, 3) for t in texts]
-    store.append("c", [Document(doc_id, "x")], chunks, [np.asarray([1, 2, 3], np.int32)] * 3, np.ones((3, 4), np.float32), "fp")
+    store.append(
+        "c", [Document(doc_id, "x")], chunks, [np.asarray([1, 2, 3], np.int32)] * 3, np.ones((3, 4), np.float32), "fp"
+    )
     m = store.read("c")
-    assert store.doc_ids(m) == [doc_id] and [(d, t) for _, d, t in store.read_texts(m, 0, m.batches[0])] == [(doc_id, t) for t in texts]
+    assert store.doc_ids(m) == [doc_id] and [(d, t) for _, d, t in store.read_texts(m, 0, m.batches[0])] == [
+        (doc_id, t) for t in texts
+    ]
     segment, problem = store.read_segment(m, 0, m.batches[0])
     assert problem is None and segment.doc_ids == [doc_id] * 3 and segment.texts == texts
     for ref in (m.batches[0].docs, m.batches[0].shards[0].texts):
@@ -123,7 +136,9 @@ def test_a_corpus_written_before_the_rule_with_a_raw_u2028_id_still_serves(clien
     assert "\u2028".encode() in raw  # what the old writer left: str.splitlines() cut this record in two
     r = client("POST", "/v1/retrieve", json={"corpus": "books", "question": "the painter and the king", "max_steps": 3})
     assert r.status_code == 200, r.text
-    assert old_id in {s["doc_id"] for s in r.json()["steps"]} | {a["doc_id"] for s in r.json()["steps"] for a in s["alternatives"]}
+    assert old_id in {s["doc_id"] for s in r.json()["steps"]} | {
+        a["doc_id"] for s in r.json()["steps"] for a in s["alternatives"]
+    }
     r = client("POST", "/v1/corpora/books/documents", json={"documents": docs_json(4)[2:]})
     assert r.status_code == 200, r.text
     assert old_id in store.doc_ids(store.read("books"))

@@ -28,8 +28,10 @@ def make_documents(n_docs: int, seed: int = 0, sentences: int = 9) -> list[Docum
     rng = random.Random(seed)
     docs = []
     for d in range(n_docs):
-        sents = [f"Sentence {d}-{k} tells that the {rng.choice(WORDS)} met the {rng.choice(WORDS)} near {rng.choice(WORDS)} {rng.randint(0, 999)}."
-                 for k in range(sentences)]
+        sents = [
+            f"Sentence {d}-{k} tells that the {rng.choice(WORDS)} met the {rng.choice(WORDS)} near {rng.choice(WORDS)} {rng.randint(0, 999)}."
+            for k in range(sentences)
+        ]
         docs.append(Document(f"doc-{d}", " ".join(sents)))
     return docs
 
@@ -59,7 +61,9 @@ def model(request, tiny_encoder):
 def offline(model, chunks: list[str], question: str, cfg: SearchConfig):
     """qrag.retrieval.search.Retriever over the corpus as one sample (document order = corpus order)."""
     sample = Sample("corpus", question, chunks, [])
-    tok = tokenize_samples([sample], model.tokenizer, model.layout, chunk_tokens=24, question_tokens=model.question_tokens)
+    tok = tokenize_samples(
+        [sample], model.tokenizer, model.layout, chunk_tokens=24, question_tokens=model.question_tokens
+    )
     return Retriever(model.qnet, model.layout, torch.device("cpu")).retrieve(tok, cfg)[0]
 
 
@@ -71,7 +75,11 @@ def test_positions_at_equals_positions_over_the_whole_context():
         for r in range(2):
             selected[r, torch.randperm(n)[:k]] = True
         full = relative_positions(selected, torch.tensor([n, n]), 10.0, 9.0)
-        sel_sorted = torch.stack([torch.nonzero(row).flatten() for row in selected]) if k else torch.zeros(2, 0, dtype=torch.long)
+        sel_sorted = (
+            torch.stack([torch.nonzero(row).flatten() for row in selected])
+            if k
+            else torch.zeros(2, 0, dtype=torch.long)
+        )
         for shard, n_shards in ((0, 1), (1, 4), (3, 4)):
             gpos = torch.arange(shard, n, n_shards)
             part = positions_at("relative", gpos, sel_sorted, n, 10.0, 9.0)
@@ -86,15 +94,18 @@ def test_chunking_keeps_documents_apart_and_cuts_long_sentences(model):
     assert " ".join(c.text for c in chunks if c.doc_id == "b").split() == docs[1].text.split()
 
 
-@pytest.mark.parametrize("records, field", [
-    ([{"id": "x"}], "documents[0].text"),
-    ([{"id": "", "text": "t"}], "documents[0].id"),
-    ([{"id": "a", "text": "t"}, {"id": "a", "text": "u"}], "documents[1].id"),
-    ([{"id": "a", "text": "bad \ud800 text"}], "documents[0].text"),
-    ([{"id": "a", "text": "   "}], "documents[0].text"),
-    ([{"id": "a", "text": "t", "extra": 1}], "documents[0].extra"),
-    ({"id": "a"}, "documents"),
-])
+@pytest.mark.parametrize(
+    "records, field",
+    [
+        ([{"id": "x"}], "documents[0].text"),
+        ([{"id": "", "text": "t"}], "documents[0].id"),
+        ([{"id": "a", "text": "t"}, {"id": "a", "text": "u"}], "documents[1].id"),
+        ([{"id": "a", "text": "bad \ud800 text"}], "documents[0].text"),
+        ([{"id": "a", "text": "   "}], "documents[0].text"),
+        ([{"id": "a", "text": "t", "extra": 1}], "documents[0].extra"),
+        ({"id": "a"}, "documents"),
+    ],
+)
 def test_bad_documents_name_the_field(records, field):
     with pytest.raises(DataError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_documents(records)
@@ -115,19 +126,28 @@ def indexed(model, tmp_path_factory):
     return index, [t for _, _, t in rows]
 
 
-@pytest.mark.parametrize("cfg", [SearchConfig(max_steps=3), SearchConfig(max_steps=3, beam_width=3), SearchConfig(max_steps=4, stop_threshold=0.0)],
-                         ids=["greedy", "beam", "threshold"])
+@pytest.mark.parametrize(
+    "cfg",
+    [SearchConfig(max_steps=3), SearchConfig(max_steps=3, beam_width=3), SearchConfig(max_steps=4, stop_threshold=0.0)],
+    ids=["greedy", "beam", "threshold"],
+)
 def test_sharded_answers_equal_offline_search_for_1_and_4_shards(model, indexed, cfg):
     index, corpus = indexed
     stopped = 0
-    for question in ["who met the painter near the harbour", "where is the castle of the queen", "the ship and the lamp"]:
+    for question in [
+        "who met the painter near the harbour",
+        "where is the castle of the queen",
+        "the ship and the lamp",
+    ]:
         ref = offline(model, corpus, question, cfg)
         for shards in (1, 4):
             got, records, timings = index.retrieve(f"c{shards}", question, cfg)
             assert got.selected == ref.selected, (shards, question)
             assert got.stopped_early == ref.stopped_early
             assert [s.q for s in got.steps] == pytest.approx([s.q for s in ref.steps], abs=1e-5)
-            assert [a for s in got.steps for a, _ in s.alternatives] == [a for s in ref.steps for a, _ in s.alternatives]
+            assert [a for s in got.steps for a, _ in s.alternatives] == [
+                a for s in ref.steps for a, _ in s.alternatives
+            ]
             if model.model_cfg.positions != "none":
                 assert [s.position for s in got.steps] == pytest.approx([s.position for s in ref.steps])
             assert all(records[g].text == corpus[g] for g in got.selected)
@@ -175,7 +195,10 @@ def test_faiss_and_torch_scoring_agree(tiny_encoder, tmp_path):
         assert [s.q for s in ra.steps] == pytest.approx([s.q for s in rb.steps], abs=1e-5)
     # Above approx_above the FAISS index is HNSW; on a small corpus it still finds the best chunk.
     c = LocalIndex(store, model, options=ShardOptions(faiss="always", approx_above=4))
-    assert c.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected == b.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected
+    assert (
+        c.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected
+        == b.retrieve("c", "the king and the queen", SearchConfig(max_steps=1))[0].selected
+    )
     assert type(c.shards("c").shards[0].faiss.index).__name__ == "IndexHNSWFlat"
 
 
@@ -251,8 +274,11 @@ def test_merge_hits_keeps_positions_when_an_empty_holder_answers_first():
 
     from qrag.retrieval.hits import ShardHits, merge_hits
 
-    full = ShardHits(np.array([[0.9, 0.5], [0.2, 0.7]], np.float32), np.array([[3, 5], [4, 6]], np.int64),
-                     np.array([[1.5, 2.5], [11.0, 12.0]], np.float32))
+    full = ShardHits(
+        np.array([[0.9, 0.5], [0.2, 0.7]], np.float32),
+        np.array([[3, 5], [4, 6]], np.int64),
+        np.array([[1.5, 2.5], [11.0, 12.0]], np.float32),
+    )
     merged = merge_hits([ShardHits.empty(2, False), full], k=2)
     assert merged.pos is not None
     assert merged.ids.tolist() == [[3, 5], [6, 4]]
@@ -281,7 +307,12 @@ def test_hnsw_index_is_saved_beside_the_segments_and_loaded_at_start(tiny_encode
     want = [first.retrieve("c", q, cfg)[0].selected for q in questions]
     wait_saved(first)  # saved by each shard's saver thread, off the request path
     folder = tmp_path / "c" / "faiss"
-    assert sorted(p.name for p in folder.iterdir()) == ["shard_000.index", "shard_000.json", "shard_001.index", "shard_001.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "shard_000.index",
+        "shard_000.json",
+        "shard_001.index",
+        "shard_001.json",
+    ]
 
     again = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
     shard = again.shards("c").shards[0]
@@ -325,7 +356,10 @@ def test_an_unwritable_faiss_folder_does_not_fail_queries(tiny_encoder, tmp_path
     (tmp_path / "c" / "faiss").write_text("a file where the folder would go")  # mkdir fails: nothing saved
     exact = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(faiss="never"))
     q = "the king and the queen"
-    assert index.retrieve("c", q, SearchConfig(max_steps=1))[0].selected == exact.retrieve("c", q, SearchConfig(max_steps=1))[0].selected
+    assert (
+        index.retrieve("c", q, SearchConfig(max_steps=1))[0].selected
+        == exact.retrieve("c", q, SearchConfig(max_steps=1))[0].selected
+    )
 
 
 def test_shards_spread_over_several_devices_answer_as_one_device(model, indexed, monkeypatch):

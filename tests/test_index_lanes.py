@@ -39,8 +39,18 @@ def one_process_corpus(model, root, docs):
 
 def lane_config(model, tiny_encoder, root, **kw) -> LaneConfig:
     make_model = functools.partial(load_embedding_model, resolve_source(None, tiny_encoder), positions="relative")
-    return LaneConfig(store_root=str(root), name="c", make_model=make_model, tokenizer_dir=tiny_encoder, layout=model.layout,
-                      chunk_tokens=CHUNK_TOKENS, workers=1, chunk_batch=4, block_chars=600, **kw)
+    return LaneConfig(
+        store_root=str(root),
+        name="c",
+        make_model=make_model,
+        tokenizer_dir=tiny_encoder,
+        layout=model.layout,
+        chunk_tokens=CHUNK_TOKENS,
+        workers=1,
+        chunk_batch=4,
+        block_chars=600,
+        **kw,
+    )
 
 
 def new_corpus(model, root) -> CorpusStore:
@@ -62,8 +72,15 @@ def test_two_lanes_make_the_corpus_one_process_makes(model, tiny_encoder, tmp_pa
     reference = one_process_corpus(model, tmp_path / "one", docs)
     store = new_corpus(model, tmp_path / "lanes")
     commits = []
-    m, stats = index_in_lanes(store, "c", docs, lane_config(model, tiny_encoder, tmp_path / "lanes"), ["cpu", "cpu"],
-                              commit_chars=1500, on_commit=lambda man: commits.append(man.chunks))
+    m, stats = index_in_lanes(
+        store,
+        "c",
+        docs,
+        lane_config(model, tiny_encoder, tmp_path / "lanes"),
+        ["cpu", "cpu"],
+        commit_chars=1500,
+        on_commit=lambda man: commits.append(man.chunks),
+    )
     assert_same_corpus(reference, store)
     assert stats.commits == len(store.read("c").batches) == len(commits) >= 4
     assert commits == sorted(commits)  # committed in group order
@@ -76,7 +93,11 @@ def test_two_lanes_make_the_corpus_one_process_makes(model, tiny_encoder, tmp_pa
     # Where the time went: each lane's start in parts, and the wall time the caller waited.
     assert sorted(row["lane"] for row in stats.lane_startup) == [0, 1]
     for row in stats.lane_startup:
-        assert 0 <= row["model_seconds"] + row["warm_up_seconds"] + row["workers_after_model_seconds"] <= row["seconds"] + 3e-3  # rounded to ms
+        assert (
+            0
+            <= row["model_seconds"] + row["warm_up_seconds"] + row["workers_after_model_seconds"]
+            <= row["seconds"] + 3e-3
+        )  # rounded to ms
         assert row["warm_shapes"] == 0  # CPU: no graphs to capture
         assert row["seconds"] <= stats.startup_seconds + 1e-3
     assert stats.total_seconds >= stats.seconds > 0
@@ -117,7 +138,14 @@ def test_a_duplicate_input_document_commits_the_groups_before_it(model, tiny_enc
     docs = make_documents(12, seed=5)
     store = new_corpus(model, tmp_path / "lanes")
     with pytest.raises(CorpusConflict, match="doc-2"):
-        index_in_lanes(store, "c", [*docs, docs[2]], lane_config(model, tiny_encoder, tmp_path / "lanes"), ["cpu", "cpu"], commit_chars=1500)
+        index_in_lanes(
+            store,
+            "c",
+            [*docs, docs[2]],
+            lane_config(model, tiny_encoder, tmp_path / "lanes"),
+            ["cpu", "cpu"],
+            commit_chars=1500,
+        )
     held = store.doc_ids(store.read("c"))
     # Every whole group before the duplicate committed (the documents of the group it would have
     # closed are not: as for a failing document, whole groups only).
@@ -128,7 +156,12 @@ def test_groups_and_blocks_are_whole_documents_by_characters():
     docs = [Document(f"d{i}", "x" * n) for i, n in enumerate([5, 5, 12, 1, 1, 1, 30])]
     assert [[d.id for d in g] for g in char_groups(docs, 10)] == [["d0", "d1"], ["d2"], ["d3", "d4", "d5", "d6"]]
     # A lane's first group smaller (its device starts once that much is tokenised), then full groups.
-    assert [[d.id for d in g] for g in char_groups(docs, 10, first_groups=2, first_chars=3)] == [["d0"], ["d1"], ["d2"], ["d3", "d4", "d5", "d6"]]
+    assert [[d.id for d in g] for g in char_groups(docs, 10, first_groups=2, first_chars=3)] == [
+        ["d0"],
+        ["d1"],
+        ["d2"],
+        ["d3", "d4", "d5", "d6"],
+    ]
     assert [[d.id for d in b] for b in blocks_of(docs, 10)] == [["d0", "d1"], ["d2"], ["d3", "d4", "d5", "d6"]]
     assert list(char_groups([], 10)) == []
     with pytest.raises(ValueError):
@@ -142,9 +175,19 @@ def test_batches_written_elsewhere_commit_only_in_order(model, tmp_path):
     vectors = model.embed_chunks(ids)
     half = [c for c in chunks if c.doc_id == docs[0].id]
     with store.hold("c") as m:
-        first = store.write_batch_files(m, 1, 0, docs[:1], half, ids[: len(half)], vectors[: len(half)], fingerprint=model.fingerprint)
-        second = store.write_batch_files(m, 2, len(half), docs[1:], chunks[len(half):], ids[len(half):], vectors[len(half):],
-                                         fingerprint=model.fingerprint)
+        first = store.write_batch_files(
+            m, 1, 0, docs[:1], half, ids[: len(half)], vectors[: len(half)], fingerprint=model.fingerprint
+        )
+        second = store.write_batch_files(
+            m,
+            2,
+            len(half),
+            docs[1:],
+            chunks[len(half) :],
+            ids[len(half) :],
+            vectors[len(half) :],
+            fingerprint=model.fingerprint,
+        )
         with pytest.raises(StoreError, match="does not follow"):
             store.commit_written(m, second)
         store.commit_written(m, first)
@@ -160,9 +203,31 @@ def test_the_serving_bench_indexes_in_lanes(tiny_encoder, shared_data, tmp_path)
 
     books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
     out = tmp_path / "lanes.json"
-    run("serve_scale.py", "--tokens", "6000", "--encoder", tiny_encoder, "--corpus", str(books[0]), "--shards", "2", "--lanes",
-        "--lane-workers", "1", "--index-only", "--device", "cpu", "--bare-repeats", "1", "--commit-chunks", "40", "--doc-tokens", "500",
-        "--out", str(out))
+    run(
+        "serve_scale.py",
+        "--tokens",
+        "6000",
+        "--encoder",
+        tiny_encoder,
+        "--corpus",
+        str(books[0]),
+        "--shards",
+        "2",
+        "--lanes",
+        "--lane-workers",
+        "1",
+        "--index-only",
+        "--device",
+        "cpu",
+        "--bare-repeats",
+        "1",
+        "--commit-chunks",
+        "40",
+        "--doc-tokens",
+        "500",
+        "--out",
+        str(out),
+    )
     result = json.loads(out.read_text())
     stages = result["indexing"]["stages"]
     assert stages["lanes"] == 1 and stages["workers_per_lane"] == 1 and stages["commits"] >= 2
@@ -193,8 +258,28 @@ def test_qrag_index_lanes_makes_the_corpus_and_a_rerun_adds_nothing(model, tiny_
     docs = make_documents(10, seed=8)
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in docs))
-    argv = ["index", "--lanes", "cpu", "--lane-workers", "1", "--corpus", "c", "--input", str(path), "--storage", str(tmp_path / "s"),
-            "--encoder", tiny_encoder, "--chunk-tokens", str(CHUNK_TOKENS), "--shards", str(SHARDS), "--commit-chunks", "8", "--no-progress"]
+    argv = [
+        "index",
+        "--lanes",
+        "cpu",
+        "--lane-workers",
+        "1",
+        "--corpus",
+        "c",
+        "--input",
+        str(path),
+        "--storage",
+        str(tmp_path / "s"),
+        "--encoder",
+        tiny_encoder,
+        "--chunk-tokens",
+        str(CHUNK_TOKENS),
+        "--shards",
+        str(SHARDS),
+        "--commit-chunks",
+        "8",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["corpus"]["documents"] == 10 and out["lanes"]["commits"] >= 2
@@ -230,21 +315,52 @@ def test_qrag_index_lanes_defaults_three_lanes_a_gpu_and_lane_sized_groups(tmp_p
     seen = {}
 
     def fake_index_in_lanes(store, name, docs, cfg, devices, *, commit_chars, resume, on_commit):
-        seen.update(devices=devices, commit_chars=commit_chars, batch=cfg.chunk_batch, nice=cfg.worker_nice,
-                    model_batch=cfg.make_model.keywords["chunk_batch"], encode_tokens=cfg.make_model.keywords["encode_tokens"])
+        seen.update(
+            devices=devices,
+            commit_chars=commit_chars,
+            batch=cfg.chunk_batch,
+            nice=cfg.worker_nice,
+            model_batch=cfg.make_model.keywords["chunk_batch"],
+            encode_tokens=cfg.make_model.keywords["encode_tokens"],
+        )
         return store.read(name), lanes.LaneStats()
 
     monkeypatch.setattr(lanes, "index_in_lanes", fake_index_in_lanes)
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"id": "a", "text": "One sentence."}) + "\n")
-    argv = ["index", "--lanes", "cpu", "--corpus", "c", "--input", str(path), "--storage", str(tmp_path / "s"), "--encoder", tiny_encoder,
-            "--chunk-tokens", "16", "--no-progress"]
+    argv = [
+        "index",
+        "--lanes",
+        "cpu",
+        "--corpus",
+        "c",
+        "--input",
+        str(path),
+        "--storage",
+        str(tmp_path / "s"),
+        "--encoder",
+        tiny_encoder,
+        "--chunk-tokens",
+        "16",
+        "--no-progress",
+    ]
     assert main(argv) == 0
-    assert seen == {"devices": ["cpu"], "commit_chars": LANE_COMMIT_CHUNKS * 16 * 4, "batch": LANE_CHUNK_BATCH, "nice": LANE_WORKER_NICE,
-                    "model_batch": LANE_CHUNK_BATCH, "encode_tokens": 131072}
+    assert seen == {
+        "devices": ["cpu"],
+        "commit_chars": LANE_COMMIT_CHUNKS * 16 * 4,
+        "batch": LANE_CHUNK_BATCH,
+        "nice": LANE_WORKER_NICE,
+        "model_batch": LANE_CHUNK_BATCH,
+        "encode_tokens": 131072,
+    }
     assert (LANE_COMMIT_CHUNKS, LANE_CHUNK_BATCH, LANE_WORKER_NICE) == (4096, 8192, 5)
     assert main([*argv, "--commit-chunks", "100", "--encode-batch", "64", "--encode-tokens", "4096"]) == 0
-    assert (seen["commit_chars"], seen["batch"], seen["model_batch"], seen["encode_tokens"]) == (100 * 16 * 4, 64, 64, 4096)
+    assert (seen["commit_chars"], seen["batch"], seen["model_batch"], seen["encode_tokens"]) == (
+        100 * 16 * 4,
+        64,
+        64,
+        4096,
+    )
     capsys.readouterr()
 
 
@@ -253,7 +369,11 @@ def test_lane_devices_from_the_command_line():
 
     assert lane_devices("cpu", None) == ["cpu"]  # one lane on the CPU unless asked
     assert lane_devices("cpu, cpu", 2) == ["cpu"] * 4
-    for spec, per_device, message in [("", None, "no device given"), ("tpu:0", None, "is no device"), ("cpu", 0, "at least 1")]:
+    for spec, per_device, message in [
+        ("", None, "no device given"),
+        ("tpu:0", None, "is no device"),
+        ("cpu", 0, "at least 1"),
+    ]:
         with pytest.raises(DataError, match=message):
             lane_devices(spec, per_device)
 
@@ -328,7 +448,11 @@ def test_qrag_index_help_names_the_defaults_each_path_takes():
     from qrag.index.bulk import PATH_DEFAULTS
     from qrag.index.lanes import LANE_CHUNK_BATCH, LANE_COMMIT_CHUNKS, LANE_ENCODE_TOKENS
 
-    assert PATH_DEFAULTS["lanes"] == {"encode_batch": LANE_CHUNK_BATCH, "encode_tokens": LANE_ENCODE_TOKENS, "commit_chunks": LANE_COMMIT_CHUNKS}
+    assert PATH_DEFAULTS["lanes"] == {
+        "encode_batch": LANE_CHUNK_BATCH,
+        "encode_tokens": LANE_ENCODE_TOKENS,
+        "commit_chunks": LANE_COMMIT_CHUNKS,
+    }
     p = argparse.ArgumentParser()
     index_args(p)
     helps = {a.dest: a.help for a in p._actions}
@@ -339,9 +463,15 @@ def test_qrag_index_help_names_the_defaults_each_path_takes():
     for path, defaults in PATH_DEFAULTS.items():
         settled = cfg.with_defaults(path)
         assert {key: getattr(settled, key) for key in defaults} == defaults
-    cfg = index_config(p.parse_args(["--corpus", "c", "--input", "x.jsonl", "--encode-batch", "7", "--commit-chunks", "9"]))
+    cfg = index_config(
+        p.parse_args(["--corpus", "c", "--input", "x.jsonl", "--encode-batch", "7", "--commit-chunks", "9"])
+    )
     settled = cfg.with_defaults("ray")
-    assert (settled.encode_batch, settled.commit_chunks, settled.encode_tokens) == (7, 9, PATH_DEFAULTS["ray"]["encode_tokens"])
+    assert (settled.encode_batch, settled.commit_chunks, settled.encode_tokens) == (
+        7,
+        9,
+        PATH_DEFAULTS["ray"]["encode_tokens"],
+    )
 
 
 def test_a_groups_count_is_reported_once_its_tokenising_is_done_not_when_it_is_embedded():
@@ -407,5 +537,7 @@ def test_each_lanes_first_group_is_smaller_so_its_device_starts_sooner():
     assert not failure
     sent = sorted(item for box in boxes for item in iter(box.get_nowait, None))
     sizes = [len(group) for _, group in sent]
-    assert sizes[:2] == [800 // FIRST_GROUP_SHRINK // 100] * 2 and set(sizes[2:]) == {8}  # one small group per lane, then full ones
+    assert sizes[:2] == [800 // FIRST_GROUP_SHRINK // 100] * 2 and set(sizes[2:]) == {
+        8
+    }  # one small group per lane, then full ones
     assert [d.id for _, group in sent for d in group] == [d.id for d in docs]  # every document once, in order

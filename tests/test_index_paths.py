@@ -32,8 +32,23 @@ def write_jsonl(path: Path, docs) -> Path:
 
 def argv_for(tmp_path: Path, tiny_encoder: str, *extra: str) -> list[str]:
     source = write_jsonl(tmp_path / "docs.jsonl", make_documents(6, seed=4))
-    return ["index", "--corpus", "c", "--input", str(source), "--storage", str(tmp_path / "s"), "--encoder", tiny_encoder,
-            "--chunk-tokens", str(CHUNK_TOKENS), "--shards", "2", "--no-progress", *extra]
+    return [
+        "index",
+        "--corpus",
+        "c",
+        "--input",
+        str(source),
+        "--storage",
+        str(tmp_path / "s"),
+        "--encoder",
+        tiny_encoder,
+        "--chunk-tokens",
+        str(CHUNK_TOKENS),
+        "--shards",
+        "2",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def last_json(capsys) -> dict:
@@ -118,7 +133,9 @@ def test_path_and_lanes_force_a_path(machine, tiny_encoder, tmp_path, monkeypatc
 def test_the_rule_under_a_cluster_address():
     cfg = BulkIndexConfig(corpus="c", inputs=["x.jsonl"])
     assert runs_here(cfg, None) and not runs_here(cfg, "10.0.0.1:6379")
-    assert cluster_path(cfg, 8) == "lanes" and cluster_path(cfg, 0) == "ray"  # GPU nodes: the lanes on one; else Ray Data
+    assert (
+        cluster_path(cfg, 8) == "lanes" and cluster_path(cfg, 0) == "ray"
+    )  # GPU nodes: the lanes on one; else Ray Data
     lanes_cfg = BulkIndexConfig(corpus="c", inputs=["x.jsonl"], path="lanes")
     ray_cfg = BulkIndexConfig(corpus="c", inputs=["x.jsonl"], path="ray")
     assert cluster_path(lanes_cfg, 0) == "lanes" and cluster_path(ray_cfg, 8) == "ray"
@@ -146,13 +163,28 @@ def test_the_default_indexes_end_to_end_in_lanes_on_the_cpu(tiny_encoder, tmp_pa
 def test_the_readers_live_in_data_and_the_front_door_imports_no_ray():
     from qrag.data import records
 
-    for name in ("FORMATS", "SUFFIXES", "WHOLE", "format_of", "expand_inputs", "text_doc_id", "plan_parts", "read_records",
-                 "read_documents", "count_documents"):
+    for name in (
+        "FORMATS",
+        "SUFFIXES",
+        "WHOLE",
+        "format_of",
+        "expand_inputs",
+        "text_doc_id",
+        "plan_parts",
+        "read_records",
+        "read_documents",
+        "count_documents",
+    ):
         assert hasattr(records, name), name
     assert records.read_records.__module__ == "qrag.data.records"
     code = "import sys, qrag.data.records, qrag.index.bulk, qrag.cli.index; assert 'ray' not in sys.modules, 'ray imported'"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT / "platform"), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT / "platform"), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 

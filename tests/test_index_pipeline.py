@@ -48,7 +48,12 @@ def snapshot(store: CorpusStore, name: str = "c"):
     for b in written:
         shards = [{**s, "vectors": {**s["vectors"], "file": norm(s["vectors"]["file"])}} for s in b["shards"]]
         batches.append({**b, "shards": shards})
-    listed = {norm(s[k]["file"]): (root / s[k]["file"]).read_bytes() for b in written for s in b["shards"] for k in ("vectors", "texts")}
+    listed = {
+        norm(s[k]["file"]): (root / s[k]["file"]).read_bytes()
+        for b in written
+        for s in b["shards"]
+        for k in ("vectors", "texts")
+    }
     listed |= {b["docs"]["file"]: (root / b["docs"]["file"]).read_bytes() for b in written}
     on_disk = sorted(norm(str(p.relative_to(root))) for p in root.rglob("*") if p.is_file())
     head = {k: v for k, v in m.__dict__.items() if k not in ("uid", "created", "updated", "batches")}
@@ -67,7 +72,9 @@ def test_pipelined_writes_the_same_files_as_sequential(model, tmp_path, monkeypa
 
     monkeypatch.setattr(CorpusStore, "append", slow_append)
     seen = []
-    pipe_store, pipe = build(model, tmp_path / "pipe", docs, pipelined=True, progress=lambda done, known: seen.append((done, known)))
+    pipe_store, pipe = build(
+        model, tmp_path / "pipe", docs, pipelined=True, progress=lambda done, known: seen.append((done, known))
+    )
     monkeypatch.undo()
 
     m = pipe_store.read("c")
@@ -254,7 +261,9 @@ def test_a_failing_replica_is_raised_and_only_the_groups_before_it_commit(model,
     LocalIndex(store, model).create("c", chunk_tokens=24, shards=SHARDS)
     groups = list(document_groups(docs, lambda block: model.chunk_documents(block, 24), 10))
     with pytest.raises(RuntimeError, match="this device failed"):
-        index_groups(store, "c", _Recorded(model), groups, chunk_batch=1000, replicas=[_Recorded(model, fail_at=1)])  # group 3
+        index_groups(
+            store, "c", _Recorded(model), groups, chunk_batch=1000, replicas=[_Recorded(model, fail_at=1)]
+        )  # group 3
     m = store.read("c")
     assert [b.chunks for b in m.batches] == [b.chunks for b in ref_store.read("c").batches[:3]]
     with pytest.raises(ValueError, match="same model"):
@@ -315,7 +324,10 @@ def test_segment_text_lines_are_the_json_they_always_were():
     texts = ["plain", "“quoted” é 中", 'q"b\\s\n\t\x00\x1f\x7f\u2028', "", "</script>", "emoji 😀"]
     positions = np.arange(len(texts), dtype=np.int64) * 123456789012
     for doc in [*texts, np.str_("numpy-str")]:
-        lines = [json.dumps({"position": int(p), "doc": doc, "text": t}, ensure_ascii=False) for p, t in zip(positions, texts)]
+        lines = [
+            json.dumps({"position": int(p), "doc": doc, "text": t}, ensure_ascii=False)
+            for p, t in zip(positions, texts)
+        ]
         assert _encode_texts(positions, [doc] * len(texts), texts) == ("\n".join(lines) + "\n").encode("utf-8")
     assert _encode_texts(positions[:0], [], []) == b""
 
@@ -439,6 +451,7 @@ class _Queued:
             with self.lock:
                 self.events.append(("wait", len(seqs)))
             return out
+
         return wait
 
 
@@ -477,6 +490,7 @@ def test_the_device_gets_the_next_groups_slice_before_the_last_one_is_waited_for
                 out = inner()
                 self.events.append(("done", k))
                 return out
+
             return wait
 
     queued = Gated(model)
@@ -486,7 +500,9 @@ def test_the_device_gets_the_next_groups_slice_before_the_last_one_is_waited_for
     assert not [k for e, k in queued.events if e == "late"]
     order = [e for e, _ in queued.events if e in ("start", "done")]
     for k in range(len(sizes) - 2):  # slice k+2 is queued only after slice k is done
-        assert [i for i, e in enumerate(order) if e == "start"][k + 2] > [i for i, e in enumerate(order) if e == "done"][k]
+        assert [i for i, e in enumerate(order) if e == "start"][k + 2] > [
+            i for i, e in enumerate(order) if e == "done"
+        ][k]
     assert snapshot(store) == snapshot(seq_store)
 
 
@@ -506,6 +522,7 @@ def test_a_streamed_group_is_embedded_as_its_blocks_come_and_writes_the_same_fil
                     assert last_block.wait(10)
                 yield g.chunks[lo : lo + 3], g.ids[lo : lo + 3]
             counts.append(len(g.ids))
+
         return Group(docs=list(g.docs), pending=blocks())
 
     class Releasing(_Queued):
@@ -541,6 +558,7 @@ def test_a_streamed_groups_failing_block_is_raised_after_the_groups_before_it(mo
             if k == 2:
                 raise RuntimeError("a tokenising worker died")
             yield g.chunks[2:], g.ids[2:]
+
         return Group(docs=list(g.docs), pending=blocks())
 
     store = CorpusStore(tmp_path / "run")

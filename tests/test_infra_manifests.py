@@ -34,11 +34,24 @@ def test_every_kubernetes_document_has_a_schema_and_matches_it(path):
 
 def test_the_manifests_cover_the_issue():
     kinds = {d.key[1] for d in validate.k8s_docs()}
-    assert {"RayCluster", "RayJob", "RayService", "PersistentVolumeClaim", "Deployment", "Service", "Namespace", "Kustomization"} <= kinds
+    assert {
+        "RayCluster",
+        "RayJob",
+        "RayService",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "Namespace",
+        "Kustomization",
+    } <= kinds
     job = validate.one("RayJob")
     assert "/opt/qrag/jobs/train_hotpot.py" in job.body["spec"]["entrypoint"]
     groups = {g.name: g for g in validate.ray_groups(validate.one("RayCluster").body["spec"])[1]}
-    assert groups["gpu-workers"].gpus == 1 and groups["cpu-workers"].gpus == 0 and groups["cpu-workers"].custom == {"qrag_cpu_node": 1000}
+    assert (
+        groups["gpu-workers"].gpus == 1
+        and groups["cpu-workers"].gpus == 0
+        and groups["cpu-workers"].custom == {"qrag_cpu_node": 1000}
+    )
     assert all(g.max > g.min for g in groups.values())  # autoscaling bounds
 
 
@@ -74,30 +87,37 @@ def serve_args(change):
         cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])
         change(cfg["applications"][0]["args"], cfg)
         doc["spec"]["serveConfigV2"] = yaml.safe_dump(cfg, sort_keys=False)
+
     return apply
 
 
 def serve_deployment(name: str, change):
     """Apply ``change(options)`` to deployment ``name`` of the RayService's application."""
+
     def apply(a, c):
         entry = next(d for d in c["applications"][0]["deployments"] if d["name"] == name)
         change(entry)
+
     return serve_args(apply)
 
 
 def shard_layout(change=None):
     """The RayService's app in the layout for corpora beyond one GPU (two Shard deployments, a GPU
     each, the Ingress with the encoder beside one of them), then ``change(args, config)``."""
+
     def apply(a, c):
         a.update(shard_deployments=2)
         app = c["applications"][0]
         ingress = next(d for d in app["deployments"] if d["name"] == "Ingress")
         ingress["autoscaling_config"].update(min_replicas=1, max_replicas=2)
         ingress["ray_actor_options"] = {"num_cpus": 0, "num_gpus": 0.4}
-        app["deployments"] += [{"name": f"Shard{i}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.6}}
-                               for i in range(2)]
+        app["deployments"] += [
+            {"name": f"Shard{i}", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0, "num_gpus": 0.6}}
+            for i in range(2)
+        ]
         if change is not None:
             change(a, c)
+
     return serve_args(apply)
 
 
@@ -110,6 +130,7 @@ def entrypoint(old: str, new: str):
     def apply(doc):
         assert old in doc["spec"]["entrypoint"]
         doc["spec"]["entrypoint"] = doc["spec"]["entrypoint"].replace(old, new)
+
     return apply
 
 
@@ -118,70 +139,232 @@ RAYJOB = "kuberay/train/rayjob.yaml"
 RAYSERVICE = "kuberay/serve/rayservice.yaml"
 
 
-@pytest.mark.parametrize("file, change, expected", [
-    # schemas
-    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(minReplica=1), "'minReplica' was unexpected"),
-    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][0]["rayStartParams"].update({"num-gpus": 1}), "1 is not of type 'string'"),
-    (RAYCLUSTER, lambda d: d["spec"]["autoscalerOptions"].update(upscalingMode="Fast"), "'Fast' is not one of"),
-    (RAYSERVICE, serve_args(lambda a, c: c.update(proxy_locaton="EveryNode")), "unknown key 'proxy_locaton'"),
-    # the RayJob against the project
-    (RAYJOB, entrypoint("jobs/train_hotpot.py", "jobs/train_hotpotqa.py"), "is not a file of the project"),
-    (RAYJOB, entrypoint("distributed.runners=8", "distributed.runnerz=8"), "unknown config key distributed.runnerz"),
-    (RAYJOB, entrypoint("distributed.runners=8", "distributed.runners=20"), "20 runners x 1 CPUs > 16 CPUs"),
-    (RAYJOB, entrypoint("'distributed.runner_resources={qrag_cpu_node: 0.001}'", ""), "EpisodeFeeders may land on GPU nodes"),
-    (RAYJOB, entrypoint("qrag_cpu_node", "qrag_cpu"), "asks for 0.001 of 'qrag_cpu' but the Ray cluster has 0"),
-    (RAYJOB, entrypoint("distributed.learner_cpus=4", "distributed.learner_cpus=12"), "no worker group can hold the learner"),
-    (RAYJOB, lambda d: d["spec"].update(clusterSelector={"ray.io/cluster": "other"}), "names RayCluster 'other'"),
-    # the RayService against the project and the GPUs
-    (RAYSERVICE, shard_layout(), ""),  # the other layout of the same app is valid too
-    (RAYSERVICE, shard_layout(lambda a, c: [d["ray_actor_options"].update(num_gpus=0.5) for d in c["applications"][0]["deployments"]
-                                            if d["name"].startswith("Shard")]), "lets 2 shards share one GPU"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="models:/qrag-hotpot@staging")), "is not a model a RayJob registers"),
-    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(maxReplicas=9), "QRAG_AUTOSCALE_TO"),
-    (RAYSERVICE, in_shard_layout("Ingress", lambda d: d["autoscaling_config"].update(min_replicas=2)),
-     "some placement order leaves a shard without a GPU"),
-    (RAYSERVICE, in_shard_layout("Ingress", lambda d: d["autoscaling_config"].update(max_replicas=9)), "at Ingress max_replicas the deployments ask for"),
-    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(max_replicas=9)), "at Ingress max_replicas the deployments ask for"),
-    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(min_replicas=5)), "more GPUs than the 2 of the GPU workers"),
-    (RAYSERVICE, in_shard_layout("Shard1", lambda d: d.update(name="Shard2")), "(Shard2): no deployment 'Shard2' in the app with 2 shard deployment(s)"),
-    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(target_ongoing_request=4)), "autoscaling_config.target_ongoing_request: unknown key"),
-    (RAYSERVICE, serve_deployment("Ingress", lambda d: d.update(max_ongoing_request=4)), "unknown key 'max_ongoing_request'"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(shard_replicas=2)), "unknown config key shard_replicas"),
-    (RAYSERVICE, in_shard_layout("Shard1", lambda d: d.pop("ray_actor_options")), "set ray_actor_options.num_gpus of Shard1"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(shardz=2)), "unknown config key shardz"),
-    (RAYSERVICE, serve_deployment("Ingress", lambda d: d["ray_actor_options"].update(num_gpus=0)), "Ingress run on CUDA"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(checkpoint="/mnt/qrag/runs/other/final")), "is not where a RayJob writes one"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(storage="qrag_indexes")), "args.storage qrag_indexes is not on the shared volume"),
-    (RAYSERVICE, serve_args(lambda a, c: c["applications"][0].update(import_path="serve.app:make")), "does not resolve to a function"),
-    (RAYSERVICE, serve_args(lambda a, c: c["http_options"].update(host="127.0.0.1")), "http_options.host must be 0.0.0.0"),
-    (RAYSERVICE, lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(env=[]),
-     "pods gpu-workers have no QRAG_API_KEYS from a Secret"),
-    (RAYSERVICE, serve_args(lambda a, c: a.update(api_keys="k1:write")), "args.api_keys writes keys into the manifest"),
-    ("kuberay/serve/kustomization.yaml", lambda d: d["secretGenerator"][0].update(name="qrag-keys"), "reads secret 'qrag-serve-keys', which nothing defines"),
-    # pods, images, versions, wiring
-    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"].update({"nvidia.com/gpu": "2"}),
-     "nvidia.com/gpu limit 2 != num-gpus 1"),
-    (RAYCLUSTER, lambda d: d["spec"]["headGroupSpec"]["rayStartParams"].update({"num-cpus": "4"}), "the head should declare num-cpus"),
-    (RAYCLUSTER, lambda d: d["spec"].update(rayVersion="2.59.0"), "rayVersion 2.59.0 != the image's Ray"),
-    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(image="rayproject/ray:2.60.0"),
-     "not the qrag image"),
-    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]["env"][0].update(
-        value="http://mlflow.qrag.svc.cluster.local:5001"), "port 5001 is not a port of Service mlflow"),
-    (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"].update(claimName="nope"),
-     "claims 'nope'"),
-    ("mlflow/k8s/mlflow.yaml#1", lambda d: d["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"].update(key="PASSWORD"),
-     "reads key 'PASSWORD' that secret mlflow-secrets lacks"),
-    ("mlflow/k8s/mlflow.yaml#2", lambda d: d["spec"]["ports"][0].update(targetPort="web"), "targetPort 'web' is not a container port"),
-    ("mlflow/k8s/kustomization.yaml", lambda d: d["resources"].append("redis.yaml"), "resource redis.yaml does not exist"),
-    ("mlflow/k8s/kustomization.yaml", lambda d: d["secretGenerator"][0].update(name="MLflow_Secrets"), "secretGenerator MLflow_Secrets: metadata/name"),
-    ("mlflow/docker-compose.yaml", lambda d: d["services"]["mlflow"].update(ports=["5000:5000"]), "publish 5000:5000 on 127.0.0.1"),
-    ("cluster.yaml", lambda d: d["available_node_types"]["gpu_worker"]["resources"].update(CPU=4), "no node type with the resources of worker group gpu-workers"),
-    ("cluster.yaml", lambda d: d["available_node_types"]["cpu_worker"].update(max_worker=3), "'max_worker' was unexpected"),
-    ("runtime_env.yaml", lambda d: d["pip"]["packages"].remove("faiss-cpu>=1.8"), "missing ['faiss-cpu>=1.8']"),
-    ("runtime_env.yaml", lambda d: d["env_vars"].update(TOKENIZERS_PARALLELISM="true"), "env_vars.TOKENIZERS_PARALLELISM=true but the image sets false"),
-    ("runtime_env.yaml", lambda d: d["env_vars"].update(HF_HUB_OFFLINE="1"), "env_vars.HF_HUB_OFFLINE switches the hub off for every job"),
-    ("cluster.yaml", lambda d: d["docker"]["run_options"].append("--env HF_HUB_OFFLINE=1"), "docker.run_options set HF_HUB_OFFLINE"),
-], ids=lambda v: v if isinstance(v, str) and "/" in v else None)
+@pytest.mark.parametrize(
+    "file, change, expected",
+    [
+        # schemas
+        (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(minReplica=1), "'minReplica' was unexpected"),
+        (
+            RAYCLUSTER,
+            lambda d: d["spec"]["workerGroupSpecs"][0]["rayStartParams"].update({"num-gpus": 1}),
+            "1 is not of type 'string'",
+        ),
+        (RAYCLUSTER, lambda d: d["spec"]["autoscalerOptions"].update(upscalingMode="Fast"), "'Fast' is not one of"),
+        (RAYSERVICE, serve_args(lambda a, c: c.update(proxy_locaton="EveryNode")), "unknown key 'proxy_locaton'"),
+        # the RayJob against the project
+        (RAYJOB, entrypoint("jobs/train_hotpot.py", "jobs/train_hotpotqa.py"), "is not a file of the project"),
+        (
+            RAYJOB,
+            entrypoint("distributed.runners=8", "distributed.runnerz=8"),
+            "unknown config key distributed.runnerz",
+        ),
+        (RAYJOB, entrypoint("distributed.runners=8", "distributed.runners=20"), "20 runners x 1 CPUs > 16 CPUs"),
+        (
+            RAYJOB,
+            entrypoint("'distributed.runner_resources={qrag_cpu_node: 0.001}'", ""),
+            "EpisodeFeeders may land on GPU nodes",
+        ),
+        (RAYJOB, entrypoint("qrag_cpu_node", "qrag_cpu"), "asks for 0.001 of 'qrag_cpu' but the Ray cluster has 0"),
+        (
+            RAYJOB,
+            entrypoint("distributed.learner_cpus=4", "distributed.learner_cpus=12"),
+            "no worker group can hold the learner",
+        ),
+        (RAYJOB, lambda d: d["spec"].update(clusterSelector={"ray.io/cluster": "other"}), "names RayCluster 'other'"),
+        # the RayService against the project and the GPUs
+        (RAYSERVICE, shard_layout(), ""),  # the other layout of the same app is valid too
+        (
+            RAYSERVICE,
+            shard_layout(
+                lambda a, c: [
+                    d["ray_actor_options"].update(num_gpus=0.5)
+                    for d in c["applications"][0]["deployments"]
+                    if d["name"].startswith("Shard")
+                ]
+            ),
+            "lets 2 shards share one GPU",
+        ),
+        (
+            RAYSERVICE,
+            serve_args(lambda a, c: a.update(checkpoint="models:/qrag-hotpot@staging")),
+            "is not a model a RayJob registers",
+        ),
+        (RAYCLUSTER, lambda d: d["spec"]["workerGroupSpecs"][1].update(maxReplicas=9), "QRAG_AUTOSCALE_TO"),
+        (
+            RAYSERVICE,
+            in_shard_layout("Ingress", lambda d: d["autoscaling_config"].update(min_replicas=2)),
+            "some placement order leaves a shard without a GPU",
+        ),
+        (
+            RAYSERVICE,
+            in_shard_layout("Ingress", lambda d: d["autoscaling_config"].update(max_replicas=9)),
+            "at Ingress max_replicas the deployments ask for",
+        ),
+        (
+            RAYSERVICE,
+            serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(max_replicas=9)),
+            "at Ingress max_replicas the deployments ask for",
+        ),
+        (
+            RAYSERVICE,
+            serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(min_replicas=5)),
+            "more GPUs than the 2 of the GPU workers",
+        ),
+        (
+            RAYSERVICE,
+            in_shard_layout("Shard1", lambda d: d.update(name="Shard2")),
+            "(Shard2): no deployment 'Shard2' in the app with 2 shard deployment(s)",
+        ),
+        (
+            RAYSERVICE,
+            serve_deployment("Ingress", lambda d: d["autoscaling_config"].update(target_ongoing_request=4)),
+            "autoscaling_config.target_ongoing_request: unknown key",
+        ),
+        (
+            RAYSERVICE,
+            serve_deployment("Ingress", lambda d: d.update(max_ongoing_request=4)),
+            "unknown key 'max_ongoing_request'",
+        ),
+        (RAYSERVICE, serve_args(lambda a, c: a.update(shard_replicas=2)), "unknown config key shard_replicas"),
+        (
+            RAYSERVICE,
+            in_shard_layout("Shard1", lambda d: d.pop("ray_actor_options")),
+            "set ray_actor_options.num_gpus of Shard1",
+        ),
+        (RAYSERVICE, serve_args(lambda a, c: a.update(shardz=2)), "unknown config key shardz"),
+        (
+            RAYSERVICE,
+            serve_deployment("Ingress", lambda d: d["ray_actor_options"].update(num_gpus=0)),
+            "Ingress run on CUDA",
+        ),
+        (
+            RAYSERVICE,
+            serve_args(lambda a, c: a.update(checkpoint="/mnt/qrag/runs/other/final")),
+            "is not where a RayJob writes one",
+        ),
+        (
+            RAYSERVICE,
+            serve_args(lambda a, c: a.update(storage="qrag_indexes")),
+            "args.storage qrag_indexes is not on the shared volume",
+        ),
+        (
+            RAYSERVICE,
+            serve_args(lambda a, c: c["applications"][0].update(import_path="serve.app:make")),
+            "does not resolve to a function",
+        ),
+        (
+            RAYSERVICE,
+            serve_args(lambda a, c: c["http_options"].update(host="127.0.0.1")),
+            "http_options.host must be 0.0.0.0",
+        ),
+        (
+            RAYSERVICE,
+            lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(
+                env=[]
+            ),
+            "pods gpu-workers have no QRAG_API_KEYS from a Secret",
+        ),
+        (
+            RAYSERVICE,
+            serve_args(lambda a, c: a.update(api_keys="k1:write")),
+            "args.api_keys writes keys into the manifest",
+        ),
+        (
+            "kuberay/serve/kustomization.yaml",
+            lambda d: d["secretGenerator"][0].update(name="qrag-keys"),
+            "reads secret 'qrag-serve-keys', which nothing defines",
+        ),
+        # pods, images, versions, wiring
+        (
+            RAYCLUSTER,
+            lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"][
+                "limits"
+            ].update({"nvidia.com/gpu": "2"}),
+            "nvidia.com/gpu limit 2 != num-gpus 1",
+        ),
+        (
+            RAYCLUSTER,
+            lambda d: d["spec"]["headGroupSpec"]["rayStartParams"].update({"num-cpus": "4"}),
+            "the head should declare num-cpus",
+        ),
+        (RAYCLUSTER, lambda d: d["spec"].update(rayVersion="2.59.0"), "rayVersion 2.59.0 != the image's Ray"),
+        (
+            RAYCLUSTER,
+            lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].update(
+                image="rayproject/ray:2.60.0"
+            ),
+            "not the qrag image",
+        ),
+        (
+            RAYCLUSTER,
+            lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]["env"][0].update(
+                value="http://mlflow.qrag.svc.cluster.local:5001"
+            ),
+            "port 5001 is not a port of Service mlflow",
+        ),
+        (
+            RAYCLUSTER,
+            lambda d: d["spec"]["workerGroupSpecs"][1]["template"]["spec"]["volumes"][0][
+                "persistentVolumeClaim"
+            ].update(claimName="nope"),
+            "claims 'nope'",
+        ),
+        (
+            "mlflow/k8s/mlflow.yaml#1",
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"].update(
+                key="PASSWORD"
+            ),
+            "reads key 'PASSWORD' that secret mlflow-secrets lacks",
+        ),
+        (
+            "mlflow/k8s/mlflow.yaml#2",
+            lambda d: d["spec"]["ports"][0].update(targetPort="web"),
+            "targetPort 'web' is not a container port",
+        ),
+        (
+            "mlflow/k8s/kustomization.yaml",
+            lambda d: d["resources"].append("redis.yaml"),
+            "resource redis.yaml does not exist",
+        ),
+        (
+            "mlflow/k8s/kustomization.yaml",
+            lambda d: d["secretGenerator"][0].update(name="MLflow_Secrets"),
+            "secretGenerator MLflow_Secrets: metadata/name",
+        ),
+        (
+            "mlflow/docker-compose.yaml",
+            lambda d: d["services"]["mlflow"].update(ports=["5000:5000"]),
+            "publish 5000:5000 on 127.0.0.1",
+        ),
+        (
+            "cluster.yaml",
+            lambda d: d["available_node_types"]["gpu_worker"]["resources"].update(CPU=4),
+            "no node type with the resources of worker group gpu-workers",
+        ),
+        (
+            "cluster.yaml",
+            lambda d: d["available_node_types"]["cpu_worker"].update(max_worker=3),
+            "'max_worker' was unexpected",
+        ),
+        ("runtime_env.yaml", lambda d: d["pip"]["packages"].remove("faiss-cpu>=1.8"), "missing ['faiss-cpu>=1.8']"),
+        (
+            "runtime_env.yaml",
+            lambda d: d["env_vars"].update(TOKENIZERS_PARALLELISM="true"),
+            "env_vars.TOKENIZERS_PARALLELISM=true but the image sets false",
+        ),
+        (
+            "runtime_env.yaml",
+            lambda d: d["env_vars"].update(HF_HUB_OFFLINE="1"),
+            "env_vars.HF_HUB_OFFLINE switches the hub off for every job",
+        ),
+        (
+            "cluster.yaml",
+            lambda d: d["docker"]["run_options"].append("--env HF_HUB_OFFLINE=1"),
+            "docker.run_options set HF_HUB_OFFLINE",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) and "/" in v else None,
+)
 def test_a_broken_manifest_is_reported(infra, file, change, expected):
     path, _, index = file.partition("#")  # file#n: the n-th document of the file
     report = problems_after(infra / path, change, int(index or 0))
@@ -191,9 +374,11 @@ def test_a_broken_manifest_is_reported(infra, file, change, expected):
 def test_dockerfile_checks(infra):
     dockerfile = infra / "docker" / "Dockerfile"
     text = dockerfile.read_text()
-    dockerfile.write_text(text.replace("rayproject/ray:2.60.0-py311-cu128", "rayproject/ray:latest")
-                          .replace("COPY --chown=ray:users serve/ serve/", "COPY --chown=ray:users serve/ serve/\nCOPY bench/ bench/")
-                          .replace("USER ray\nWORKDIR", "WORKDIR"))
+    dockerfile.write_text(
+        text.replace("rayproject/ray:2.60.0-py311-cu128", "rayproject/ray:latest")
+        .replace("COPY --chown=ray:users serve/ serve/", "COPY --chown=ray:users serve/ serve/\nCOPY bench/ bench/")
+        .replace("USER ray\nWORKDIR", "WORKDIR")
+    )
     report = "\n".join(validate.check_dockerfiles())
     assert "base image rayproject/ray:latest is not pinned" in report
     assert "COPY source bench/ is excluded" in report
@@ -211,12 +396,16 @@ def test_one_torch_pin_ray_pinned_and_faiss_extras_apart(tmp_path, monkeypatch):
     monkeypatch.setattr(validate, "ROOT", root)
     image = "rayproject/ray:2.60.0-py311-cu128"
     assert validate.check_pins(image) == []
-    assert "does not admit the image's Ray 2.61.0" in "\n".join(validate.check_pins("rayproject/ray:2.61.0-py311-cu128"))
+    assert "does not admit the image's Ray 2.61.0" in "\n".join(
+        validate.check_pins("rayproject/ray:2.61.0-py311-cu128")
+    )
     makefile = root / "Makefile"
     makefile.write_text(makefile.read_text().replace("TORCH_SPEC ?= torch==2.13.0", "TORCH_SPEC ?= torch==2.12.0"))
     assert "torch pins disagree" in "\n".join(validate.check_pins(image))
     pyproject = root / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('faiss = ["faiss-cpu>=1.8"]', 'faiss = ["faiss-cpu>=1.8", "faiss-gpu-cu12>=1.8"]'))
+    pyproject.write_text(
+        pyproject.read_text().replace('faiss = ["faiss-cpu>=1.8"]', 'faiss = ["faiss-cpu>=1.8", "faiss-gpu-cu12>=1.8"]')
+    )
     assert "FAISS wheels overwrite each other" in "\n".join(validate.check_pins(image))
 
 
@@ -230,7 +419,7 @@ def test_dockerignore_rules_follow_docker():
 
 def test_dockerfile_parser_joins_continuations(tmp_path):
     f = tmp_path / "Dockerfile"
-    f.write_text("# c\nFROM a:1\nENV A=1 \\\n    # inner comment\n    B=2\nCOPY [\"x y\", \"/z\"]\n")
+    f.write_text('# c\nFROM a:1\nENV A=1 \\\n    # inner comment\n    B=2\nCOPY ["x y", "/z"]\n')
     ins = validate.dockerfile_instructions(f)
     assert [(i.op, i.line) for i in ins] == [("FROM", 2), ("ENV", 3), ("COPY", 6)]
     assert ins[1].args.split() == ["A=1", "B=2"]
@@ -283,11 +472,22 @@ def test_resource_maps_are_checked():
     from qrag.distributed.placement import check_cluster_has, check_resource_map, learner_worker_resources
 
     assert check_resource_map("k", {"qrag_cpu_node": 0.001}) == {"qrag_cpu_node": 0.001}
-    for bad, message in [({"CPU": 1}, "not a custom resource"), ({"x": 0}, "positive"), ({"x": 1.5}, "only up to 1"), ({"": 1}, "non-empty")]:
+    for bad, message in [
+        ({"CPU": 1}, "not a custom resource"),
+        ({"x": 0}, "positive"),
+        ({"x": 1.5}, "only up to 1"),
+        ({"": 1}, "non-empty"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             check_resource_map("k", bad)
-    cfg = load_config(None, ["distributed.runner_resources={qrag_cpu_node: 0.001}", "distributed.learner_gpus=0.25",
-                             "distributed.learner_resources={'accelerator_type:A10G': 0.001}"])
+    cfg = load_config(
+        None,
+        [
+            "distributed.runner_resources={qrag_cpu_node: 0.001}",
+            "distributed.learner_gpus=0.25",
+            "distributed.learner_resources={'accelerator_type:A10G': 0.001}",
+        ],
+    )
     assert learner_worker_resources(cfg, True) == {"CPU": 1.0, "GPU": 0.25, "accelerator_type:A10G": 0.001}
     assert learner_worker_resources(cfg, False) == {"CPU": 1.0, "accelerator_type:A10G": 0.001}
     with pytest.raises(ConfigError, match="'qrag_cpu_node' but the Ray cluster has 0"):
@@ -302,7 +502,14 @@ def test_the_job_asks_ray_for_what_the_config_says():
     from qrag.config import ConfigError, load_config
     from qrag.distributed.train import learner_resources
 
-    cfg = load_config(None, ["distributed.learner_gpus=0.2", "distributed.runners=2", "distributed.runner_resources={qrag_cpu_node: 0.001}"])
+    cfg = load_config(
+        None,
+        [
+            "distributed.learner_gpus=0.2",
+            "distributed.runners=2",
+            "distributed.runner_resources={qrag_cpu_node: 0.001}",
+        ],
+    )
     assert learner_resources(cfg, {"CPU": 8, "GPU": 2, "qrag_cpu_node": 1000}) == (True, {"CPU": 1.0, "GPU": 0.2})
     with pytest.raises(ConfigError, match="qrag_cpu_node"):
         learner_resources(cfg, {"CPU": 8, "GPU": 2})

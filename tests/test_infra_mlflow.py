@@ -66,8 +66,12 @@ def mlflow_bin() -> str:
 def cluster(tmp_path_factory):
     """`ray start --head` on 127.0.0.1: 3 CPUs, 2 logical GPUs (placement only; nothing runs CUDA),
     the CPU-node marker resource; own ports, temp dir and auth token; stopped by process group."""
-    with local_ray_cluster(tmp_path_factory.mktemp("ray"), num_gpus=2, resources={MARKER: 100},
-                           drop_env=("RAY_ADDRESS", "MLFLOW_TRACKING_URI")) as c:
+    with local_ray_cluster(
+        tmp_path_factory.mktemp("ray"),
+        num_gpus=2,
+        resources={MARKER: 100},
+        drop_env=("RAY_ADDRESS", "MLFLOW_TRACKING_URI"),
+    ) as c:
         yield c
 
 
@@ -96,13 +100,24 @@ class Postgres:
             self.as_user = ["runuser", "-u", "postgres", "--"]
 
     def run(self, tool: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.as_user, str(self.bindir / tool), *args], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [*self.as_user, str(self.bindir / tool), *args], capture_output=True, text=True, timeout=120
+        )
 
     def start(self) -> None:
         for step in (
             ("initdb", "-D", str(self.dir / "data"), "-U", "postgres", "-A", "trust", "--no-sync"),
-            ("pg_ctl", "start", "-w", "-D", str(self.dir / "data"), "-l", str(self.dir / "log"),
-             "-o", f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off"),
+            (
+                "pg_ctl",
+                "start",
+                "-w",
+                "-D",
+                str(self.dir / "data"),
+                "-l",
+                str(self.dir / "log"),
+                "-o",
+                f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off",
+            ),
             ("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "mlflow"),
         ):
             res = self.run(*step)
@@ -111,7 +126,9 @@ class Postgres:
                 raise RuntimeError(f"{step[0]} failed: {res.stderr.strip()} {log}")
 
     def sql(self, query: str) -> str:
-        res = self.run("psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "mlflow", "-At", "-c", query)
+        res = self.run(
+            "psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "mlflow", "-At", "-c", query
+        )
         assert res.returncode == 0, res.stderr
         return res.stdout.strip()
 
@@ -153,10 +170,23 @@ def mlflow_server(mlflow_bin, backend, tmp_path):
     port = free_ports(1)[0]
     artifacts = tmp_path / "server" / "artifacts"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(MLFLOW_BIN=mlflow_bin, MLFLOW_BACKEND_STORE_URI=uri, MLFLOW_ARTIFACTS_DESTINATION=str(artifacts),
-               MLFLOW_HOST="127.0.0.1", MLFLOW_PORT=str(port), MLFLOW_WORKERS="1")
+    env.update(
+        MLFLOW_BIN=mlflow_bin,
+        MLFLOW_BACKEND_STORE_URI=uri,
+        MLFLOW_ARTIFACTS_DESTINATION=str(artifacts),
+        MLFLOW_HOST="127.0.0.1",
+        MLFLOW_PORT=str(port),
+        MLFLOW_WORKERS="1",
+    )
     log = open(tmp_path / "mlflow_server.log", "w")
-    proc = subprocess.Popen(["bash", str(SERVER_SCRIPT)], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(SERVER_SCRIPT)],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -176,17 +206,38 @@ def mlflow_server(mlflow_bin, backend, tmp_path):
         log.close()
 
 
-def train(cluster, tiny_encoder, hotpot_file, out_dir: Path, tracking_uri: str, name: str) -> subprocess.CompletedProcess:
+def train(
+    cluster, tiny_encoder, hotpot_file, out_dir: Path, tracking_uri: str, name: str
+) -> subprocess.CompletedProcess:
     """jobs/train_hotpot.py against the cluster, tracking to ``tracking_uri`` from the environment."""
     args = [
-        "--config", "configs/smoke.yaml", f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={out_dir}",
-        f"name={name}", "updates=2", "learner.episodes_per_update=4", "learner.micro_batch=4", "learner.warmup_updates=1",
-        "eval_limit=4", "log_every=1", "data.chunk_tokens=48", "distributed.runners=1", "distributed.runner_cpus=0.5",
-        "distributed.learner_gpu=false", f"distributed.runner_resources={{{MARKER}: 0.001}}",
+        "--config",
+        "configs/smoke.yaml",
+        f"model.encoder={tiny_encoder}",
+        f"data.path={hotpot_file}",
+        f"out_dir={out_dir}",
+        f"name={name}",
+        "updates=2",
+        "learner.episodes_per_update=4",
+        "learner.micro_batch=4",
+        "learner.warmup_updates=1",
+        "eval_limit=4",
+        "log_every=1",
+        "data.chunk_tokens=48",
+        "distributed.runners=1",
+        "distributed.runner_cpus=0.5",
+        "distributed.learner_gpu=false",
+        f"distributed.runner_resources={{{MARKER}: 0.001}}",
     ]
     env = {**cluster["env"], "MLFLOW_TRACKING_URI": tracking_uri}
-    return subprocess.run([sys.executable, "jobs/train_hotpot.py", "--address", cluster["gcs"], *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=420)
+    return subprocess.run(
+        [sys.executable, "jobs/train_hotpot.py", "--address", cluster["gcs"], *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
 
 
 PROBE_RUNNERS = """
@@ -218,7 +269,12 @@ def test_training_logs_to_a_real_mlflow_server(cluster, mlflow_server, tiny_enco
     assert run.data.params[f"distributed.runner_resources.{MARKER}"] == "0.001"
     # Artifacts went through the server (proxied) into its artifact store, not onto the client's disk.
     files = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")}
-    assert {"checkpoint/qrag.json", "checkpoint/state_encoder", "checkpoint/action_encoder", "checkpoint/tokenizer"} <= files
+    assert {
+        "checkpoint/qrag.json",
+        "checkpoint/state_encoder",
+        "checkpoint/action_encoder",
+        "checkpoint/tokenizer",
+    } <= files
     stored = list(mlflow_server["artifacts"].rglob("qrag.json"))  # checkpoint/ and the pyfunc model's copy
     assert len(stored) == 2 and all(run.info.run_id in str(p) for p in stored)
     assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
@@ -228,11 +284,27 @@ def test_training_logs_to_a_real_mlflow_server(cluster, mlflow_server, tiny_enco
     qnet, _, layout, cfg = load_qnet(source.directory, "cpu", False)
     assert cfg.name == name and layout.max_state_tokens == cfg.model.max_state_tokens
     if mlflow_server["pg"]:  # the server really wrote to PostgreSQL
-        assert mlflow_server["pg"].sql(f"select name || ' ' || status from runs where run_uuid = '{run.info.run_id}'") == f"{name} FINISHED"
-        assert int(mlflow_server["pg"].sql(f"select count(*) from metrics where run_uuid = '{run.info.run_id}' and key = 'train/loss'")) == 2
+        assert (
+            mlflow_server["pg"].sql(f"select name || ' ' || status from runs where run_uuid = '{run.info.run_id}'")
+            == f"{name} FINISHED"
+        )
+        assert (
+            int(
+                mlflow_server["pg"].sql(
+                    f"select count(*) from metrics where run_uuid = '{run.info.run_id}' and key = 'train/loss'"
+                )
+            )
+            == 2
+        )
 
     # The runner asked Ray for the CPU nodes' marker and for no GPU.
-    probe = subprocess.run([sys.executable, "-c", PROBE_RUNNERS, cluster["api"]], env=cluster["env"], capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE_RUNNERS, cluster["api"]],
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     asked = json.loads(probe.stdout.strip().splitlines()[-1])
     assert asked and all(r.get(MARKER) == 0.001 and not r.get("GPU") and r.get("CPU") == 0.5 for r in asked), asked
@@ -271,7 +343,13 @@ print(json.dumps({"shard_gpus": shard, **out}))
 
 def test_shards_get_a_gpu_each_whatever_the_start_order(cluster):
     """Ray's own GPU assignment on the 2-GPU test cluster, with the fractions of the RayService."""
-    probe = subprocess.run([sys.executable, "-c", PROBE_SHARDS, cluster["gcs"]], env=cluster["env"], capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE_SHARDS, cluster["gcs"]],
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert probe.returncode == 0, probe.stderr[-3000:]
     result = json.loads(probe.stdout.strip().splitlines()[-1])
     assert result["shard_gpus"] == pytest.approx(0.6)
@@ -281,7 +359,9 @@ def test_shards_get_a_gpu_each_whatever_the_start_order(cluster):
         assert ids["shard0"] != ids["shard1"], (label, ids)
 
 
-def test_local_train_registers_a_model_that_serves_by_alias(mlflow_server, tiny_encoder, hotpot_file, tmp_path, monkeypatch):
+def test_local_train_registers_a_model_that_serves_by_alias(
+    mlflow_server, tiny_encoder, hotpot_file, tmp_path, monkeypatch
+):
     """`qrag train` (no Ray) logs to the server with the Ray path's logger: the reported checkpoint
     becomes a pyfunc model, registered with an alias; `models:/<name>@<alias>` loads both as a
     pyfunc (questions + chunks in, steps out) and as the checkpoint `qrag serve` uses."""
@@ -293,10 +373,29 @@ def test_local_train_registers_a_model_that_serves_by_alias(mlflow_server, tiny_
     url = mlflow_server["url"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(MLFLOW_TRACKING_URI=url, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "platform"))
-    args = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path / 'runs'}", "name=local",
-            "updates=2", "log_every=1", "learner.episodes_per_update=4", "learner.micro_batch=4", "eval_limit=4", "data.chunk_tokens=48",
-            "distributed.mlflow_registered_model=qrag-local", "distributed.mlflow_model_alias=champion", "--no-progress"]
-    job = subprocess.run([sys.executable, "-m", "qrag", "train", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    args = [
+        f"model.encoder={tiny_encoder}",
+        f"data.path={hotpot_file}",
+        f"out_dir={tmp_path / 'runs'}",
+        "name=local",
+        "updates=2",
+        "log_every=1",
+        "learner.episodes_per_update=4",
+        "learner.micro_batch=4",
+        "eval_limit=4",
+        "data.chunk_tokens=48",
+        "distributed.mlflow_registered_model=qrag-local",
+        "distributed.mlflow_model_alias=champion",
+        "--no-progress",
+    ]
+    job = subprocess.run(
+        [sys.executable, "-m", "qrag", "train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     summary = json.loads(job.stdout.strip().splitlines()[-1])
     client = MlflowClient(url)
@@ -311,10 +410,21 @@ def test_local_train_registers_a_model_that_serves_by_alias(mlflow_server, tiny_
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)  # the registry too
     model = mlflow.pyfunc.load_model(uri)
     assert [c.name for c in model.metadata.get_input_schema().inputs] == ["question", "chunks"]
-    chunks = ["Paris is the capital of France.", "The Seine flows through Paris.", "Bananas are yellow.", "Berlin is in Germany."]
-    out = model.predict([{"question": "Which river flows through the capital of France?", "chunks": chunks}], params={"max_steps": 2})
+    chunks = [
+        "Paris is the capital of France.",
+        "The Seine flows through Paris.",
+        "Bananas are yellow.",
+        "Berlin is in Germany.",
+    ]
+    out = model.predict(
+        [{"question": "Which river flows through the capital of France?", "chunks": chunks}], params={"max_steps": 2}
+    )
     steps = out[0]["steps"]
-    assert len(steps) == 2 and len({s["chunk"] for s in steps}) == 2 and all(s["text"] == chunks[s["chunk"]] for s in steps)
+    assert (
+        len(steps) == 2
+        and len({s["chunk"] for s in steps}) == 2
+        and all(s["text"] == chunks[s["chunk"]] for s in steps)
+    )
     # What `qrag serve --checkpoint models:/qrag-local@champion` (and the RayService) loads.
     source = resolve_source(uri, cache_dir=tmp_path / "models", tracking_uri=url)
     served = load_embedding_model(source, "cpu")

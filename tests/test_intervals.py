@@ -13,15 +13,20 @@ from qrag.evaluation.intervals import bootstrap_interval, difference_interval, r
 
 def simulate(rng: np.random.Generator, p: float, seeds: int, questions: int, seed_sd: float) -> list[np.ndarray]:
     """Per-question 0/1 scores of ``seeds`` training seeds whose success rates scatter around ``p``."""
-    return [rng.binomial(1, float(np.clip(p + rng.normal(0, seed_sd), 0, 1)), size=questions).astype(float) for _ in range(seeds)]
+    return [
+        rng.binomial(1, float(np.clip(p + rng.normal(0, seed_sd), 0, 1)), size=questions).astype(float)
+        for _ in range(seeds)
+    ]
 
 
 @pytest.mark.parametrize("seeds,questions,seed_sd", [(3, 200, 0.03), (3, 100, 0.0), (1, 300, 0.0)])
 def test_the_interval_covers_the_true_mean_most_of_the_time(seeds, questions, seed_sd):
     rng = np.random.default_rng(7)
     p, trials = 0.7, 120
-    covered = sum(bootstrap_interval(simulate(rng, p, seeds, questions, seed_sd), replicates=400, seed=i).excludes(p) is False
-                  for i in range(trials))
+    covered = sum(
+        bootstrap_interval(simulate(rng, p, seeds, questions, seed_sd), replicates=400, seed=i).excludes(p) is False
+        for i in range(trials)
+    )
     assert covered / trials >= 0.85
 
 

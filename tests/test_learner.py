@@ -56,9 +56,15 @@ def test_lr_schedule_and_alpha_never_rises():
 def _learner(tiny_encoder, **learner_kw):
     from qrag.model.checkpoint import untrained_qnet
 
-    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative"), torch.device("cpu"), use_target=True)
+    qnet, tok, layout = untrained_qnet(
+        ModelConfig(encoder=tiny_encoder, positions="relative"), torch.device("cpu"), use_target=True
+    )
     cfg = LearnerConfig(**{"episodes_per_update": 4, "micro_batch": 2, "warmup_updates": 1, "lr": 1e-3, **learner_kw})
-    return SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu")), tok, layout
+    return (
+        SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu")),
+        tok,
+        layout,
+    )
 
 
 def _episodes(tok, layout, n=4):
@@ -112,8 +118,9 @@ def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatc
     import qrag.rl.learner as learner_mod
     from qrag.model.checkpoint import untrained_qnet
 
-    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1),
-                                       torch.device("cpu"), use_target=True)
+    qnet, tok, layout = untrained_qnet(
+        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), torch.device("cpu"), use_target=True
+    )
     cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-3)
     learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu"))
     modes: dict[str, set[bool]] = {}

@@ -65,9 +65,16 @@ def _stub_rollout(learner, parts: list[dict], grad: float = 0.0, transitions: in
         if grad:
             for p in learner.qnet.online_parameters():
                 p.grad = torch.full_like(p, grad) if p.grad is None else p.grad + grad
-        return {"loss_sum": 0.0, "q_taken": values["q"], "target": values["q"], "episode_return": values["success"],
-                "success": values["success"], "episode_length": values["length"], "transitions": transitions,
-                "counts": {"transitions": float(transitions)}}
+        return {
+            "loss_sum": 0.0,
+            "q_taken": values["q"],
+            "target": values["q"],
+            "episode_return": values["success"],
+            "success": values["success"],
+            "episode_length": values["length"],
+            "transitions": transitions,
+            "counts": {"transitions": float(transitions)},
+        }
 
     learner._rollout_and_backward = rollout
 
@@ -89,7 +96,7 @@ def test_the_gradient_is_divided_by_the_transitions_before_it_is_clipped(tiny_en
     learner, episodes, _ = make_learner(tiny_encoder, ENVS["terminate"], grad_clip=clip)
     _stub_rollout(learner, [{"success": 0.0, "q": 0.0, "length": 1.0}], grad=1.0, transitions=transitions)
     n_params = sum(p.numel() for p in learner.qnet.online_parameters())
-    mean_norm = n_params ** 0.5 / transitions  # every gradient entry 1 / transitions after the division
+    mean_norm = n_params**0.5 / transitions  # every gradient entry 1 / transitions after the division
     assert mean_norm > clip  # so the clip must act
     seen: list[float] = []
     real_step = learner.optimizer.step
@@ -109,7 +116,16 @@ def test_the_stub_matches_the_learner(tiny_encoder):
     """The stubs above return what the real rollout returns (same keys): they test the real update."""
     learner, episodes, _ = make_learner(tiny_encoder, ENVS["terminate"])
     real = copy.copy(learner)._rollout_and_backward(episodes, 0.0)
-    assert {"loss_sum", "q_taken", "target", "episode_return", "success", "episode_length", "transitions", "counts"} <= set(real)
+    assert {
+        "loss_sum",
+        "q_taken",
+        "target",
+        "episode_return",
+        "success",
+        "episode_length",
+        "transitions",
+        "counts",
+    } <= set(real)
 
 
 def test_the_policy_entropy_diagnostic_is_the_softmax_entropy_over_the_top_k(tiny_encoder):

@@ -34,9 +34,22 @@ SUPPORTS = [[0], [1], [2], [0, 1], [1, 2], [0, 2]]
 
 
 def make_learner(tiny_encoder, env: EnvConfig, positions: str = "none", use_target: bool = True, **kw):
-    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions=positions), CPU, use_target=use_target)
-    cfg = LearnerConfig(**{"gamma": GAMMA, "lam": LAM, "episodes_per_update": len(SUPPORTS), "micro_batch": len(SUPPORTS),
-                           "warmup_updates": 1, "lr": 1e-3, "alpha": 0.0, "grad_clip": 1e9, **kw})
+    qnet, tok, layout = untrained_qnet(
+        ModelConfig(encoder=tiny_encoder, positions=positions), CPU, use_target=use_target
+    )
+    cfg = LearnerConfig(
+        **{
+            "gamma": GAMMA,
+            "lam": LAM,
+            "episodes_per_update": len(SUPPORTS),
+            "micro_batch": len(SUPPORTS),
+            "warmup_updates": 1,
+            "lr": 1e-3,
+            "alpha": 0.0,
+            "grad_clip": 1e9,
+            **kw,
+        }
+    )
     learner = SoftPQNLearner(qnet, layout, env, cfg, total_updates=10, device=CPU)
     samples = [Sample(f"s{i}", "which river flows north", list(CHUNKS), sup) for i, sup in enumerate(SUPPORTS)]
     return learner, tokenize_samples(samples, tok, layout, chunk_tokens=32, question_tokens=16), layout
@@ -54,14 +67,30 @@ class Spy:
         def step(env, rows, actions):
             before = env.selected[np.asarray(rows)].copy()
             r, d = real_step(env, rows, actions)
-            self.steps.append({"env": env, "rows": np.asarray(rows).copy(), "actions": np.asarray(actions).copy(),
-                               "selected_before": before, "rewards": np.asarray(r, dtype=float).copy(), "dones": np.asarray(d).copy()})
+            self.steps.append(
+                {
+                    "env": env,
+                    "rows": np.asarray(rows).copy(),
+                    "actions": np.asarray(actions).copy(),
+                    "selected_before": before,
+                    "rewards": np.asarray(r, dtype=float).copy(),
+                    "dones": np.asarray(d).copy(),
+                }
+            )
             return r, d
 
         def soft_value(q, available, alpha, top_k, soft):
             v = real_soft(q, available, alpha, top_k, soft)
-            self.values.append({"q": q.detach().clone(), "available": available.clone(), "alpha": alpha, "top_k": top_k,
-                                "soft": soft, "v": v.detach().clone()})
+            self.values.append(
+                {
+                    "q": q.detach().clone(),
+                    "available": available.clone(),
+                    "alpha": alpha,
+                    "top_k": top_k,
+                    "soft": soft,
+                    "v": v.detach().clone(),
+                }
+            )
             return torch.full_like(v, constant_value) if constant_value is not None else v
 
         def pair_scores(state, placed_chunk):
@@ -198,7 +227,10 @@ def test_v_uses_the_target_encoders_and_the_min_over_twin_halves(tiny_encoder, m
     qnet = learner.qnet
     _perturb(qnet.target_state_encoder, 1)  # the targets now differ from the online encoders
     _perturb(qnet.target_action_encoder, 2)
-    before = copy.deepcopy(qnet.target_state_encoder), copy.deepcopy(qnet.target_action_encoder)  # the EMA moves them after
+    before = (
+        copy.deepcopy(qnet.target_state_encoder),
+        copy.deepcopy(qnet.target_action_encoder),
+    )  # the EMA moves them after
     spy = Spy(monkeypatch)
     learner.train_update(episodes)
     _check_values(spy, _expected_next_q(learner, spy, *before), soft_q, 0.05)
@@ -233,7 +265,9 @@ def _gradient_of_one_update(learner: SoftPQNLearner, episodes) -> list[torch.Ten
     real_step = learner.optimizer.step
 
     def step(*args, **kwargs):
-        seen.extend(torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in learner.qnet.online_parameters())
+        seen.extend(
+            torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in learner.qnet.online_parameters()
+        )
         return real_step(*args, **kwargs)
 
     learner.optimizer.step = step
@@ -290,7 +324,9 @@ def test_training_q_equals_the_acting_time_score(tiny_encoder, monkeypatch):
         for i, row in enumerate(s["rows"]):
             sample, sel = s["env"].samples[row], s["selected_before"][i]
             state = retr.embed_states([layout.state(sample.question, [sample.chunks[j] for j in np.flatnonzero(sel)])])
-            scores = retr.score(state, retr.embed_chunks(sample.chunks), torch.from_numpy(sel)[None], torch.tensor([sample.n_chunks]))
+            scores = retr.score(
+                state, retr.embed_chunks(sample.chunks), torch.from_numpy(sel)[None], torch.tensor([sample.n_chunks])
+            )
             expected.append(scores[0, s["actions"][i]])
     assert any(s["selected_before"].any() for s in spy.steps)  # later steps, with rotated positions
     assert torch.allclose(torch.cat(spy.q_taken).mean(1), torch.stack(expected), atol=1e-5)

@@ -96,16 +96,25 @@ def _train_toy(tmp_path) -> None:
     encoder = build_tiny_encoder(tmp_path / "enc", hidden=64, layers=0, seed=1)
     preset = load_config(ROOT / "configs" / "babilong-qa3.yaml").learner
     updates = 120
-    learner_cfg = type(preset)(**{**preset.__dict__, "lr": 3e-3, "warmup_updates": 5, "episodes_per_update": 32,
-                                  "micro_batch": 32, "weight_decay": 0.0})
+    learner_cfg = type(preset)(
+        **{
+            **preset.__dict__,
+            "lr": 3e-3,
+            "warmup_updates": 5,
+            "episodes_per_update": 32,
+            "micro_batch": 32,
+            "weight_decay": 0.0,
+        }
+    )
     qnet, tokenizer, layout = untrained_qnet(ModelConfig(encoder=str(encoder), positions="none"), torch.device("cpu"))
     train = toy_samples(256, seed=1)
     test = toy_samples(64, seed=2)
     tok_train = tokenize_samples(train, tokenizer, layout, chunk_tokens=16, question_tokens=24)
     tok_test = tokenize_samples(test, tokenizer, layout, chunk_tokens=16, question_tokens=24)
     before = _fact_f1(qnet, layout, test, tok_test)
-    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=4), learner_cfg, total_updates=updates,
-                             device=torch.device("cpu"), seed=0)
+    learner = SoftPQNLearner(
+        qnet, layout, EnvConfig(max_steps=4), learner_cfg, total_updates=updates, device=torch.device("cpu"), seed=0
+    )
     rng = np.random.default_rng(0)
     history = []
     for _ in range(updates):
@@ -128,15 +137,22 @@ def test_supervised_baseline_learns_the_toy(tmp_path):
 
     torch.manual_seed(0)
     encoder = build_tiny_encoder(tmp_path / "enc", hidden=64, layers=0, seed=1)
-    qnet, tokenizer, layout = untrained_qnet(ModelConfig(encoder=str(encoder), positions="relative"), torch.device("cpu"))
+    qnet, tokenizer, layout = untrained_qnet(
+        ModelConfig(encoder=str(encoder), positions="relative"), torch.device("cpu")
+    )
     train, test = toy_samples(128, seed=3), toy_samples(32, seed=4)
     tok_train = tokenize_samples(train, tokenizer, layout, chunk_tokens=16, question_tokens=24)
     tok_test = tokenize_samples(test, tokenizer, layout, chunk_tokens=16, question_tokens=24)
     before = _fact_f1(qnet, layout, test, tok_test)
-    cfg = LearnerConfig(objective="sft", lr=3e-3, warmup_updates=2, episodes_per_update=32, micro_batch=16, weight_decay=0.0)
+    cfg = LearnerConfig(
+        objective="sft", lr=3e-3, warmup_updates=2, episodes_per_update=32, micro_batch=16, weight_decay=0.0
+    )
     learner = SupervisedLearner(qnet, layout, EnvConfig(max_steps=4), cfg, total_updates=25, device=torch.device("cpu"))
     rng = np.random.default_rng(0)
-    losses = [learner.train_update([tok_train[i] for i in rng.choice(len(tok_train), 32, replace=False)]).loss for _ in range(25)]
+    losses = [
+        learner.train_update([tok_train[i] for i in rng.choice(len(tok_train), 32, replace=False)]).loss
+        for _ in range(25)
+    ]
     after = _fact_f1(qnet, layout, test, tok_test)
     assert losses[-1] < losses[0]
     assert after > before + 0.4, (before, after)
@@ -154,14 +170,26 @@ def test_supervised_warm_start_then_pqn(tmp_path):
 
     torch.manual_seed(0)
     encoder = build_tiny_encoder(tmp_path / "enc", hidden=64, layers=0, seed=1)
-    qnet, tokenizer, layout = untrained_qnet(ModelConfig(encoder=str(encoder), positions="relative"), torch.device("cpu"), True)
+    qnet, tokenizer, layout = untrained_qnet(
+        ModelConfig(encoder=str(encoder), positions="relative"), torch.device("cpu"), True
+    )
     train, test = toy_samples(128, seed=3), toy_samples(32, seed=4)
     tok_train = tokenize_samples(train, tokenizer, layout, chunk_tokens=16, question_tokens=24)
     tok_test = tokenize_samples(test, tokenizer, layout, chunk_tokens=16, question_tokens=24)
     before = _fact_f1(qnet, layout, test, tok_test)
-    cfg = LearnerConfig(lr=3e-3, warmup_updates=2, episodes_per_update=32, micro_batch=32, weight_decay=0.0, alpha=0.005,
-                        value_top_k=5, sft_warmup_updates=20)
-    learner = WarmStartedPQNLearner(qnet, layout, EnvConfig(max_steps=4), cfg, total_updates=30, device=torch.device("cpu"))
+    cfg = LearnerConfig(
+        lr=3e-3,
+        warmup_updates=2,
+        episodes_per_update=32,
+        micro_batch=32,
+        weight_decay=0.0,
+        alpha=0.005,
+        value_top_k=5,
+        sft_warmup_updates=20,
+    )
+    learner = WarmStartedPQNLearner(
+        qnet, layout, EnvConfig(max_steps=4), cfg, total_updates=30, device=torch.device("cpu")
+    )
     rng = np.random.default_rng(0)
     batch = lambda: [tok_train[i] for i in rng.choice(len(tok_train), 32, replace=False)]  # noqa: E731
     history = [learner.train_update(batch()) for _ in range(20)]

@@ -50,8 +50,21 @@ def test_one_length_label_for_sweeps_and_reports():
 
     assert report.length_label is length_label is contexts.length_label
     assert parse_length is contexts.parse_length
-    labels = {1024: "1K", 4096: "4K", 32768: "32K", 131072: "128K", 2**20: "1M", 10 * 2**20: "10M",
-              2048: "2K", 1536: "1536", 1000: "1000", 10**6: "1000000", 512: "512", 2**30: "1024M", 0: "0"}
+    labels = {
+        1024: "1K",
+        4096: "4K",
+        32768: "32K",
+        131072: "128K",
+        2**20: "1M",
+        10 * 2**20: "10M",
+        2048: "2K",
+        1536: "1536",
+        1000: "1000",
+        10**6: "1000000",
+        512: "512",
+        2**30: "1024M",
+        0: "0",
+    }
     assert {n: length_label(n) for n in labels} == labels
     assert all(parse_length(label) == n for n, label in labels.items())
     assert length_label(4096.0) == "4K"  # a float length from JSON
@@ -81,8 +94,12 @@ def test_score_matches_explicit_rotation(model, positions):
 
 
 def generated(data, measure, task="qa1", length=2048, n=4):
-    cfg = DataConfig(dataset="babilong" if task.startswith("qa") else "niah", path=str(data / "bg") if task.startswith("qa") else None,
-                     facts_path=str(data / "babi"), chunk_tokens=32)
+    cfg = DataConfig(
+        dataset="babilong" if task.startswith("qa") else "niah",
+        path=str(data / "bg") if task.startswith("qa") else None,
+        facts_path=str(data / "babi"),
+        chunk_tokens=32,
+    )
     return list(generate(task, "dev", length, n, measure, cfg))
 
 
@@ -117,7 +134,9 @@ def test_generated_sentences_are_tokenised_once(data, model, task):
     fresh = [g.sample.chunks[i] for g in items for i in np.flatnonzero(g.refs < 0)]
     assert fresh and all(g.fresh_ids is not None for g in items)
     # Stories share facts and samples share fill text: at most once per sample that holds it.
-    assert all(seen.count(t) <= fresh.count(t) for t in set(fresh)), "a fact or needle was tokenised twice in one sample"
+    assert all(seen.count(t) <= fresh.count(t) for t in set(fresh)), (
+        "a fact or needle was tokenised twice in one sample"
+    )
     seen.clear()
     fast = ChunkTokens(Recording(), layout, 32, 48)(items)
     assert seen == [g.sample.question for g in items]  # only the questions are tokenised now
@@ -143,23 +162,73 @@ def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monke
     from qrag.cli import main
 
     monkeypatch.chdir(tmp_path)
-    common = [f"model.encoder={tiny_encoder}", f"data.path={data / 'bg'}", f"data.facts_path={data / 'babi'}",
-              "data.chunk_tokens=32"]
-    assert main(["train", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--no-progress", *common,
-                 f"out_dir={tmp_path / 'runs'}", "updates=2", "data.context_tokens=512", "data.samples_per_task=8",
-                 "data.dev_samples_per_task=2", "learner.episodes_per_update=4", "learner.micro_batch=4",
-                 "learner.warmup_updates=1", "eval_every=0", "checkpoint_every=0", "data.val_fraction=0.5"]) == 0
+    common = [
+        f"model.encoder={tiny_encoder}",
+        f"data.path={data / 'bg'}",
+        f"data.facts_path={data / 'babi'}",
+        "data.chunk_tokens=32",
+    ]
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(ROOT / "configs" / "babilong-qa1.yaml"),
+                "--no-progress",
+                *common,
+                f"out_dir={tmp_path / 'runs'}",
+                "updates=2",
+                "data.context_tokens=512",
+                "data.samples_per_task=8",
+                "data.dev_samples_per_task=2",
+                "learner.episodes_per_update=4",
+                "learner.micro_batch=4",
+                "learner.warmup_updates=1",
+                "eval_every=0",
+                "checkpoint_every=0",
+                "data.val_fraction=0.5",
+            ]
+        )
+        == 0
+    )
     ckpt = tmp_path / "runs" / "babilong-qa1" / "final"
     out = tmp_path / "sweep.json"
-    assert main(["sweep-lengths", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--checkpoint", f"Q-RAG={ckpt}",
-                 "--checkpoint", "none", "--tasks", "qa1,S1", "--lengths", "512,4k", "--samples", "3", "--samples-at", "4k=2",
-                 "--val-samples", "2", "--out", str(out), *common, "data.context_tokens=512", "data.val_fraction=0.5"]) == 0
+    assert (
+        main(
+            [
+                "sweep-lengths",
+                "--config",
+                str(ROOT / "configs" / "babilong-qa1.yaml"),
+                "--checkpoint",
+                f"Q-RAG={ckpt}",
+                "--checkpoint",
+                "none",
+                "--tasks",
+                "qa1,S1",
+                "--lengths",
+                "512,4k",
+                "--samples",
+                "3",
+                "--samples-at",
+                "4k=2",
+                "--val-samples",
+                "2",
+                "--out",
+                str(out),
+                *common,
+                "data.context_tokens=512",
+                "data.val_fraction=0.5",
+            ]
+        )
+        == 0
+    )
     table = json.loads(out.read_text())
     assert table["schema"] == "qrag.length_sweep/1" and table["memory"] == "rss_peak"
     rows = table["rows"]
     assert len(rows) == 2 * 2 * 2
     assert {(r["model"], r["task"], r["length"]) for r in rows} == {
-        (m, t, n) for m in ("Q-RAG", "untrained") for t in ("qa1", "niah_single_1") for n in (512, 4096)}
+        (m, t, n) for m in ("Q-RAG", "untrained") for t in ("qa1", "niah_single_1") for n in (512, 4096)
+    }
     for r in rows:
         assert r["num_samples"] == (3 if r["length"] == 512 else 2)
         assert 0.0 <= r["fact_em"] <= 1.0 and 0.0 <= r["fact_f1"] <= 1.0
@@ -179,9 +248,30 @@ def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monke
     assert json.loads(merged.read_text())["rows"] == rows
     # Settings are chosen on the val split at long lengths: held-out train questions, never dev's.
     val_out = tmp_path / "val.json"
-    assert main(["sweep-lengths", "--config", str(ROOT / "configs" / "babilong-qa1.yaml"), "--checkpoint", f"Q-RAG={ckpt}",
-                 "--tasks", "qa1", "--lengths", "4k", "--samples", "2", "--split", "val", "--out", str(val_out), *common,
-                 "data.val_fraction=0.5"]) == 0
+    assert (
+        main(
+            [
+                "sweep-lengths",
+                "--config",
+                str(ROOT / "configs" / "babilong-qa1.yaml"),
+                "--checkpoint",
+                f"Q-RAG={ckpt}",
+                "--tasks",
+                "qa1",
+                "--lengths",
+                "4k",
+                "--samples",
+                "2",
+                "--split",
+                "val",
+                "--out",
+                str(val_out),
+                *common,
+                "data.val_fraction=0.5",
+            ]
+        )
+        == 0
+    )
     val_rows = json.loads(val_out.read_text())["rows"]
     assert len(val_rows) == 1 and val_rows[0]["num_samples"] == 2
 
@@ -198,13 +288,35 @@ def test_printed_table_names_each_protocol_headline_first():
     """Issue 11: every table says its protocol, T and credit rule; Fact EM (no oracle) first."""
     from qrag.evaluation.lengths import format_table
 
-    row = {"model": "Q-RAG", "task": "qa3", "length": 4096, "steps": 4, "credit": "text", "fact_em": 0.5, "fact_f1": 0.25,
-           "oracle_fact_em": 0.5, "oracle_fact_f1": 0.75, "threshold_fact_f1": 0.6}
+    row = {
+        "model": "Q-RAG",
+        "task": "qa3",
+        "length": 4096,
+        "steps": 4,
+        "credit": "text",
+        "fact_em": 0.5,
+        "fact_f1": 0.25,
+        "oracle_fact_em": 0.5,
+        "oracle_fact_f1": 0.75,
+        "threshold_fact_f1": 0.6,
+    }
     text = format_table({"rows": [row, {**row, "length": 1 << 20, "fact_em": 0.4}]})
     blocks = text.split("\n\n")
-    assert [b.splitlines()[0].split(":")[0] for b in blocks] == ["Fact EM (%)", "Fact F1 (%)", "Fact F1 (%)", "Fact F1 (%)"]
+    assert [b.splitlines()[0].split(":")[0] for b in blocks] == [
+        "Fact EM (%)",
+        "Fact F1 (%)",
+        "Fact F1 (%)",
+        "Fact F1 (%)",
+    ]
     assert all("T = 4; credit: text" in b.splitlines()[0] for b in blocks)
-    assert "no oracle" in blocks[0] and "oracle stop" in blocks[1] and "learned stop" in blocks[2] and "no stop" in blocks[3]
-    assert blocks[0].splitlines()[2].split()[-2:] == ["50.0", "40.0"] and blocks[1].splitlines()[2].split()[-1] == "75.0"
+    assert (
+        "no oracle" in blocks[0]
+        and "oracle stop" in blocks[1]
+        and "learned stop" in blocks[2]
+        and "no stop" in blocks[3]
+    )
+    assert (
+        blocks[0].splitlines()[2].split()[-2:] == ["50.0", "40.0"] and blocks[1].splitlines()[2].split()[-1] == "75.0"
+    )
     no_threshold = {k: v for k, v in row.items() if k != "threshold_fact_f1"}
     assert "learned stop" not in format_table({"rows": [no_threshold]})

@@ -30,12 +30,43 @@ def data(tmp_path):
 
 def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tiny_encoder, tmp_path):
     out, runs = tmp_path / "out", tmp_path / "runs"
-    common = ["--task", "qa1", "--encoder", tiny_encoder, "--babi", str(data / "babi"), "--novels", str(data / "bg"),
-              "--updates", "4", "--train-tokens", "512", "--runs", str(runs), "--out", str(out), "--device", "cpu",
-              "--lengths", "1k", "--questions", "2", "--val-questions", "0", "--no-baseline",
-              "data.samples_per_task=8", "data.dev_samples_per_task=2", "data.val_fraction=0.5", "data.chunk_tokens=32",
-              "learner.episodes_per_update=4", "learner.micro_batch=4", "learner.warmup_updates=1", "checkpoint_every=2",
-              "eval_every=2", "keep_best=true"]
+    common = [
+        "--task",
+        "qa1",
+        "--encoder",
+        tiny_encoder,
+        "--babi",
+        str(data / "babi"),
+        "--novels",
+        str(data / "bg"),
+        "--updates",
+        "4",
+        "--train-tokens",
+        "512",
+        "--runs",
+        str(runs),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--lengths",
+        "1k",
+        "--questions",
+        "2",
+        "--val-questions",
+        "0",
+        "--no-baseline",
+        "data.samples_per_task=8",
+        "data.dev_samples_per_task=2",
+        "data.val_fraction=0.5",
+        "data.chunk_tokens=32",
+        "learner.episodes_per_update=4",
+        "learner.micro_batch=4",
+        "learner.warmup_updates=1",
+        "checkpoint_every=2",
+        "eval_every=2",
+        "keep_best=true",
+    ]
     assert longctx.main(common + ["--stop-at", "2"]) == 0
     assert not (out / "longctx_qa1.json").exists()  # a slice evaluates nothing
     assert (runs / "qa1" / "checkpoints" / "update_0000002").is_dir()

@@ -29,8 +29,10 @@ BABI_STORY = """1 Mary moved to the bathroom.
 3 Where is the apple? \tgarden\t1 2
 """
 
-WORDS = ("river castle forest painter singer city novel window garden harbor lantern meadow orchard "
-         "candle violin kettle mirror pebble ribbon saddle").split()
+WORDS = (
+    "river castle forest painter singer city novel window garden harbor lantern meadow orchard "
+    "candle violin kettle mirror pebble ribbon saddle"
+).split()
 
 
 def write_background(folder, seed: int, sentences: int = 1500) -> None:
@@ -133,7 +135,9 @@ def test_real_babi_tasks_and_qa3_fallback(shared_data):
 
 
 def test_background_split_is_disjoint(background, shared_data):
-    assert {f.name for f in split_files(background, "train")}.isdisjoint({f.name for f in split_files(background, "dev")})
+    assert {f.name for f in split_files(background, "train")}.isdisjoint(
+        {f.name for f in split_files(background, "dev")}
+    )
     novels = shared_data / "gutenberg_novels"
     train, dev = split_files(novels, "train"), split_files(novels, "dev")
     assert train and dev and not {f.name for f in train} & {f.name for f in dev}
@@ -151,15 +155,23 @@ def test_haystack_chunks_are_sentence_aligned_and_within_budget(background, meas
     chunks = [hay.chunk_text(k) for k in range(hay.n_chunks)]
     short = [x for x in split_sentences((background / "dev" / "book2.txt").read_text()) if len(x.split()) < 8]
     assert short and all(any(x in c for c in chunks) for x in short[::25])
-    assert all(np.array_equal(hay.chunk_ids(k), np.asarray(tokenizer(hay.chunk_text(k), add_special_tokens=False)["input_ids"]))
-               for k in range(0, hay.n_chunks, 50))
+    assert all(
+        np.array_equal(
+            hay.chunk_ids(k), np.asarray(tokenizer(hay.chunk_text(k), add_special_tokens=False)["input_ids"])
+        )
+        for k in range(0, hay.n_chunks, 50)
+    )
 
 
 # -- BabiLong ---------------------------------------------------------------------------------
 
 
 def babilong(babi_dir, background, measure, length, n=3, seed=0, split="dev"):
-    return list(generate_babilong("qa1", split, length, n, measure, seed=seed, budget=32, facts_path=babi_dir, background=background))
+    return list(
+        generate_babilong(
+            "qa1", split, length, n, measure, seed=seed, budget=32, facts_path=babi_dir, background=background
+        )
+    )
 
 
 @pytest.mark.parametrize("length", [256, 1024, 4096, 40000])  # 40000 wraps around the corpus
@@ -194,7 +206,10 @@ def test_dev_is_the_frozen_draw_independent_of_the_seed_and_drawn_per_length(bab
     a = babilong(babi_dir, background, measure, 1024, n=6, seed=3)
     b = babilong(babi_dir, background, measure, 1024, n=6, seed=4)
     assert [x.sample.chunks for x in a] == [x.sample.chunks for x in b]
-    orders = {n: [x.sample.meta["source_id"] for x in babilong(babi_dir, background, measure, n, n=6)] for n in (1024, 1100, 1200, 1300)}
+    orders = {
+        n: [x.sample.meta["source_id"] for x in babilong(babi_dir, background, measure, n, n=6)]
+        for n in (1024, 1100, 1200, 1300)
+    }
     assert len({tuple(o) for o in orders.values()}) > 1
 
 
@@ -219,8 +234,16 @@ def test_babilong_facts_longer_than_target_drop_old_facts_or_skip(babi_dir, back
 def test_babilong_loader_mixes_tasks(babi_dir, background, tokenizer):
     from qrag.data.chunking import tokenizer_counter
 
-    cfg = DataConfig(dataset="babilong", path=str(background), facts_path=str(babi_dir), tasks=["qa1"],
-                     context_tokens=512, samples_per_task=4, dev_samples_per_task=2, chunk_tokens=32)
+    cfg = DataConfig(
+        dataset="babilong",
+        path=str(background),
+        facts_path=str(babi_dir),
+        tasks=["qa1"],
+        context_tokens=512,
+        samples_per_task=4,
+        dev_samples_per_task=2,
+        chunk_tokens=32,
+    )
     count = tokenizer_counter(tokenizer)
     assert len(load_samples(cfg, "train", count)) == 4
     dev = load_samples(cfg, "dev", count)
@@ -275,7 +298,9 @@ def test_niah_tasks(task, measure, tokenizer, essays):
 def test_niah_loader_and_bad_task(tokenizer, essays):
     from qrag.data.chunking import tokenizer_counter
 
-    cfg = DataConfig(dataset="niah", path=str(essays), tasks=["S1", "MV"], context_tokens=512, samples_per_task=2, chunk_tokens=64)
+    cfg = DataConfig(
+        dataset="niah", path=str(essays), tasks=["S1", "MV"], context_tokens=512, samples_per_task=2, chunk_tokens=64
+    )
     samples = load_samples(cfg, "dev", tokenizer_counter(tokenizer))
     assert [s.meta["task"] for s in samples] == ["niah_single_1", "niah_multivalue"] * 2
     with pytest.raises(DataError, match="unknown NIAH task"):
@@ -284,7 +309,19 @@ def test_niah_loader_and_bad_task(tokenizer, essays):
 
 # -- hard negatives and the validation split ------------------------------------------------------
 
-STORY_WORDS = {"mary", "john", "daniel", "sandra", "bathroom", "hallway", "office", "garden", "apple", "moved", "travelled"}
+STORY_WORDS = {
+    "mary",
+    "john",
+    "daniel",
+    "sandra",
+    "bathroom",
+    "hallway",
+    "office",
+    "garden",
+    "apple",
+    "moved",
+    "travelled",
+}
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +349,9 @@ def story_like(chunks) -> int:
 def test_lexical_index_ranks_chunks_by_idf_weighted_overlap(measure):
     from qrag.data.hard_negatives import LexicalIndex
 
-    docs = ["Alpha beta gamma.", "Beta gamma delta.", "Gamma delta epsilon zeta.", "Eta theta."] * 30 + ["Alpha zeta eta."]
+    docs = ["Alpha beta gamma.", "Beta gamma delta.", "Gamma delta epsilon zeta.", "Eta theta."] * 30 + [
+        "Alpha zeta eta."
+    ]
     hay = Haystack.build("t", ["\n\n".join(docs)], 6, measure)
     index = LexicalIndex(hay, max_df=1.0)
     top = index.top({"alpha", "zeta"}, 3)
@@ -342,17 +381,38 @@ def test_lexical_scores_do_not_depend_on_the_string_hash_seed():
 
     outs = set()
     for seed in ("1", "2", "3"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "platform")}
-        outs.add(subprocess.run([sys.executable, "-c", HASH_SEED_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+        env = {
+            **os.environ,
+            "PYTHONHASHSEED": seed,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "platform"),
+        }
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", HASH_SEED_SCRIPT], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
     assert len(outs) == 1, outs
 
 
 @pytest.mark.parametrize("length", [512, 2048])
-def test_hard_negatives_bring_story_like_background_into_training_contexts(babi_dir, planted_background, measure, tokenizer, length):
+def test_hard_negatives_bring_story_like_background_into_training_contexts(
+    babi_dir, planted_background, measure, tokenizer, length
+):
     def make(k):
         clear_cache()
-        return list(generate_babilong("qa1", "train", length, 6, measure, budget=32, facts_path=babi_dir,
-                                      background=planted_background, hard_negatives=k))
+        return list(
+            generate_babilong(
+                "qa1",
+                "train",
+                length,
+                6,
+                measure,
+                budget=32,
+                facts_path=babi_dir,
+                background=planted_background,
+                hard_negatives=k,
+            )
+        )
 
     plain, hard = make(0), make(4)
     questions = {q.id: q for q in load_babi(babi_dir, "qa1", "train")}
@@ -373,8 +433,16 @@ def test_hard_negatives_bring_story_like_background_into_training_contexts(babi_
 def test_hard_negatives_only_in_the_train_split(babi_dir, planted_background, measure):
     from qrag.data.babilong import generate_from_config
 
-    cfg = DataConfig(dataset="babilong", path=str(planted_background), facts_path=str(babi_dir), tasks=["qa1"],
-                     context_tokens=1024, samples_per_task=4, chunk_tokens=32, hard_negatives=6)
+    cfg = DataConfig(
+        dataset="babilong",
+        path=str(planted_background),
+        facts_path=str(babi_dir),
+        tasks=["qa1"],
+        context_tokens=1024,
+        samples_per_task=4,
+        chunk_tokens=32,
+        hard_negatives=6,
+    )
     clear_cache()
     train = generate_from_config(cfg, "train", measure)
     assert sum(story_like([c for c, r in zip(g.sample.chunks, g.refs) if r >= 0]) for g in train) >= 6 * len(train)
@@ -382,7 +450,9 @@ def test_hard_negatives_only_in_the_train_split(babi_dir, planted_background, me
     assert story_like(c for g in dev for c, r in zip(g.sample.chunks, g.refs) if r >= 0) == 0
 
 
-def test_val_split_is_held_out_questions_in_held_out_books(babi_dir, planted_background, measure, tmp_path, shared_data, capsys):
+def test_val_split_is_held_out_questions_in_held_out_books(
+    babi_dir, planted_background, measure, tmp_path, shared_data, capsys
+):
     from qrag.data.splits import in_validation
 
     novels = shared_data / "gutenberg_novels"
@@ -390,12 +460,16 @@ def test_val_split_is_held_out_questions_in_held_out_books(babi_dir, planted_bac
     names = [{f.name for f in x} for x in (train, val, dev)]
     assert len(val) == 5 and not (names[0] & names[1] or names[1] & names[2] or names[0] & names[2])
     assert max(f.name for f in train) < min(f.name for f in val)  # the last books: training reads the first ones
-    assert split_files(planted_background, "val") == split_files(planted_background, "train")  # no val/: the training books
+    assert split_files(planted_background, "val") == split_files(
+        planted_background, "train"
+    )  # no val/: the training books
     assert "no validation background" in capsys.readouterr().err
     small = tmp_path / "small"  # a gutenberg_novels layout too small to carve: train keeps its books
     write_background(small / "small_collection_british_fiction", 31)
     write_background(small / "100_english_novels_pre1881", 32)
-    assert [f.name for f in split_files(small, "train")] == ["book31.txt"] == [f.name for f in split_files(small, "val")]
+    assert (
+        [f.name for f in split_files(small, "train")] == ["book31.txt"] == [f.name for f in split_files(small, "val")]
+    )
     root = tmp_path / "books"
     for split, seed in (("train", 21), ("val", 22), ("dev", 23)):
         write_background(root / split, seed)
@@ -405,7 +479,11 @@ def test_val_split_is_held_out_questions_in_held_out_books(babi_dir, planted_bac
         next(generate_babilong("qa1", "val", 512, 1, measure, budget=32, facts_path=babi_dir, background=root))
     held = [q for q in load_babi(babi_dir, "qa1", "train") if in_validation(q.story, 0.9)]  # held out by story
     assert held, "the test story needs a held-out question at val_fraction 0.9"
-    val_items = list(generate_babilong("qa1", "val", 512, 3, measure, budget=32, facts_path=babi_dir, background=root, val_fraction=0.9))
+    val_items = list(
+        generate_babilong(
+            "qa1", "val", 512, 3, measure, budget=32, facts_path=babi_dir, background=root, val_fraction=0.9
+        )
+    )
     assert {g.sample.meta["source_id"] for g in val_items} <= {q.id for q in held}
     val_text = (root / "val" / "book22.txt").read_text()
     firsts = [c.split(".")[0] for g in val_items for c, r in zip(g.sample.chunks, g.refs) if r >= 0]
@@ -457,20 +535,31 @@ def test_renamer_keeps_to_the_names_a_task_uses(shared_data):
         assert set(renamer.kinds[0]) == names
         mapping = renamer.draw(np.random.default_rng(1))
         assert {mapping[n] for n in names} == names
-    assert Renamer(load_babi(root, "qa4", "train")).kinds == [("bathroom", "bedroom", "garden", "hallway", "kitchen", "office")]
+    assert Renamer(load_babi(root, "qa4", "train")).kinds == [
+        ("bathroom", "bedroom", "garden", "hallway", "kitchen", "office")
+    ]
 
 
 def test_rename_entities_renames_train_samples_only(babi_dir, background, measure):
     from qrag.data.babilong import generate_from_config
 
-    cfg = DataConfig(dataset="babilong", path=str(background), facts_path=str(babi_dir), tasks=["qa1"],
-                     context_tokens=512, samples_per_task=12, chunk_tokens=32)
+    cfg = DataConfig(
+        dataset="babilong",
+        path=str(background),
+        facts_path=str(babi_dir),
+        tasks=["qa1"],
+        context_tokens=512,
+        samples_per_task=12,
+        chunk_tokens=32,
+    )
     originals = {q.id: q for split in ("train", "dev") for q in load_babi(babi_dir, "qa1", split)}
 
     def stories(split, rename):
         cfg.rename_entities = rename
-        return [(g.sample.question, tuple(c for c, r in zip(g.sample.chunks, g.refs) if r == SPECIAL), g.sample.answer)
-                for g in generate_from_config(cfg, split, measure)]
+        return [
+            (g.sample.question, tuple(c for c, r in zip(g.sample.chunks, g.refs) if r == SPECIAL), g.sample.answer)
+            for g in generate_from_config(cfg, split, measure)
+        ]
 
     plain = set(stories("train", False))
     assert plain <= {(q.question, q.facts, q.answer) for q in originals.values()}
@@ -504,12 +593,23 @@ def test_near_miss_keys_differ_a_little():
 def test_near_miss_needles_only_in_train_and_never_the_answer(task, measure, tokenizer, essays):
     from qrag.data.niah import generate_from_config
 
-    cfg = DataConfig(dataset="niah", path=str(essays), tasks=[task], context_tokens=4096, samples_per_task=3, chunk_tokens=64,
-                     hard_negatives=6)
+    cfg = DataConfig(
+        dataset="niah",
+        path=str(essays),
+        tasks=[task],
+        context_tokens=4096,
+        samples_per_task=3,
+        chunk_tokens=64,
+        hard_negatives=6,
+    )
     for g in generate_from_config(cfg, "train", measure):
         s = g.sample
         asked = [c.split(" for ", 1)[1].split(" is: ")[0] for c in (s.chunks[i] for i in s.support)]
-        inserted = [c.split(" for ", 1)[1].split(" is: ")[0] for i, (c, r) in enumerate(zip(s.chunks, g.refs)) if r == SPECIAL and i not in s.support]
+        inserted = [
+            c.split(" for ", 1)[1].split(" is: ")[0]
+            for i, (c, r) in enumerate(zip(s.chunks, g.refs))
+            if r == SPECIAL and i not in s.support
+        ]
 
         def close(key, k):  # a uuid a few digits away, or a word key sharing its adjective or its noun
             if len(k) == 36:
@@ -519,7 +619,9 @@ def test_near_miss_needles_only_in_train_and_never_the_answer(task, measure, tok
         near = [key for key in inserted if key not in asked and any(close(key, k) for k in asked)]
         assert len(near) >= 5 and s.meta["near_misses"] == 6
         assert abs(sum(true_tokens(tokenizer, s.chunks)) - 4096) <= 0.02 * 4096  # they take the background's room
-        assert all(a in s.answer for c in (s.chunks[i] for i in s.support) for a in [c.rsplit(" is: ", 1)[1].rstrip(".")])
+        assert all(
+            a in s.answer for c in (s.chunks[i] for i in s.support) for a in [c.rsplit(" is: ", 1)[1].rstrip(".")]
+        )
     for g in generate_from_config(cfg, "dev", measure):
         assert "near_misses" not in g.sample.meta
 
@@ -530,8 +632,15 @@ def test_near_misses_only_where_the_haystack_is_needles(task, measure, essays):
     (with them, niah_multiquery lost every validation question at 1M)."""
     from qrag.data.niah import generate_from_config, near_misses_for
 
-    cfg = DataConfig(dataset="niah", path=str(essays), tasks=[task], context_tokens=2048, samples_per_task=2, chunk_tokens=64,
-                     hard_negatives=6)
+    cfg = DataConfig(
+        dataset="niah",
+        path=str(essays),
+        tasks=[task],
+        context_tokens=2048,
+        samples_per_task=2,
+        chunk_tokens=64,
+        hard_negatives=6,
+    )
     assert near_misses_for(cfg, "train", task) == 0
     assert near_misses_for(cfg, "train", "mk3") == 6 and near_misses_for(cfg, "dev", "mk3") == 0
     for g in generate_from_config(cfg, "train", measure):

@@ -37,16 +37,49 @@ def planted_data(root: Path) -> Path:
 
 
 def common_args(data: Path, encoder: str, out: Path) -> list[str]:
-    return ["--task", "qa1", "--encoder", encoder, "--babi", str(data / "babi"), "--novels", str(data / "bg"),
-            "--updates", "1", "--val-questions", "2", "--device", "cpu", "--out", str(out),
-            "data.context_tokens=512", "data.samples_per_task=6", "data.val_fraction=0.5", "data.chunk_tokens=32",
-            "learner.episodes_per_update=2", "learner.micro_batch=2", "learner.warmup_updates=1"]
+    return [
+        "--task",
+        "qa1",
+        "--encoder",
+        encoder,
+        "--babi",
+        str(data / "babi"),
+        "--novels",
+        str(data / "bg"),
+        "--updates",
+        "1",
+        "--val-questions",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "data.context_tokens=512",
+        "data.samples_per_task=6",
+        "data.val_fraction=0.5",
+        "data.chunk_tokens=32",
+        "learner.episodes_per_update=2",
+        "learner.micro_batch=2",
+        "learner.warmup_updates=1",
+    ]
 
 
 def test_each_variant_trains_on_its_own_data_settings(select, tiny_encoder, tmp_path):
     data, out = planted_data(tmp_path), tmp_path / "out"
-    assert select.main(common_args(data, tiny_encoder, out) + [
-        "--variant", "plain:", "--variant", "hard:data.hard_negatives=3", "--variant", "long:data.context_tokens=768"]) == 0
+    assert (
+        select.main(
+            common_args(data, tiny_encoder, out)
+            + [
+                "--variant",
+                "plain:",
+                "--variant",
+                "hard:data.hard_negatives=3",
+                "--variant",
+                "long:data.context_tokens=768",
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "longctx_select_qa1.json").read_text())
     variants = {v["name"]: v for v in result["variants"] if "data" in v}
     assert set(variants) == {"plain", "hard", "long"}

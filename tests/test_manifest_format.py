@@ -48,8 +48,14 @@ def test_an_old_manifest_reads_as_dataclasses(store):
     assert (second.id, second.first, second.chunks, second.job) == (2, 4, 6, None)
     assert isinstance(first.docs, FileRef) and first.docs.file == "docs/batch_000001.jsonl"
     assert first.shards[0].next is None and isinstance(first.shards[1].next, StagedVectors)
-    assert first.shards[1].next.fingerprint == "fp-new" and first.shards[1].next.vectors.file.startswith("shard_001/batch_000001.")
-    assert isinstance(m.reindex, Reindex) and (m.reindex.fingerprint, m.reindex.dim, m.reindex.through) == ("fp-new", 4, 2)
+    assert first.shards[1].next.fingerprint == "fp-new" and first.shards[1].next.vectors.file.startswith(
+        "shard_001/batch_000001."
+    )
+    assert isinstance(m.reindex, Reindex) and (m.reindex.fingerprint, m.reindex.dim, m.reindex.through) == (
+        "fp-new",
+        4,
+        2,
+    )
     assert m.last_batch_id == 2 and m.batch(2) is second and m.batch(3) is None
     # Every listed file is there (nothing removed as stray on open), and every segment is whole.
     on_disk = {f"{p.parent.name}/{p.name}" for p in store.path("c").glob("*/*") if p.is_file()}
@@ -72,7 +78,9 @@ def test_writes_keep_the_layout_key_for_key(store):
     m = store.read("c")
     for b, s in store.reindex_todo(m):
         n = len(segment_positions(m, s, b))
-        m = store.stage_vectors("c", m.uid, "fp-new", s, b.id, np.full((n, 4), 2.0, np.float32), [np.asarray([1, 2], np.int32)] * n)
+        m = store.stage_vectors(
+            "c", m.uid, "fp-new", s, b.id, np.full((n, 4), 2.0, np.float32), [np.asarray([1, 2], np.int32)] * n
+        )
         if (b.id, s) == (1, 0):
             staged = json.loads(path.read_bytes())
             assert _without(staged, "updated", "batches") == _without(before, "updated", "batches")
@@ -81,7 +89,12 @@ def test_writes_keep_the_layout_key_for_key(store):
             assert staged["batches"][1:] == before["batches"][1:]
     m, todo = store.finish_reindex("c", m.uid, "fp-new")
     after = json.loads(path.read_bytes())
-    assert not todo and after["fingerprint"] == "fp-new" and after["reindex"] is None and after["version"] == before["version"] + 1
+    assert (
+        not todo
+        and after["fingerprint"] == "fp-new"
+        and after["reindex"] is None
+        and after["version"] == before["version"] + 1
+    )
     assert list(after) == list(before)
     for old_batch, new_batch in zip(before["batches"], after["batches"]):
         assert list(new_batch) == list(old_batch)
@@ -93,14 +106,17 @@ def test_writes_keep_the_layout_key_for_key(store):
     assert {f"{p.parent.name}/{p.name}" for p in store.path("c").glob("*/*") if p.is_file()} == listed_files(m)
 
 
-@pytest.mark.parametrize("damage", [
-    lambda d: d["batches"][0].pop("docs"),
-    lambda d: d["batches"][0]["shards"][1].update(chunks="2"),
-    lambda d: d["batches"][0]["shards"][1]["next"].pop("vectors"),
-    lambda d: d["batches"][1].update(job=7),
-    lambda d: d["reindex"].pop("through"),
-    lambda d: d.update(batches={}),
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d["batches"][0].pop("docs"),
+        lambda d: d["batches"][0]["shards"][1].update(chunks="2"),
+        lambda d: d["batches"][0]["shards"][1]["next"].pop("vectors"),
+        lambda d: d["batches"][1].update(job=7),
+        lambda d: d["reindex"].pop("through"),
+        lambda d: d.update(batches={}),
+    ],
+)
 def test_a_manifest_of_another_layout_is_unreadable_not_half_read(store, damage):
     path = store.path("c") / "corpus.json"
     data = json.loads(path.read_bytes())

@@ -13,15 +13,18 @@ def test_fact_em_is_subset_and_f1_is_set_f1():
 
 
 # Worked examples checked against the official hotpot_evaluate_v1.py definitions.
-@pytest.mark.parametrize("pred,gold,em,f1", [
-    ("The Eiffel Tower", "eiffel tower", 1.0, 1.0),
-    ("an apple, a pear!", "apple pear", 1.0, 1.0),
-    ("Barack Obama", "Obama", 0.0, 2 * 0.5 * 1 / 1.5),
-    ("yes", "no", 0.0, 0.0),
-    ("yes it is", "yes", 0.0, 0.0),  # yes/no must match exactly
-    ("1,000 people", "1000 people", 1.0, 1.0),
-    ("", "Paris", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "pred,gold,em,f1",
+    [
+        ("The Eiffel Tower", "eiffel tower", 1.0, 1.0),
+        ("an apple, a pear!", "apple pear", 1.0, 1.0),
+        ("Barack Obama", "Obama", 0.0, 2 * 0.5 * 1 / 1.5),
+        ("yes", "no", 0.0, 0.0),
+        ("yes it is", "yes", 0.0, 0.0),  # yes/no must match exactly
+        ("1,000 people", "1000 people", 1.0, 1.0),
+        ("", "Paris", 0.0, 0.0),
+    ],
+)
 def test_answer_metrics_hotpot_normalisation(pred, gold, em, f1):
     assert answer_em(pred, gold) == em
     assert answer_f1(pred, gold) == pytest.approx(f1)

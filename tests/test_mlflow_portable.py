@@ -17,7 +17,12 @@ import pytest
 from conftest import free_ports
 from test_infra_mlflow import listening, mlflow_bin, mlflow_server, stop_group  # noqa: F401 - fixtures: the real server
 
-CHUNKS = ["Paris is the capital of France.", "The Seine flows through Paris.", "Bananas are yellow.", "Berlin is in Germany."]
+CHUNKS = [
+    "Paris is the capital of France.",
+    "The Seine flows through Paris.",
+    "Bananas are yellow.",
+    "Berlin is in Germany.",
+]
 ROWS = [{"question": "Which river flows through the capital of France?", "chunks": CHUNKS}]
 
 
@@ -47,8 +52,12 @@ def test_the_model_carries_qrag_and_pins_only_indexed_packages(saved_model):
     _, model = saved_model
     requirements = (model / "requirements.txt").read_text().split()
     assert not [r for r in requirements if r.lower().startswith("qrag")]  # no index holds qrag
-    assert [r.split("==")[0] for r in requirements] == list(RUNTIME_PACKAGES) and all("==" in r and "+" not in r for r in requirements)
-    assert (model / "code" / "qrag" / "retrieval" / "search.py").is_file() and not list((model / "code").rglob("__pycache__"))
+    assert [r.split("==")[0] for r in requirements] == list(RUNTIME_PACKAGES) and all(
+        "==" in r and "+" not in r for r in requirements
+    )
+    assert (model / "code" / "qrag" / "retrieval" / "search.py").is_file() and not list(
+        (model / "code").rglob("__pycache__")
+    )
     assert "code: code" in (model / "MLmodel").read_text()
 
 
@@ -74,10 +83,20 @@ def test_mlflow_models_serve_restores_an_environment_without_qrag(mlflow_server,
 
     port = free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PYTHONPATH", "VIRTUAL_ENV"))}
-    env.update(MLFLOW_TRACKING_URI=url, MLFLOW_ENV_ROOT=str(tmp_path / "envs"), PATH=f"{Path(mlflow_bin).parent}{os.pathsep}{env['PATH']}")
+    env.update(
+        MLFLOW_TRACKING_URI=url,
+        MLFLOW_ENV_ROOT=str(tmp_path / "envs"),
+        PATH=f"{Path(mlflow_bin).parent}{os.pathsep}{env['PATH']}",
+    )
     log = open(tmp_path / "models_serve.log", "w")
-    proc = subprocess.Popen([mlflow_bin, "models", "serve", "-m", uri, "--env-manager", "virtualenv", "-h", "127.0.0.1", "-p", str(port)],
-                            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [mlflow_bin, "models", "serve", "-m", uri, "--env-manager", "virtualenv", "-h", "127.0.0.1", "-p", str(port)],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 900  # the environment is built once: pip installs torch, transformers, mlflow-skinny
         while not listening(port):  # the scoring server listens once the model has loaded
@@ -85,7 +104,9 @@ def test_mlflow_models_serve_restores_an_environment_without_qrag(mlflow_server,
                 pytest.fail(f"mlflow models serve did not start: {(tmp_path / 'models_serve.log').read_text()[-4000:]}")
             time.sleep(1)
         body = json.dumps({"dataframe_records": ROWS}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as r:
             served = json.loads(r.read())["predictions"]
     finally:
@@ -96,12 +117,19 @@ def test_mlflow_models_serve_restores_an_environment_without_qrag(mlflow_server,
 
     # The environment it built has no qrag installed; the model loads there from its own copy.
     [python] = list((tmp_path / "envs").glob("mlflow-*/bin/python"))
-    probe = ("import importlib.util, json, sys, mlflow.pyfunc\n"
-             "assert importlib.util.find_spec('qrag') is None, 'qrag is installed'\n"
-             "m = mlflow.pyfunc.load_model(sys.argv[1])\n"
-             "print(json.dumps(m.predict(json.loads(sys.argv[2]))))\n")
-    out = subprocess.run([str(python), "-c", probe, uri, json.dumps(ROWS)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    probe = (
+        "import importlib.util, json, sys, mlflow.pyfunc\n"
+        "assert importlib.util.find_spec('qrag') is None, 'qrag is installed'\n"
+        "m = mlflow.pyfunc.load_model(sys.argv[1])\n"
+        "print(json.dumps(m.predict(json.loads(sys.argv[2]))))\n"
+    )
+    out = subprocess.run(
+        [str(python), "-c", probe, uri, json.dumps(ROWS)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == served
-

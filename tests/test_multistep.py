@@ -49,7 +49,10 @@ def threshold_that_stops(model, chunks: list[str], question: str) -> float:
 
 def served_steps(service, params: RetrieveParams) -> tuple[list[tuple], bool, list[str]]:
     body = asyncio.run(service.retrieve(params))
-    steps = [(s["chunk_id"], s["q"], s["position"], [(a["chunk_id"], a["q"]) for a in s["alternatives"]]) for s in body["steps"]]
+    steps = [
+        (s["chunk_id"], s["q"], s["position"], [(a["chunk_id"], a["q"]) for a in s["alternatives"]])
+        for s in body["steps"]
+    ]
     return steps, body["stopped_early"], body.get("chunks", [])
 
 
@@ -71,12 +74,20 @@ def test_every_backend_gives_the_same_steps(model, corpus, kind):
     index, service, chunks = corpus
     stopped = 0
     for question in QUESTIONS:
-        cfg = {"greedy": SearchConfig(max_steps=3), "beam": SearchConfig(max_steps=3, beam_width=3),
-               "threshold": SearchConfig(max_steps=4, stop_threshold=threshold_that_stops(model, chunks, question))}[kind]
+        cfg = {
+            "greedy": SearchConfig(max_steps=3),
+            "beam": SearchConfig(max_steps=3, beam_width=3),
+            "threshold": SearchConfig(max_steps=4, stop_threshold=threshold_that_stops(model, chunks, question)),
+        }[kind]
         memory = offline(model, chunks, question, cfg)
         library, _, _ = index.retrieve("c", question, cfg)
-        params = dict(question=question, max_steps=cfg.max_steps, beam_width=cfg.beam_width, stop_threshold=cfg.stop_threshold,
-                      alternatives=cfg.alternatives)
+        params = dict(
+            question=question,
+            max_steps=cfg.max_steps,
+            beam_width=cfg.beam_width,
+            stop_threshold=cfg.stop_threshold,
+            alternatives=cfg.alternatives,
+        )
         served, served_stop, _ = served_steps(service, RetrieveParams(corpus="c", **params))
         same_steps(steps_of(library), steps_of(memory))
         assert served == steps_of(library)  # the same stored vectors and state encoder: bit for bit
@@ -85,7 +96,9 @@ def test_every_backend_gives_the_same_steps(model, corpus, kind):
 
         # An inline context: chunked by the service, scored in a worker thread, vs in memory.
         context = " ".join(d.text for d in make_documents(3))
-        inline, inline_stop, inline_chunks = served_steps(service, RetrieveParams(context=context, chunk_tokens=24, return_chunks=True, **params))
+        inline, inline_stop, inline_chunks = served_steps(
+            service, RetrieveParams(context=context, chunk_tokens=24, return_chunks=True, **params)
+        )
         ref = offline(model, inline_chunks, question, cfg)
         same_steps(inline, steps_of(ref))
         assert inline_stop == ref.stopped_early

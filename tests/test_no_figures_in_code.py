@@ -34,16 +34,30 @@ ROOT = Path(__file__).resolve().parents[1]
 PATTERNS: dict[str, re.Pattern[str]] = {
     "benchmark round": re.compile(r"\b(?:rounds?|sessions?)\s+\d+", re.I),
     "GPU card": re.compile(r"\b(?:[HAB][18]00|[GH]H200|V100|A10G?|L40S?|L4|T4|RTX\s*\d{4})(?:[-_ ]?x\d)?\b"),
-    "GPU timing": re.compile(r"\b(?:one|a|two|four|\d+)\s+GPUs?\b[^.;]{0,60}\b(?:took|takes|ran|runs at|does)\s+(?:about\s+|~\s*)?\d", re.I),
-    "time": re.compile(r"(?<![\w.])~?\d[\d.,]*\s*(?:ns|µs|us|ms|s|sec|secs|seconds?|minutes?|mins?|hours?|h)\b(?!\s*[-=]\s*\w)(?![/_])"),
-    "rate": re.compile(r"\d[\d.,]*\s*[kKMGB]?\s*(?:tokens?|episodes?|eps|q|queries|req|requests|upd|updates|it|samples|chunks|docs|documents|questions|steps)\s*(?:/\s*s\b|per\s+s(?:econd)?\b)", re.I),
+    "GPU timing": re.compile(
+        r"\b(?:one|a|two|four|\d+)\s+GPUs?\b[^.;]{0,60}\b(?:took|takes|ran|runs at|does)\s+(?:about\s+|~\s*)?\d", re.I
+    ),
+    "time": re.compile(
+        r"(?<![\w.])~?\d[\d.,]*\s*(?:ns|µs|us|ms|s|sec|secs|seconds?|minutes?|mins?|hours?|h)\b(?!\s*[-=]\s*\w)(?![/_])"
+    ),
+    "rate": re.compile(
+        r"\d[\d.,]*\s*[kKMGB]?\s*(?:tokens?|episodes?|eps|q|queries|req|requests|upd|updates|it|samples|chunks|docs|documents|questions|steps)\s*(?:/\s*s\b|per\s+s(?:econd)?\b)",
+        re.I,
+    ),
     "memory": re.compile(r"\d[\d.,]*\s*(?:[KMGT]iB|[KMGT]B)\b"),
     "token count": re.compile(r"\d\.\d+\s*[KMB]\s*tokens\b"),
     "measured range": re.compile(r"(?<![\w.])\d+\.\d+\s*(?:–|—|-|to)\s*\d+\.\d+(?![\w.])|\d\s*[–-]\s*\d+\s*%"),
-    "measured share": re.compile(r"\b\d\.\d\d+\s+(?:of the (?:bare|wall)|against\s+\d)|\d\s*%\s+of\s+[^.;]{0,30}\btime\b"),
-    "quality score": re.compile(r"\b[01]?\.\d+\s+(?:\w+\s+)?(?:Fact|answer)\s+(?:EM|F1)\b|\b(?:Fact|answer)\s+(?:EM|F1)\b[^.;()]{0,25}?(?:[01]?\.\d+|:\s*\d+)"),
+    "measured share": re.compile(
+        r"\b\d\.\d\d+\s+(?:of the (?:bare|wall)|against\s+\d)|\d\s*%\s+of\s+[^.;]{0,30}\btime\b"
+    ),
+    "quality score": re.compile(
+        r"\b[01]?\.\d+\s+(?:\w+\s+)?(?:Fact|answer)\s+(?:EM|F1)\b|\b(?:Fact|answer)\s+(?:EM|F1)\b[^.;()]{0,25}?(?:[01]?\.\d+|:\s*\d+)"
+    ),
     "run count": re.compile(r"\b\d+\s+(?:of|out of)\s+\d+\s+(?:runs|calls|trials|repeats|tries|seeds)\b", re.I),
-    "speed-up": re.compile(r"(?:×\s*\d[\d.]*|\d[\d.]*\s*×|\b\d[\d.]*\s*x\s+(?:faster|slower|speed|more|less|fewer|higher|lower|the)\b)", re.I),
+    "speed-up": re.compile(
+        r"(?:×\s*\d[\d.]*|\d[\d.]*\s*×|\b\d[\d.]*\s*x\s+(?:faster|slower|speed|more|less|fewer|higher|lower|the)\b)",
+        re.I,
+    ),
     "bench/results path": re.compile(r"bench/results\b"),
 }
 
@@ -53,8 +67,16 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("platform/qrag/config.py", "'accelerator_type:A100'", "an example of a Ray resource name, not a measurement"),
     ("platform/qrag/model/encoder.py", "(Python's default is 5 ms)", "Python's own switch interval default, a setting"),
     ("serve/config.yaml", "Serve's proxy: 120 s above", "the proxy's request timeout set higher up in this file"),
-    ("infra/kuberay/serve/rayservice.yaml", "Serve's proxy: 120 s above", "the proxy's request timeout set higher up in this file"),
-    ("infra/kuberay/serve/rayservice.yaml", "# 8 GiB of loaded corpora", "the value of the setting on that line, in GiB"),
+    (
+        "infra/kuberay/serve/rayservice.yaml",
+        "Serve's proxy: 120 s above",
+        "the proxy's request timeout set higher up in this file",
+    ),
+    (
+        "infra/kuberay/serve/rayservice.yaml",
+        "# 8 GiB of loaded corpora",
+        "the value of the setting on that line, in GiB",
+    ),
 ]
 
 
@@ -179,8 +201,10 @@ def offending_lines() -> list[str]:
 
 def test_no_measured_figures_in_code_and_config():
     found = offending_lines()
-    assert not found, (f"{len(found)} lines carry measured figures; say why in a sentence and link "
-                       "docs/benchmarks.md once (or add a setting to ALLOWED with its reason):\n" + "\n".join(found))
+    assert not found, (
+        f"{len(found)} lines carry measured figures; say why in a sentence and link "
+        "docs/benchmarks.md once (or add a setting to ALLOWED with its reason):\n" + "\n".join(found)
+    )
 
 
 def test_allow_list_entries_still_match():
@@ -216,7 +240,11 @@ def test_check_catches_planted_figures(tmp_path):
     assert all(n in (4, 11) for n, _ in texts), texts
     assert _hits("0.50–0.61 in 9 of 10 runs") and _hits("×1.6") and _hits("1.6x faster than one process")
     assert _hits("734 q/s, p50 7.9 ms") and _hits("see bench/results/index_one_gpu_round12_h100")
-    assert _hits("one GPU's encoder took 41 s") and _hits("scored 0.86 -> 0.68 val Fact EM") and _hits("Mean Fact EM at 1M: 100")
+    assert (
+        _hits("one GPU's encoder took 41 s")
+        and _hits("scored 0.86 -> 0.68 val Fact EM")
+        and _hits("Mean Fact EM at 1M: 100")
+    )
     assert _hits("0.35 of the bare forward against 0.50") and _hits("was 4 % of a worker's time")
     assert not _hits("three lanes a GPU: one process's GIL cannot keep a GPU fed; docs/benchmarks.md#indexing")
     assert not _hits("request_timeout_s: 60") and not _hits("T = 2 steps, top-k 5, chunk_tokens 220")

@@ -24,8 +24,16 @@ def novel_docs(shared_data, n_chars=400_000):
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             docs.append(Document(path.name, fh.read(n_chars)))
     # Long sentences (cut at words), a word longer than the budget, accents, quotes, numbers.
-    docs.append(Document("edge", "Élodie's café — naïve! " + " ".join(["word"] * 300) + ". " + "x" * 400
-                         + " \"Quoted,\" she said (3.5 km at 12:30). Done."))
+    docs.append(
+        Document(
+            "edge",
+            "Élodie's café — naïve! "
+            + " ".join(["word"] * 300)
+            + ". "
+            + "x" * 400
+            + ' "Quoted," she said (3.5 km at 12:30). Done.',
+        )
+    )
     return docs
 
 
@@ -49,7 +57,9 @@ def byte_level_tokenizer(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["Mary went to the kitchen. It's late; isn't it? Then he said go."] * 50, vocab_size=300, min_frequency=1)
+    bpe.train_from_iterator(
+        ["Mary went to the kitchen. It's late; isn't it? Then he said go."] * 50, vocab_size=300, min_frequency=1
+    )
     path = tmp_path / "bpe.json"
     bpe.save(str(path))
     return PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>", pad_token="<pad>")
@@ -72,7 +82,11 @@ def test_encode_texts_through_the_rust_backend_gives_the_transformers_ids(shared
     tokenizer = load_tokenizer(str(bundled_minilm_dir()))
     tok = Tokenization(tokenizer, TokenLayout.from_tokenizer(tokenizer, 512))
     assert tok._fast_backend is not None
-    texts = [d.text[:3000] for d in novel_docs(shared_data, 20_000)] + ["", "Élodie's café, 東京!", " ".join(["word"] * 400)]
+    texts = [d.text[:3000] for d in novel_docs(shared_data, 20_000)] + [
+        "",
+        "Élodie's café, 東京!",
+        " ".join(["word"] * 400),
+    ]
     want = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     got = tok.encode_texts(texts)
     assert got == want and len(got[-1]) == 400 > 128

@@ -52,7 +52,9 @@ def test_a_command_bar_collects_the_inner_bars_of_its_kind():
     progress.configure(True)
     err = io.StringIO()
     with redirect_stderr(err):
-        with_progress(fake_sweep)([("a", "none"), ("b", "none")], None, ["qa1"], [1000, 4000], lambda n: n // 100, val_samples=5)
+        with_progress(fake_sweep)(
+            [("a", "none"), ("b", "none")], None, ["qa1"], [1000, 4000], lambda n: n // 100, val_samples=5
+        )
     text = err.getvalue()
     assert "sweep-lengths: 100%" in text and "110/110" in text  # 2 models x (10 + 40 + 5 validation) questions
     assert "retrieve" not in text
@@ -60,12 +62,26 @@ def test_a_command_bar_collects_the_inner_bars_of_its_kind():
 
 def _run(args: list[str], tmp_path, **env) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(ROOT / "platform"), **env}
-    return subprocess.run([sys.executable, "-m", "qrag", *args], capture_output=True, text=True, env=full, cwd=tmp_path, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "qrag", *args], capture_output=True, text=True, env=full, cwd=tmp_path, timeout=600
+    )
 
 
 def test_eval_shows_a_bar_with_an_eta_only_when_asked(tiny_encoder, hotpot_file, tmp_path):
-    common = ["eval", "--checkpoint", "none", "--data", hotpot_file, "--limit", "6", "--device", "cpu",
-              f"model.encoder={tiny_encoder}", "data.chunk_tokens=48", "data.cache_dir=none"]
+    common = [
+        "eval",
+        "--checkpoint",
+        "none",
+        "--data",
+        hotpot_file,
+        "--limit",
+        "6",
+        "--device",
+        "cpu",
+        f"model.encoder={tiny_encoder}",
+        "data.chunk_tokens=48",
+        "data.cache_dir=none",
+    ]
     shown = _run([*common, "--progress"], tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "retrieve: 100%" in shown.stderr and "6/6" in shown.stderr and "<00:00" in shown.stderr  # elapsed<remaining
@@ -80,7 +96,9 @@ def test_index_counts_the_input_documents_and_follows_the_commits(tmp_path):
     from qrag.cli.index import input_documents, on_commit
 
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Document {i}. It has two sentences."}) + "\n" for i in range(7)))
+    docs.write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": f"Document {i}. It has two sentences."}) + "\n" for i in range(7))
+    )
     (tmp_path / "book.txt").write_text("A whole book in one file.")
     assert input_documents([(str(docs), "jsonl"), (str(tmp_path / "book.txt"), "text")]) == 8
 

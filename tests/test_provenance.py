@@ -52,12 +52,18 @@ def test_clean_dirty_and_the_hash_of_the_difference(repo):
 
 def test_a_copied_tree_reads_the_state_from_the_environment(repo, monkeypatch):
     (repo / "a.py").write_text("x = 3\n")
-    lines = dict(line.split("=", 1) for line in (provenance._checkout_state.cache_clear() or provenance.env_lines()).splitlines())
+    lines = dict(
+        line.split("=", 1) for line in (provenance._checkout_state.cache_clear() or provenance.env_lines()).splitlines()
+    )
     assert lines["QRAG_DIRTY"] == "1" and len(lines["QRAG_DIFF_SHA256"]) == 64
     for key, value in lines.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(provenance, "REPO", repo / "nowhere")
-    assert provenance.git_state() == {"commit": lines["QRAG_COMMIT"], "dirty": True, "diff_sha256": lines["QRAG_DIFF_SHA256"]}
+    assert provenance.git_state() == {
+        "commit": lines["QRAG_COMMIT"],
+        "dirty": True,
+        "diff_sha256": lines["QRAG_DIFF_SHA256"],
+    }
     assert provenance.machine_info()["dirty"] is True
     monkeypatch.delenv("QRAG_DIRTY")
     assert provenance.git_state()["dirty"] is None  # unknown, not clean

@@ -45,6 +45,11 @@ def test_the_bind_comes_from_the_controller_and_unknown_is_public(monkeypatch):
     # http_options.host changed alone, the config's http_host left at 127.0.0.1: keys are needed.
     public = bind_with(monkeypatch, FakeController("0.0.0.0"))
     assert public == "0.0.0.0" and "without API keys" in startup_problem(public, {}, False)
-    for unknown in (FakeController(None), FakeController(""), FakeController("127.0.0.1", hang=True), ValueError("no Serve controller")):
+    for unknown in (
+        FakeController(None),
+        FakeController(""),
+        FakeController("127.0.0.1", hang=True),
+        ValueError("no Serve controller"),
+    ):
         host = bind_with(monkeypatch, unknown)
         assert host == proxy_bind.PUBLIC and startup_problem(host, {}, False), unknown

@@ -63,7 +63,9 @@ def test_replays_answer_like_the_eager_step_for_every_batch_size(graphs, positio
     for rows in (1, 3, 3, 2, 5, 1, 3):  # buckets 1, 4, 4 (a replay), 4, 8, 1 (a replay), 4
         states = rng.standard_normal((rows, D)).astype(np.float32)
         selected = [sorted(rng.choice(n_total, size=2, replace=False).tolist()) for _ in range(rows)]
-        got = graphs.replay_best_chunks(shards, torch.from_numpy(states), selected_matrix(selected, n_total), n_total, k)
+        got = graphs.replay_best_chunks(
+            shards, torch.from_numpy(states), selected_matrix(selected, n_total), n_total, k
+        )
         assert_same(got, reference(shards, states, selected, n_total, k))
         assert all(q.shape == (rows, k) for q, _, _ in got)  # padded rows cut off
     assert graphs.captures == 3 and graphs.replays == 4  # buckets 1, 4 and 8, each captured once
@@ -81,7 +83,9 @@ def test_more_rows_than_the_largest_bucket_and_a_failed_capture_fall_back(graphs
     assert graphs.replay_best_chunks(shards, torch.zeros(2, D), selected_matrix([[]] * 2, 30), 30, 2) is None
     assert any("capturing" in why for why in graphs.failures.values())
     monkeypatch.setattr(ScoreGraphs, "_record", eager_record)
-    assert graphs.replay_best_chunks(shards, torch.zeros(2, D), selected_matrix([[]] * 2, 30), 30, 2) is None  # not retried
+    assert (
+        graphs.replay_best_chunks(shards, torch.zeros(2, D), selected_matrix([[]] * 2, 30), 30, 2) is None
+    )  # not retried
 
 
 def test_a_replaced_shard_is_captured_again(graphs):
@@ -92,15 +96,21 @@ def test_a_replaced_shard_is_captured_again(graphs):
     entry_key = next(iter(graphs._captured))
     second = [s for s in make_shards("relative", seed=5) if s.n]
     # The same ids, pointers and sizes as the first shards: only the weak references tell them apart.
-    graphs._captured[tuple([tuple((id(s), s.rows_within(30), s.vectors.data_ptr()) for s in second), *entry_key[1:]])] = graphs._captured[entry_key]
+    graphs._captured[
+        tuple([tuple((id(s), s.rows_within(30), s.vectors.data_ptr()) for s in second), *entry_key[1:]])
+    ] = graphs._captured[entry_key]
     got = graphs.replay_best_chunks(second, torch.from_numpy(states), sel, 30, 2)
     assert_same(got, reference(second, states, [[1], [2]], 30, 2))
     assert graphs.captures == 2
 
 
 def test_pack_and_unpack_keep_every_dtype_bit_for_bit():
-    tensors = [torch.tensor([[1.5, -np.inf]], dtype=torch.float32), torch.tensor([3, -1], dtype=torch.int64),
-               torch.tensor([0.25], dtype=torch.float64), torch.tensor([[True, False]])]
+    tensors = [
+        torch.tensor([[1.5, -np.inf]], dtype=torch.float32),
+        torch.tensor([3, -1], dtype=torch.int64),
+        torch.tensor([0.25], dtype=torch.float64),
+        torch.tensor([[True, False]]),
+    ]
     got = unpack(pack(tensors).numpy(), [(t.dtype, tuple(t.shape)) for t in tensors])
     for g, t in zip(got, tensors):
         np.testing.assert_array_equal(g, t.numpy())

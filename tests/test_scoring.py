@@ -20,12 +20,15 @@ def retrieval(picks: list[int]) -> Retrieval:
     return Retrieval("s", [Step(chunk=c, q=0.5, position=None, alternatives=[]) for c in picks])
 
 
-@pytest.mark.parametrize("picks,complete,em,f1,oracle_f1", [
-    ([2, 5, 1, 7], 2, 1.0, 2 / 3, 1.0),        # support complete at the 2nd pick: the oracle keeps exactly 2
-    ([1, 2, 5, 7], 3, 1.0, 2 / 3, 0.8),        # ... at the 3rd pick: 2 of 3 oracle picks are support
-    ([2, 1, 3, 7], None, 0.0, 1 / 3, 1 / 3),   # never complete: the oracle keeps every pick
-    ([5, 2, 0, 1], 2, 1.0, 2 / 3, 1.0),
-])
+@pytest.mark.parametrize(
+    "picks,complete,em,f1,oracle_f1",
+    [
+        ([2, 5, 1, 7], 2, 1.0, 2 / 3, 1.0),  # support complete at the 2nd pick: the oracle keeps exactly 2
+        ([1, 2, 5, 7], 3, 1.0, 2 / 3, 0.8),  # ... at the 3rd pick: 2 of 3 oracle picks are support
+        ([2, 1, 3, 7], None, 0.0, 1 / 3, 1 / 3),  # never complete: the oracle keeps every pick
+        ([5, 2, 0, 1], 2, 1.0, 2 / 3, 1.0),
+    ],
+)
 def test_oracle_stop_keeps_the_picks_up_to_the_one_that_completes_the_support(picks, complete, em, f1, oracle_f1):
     sample = Sample("s", "q?", CHUNKS, [2, 5])
     rec = score_retrievals([sample], [retrieval(picks)])[0]

@@ -12,7 +12,10 @@ from qrag.data.tokens import tokenize_samples
 @pytest.fixture(scope="module")
 def setup(tiny_encoder):
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder, positions="relative"), torch.device("cpu"))
-    samples = [Sample(f"s{i}", f"who wrote book {i}", [f"paragraph {j} about topic {i * j}" for j in range(5 + i)], [0]) for i in range(4)]
+    samples = [
+        Sample(f"s{i}", f"who wrote book {i}", [f"paragraph {j} about topic {i * j}" for j in range(5 + i)], [0])
+        for i in range(4)
+    ]
     tok_samples = tokenize_samples(samples, tok, layout, chunk_tokens=32, question_tokens=16)
     return Retriever(qnet, layout, torch.device("cpu")), tok_samples
 
@@ -21,7 +24,9 @@ def manual_greedy(retriever, sample, steps):
     chunks = retriever.embed_chunks(sample.chunks)
     chosen = []
     for _ in range(steps):
-        state = retriever.embed_states([retriever.layout.state(sample.question, [sample.chunks[i] for i in sorted(chosen)])])
+        state = retriever.embed_states(
+            [retriever.layout.state(sample.question, [sample.chunks[i] for i in sorted(chosen)])]
+        )
         selected = torch.zeros(1, sample.n_chunks, dtype=torch.bool)
         selected[0, chosen] = True
         q = retriever.score(state, chunks, selected, torch.tensor([sample.n_chunks]))[0]
@@ -59,10 +64,13 @@ def test_beam_search_never_scores_below_greedy(setup, rule):
 
 def scripted(retriever, monkeypatch, levels):
     """Q of chunk i after k selections = levels[k] - 0.01·i: the search logic alone, on real shapes."""
+
     def score(states, chunk_vecs, selected, n_chunks, block=None, positions=None):
         n = selected.shape[1]
         k = selected.sum(1).clamp(max=len(levels) - 1)
-        return torch.tensor(levels, dtype=torch.float32)[k][:, None] - 0.01 * torch.arange(n, dtype=torch.float32)[None, :]
+        return (
+            torch.tensor(levels, dtype=torch.float32)[k][:, None] - 0.01 * torch.arange(n, dtype=torch.float32)[None, :]
+        )
 
     monkeypatch.setattr(retriever, "score", score)
 

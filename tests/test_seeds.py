@@ -17,16 +17,37 @@ LENGTHS = (1024, 1048576)
 
 def row(model: str, task: str, length: int, scores: list[float], ids: list[str] | None = None) -> dict:
     ids = ids or [f"q{i}" for i in range(len(scores))]
-    return {"model": model, "checkpoint": f"runs/{model}", "task": task, "length": length, "steps": 4, "credit": "chunk",
-            "fact_em": float(np.mean(scores)), "fact_f1": float(np.mean(scores)), "num_samples": len(scores),
-            "context_tokens": float(length), "per_question": {"id": ids, "fact_em": scores, "fact_f1": scores}}
+    return {
+        "model": model,
+        "checkpoint": f"runs/{model}",
+        "task": task,
+        "length": length,
+        "steps": 4,
+        "credit": "chunk",
+        "fact_em": float(np.mean(scores)),
+        "fact_f1": float(np.mean(scores)),
+        "num_samples": len(scores),
+        "context_tokens": float(length),
+        "per_question": {"id": ids, "fact_em": scores, "fact_f1": scores},
+    }
 
 
 def table(seed: int, models: dict[str, float], tasks=("qa3",), n: int = 120) -> dict:
     rng = np.random.default_rng(seed)
-    rows = [row(m, t, length, rng.binomial(1, p, size=n).astype(float).tolist()) for m, p in models.items() for t in tasks for length in LENGTHS]
-    return {"schema": "qrag.length_sweep/1", "split": "dev", "git_commit": f"c{seed}", "git_dirty": False, "rows": rows,
-            "training": {"config": {"seed": seed}, "selected_on": "checkpoint: final"}}
+    rows = [
+        row(m, t, length, rng.binomial(1, p, size=n).astype(float).tolist())
+        for m, p in models.items()
+        for t in tasks
+        for length in LENGTHS
+    ]
+    return {
+        "schema": "qrag.length_sweep/1",
+        "split": "dev",
+        "git_commit": f"c{seed}",
+        "git_dirty": False,
+        "rows": rows,
+        "training": {"config": {"seed": seed}, "selected_on": "checkpoint: final"},
+    }
 
 
 def write(tmp_path, name: str, data: dict) -> str:
@@ -91,12 +112,21 @@ def test_eval_summaries_combine_from_their_records(tmp_path):
     for s in range(3):
         rng = np.random.default_rng(s)
         scores = rng.binomial(1, 0.7, size=60).astype(float)
-        summary = {"dataset": "hotpotqa", "split": "dev", "checkpoint": f"runs/s{s}/best", "fact_em": float(scores.mean()),
-                   "fact_f1": float(scores.mean()), "num_samples": 60, "search": {"max_steps": 2}, "train_dataset": "hotpotqa"}
+        summary = {
+            "dataset": "hotpotqa",
+            "split": "dev",
+            "checkpoint": f"runs/s{s}/best",
+            "fact_em": float(scores.mean()),
+            "fact_f1": float(scores.mean()),
+            "num_samples": 60,
+            "search": {"max_steps": 2},
+            "train_dataset": "hotpotqa",
+        }
         path = tmp_path / f"eval{s}.json"
         path.write_text(json.dumps(summary))
-        path.with_suffix(".records.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "fact_em": v, "fact_f1": v}) + "\n"
-                                                              for i, v in enumerate(scores)))
+        path.with_suffix(".records.jsonl").write_text(
+            "".join(json.dumps({"id": f"q{i}", "fact_em": v, "fact_f1": v}) + "\n" for i, v in enumerate(scores))
+        )
         files.append(str(path))
     out = combine_files(files, replicates=200)
     assert out["num_seeds"] == 3 and out["fact_em_ci"][0] < out["fact_em"] < out["fact_em_ci"][1]
@@ -113,6 +143,10 @@ def test_report_seeds_combines_then_reports(tmp_path, capsys):
     assert main(["report", "--seeds", *files, "--out", str(tmp_path / "rep")]) == 0
     assert json.loads((tmp_path / "rep" / "combined.json").read_text())["kind"] == "seeds"
     assert "95% interval" in (tmp_path / "rep" / "report.md").read_text()
-    files[1] = write(tmp_path, "bad.json", {**table(1, {"Q-RAG": 0.9}), "rows": [{**table(1, {"Q-RAG": 0.9})["rows"][0], "per_question": None}]})
+    files[1] = write(
+        tmp_path,
+        "bad.json",
+        {**table(1, {"Q-RAG": 0.9}), "rows": [{**table(1, {"Q-RAG": 0.9})["rows"][0], "per_question": None}]},
+    )
     assert main(["report", "--seeds", *files, "--out", str(tmp_path / "rep2")]) == 2
     assert "qrag report: error" in capsys.readouterr().err

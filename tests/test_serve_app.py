@@ -38,8 +38,14 @@ CHUNK_TOKENS = 24
 READ_KEY, WRITE_KEY = "serve-test-read-" + "r" * 16, "serve-test-write-" + "w" * 16
 READ, WRITE = {"authorization": f"Bearer {READ_KEY}"}, {"authorization": f"Bearer {WRITE_KEY}"}
 QUESTIONS = [
-    "who met the painter near the harbour", "where is the castle of the queen", "the ship and the lamp",
-    "a film about the war", "the singer in the garden", "which king met the river", "novel of the forest", "the city lamp",
+    "who met the painter near the harbour",
+    "where is the castle of the queen",
+    "the ship and the lamp",
+    "a film about the war",
+    "the singer in the garden",
+    "which king met the river",
+    "novel of the forest",
+    "the city lamp",
 ]
 
 
@@ -78,18 +84,39 @@ def app(checkpoint, tmp_path_factory):
     deployments = {d["name"]: d for d in config["deployments"]}
     deployments["Ingress"] = {"name": "Ingress", "num_replicas": 2, "max_ongoing_requests": 4, "max_queued_requests": 4}
     deployments.update({f"Shard{i}": {"name": f"Shard{i}", "num_replicas": 1} for i in range(2)})
-    args.update(checkpoint=str(checkpoint), storage=str(storage), shards=2, shard_deployments=2, chunk_tokens=CHUNK_TOKENS, max_body_bytes=100_000,
-                max_jobs=6, max_jobs_per_corpus=3, shard_memory_bytes=64 * 2**20, max_documents=500)
+    args.update(
+        checkpoint=str(checkpoint),
+        storage=str(storage),
+        shards=2,
+        shard_deployments=2,
+        chunk_tokens=CHUNK_TOKENS,
+        max_body_bytes=100_000,
+        max_jobs=6,
+        max_jobs_per_corpus=3,
+        shard_memory_bytes=64 * 2**20,
+        max_documents=500,
+    )
     cfg = ServeConfig(**args)
     # The keys reach the replicas the way a Kubernetes Secret does: in their environment.
     saved = {k: os.environ.get(k) for k in ("QRAG_API_KEYS", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH")}
     os.environ["QRAG_API_KEYS"] = f"{READ_KEY}:read,{WRITE_KEY}:write"
     os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = PROXY_CALLBACK  # the proxy drops timeout-lifting headers
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, configure_logging=False,
-             _metrics_export_port=metrics_port, log_to_driver=False)
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=2,
+        configure_logging=False,
+        _metrics_export_port=metrics_port,
+        log_to_driver=False,
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": 60})
-        serve.run(build_app(cfg, static_files(ROOT / "serve" / "static"), list(deployments.values())), name="qrag", route_prefix="/")
+        serve.run(
+            build_app(cfg, static_files(ROOT / "serve" / "static"), list(deployments.values())),
+            name="qrag",
+            route_prefix="/",
+        )
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=WRITE)
         docs = [{"id": d.id, "text": d.text} for d in make_documents(16)]
         assert client.post("/v1/corpora", json={"name": "books", "documents": docs[:10]}).status_code == 201
@@ -102,8 +129,14 @@ def app(checkpoint, tmp_path_factory):
                 break
             time.sleep(0.05)
         assert state["state"] == "done" and state["progress"] == 1.0, state
-        yield {"client": client, "url": f"http://127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
-               "storage": storage, "checkpoint": checkpoint, "cfg": cfg}
+        yield {
+            "client": client,
+            "url": f"http://127.0.0.1:{port}",
+            "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            "storage": storage,
+            "checkpoint": checkpoint,
+            "cfg": cfg,
+        }
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -126,7 +159,9 @@ def offline(app):
     retriever = Retriever(qnet, layout, torch.device("cpu"))
 
     def run(question: str, cfg: SearchConfig):
-        tokd = tokenize_samples([Sample("c", question, chunks, [])], tok, layout, chunk_tokens=m.chunk_tokens, question_tokens=64)
+        tokd = tokenize_samples(
+            [Sample("c", question, chunks, [])], tok, layout, chunk_tokens=m.chunk_tokens, question_tokens=64
+        )
         return retriever.retrieve(tokd, cfg)[0]
 
     run.chunks = chunks
@@ -137,8 +172,11 @@ def retrieve(client, **body):
     return client.post("/v1/retrieve", json={"corpus": "books", **body})
 
 
-@pytest.mark.parametrize("search", [dict(max_steps=3), dict(max_steps=3, beam_width=3), dict(max_steps=4, stop_threshold=0.0)],
-                         ids=["greedy", "beam", "threshold"])
+@pytest.mark.parametrize(
+    "search",
+    [dict(max_steps=3), dict(max_steps=3, beam_width=3), dict(max_steps=4, stop_threshold=0.0)],
+    ids=["greedy", "beam", "threshold"],
+)
 def test_served_answers_equal_offline_search(app, offline, search):
     client = app["client"]
     for question in QUESTIONS[:4]:
@@ -154,7 +192,12 @@ def test_served_answers_equal_offline_search(app, offline, search):
     health = client.get("/healthz").json()
     assert health["model"]["trained"] is True and health["model"]["positions"] == "relative"
     stats = client.get("/v1/corpora/books").json()
-    assert stats["documents"] == 16 and stats["shards"] == 2 and stats["chunks"] == len(offline.chunks) and stats["bytes"] > 0
+    assert (
+        stats["documents"] == 16
+        and stats["shards"] == 2
+        and stats["chunks"] == len(offline.chunks)
+        and stats["bytes"] > 0
+    )
 
 
 def test_serve_config_records_the_address_it_is_served_on():
@@ -206,7 +249,11 @@ def test_fewer_shard_deployments_each_hold_several_shards(tmp_path, tiny_encoder
     from qrag.serving.service import local_service
 
     cfg = ServeConfig(storage=str(tmp_path / "idx"), shards=4, shard_deployments=1)
-    assert cfg.shard_holders() == 1 and ServeConfig(shards=4).shard_holders() == 1 and ServeConfig(shards=4, shard_deployments=4).shard_holders() == 4
+    assert (
+        cfg.shard_holders() == 1
+        and ServeConfig(shards=4).shard_holders() == 1
+        and ServeConfig(shards=4, shard_deployments=4).shard_holders() == 4
+    )
     build_app(cfg, {}, [{"name": "Shard0", "num_replicas": 1}])
     with pytest.raises(ConfigError, match="no deployment 'Shard1'"):
         build_app(cfg, {}, [{"name": "Shard1", "num_replicas": 1}])
@@ -253,7 +300,9 @@ def hostile_requests() -> list[tuple[str, str, bytes, dict[str, str], set[int]]]
     tiny_docs = {"documents": [{"id": str(i), "text": "a"} for i in range(1200)]}
     cases = [post("/v1/retrieve", body, {**headers, **READ}, status) for body, headers, status in bad_requests()]
     cases += [
-        post("/v1/retrieve", f'{{"corpus": "books", "question": "q", "stop_threshold": 1{"0" * 400}}}'.encode(), r, 422),
+        post(
+            "/v1/retrieve", f'{{"corpus": "books", "question": "q", "stop_threshold": 1{"0" * 400}}}'.encode(), r, 422
+        ),
         post("/v1/retrieve", b'{"corpus": "books", "question": "q", "stop_threshold": 1e400}', r, 422),
         post("/v1/retrieve", {"context": "A short text. Another one.", "question": "q", "chunk_tokens": 512}, r, 422),
         post("/v1/retrieve", {"context": "w" * 30_000, "question": "q"}, r, 422),
@@ -307,12 +356,23 @@ def test_hostile_traffic_against_two_ingress_replicas(app, offline):
     202/200 or 429/409; every job id answers on every replica and ends done or failed with a
     reason; no 5xx but 503; replica memory stays bounded; both corpora are whole afterwards."""
     client = app["client"]
-    assert client.post("/v1/corpora", json={"name": "flood", "documents": [{"id": "seed", "text": "The seed document. It is short."}]}).status_code == 201
+    assert (
+        client.post(
+            "/v1/corpora",
+            json={"name": "flood", "documents": [{"id": "seed", "text": "The seed document. It is short."}]},
+        ).status_code
+        == 201
+    )
     expected = {q: offline(q, SearchConfig(max_steps=2)).selected for q in QUESTIONS}
     hostile = hostile_requests()
     rng = random.Random(13)
-    plan = ([("good", rng.choice(QUESTIONS)) for _ in range(420)] + [("hostile", rng.randrange(len(hostile))) for _ in range(430)]
-            + [("append", i) for i in range(110)] + [("append_wait", i) for i in range(30)] + [("reindex", i) for i in range(40)])
+    plan = (
+        [("good", rng.choice(QUESTIONS)) for _ in range(420)]
+        + [("hostile", rng.randrange(len(hostile))) for _ in range(430)]
+        + [("append", i) for i in range(110)]
+        + [("append_wait", i) for i in range(30)]
+        + [("reindex", i) for i in range(40)]
+    )
     rng.shuffle(plan)
     plan += [("poll", i) for i in range(60)]  # after the floods, jobs are asked for on any replica
     rss_before = _replica_rss()
@@ -321,20 +381,35 @@ def test_hostile_traffic_against_two_ingress_replicas(app, offline):
     async def main():
         limit = asyncio.Semaphore(6)
         async with httpx.AsyncClient(base_url=app["url"], timeout=120) as c:
+
             async def one(kind, what):
                 async with limit:
                     ok = False
                     if kind == "good":
                         headers = {**READ, "x-request-timeout-seconds": "0"} if what == QUESTIONS[0] else READ
-                        r = await c.post("/v1/retrieve", json={"corpus": "books", "question": what, "max_steps": 2}, headers=headers)
-                        ok = (r.status_code == 200 and [s["chunk_id"] for s in r.json()["steps"]] == expected[what]) or r.status_code == 503
+                        r = await c.post(
+                            "/v1/retrieve", json={"corpus": "books", "question": what, "max_steps": 2}, headers=headers
+                        )
+                        ok = (
+                            r.status_code == 200 and [s["chunk_id"] for s in r.json()["steps"]] == expected[what]
+                        ) or r.status_code == 503
                     elif kind == "hostile":
                         method, path, body, headers, allowed = hostile[what]
                         r = await c.request(method, path, content=body or None, headers=headers)
                         ok = r.status_code in allowed and r.json()["error"]["status"] == r.status_code
                     elif kind in ("append", "append_wait"):
-                        docs = [{"id": f"{kind}-{what}-{k}", "text": f"Flood document {what} part {k}. The {QUESTIONS[k % 8]}."} for k in range(2)]
-                        r = await c.post("/v1/corpora/flood/documents", json={"documents": docs, "wait": kind == "append_wait"}, headers=WRITE)
+                        docs = [
+                            {
+                                "id": f"{kind}-{what}-{k}",
+                                "text": f"Flood document {what} part {k}. The {QUESTIONS[k % 8]}.",
+                            }
+                            for k in range(2)
+                        ]
+                        r = await c.post(
+                            "/v1/corpora/flood/documents",
+                            json={"documents": docs, "wait": kind == "append_wait"},
+                            headers=WRITE,
+                        )
                         ok = r.status_code in (200, 202, 429, 503)
                         if r.status_code in (200, 202):
                             jobs[r.json()["job"]["id"]] = [d["id"] for d in docs]
@@ -348,7 +423,9 @@ def test_hostile_traffic_against_two_ingress_replicas(app, offline):
                     else:  # poll a job this test was given, whichever replica answers
                         ids = sorted(jobs)
                         r = await c.get(f"/v1/jobs/{ids[what % len(ids)]}", headers=READ)
-                        ok = (r.status_code == 200 and r.json()["state"] in ("queued", "running", "done", "failed")) or r.status_code == 503
+                        ok = (
+                            r.status_code == 200 and r.json()["state"] in ("queued", "running", "done", "failed")
+                        ) or r.status_code == 503
                     if r.status_code == 503:
                         ok = ok and r.headers.get("retry-after") is not None
                     if r.status_code == 503 and "backpressure" in r.text:
@@ -398,8 +475,10 @@ def test_hostile_traffic_against_two_ingress_replicas(app, offline):
     assert client.get("/v1/corpora/books").json()["documents"] == 16
     growth = _replica_rss() - rss_before
     assert growth < 600 * 2**20, f"replicas grew by {growth / 2**20:.0f} MiB"
-    print(f"hostile traffic: {len(outcomes)} requests in {seconds:.1f} s; {len(jobs)} jobs "
-          f"({sum(s['state'] == 'done' for s in final.values())} done); replica RSS {growth / 2**20:+.0f} MiB; codes {codes}")
+    print(
+        f"hostile traffic: {len(outcomes)} requests in {seconds:.1f} s; {len(jobs)} jobs "
+        f"({sum(s['state'] == 'done' for s in final.values())} done); replica RSS {growth / 2**20:+.0f} MiB; codes {codes}"
+    )
 
 
 def test_overload_answers_503_with_retry_after_and_keeps_serving(app):
@@ -443,8 +522,12 @@ def test_default_layout_answers_as_the_shard_deployments(app, offline):
 
         async def together():
             async with httpx.AsyncClient(base_url=app["url"] + "/inprocess", timeout=120, headers=READ) as c:
-                return await asyncio.gather(*(c.post("/v1/retrieve", json={"corpus": "books", "question": q, "max_steps": 3})
-                                              for q in QUESTIONS))
+                return await asyncio.gather(
+                    *(
+                        c.post("/v1/retrieve", json={"corpus": "books", "question": q, "max_steps": 3})
+                        for q in QUESTIONS
+                    )
+                )
 
         before = client.get("/v1/encoder").json()
         answers = asyncio.run(together())
@@ -469,7 +552,9 @@ def test_default_replicas_share_each_gpu(monkeypatch):
     assert serving.default_ingress_replicas(cfg) == 4 and serving.default_gpus(0, 2) == {"Ingress": 0.5}
     app = serving.build_app(cfg, {}, [])
     assert app._bound_deployment._deployment_config.num_replicas == 4
-    scaled = serving.build_app(cfg, {}, [{"name": "Ingress", "autoscaling_config": {"min_replicas": 1, "max_replicas": 8}}])
+    scaled = serving.build_app(
+        cfg, {}, [{"name": "Ingress", "autoscaling_config": {"min_replicas": 1, "max_replicas": 8}}]
+    )
     assert scaled._bound_deployment._deployment_config.autoscaling_config is not None
     assert serving.default_ingress_replicas(dataclasses.replace(cfg, shard_deployments=2)) == 1
     monkeypatch.setattr(serving, "_cluster_gpus", lambda: 0)
@@ -542,10 +627,16 @@ def test_prometheus_metrics(app):
         except httpx.HTTPError:
             text = ""
         counted = [line for line in text.splitlines() if "qrag_requests_total{" in line]
-        if "qrag_retrieve_stage_seconds" in text and all(any(f'status="{s}"' in line for line in counted) for s in GUARDED):
+        if "qrag_retrieve_stage_seconds" in text and all(
+            any(f'status="{s}"' in line for line in counted) for s in GUARDED
+        ):
             break
         time.sleep(2)
-    assert "qrag_requests_total" in text and "qrag_retrieve_stage_seconds_bucket" in text and "qrag_chunks_indexed_total" in text
+    assert (
+        "qrag_requests_total" in text
+        and "qrag_retrieve_stage_seconds_bucket" in text
+        and "qrag_chunks_indexed_total" in text
+    )
     counted = [line for line in text.splitlines() if "qrag_requests_total{" in line]
     for status in GUARDED:  # the guards' refusals are counted too
         assert any(f'status="{status}"' in line for line in counted), status
@@ -563,9 +654,19 @@ def chromium_driver(tmp_path):
     os.environ["SE_OFFLINE"] = "true"  # never let Selenium Manager download anything
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chrome'}",
-                 "--window-size=1280,1000"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+        "--window-size=1280,1000",
+    ):
         opts.add_argument(flag)
     return webdriver.Chrome(service=Service(driver_bin), options=opts)
 
@@ -576,13 +677,19 @@ def test_web_page_in_headless_chromium(app, tmp_path):
 
     context = " ".join(d.text for d in make_documents(5, seed=9))
     question = "who met the singer near the lamp"
-    api = httpx.post(f"{app['url']}/v1/retrieve", json={"context": context, "question": question, "max_steps": 3, "return_chunks": True},
-                     headers=READ, timeout=60).json()
+    api = httpx.post(
+        f"{app['url']}/v1/retrieve",
+        json={"context": context, "question": question, "max_steps": 3, "return_chunks": True},
+        headers=READ,
+        timeout=60,
+    ).json()
     driver = chromium_driver(tmp_path)
     try:
         driver.get(app["url"] + "/")
         wait = WebDriverWait(driver, 60)
-        wait.until(lambda d: "model hidden" in d.find_element(By.ID, "model").text)  # keys set: no details for strangers
+        wait.until(
+            lambda d: "model hidden" in d.find_element(By.ID, "model").text
+        )  # keys set: no details for strangers
         driver.find_element(By.ID, "api-key").send_keys(READ_KEY)  # typing the key asks again, no blur needed
         wait.until(lambda d: "positions relative" in d.find_element(By.ID, "model").text)
         driver.execute_script("document.getElementById('context').value = arguments[0];", context)
@@ -601,18 +708,31 @@ def test_web_page_in_headless_chromium(app, tmp_path):
         # the indexed corpus, chosen from the list
         driver.find_element(By.ID, "use-corpus").click()
         # other tests of this module may have indexed more corpora: pick "books" from the list
-        wait.until(lambda d: any(o.get_attribute("value") == "books" for o in d.find_elements(By.CSS_SELECTOR, "#corpus option")))
+        wait.until(
+            lambda d: any(
+                o.get_attribute("value") == "books" for o in d.find_elements(By.CSS_SELECTOR, "#corpus option")
+            )
+        )
         driver.execute_script("document.getElementById('corpus').value = 'books';")
         driver.find_element(By.ID, "ask").click()
-        wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-done") == "1"
-                   and d.find_elements(By.CSS_SELECTOR, "#document .doc-head"))
+        wait.until(
+            lambda d: (
+                d.find_element(By.TAG_NAME, "body").get_attribute("data-done") == "1"
+                and d.find_elements(By.CSS_SELECTOR, "#document .doc-head")
+            )
+        )
         ref = retrieve(app["client"], question=question, max_steps=3).json()
         items = driver.find_elements(By.CSS_SELECTOR, "#steps > li.step")
         assert [int(li.get_attribute("data-chunk")) for li in items] == [s["chunk_id"] for s in ref["steps"]]
         # a bad request shows the server's message, naming the field
         driver.find_element(By.ID, "question").clear()
         driver.find_element(By.ID, "ask").click()
-        wait.until(lambda d: "question" in d.find_element(By.ID, "status").text and "error" in d.find_element(By.ID, "status").get_attribute("class"))
+        wait.until(
+            lambda d: (
+                "question" in d.find_element(By.ID, "status").text
+                and "error" in d.find_element(By.ID, "status").get_attribute("class")
+            )
+        )
         assert steps.is_displayed()
     finally:
         driver.quit()

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "platform")}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=600, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -22,11 +24,49 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
 def test_http_and_library_paths_agree_and_are_timed(tiny_encoder, shared_data, tmp_path):
     storage = tmp_path / "idx"
     books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
-    run("serve_scale.py", "--tokens", "8000", "--encoder", tiny_encoder, "--corpus", str(books[0]), "--shards", "2",
-        "--queries", "3", "--batches", "1", "--rounds", "1", "--storage", str(storage), "--workers", "1", "--device", "cpu")
+    run(
+        "serve_scale.py",
+        "--tokens",
+        "8000",
+        "--encoder",
+        tiny_encoder,
+        "--corpus",
+        str(books[0]),
+        "--shards",
+        "2",
+        "--queries",
+        "3",
+        "--batches",
+        "1",
+        "--rounds",
+        "1",
+        "--storage",
+        str(storage),
+        "--workers",
+        "1",
+        "--device",
+        "cpu",
+    )
     out = tmp_path / "http.json"
-    run("serve_http.py", "--storage", str(storage), "--encoder", tiny_encoder, "--shards", "2", "--queries", "6",
-        "--concurrency", "2", "--device", "cpu", "--state-batch", "1,8", "--out", str(out))
+    run(
+        "serve_http.py",
+        "--storage",
+        str(storage),
+        "--encoder",
+        tiny_encoder,
+        "--shards",
+        "2",
+        "--queries",
+        "6",
+        "--concurrency",
+        "2",
+        "--device",
+        "cpu",
+        "--state-batch",
+        "1,8",
+        "--out",
+        str(out),
+    )
     result = json.loads(out.read_text())
     assert result["corpus"]["chunks"] > 50
     # one holder per shard, then all shards in one; each without and with batching of concurrent states
@@ -44,8 +84,24 @@ def test_the_two_gpu_benchs_corpus_builder_runs_on_cpu(tiny_encoder, shared_data
     """`bench/two_gpu.py --build-only` builds its corpus through serve_scale's tokenising workers:
     it sent them an outdated job shape and failed on the 2-GPU machine before anything was timed."""
     books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
-    done = run("two_gpu.py", "--build-only", "--gpus", "0", "--storage", str(tmp_path / "corpus"), "--tokens", "3000",
-               "--corpus-workers", "1", "--shards", "2", "--corpus", str(books[0]), "--random-encoder", tiny_encoder)
+    done = run(
+        "two_gpu.py",
+        "--build-only",
+        "--gpus",
+        "0",
+        "--storage",
+        str(tmp_path / "corpus"),
+        "--tokens",
+        "3000",
+        "--corpus-workers",
+        "1",
+        "--shards",
+        "2",
+        "--corpus",
+        str(books[0]),
+        "--random-encoder",
+        tiny_encoder,
+    )
     corpus = json.loads(done.stdout.strip().splitlines()[-1])
     assert corpus["tokens"] >= 3000 and corpus["shards"] == 2 and corpus["chunks"] > 0 and corpus["questions"]
 
@@ -55,8 +111,23 @@ def test_index_stages_times_tokenising_per_worker_count(tiny_encoder, shared_dat
     alone with each worker count, gathered into groups and raw, on the same tokens."""
     books = sorted((shared_data / "gutenberg_novels" / "small_collection_british_fiction").glob("*.txt.gz"))[:1]
     out = tmp_path / "stages.json"
-    run("index_stages.py", "--corpus", str(books[0]), "--encoder", tiny_encoder, "--tokens", "20000", "--doc-tokens", "2000",
-        "--prep-workers", "1,2", "--device", "cpu", "--out", str(out))
+    run(
+        "index_stages.py",
+        "--corpus",
+        str(books[0]),
+        "--encoder",
+        tiny_encoder,
+        "--tokens",
+        "20000",
+        "--doc-tokens",
+        "2000",
+        "--prep-workers",
+        "1,2",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
     stages = json.loads(out.read_text())["stages"]
     assert sorted(stages) == ["prep_1_workers", "prep_2_workers", "raw_1_workers", "raw_2_workers"]
     assert all(row["tokens_per_s"] > 0 and row["seconds"] > 0 for row in stages.values())

@@ -29,12 +29,25 @@ def prefixed(tiny_encoder, tmp_path_factory):
     from qrag.distributed.serving import build_app
 
     port, metrics_port = free_ports(2)
-    cfg = ServeConfig(encoder=tiny_encoder, storage=str(tmp_path_factory.mktemp("serve") / "indexes"), shards=2, chunk_tokens=24,
-                      max_documents=50, max_body_bytes=200_000)
+    cfg = ServeConfig(
+        encoder=tiny_encoder,
+        storage=str(tmp_path_factory.mktemp("serve") / "indexes"),
+        shards=2,
+        chunk_tokens=24,
+        max_documents=50,
+        max_body_bytes=200_000,
+    )
     saved = os.environ.get("QRAG_API_KEYS")
     os.environ["QRAG_API_KEYS"] = f"{READ}:read,{WRITE}:write"  # the replicas inherit it, as from a Secret
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, configure_logging=False,
-             _metrics_export_port=metrics_port, log_to_driver=False)
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=2,
+        configure_logging=False,
+        _metrics_export_port=metrics_port,
+        log_to_driver=False,
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": 60})
         serve.run(build_app(cfg, {}, [{"name": "Ingress", "num_replicas": 1}]), name="prefixed", route_prefix=PREFIX)

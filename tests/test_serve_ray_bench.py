@@ -34,8 +34,9 @@ def test_the_default_layout_is_the_shipped_config(serve_ray):
     conf, deployments = plan(serve_ray, "default", gpus=1)
     shipped = serve_ray.app_config(str(ROOT / "serve" / "config.yaml"))
     assert deployments == shipped["deployments"]
-    assert {k: v for k, v in conf.items() if k not in ("storage", "checkpoint", "http_host")} == \
-        {k: v for k, v in shipped["args"].items() if k not in ("storage", "checkpoint", "http_host")}
+    assert {k: v for k, v in conf.items() if k not in ("storage", "checkpoint", "http_host")} == {
+        k: v for k, v in shipped["args"].items() if k not in ("storage", "checkpoint", "http_host")
+    }
     cfg = ServeConfig(**conf)
     assert cfg.shard_deployments == 0 and startup_problem(cfg.http_host, {}, cfg.allow_unauthenticated) is None
 
@@ -44,7 +45,9 @@ def test_the_default_layout_is_the_shipped_config(serve_ray):
 def test_replicas_share_each_gpu(serve_ray, gpus):
     _, deployments = plan(serve_ray, "per_gpu=3", gpus=gpus)
     ingress = next(d for d in deployments if d["name"] == "Ingress")
-    assert ingress["num_replicas"] == 3 * gpus and ingress["ray_actor_options"]["num_gpus"] == pytest.approx(1 / 3, abs=1e-3)
+    assert ingress["num_replicas"] == 3 * gpus and ingress["ray_actor_options"]["num_gpus"] == pytest.approx(
+        1 / 3, abs=1e-3
+    )
 
 
 def test_shard_deployments_take_a_gpu_each_beside_the_ingress(serve_ray):
@@ -73,8 +76,17 @@ def test_spans_are_read_once_each(serve_ray, tmp_path):
     folder.mkdir(parents=True)
 
     def span(name: str, ms: int) -> str:
-        return json.dumps({"name": name, "start_time": "2026-11-28T00:00:00.000000Z",
-                           "end_time": f"2026-11-28T00:00:00.{ms:03d}000Z"}, indent=4) + "\n"
+        return (
+            json.dumps(
+                {
+                    "name": name,
+                    "start_time": "2026-11-28T00:00:00.000000Z",
+                    "end_time": f"2026-11-28T00:00:00.{ms:03d}000Z",
+                },
+                indent=4,
+            )
+            + "\n"
+        )
 
     (folder / "proxy").write_text(span("proxy_http_request", 10) + span("proxy_http_request", 20))
     offsets: dict[str, int] = {}

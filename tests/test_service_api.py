@@ -56,6 +56,7 @@ def make_client(service, loop: LoopThread, keys=None, static=None, on_request=No
         async def go():
             async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", headers=headers or {}) as c:
                 return await c.request(method, path, **kw)
+
         return loop.run(go())
 
     call.service, call.loop = service, loop
@@ -70,7 +71,16 @@ def loop():
 
 
 def serve_cfg(tmp_path, **kw) -> ServeConfig:
-    return ServeConfig(**{"storage": str(tmp_path / "store"), "shards": 2, "chunk_tokens": 24, "max_body_bytes": 200_000, "max_documents": 50, **kw})
+    return ServeConfig(
+        **{
+            "storage": str(tmp_path / "store"),
+            "shards": 2,
+            "chunk_tokens": 24,
+            "max_body_bytes": 200_000,
+            "max_documents": 50,
+            **kw,
+        }
+    )
 
 
 @pytest.fixture
@@ -96,7 +106,9 @@ def test_corpus_lifecycle_and_retrieval_match_the_library(client, model, tmp_pat
     r = client("POST", "/v1/retrieve", json={"corpus": "books", "question": question, "max_steps": 3, "beam_width": 2})
     assert r.status_code == 200, r.text
     body = r.json()
-    ref, records, _ = LocalIndex(client.service.store, model).retrieve("books", question, SearchConfig(max_steps=3, beam_width=2))
+    ref, records, _ = LocalIndex(client.service.store, model).retrieve(
+        "books", question, SearchConfig(max_steps=3, beam_width=2)
+    )
     assert [s["chunk_id"] for s in body["steps"]] == ref.selected
     assert [s["q"] for s in body["steps"]] == pytest.approx([s.q for s in ref.steps], abs=1e-5)
     assert all(s["text"] == records[s["chunk_id"]].text and s["doc_id"].startswith("doc-") for s in body["steps"])
@@ -112,7 +124,11 @@ def test_corpus_lifecycle_and_retrieval_match_the_library(client, model, tmp_pat
 
 def test_inline_context(client):
     context = " ".join(d["text"] for d in docs_json(3))
-    r = client("POST", "/v1/retrieve", json={"context": context, "question": "the castle of the queen", "max_steps": 2, "return_chunks": True})
+    r = client(
+        "POST",
+        "/v1/retrieve",
+        json={"context": context, "question": "the castle of the queen", "max_steps": 2, "return_chunks": True},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["steps"]) == 2 and len(body["chunks"]) == body["n_chunks"]
@@ -141,10 +157,16 @@ BAD = [
 def test_bad_requests_get_4xx_naming_the_field(client):
     assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(2)}).status_code == 201
     for payload, status, field in BAD:
-        r = client("POST", "/v1/retrieve", content=json.dumps(payload).encode(), headers={"content-type": "application/json"})
+        r = client(
+            "POST", "/v1/retrieve", content=json.dumps(payload).encode(), headers={"content-type": "application/json"}
+        )
         assert r.status_code == status, (payload, r.text)
         assert r.json()["error"]["field"] == field, (payload, r.json())
-    raw = [(b"{not json", 400, "body"), (b'{"question": "caf\xe9", "corpus": "books"}', 400, "body"), (b"[1, 2]", 422, "body")]
+    raw = [
+        (b"{not json", 400, "body"),
+        (b'{"question": "caf\xe9", "corpus": "books"}', 400, "body"),
+        (b"[1, 2]", 422, "body"),
+    ]
     for body, status, field in raw:
         r = client("POST", "/v1/retrieve", content=body, headers={"content-type": "application/json"})
         assert r.status_code == status, (body, r.text)
@@ -169,7 +191,9 @@ def test_bad_requests_get_4xx_naming_the_field(client):
     assert client("GET", "/healthz").json()["model"]["trained"] is False
     assert "UNTRAINED" in client("GET", "/healthz").json()["message"]
     assert client("GET", "/").text == "<html>page</html>"
-    assert client("GET", "/docs").status_code == 200 and "/v1/retrieve" in client("GET", "/openapi.json").json()["paths"]
+    assert (
+        client("GET", "/docs").status_code == 200 and "/v1/retrieve" in client("GET", "/openapi.json").json()["paths"]
+    )
 
 
 def restarted(client, model):
@@ -181,6 +205,7 @@ def restarted(client, model):
         async def go():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://127.0.0.1") as c:
                 return await c.request(method, path, **kw)
+
         return asyncio.run(go())
 
     call.service = service
@@ -205,7 +230,11 @@ def test_corrupt_shard_is_rebuilt_from_its_texts_and_lost_texts_are_reported(cli
     m = store.read("books")
     (store.path("books") / m.batches[0].shards[0].texts.file).write_text("tampered\n")
     r = restarted(client, model)("POST", "/v1/retrieve", json=ask)
-    assert r.status_code == 503 and r.json()["error"]["field"] == "corpus" and "texts are lost" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 503
+        and r.json()["error"]["field"] == "corpus"
+        and "texts are lost" in r.json()["error"]["message"]
+    )
 
 
 def test_a_corpus_of_another_model_is_refused_until_reindexed(client, tiny_encoder, tmp_path):
@@ -256,7 +285,9 @@ def test_checkpoint_from_an_mlflow_run_uri(tiny_encoder, tmp_path):
     mlflow.log_artifacts(run.info.run_id, str(ckpt), "checkpoint")
     source = resolve_source(f"runs:/{run.info.run_id}/checkpoint", cache_dir=tmp_path / "cache", tracking_uri=uri)
     loaded = load_embedding_model(source, "cpu")
-    assert loaded.fingerprint == fingerprint(ckpt) and loaded.model_cfg.positions == "absolute" and loaded.source.trained
+    assert (
+        loaded.fingerprint == fingerprint(ckpt) and loaded.model_cfg.positions == "absolute" and loaded.source.trained
+    )
 
 
 def test_qrag_serve_rejects_a_bad_checkpoint_before_starting_ray(tmp_path, capsys):

@@ -59,11 +59,17 @@ def wait_job(client, job_id: str, headers=None, timeout: float = 60) -> dict:
 
 
 def test_keys_scopes_and_public_routes(model, tmp_path, loop):
-    client = make_client(local_service(serve_cfg(tmp_path), model), loop, keys=KEYS, static={"index.html": b"<html></html>"})
+    client = make_client(
+        local_service(serve_cfg(tmp_path), model), loop, keys=KEYS, static={"index.html": b"<html></html>"}
+    )
     create = {"name": "books", "documents": docs_json(2)}
     ask = {"corpus": "books", "question": "the painter"}
     r = client("POST", "/v1/corpora", json=create)
-    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and r.json()["error"]["field"] == "authorization"
+    assert (
+        r.status_code == 401
+        and r.headers["www-authenticate"] == "Bearer"
+        and r.json()["error"]["field"] == "authorization"
+    )
     assert client("POST", "/v1/corpora", json=create, headers=bearer("nope")).status_code == 401
     assert client("POST", "/v1/corpora", json=create, headers=bearer(READ)).status_code == 403
     assert client("POST", "/v1/corpora", json=create, headers={"authorization": WRITE}).status_code == 401  # not Bearer
@@ -72,7 +78,11 @@ def test_keys_scopes_and_public_routes(model, tmp_path, loop):
     assert client("POST", "/v1/corpora", json=create, headers=bearer(WRITE)).status_code == 201
     assert client("POST", "/v1/retrieve", json=ask, headers=bearer(READ)).status_code == 200
     assert client("GET", "/v1/corpora", headers=bearer(READ)).status_code == 200
-    for method, path in (("DELETE", "/v1/corpora/books"), ("POST", "/v1/corpora/books/reindex"), ("POST", "/v1/corpora/books/documents")):
+    for method, path in (
+        ("DELETE", "/v1/corpora/books"),
+        ("POST", "/v1/corpora/books/reindex"),
+        ("POST", "/v1/corpora/books/documents"),
+    ):
         r = client(method, path, headers=bearer(READ), **({"json": {}} if method == "POST" else {}))
         assert r.status_code == 403, (path, r.text)
     assert client("GET", "/healthz").status_code == 200 and client("GET", "/").status_code == 200
@@ -101,30 +111,55 @@ def test_content_type_host_origin_cors_and_page_headers(model, tmp_path, loop):
     body = json.dumps({"name": "books"}).encode()
     r = client("POST", "/v1/corpora", content=body)  # no Content-Type: a form or fetch() from any page
     assert r.status_code == 415 and r.json()["error"]["field"] == "content-type"
-    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx"):
+    for ctype in (
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+    ):
         assert client("POST", "/v1/corpora", content=body, headers={"content-type": ctype}).status_code == 415, ctype
     assert client("POST", "/v1/corpora/books/reindex").status_code == 415  # a bodiless POST too
     assert client("GET", "/v1/corpora", headers={"host": "evil.example:8000"}).status_code == 421
     assert client("GET", "/v1/corpora", headers={"host": "localhost:8000"}).status_code == 200
     r = client("POST", "/v1/corpora", json={"name": "x"}, headers={"origin": "http://evil.example"})
     assert r.status_code == 403 and r.json()["error"]["field"] == "origin"
-    assert client("POST", "/v1/corpora", json={"name": "x"}, headers={"origin": "http://127.0.0.1"}).status_code == 201  # the page itself
-    pre = client("OPTIONS", "/v1/corpora", headers={"origin": "http://evil.example", "access-control-request-method": "POST"})
+    assert (
+        client("POST", "/v1/corpora", json={"name": "x"}, headers={"origin": "http://127.0.0.1"}).status_code == 201
+    )  # the page itself
+    pre = client(
+        "OPTIONS", "/v1/corpora", headers={"origin": "http://evil.example", "access-control-request-method": "POST"}
+    )
     assert "access-control-allow-origin" not in pre.headers
     page = client("GET", "/")
-    assert "frame-ancestors 'none'" in page.headers["content-security-policy"] and page.headers["x-frame-options"] == "DENY"
+    assert (
+        "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        and page.headers["x-frame-options"] == "DENY"
+    )
     assert page.headers["x-content-type-options"] == "nosniff"
     # Every answer says nosniff: the API's own, and the guards' refusals (HTML headers only on HTML).
-    for r in (client("GET", "/v1/corpora"), client("GET", "/v1/corpora", headers={"host": "evil.example"}), client("GET", "/nowhere")):
-        assert r.headers["x-content-type-options"] == "nosniff" and "content-security-policy" not in r.headers, r.status_code
+    for r in (
+        client("GET", "/v1/corpora"),
+        client("GET", "/v1/corpora", headers={"host": "evil.example"}),
+        client("GET", "/nowhere"),
+    ):
+        assert r.headers["x-content-type-options"] == "nosniff" and "content-security-policy" not in r.headers, (
+            r.status_code
+        )
 
 
 def test_cors_only_for_configured_origins(model, tmp_path, loop):
     client = make_client(local_service(serve_cfg(tmp_path, cors_origins=["https://app.example"]), model), loop)
-    pre = client("OPTIONS", "/v1/corpora", headers={"origin": "https://app.example", "access-control-request-method": "POST"})
+    pre = client(
+        "OPTIONS", "/v1/corpora", headers={"origin": "https://app.example", "access-control-request-method": "POST"}
+    )
     assert pre.headers.get("access-control-allow-origin") == "https://app.example"
-    assert client("POST", "/v1/corpora", json={"name": "x"}, headers={"origin": "https://app.example"}).status_code == 201
-    assert client("POST", "/v1/corpora", json={"name": "y"}, headers={"origin": "https://other.example"}).status_code == 403
+    assert (
+        client("POST", "/v1/corpora", json={"name": "x"}, headers={"origin": "https://app.example"}).status_code == 201
+    )
+    assert (
+        client("POST", "/v1/corpora", json={"name": "y"}, headers={"origin": "https://other.example"}).status_code
+        == 403
+    )
 
 
 def test_timeout_headers_are_stripped_and_the_deadline_holds(model, tmp_path, loop):
@@ -140,12 +175,16 @@ def test_timeout_headers_are_stripped_and_the_deadline_holds(model, tmp_path, lo
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://127.0.0.1") as c:
-            return await c.get("/v1/corpora", headers={"x-request-timeout-seconds": "0", "x-request-disconnect-disabled": "?1"})
+            return await c.get(
+                "/v1/corpora", headers={"x-request-timeout-seconds": "0", "x-request-disconnect-disabled": "?1"}
+            )
 
     t0 = time.perf_counter()
     r = loop.run(go())
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and time.perf_counter() - t0 < 3
-    assert b"x-request-timeout-seconds" not in seen["headers"] and b"x-request-disconnect-disabled" not in seen["headers"]
+    assert (
+        b"x-request-timeout-seconds" not in seen["headers"] and b"x-request-disconnect-disabled" not in seen["headers"]
+    )
 
 
 # -- inputs that ended in a 500 -------------------------------------------------------------------
@@ -156,15 +195,35 @@ def test_inputs_that_were_500s_answer_4xx_naming_the_field(model, tmp_path, loop
     assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(2)}).status_code == 201
     j = {"content-type": "application/json"}
     cases = [
-        ("/v1/retrieve", f'{{"corpus": "books", "question": "q", "stop_threshold": 1{"0" * 400}}}', 422, "stop_threshold"),
-        ("/v1/corpora/books/documents", r'{"documents": [{"id": "bad\ud800", "text": "A text."}]}', 422, "documents[0].id"),
-        ("/v1/corpora/books/documents", r'{"documents": [{"id": "nul\u0000", "text": "A text."}]}', 422, "documents[0].id"),
+        (
+            "/v1/retrieve",
+            f'{{"corpus": "books", "question": "q", "stop_threshold": 1{"0" * 400}}}',
+            422,
+            "stop_threshold",
+        ),
+        (
+            "/v1/corpora/books/documents",
+            r'{"documents": [{"id": "bad\ud800", "text": "A text."}]}',
+            422,
+            "documents[0].id",
+        ),
+        (
+            "/v1/corpora/books/documents",
+            r'{"documents": [{"id": "nul\u0000", "text": "A text."}]}',
+            422,
+            "documents[0].id",
+        ),
         ("/v1/corpora", '{"name": "c1", "chunk_tokens": 511}', 422, "chunk_tokens"),
         ("/v1/corpora", '{"name": "c2", "chunk_tokens": 512}', 422, "chunk_tokens"),
         ("/v1/retrieve", '{"context": "Some text.", "question": "q", "chunk_tokens": 512}', 422, "chunk_tokens"),
         ("/v1/corpora", '{"name": "books\\n"}', 422, "name"),
         ("/v1/retrieve", '{"corpus": "books\\n", "question": "q"}', 422, "corpus"),
-        ("/v1/corpora/books/documents", json.dumps({"documents": [{"id": "w", "text": "x" * 150_000}]}), 422, "documents[0].text"),
+        (
+            "/v1/corpora/books/documents",
+            json.dumps({"documents": [{"id": "w", "text": "x" * 150_000}]}),
+            422,
+            "documents[0].text",
+        ),
         ("/v1/retrieve", json.dumps({"context": "y" * 150_000, "question": "q"}), 422, "context"),
     ]
     for path, body, status, field in cases:
@@ -172,7 +231,10 @@ def test_inputs_that_were_500s_answer_4xx_naming_the_field(model, tmp_path, loop
         assert r.status_code == status and r.json()["error"]["field"] == field, (body[:80], r.text)
     r = client("POST", "/v1/corpora", json={"name": "c3", "chunk_tokens": 511})
     assert "between 8 and 510" in r.json()["error"]["message"]  # MiniLM's 512 positions minus [CLS] and [SEP]
-    assert client("POST", "/v1/corpora", json={"name": "wide", "chunk_tokens": 510, "documents": docs_json(1)}).status_code == 201
+    assert (
+        client("POST", "/v1/corpora", json={"name": "wide", "chunk_tokens": 510, "documents": docs_json(1)}).status_code
+        == 201
+    )
 
 
 def test_too_many_documents_are_counted_before_parsing(model, tmp_path, loop, monkeypatch):
@@ -180,13 +242,21 @@ def test_too_many_documents_are_counted_before_parsing(model, tmp_path, loop, mo
 
     client = make_client(local_service(serve_cfg(tmp_path, max_body_bytes=2_000_000), model), loop)
     parsed = []
-    monkeypatch.setattr(qrag.serving.http_api.CreateCorpus, "model_validate", classmethod(lambda cls, *a, **k: parsed.append(1)))
+    monkeypatch.setattr(
+        qrag.serving.http_api.CreateCorpus, "model_validate", classmethod(lambda cls, *a, **k: parsed.append(1))
+    )
     tiny = {"name": "many", "documents": [{"id": str(i), "text": "a"} for i in range(3000)]}
     r = client("POST", "/v1/corpora", json=tiny)
-    assert r.status_code == 413 and r.json()["error"]["field"] == "documents" and "before parsing" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 413
+        and r.json()["error"]["field"] == "documents"
+        and "before parsing" in r.json()["error"]["message"]
+    )
     # commas inside strings are not documents
     monkeypatch.undo()
-    r = client("POST", "/v1/corpora", json={"name": "commas", "documents": [{"id": "d", "text": "a, " * 5000 + "end."}]})
+    r = client(
+        "POST", "/v1/corpora", json={"name": "commas", "documents": [{"id": "d", "text": "a, " * 5000 + "end."}]}
+    )
     assert r.status_code == 201, r.text
 
 
@@ -195,8 +265,11 @@ def test_corrupt_manifest_is_503_without_paths_and_can_be_deleted(model, tmp_pat
     assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(2)}).status_code == 201
     assert client("POST", "/v1/corpora", json={"name": "other", "documents": docs_json(1)}).status_code == 201
     (tmp_path / "store" / "books" / "corpus.json").write_bytes(b'{"name": "books", "uid": ')
-    for method, path, body in (("GET", "/v1/corpora/books", None), ("POST", "/v1/retrieve", {"corpus": "books", "question": "q"}),
-                               ("POST", "/v1/corpora/books/documents", {"documents": docs_json(3)[2:]})):
+    for method, path, body in (
+        ("GET", "/v1/corpora/books", None),
+        ("POST", "/v1/retrieve", {"corpus": "books", "question": "q"}),
+        ("POST", "/v1/corpora/books/documents", {"documents": docs_json(3)[2:]}),
+    ):
         r = client(method, path, json=body) if body else client(method, path)
         assert r.status_code == 503 and r.json()["error"]["field"] == "corpus", r.text
         assert str(tmp_path) not in r.text
@@ -260,7 +333,9 @@ def test_jobs_are_answered_by_any_replica_and_after_a_restart(model, tmp_path, l
     cfg = serve_cfg(tmp_path)
     a = make_client(local_service(cfg, model), loop)
     assert a("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(2)}).status_code == 201
-    job = a("POST", "/v1/corpora/books/documents", json={"documents": docs_json(3)[2:], "wait": False}).json()["job"]["id"]
+    job = a("POST", "/v1/corpora/books/documents", json={"documents": docs_json(3)[2:], "wait": False}).json()["job"][
+        "id"
+    ]
     assert wait_job(a, job)["state"] == "done"
     b = make_client(local_service(cfg, model), loop)  # another replica, or the same after a restart
     assert b("GET", f"/v1/jobs/{job}").json()["state"] == "done"
@@ -300,7 +375,9 @@ def test_every_job_ends_with_a_reason_and_create_is_atomic(model, tmp_path, loop
     client = make_client(service, loop)
     good = service.encoder
     # The encoder fails the way a GPU does (the local encoder maps it to 503, as Serve's does).
-    service.encoder = FailingEncoder(good, ServiceError(503, None, "the encoder failed (OutOfMemoryError); retry", {"Retry-After": "1"}))
+    service.encoder = FailingEncoder(
+        good, ServiceError(503, None, "the encoder failed (OutOfMemoryError); retry", {"Retry-After": "1"})
+    )
     r = client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(3)})
     assert r.status_code == 503 and "OutOfMemoryError" in r.text
     assert client("GET", "/v1/corpora/books").status_code == 404  # nothing visible, no empty corpus
@@ -308,9 +385,15 @@ def test_every_job_ends_with_a_reason_and_create_is_atomic(model, tmp_path, loop
     r = client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(3), "wait": False})
     assert r.status_code == 202 and r.json()["corpus"] is None
     failed = wait_job(client, r.json()["job"]["id"])
-    assert failed["state"] == "failed" and failed["error"]["message"] == "internal error: ValueError" and failed["finished"]
+    assert (
+        failed["state"] == "failed"
+        and failed["error"]["message"] == "internal error: ValueError"
+        and failed["finished"]
+    )
     service.encoder = good
-    assert client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(3)}).status_code == 201  # the retry is no 409
+    assert (
+        client("POST", "/v1/corpora", json={"name": "books", "documents": docs_json(3)}).status_code == 201
+    )  # the retry is no 409
     assert client("GET", "/v1/corpora/books").json()["documents"] == 3
     # A wait:true request whose client goes away: the job goes on and ends done, the corpus whole.
     gated = service.encoder = GatedEncoder(good)
@@ -404,8 +487,13 @@ def test_loading_a_corpus_does_not_block_queries_of_another(model, tmp_path):
     states = model.embed_states([model.tokenize_question("the king")])
     t0 = time.perf_counter()
     hits = holder.best_chunks("fast", store.read("fast").uid, 1, states, [[]], store.read("fast").chunks, 2)
-    assert hits.ids.shape == (1, 2) and time.perf_counter() - t0 < 5 and loader.is_alive()  # answered while "slow" loads
-    assert holder.loaded("fast", store.read("fast").uid, 1) is not None and holder.loaded("slow", store.read("slow").uid, 1) is None
+    assert (
+        hits.ids.shape == (1, 2) and time.perf_counter() - t0 < 5 and loader.is_alive()
+    )  # answered while "slow" loads
+    assert (
+        holder.loaded("fast", store.read("fast").uid, 1) is not None
+        and holder.loaded("slow", store.read("slow").uid, 1) is None
+    )
     release.set()
     loader.join(30)
     assert set(holder.corpora) == {"slow", "fast"}
@@ -427,8 +515,14 @@ def test_every_response_is_counted_with_its_route(model, tmp_path, loop):
     service.list_corpora = lambda: (_ for _ in ()).throw(RuntimeError("bug"))
     r = client("GET", "/v1/corpora", headers=bearer(READ))
     assert r.status_code == 500 and "bug" not in r.text
-    assert seen == [("/v1/corpora", 401), ("/v1/corpora", 415), ("/v1/corpora", 413), ("/v1/corpora/{name}", 404),
-                    ("unmatched", 404), ("/v1/corpora", 500)]
+    assert seen == [
+        ("/v1/corpora", 401),
+        ("/v1/corpora", 415),
+        ("/v1/corpora", 413),
+        ("/v1/corpora/{name}", 404),
+        ("unmatched", 404),
+        ("/v1/corpora", 500),
+    ]
 
 
 # -- failures of the storage and of the backends ---------------------------------------------------

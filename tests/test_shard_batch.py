@@ -62,7 +62,9 @@ def assert_same_hits(got, want):
 
 @pytest.mark.parametrize("positions", ["none", "absolute", "relative"])
 @pytest.mark.parametrize("k", [2, 5, 50])  # 50: more than any shard's rows
-@pytest.mark.parametrize("n_total", [22, 19, 2])  # fewer than loaded: shards answer from their first rows; 2: shard 3 empty too
+@pytest.mark.parametrize(
+    "n_total", [22, 19, 2]
+)  # fewer than loaded: shards answer from their first rows; 2: shard 3 empty too
 def test_batched_scoring_gives_the_per_shard_hits(positions, k, n_total):
     shards = make_shards(positions)
     selected = selected_below(n_total)

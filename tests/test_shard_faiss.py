@@ -40,13 +40,18 @@ class FakeHNSW:
 
 
 def fake_faiss():
-    return SimpleNamespace(IndexHNSWFlat=FakeHNSW, IndexFlatIP=None, METRIC_INNER_PRODUCT=0,
-                           serialize_index=lambda index: np.frombuffer(b"x" * index.ntotal, np.uint8))
+    return SimpleNamespace(
+        IndexHNSWFlat=FakeHNSW,
+        IndexFlatIP=None,
+        METRIC_INNER_PRODUCT=0,
+        serialize_index=lambda index: np.frombuffer(b"x" * index.ntotal, np.uint8),
+    )
 
 
 def rows_from_table(table: list[np.ndarray]):
     def rows_from(start):
         return np.concatenate(table)[start:], [(i + 1, "sha") for i in range(len(table))]
+
     return rows_from
 
 

@@ -16,4 +16,3 @@ def test_the_validation_draw_is_independent_of_the_dev_draw():
     dev = [i for i in ids if in_split(i, "dev", 0.2)]
     assert 0.07 < sum(in_validation(i, 0.1) for i in dev) / len(dev) < 0.13
     assert not in_validation("q00001", 0.0) and 0.0 <= dev_score("x") < 1.0
-

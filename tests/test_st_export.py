@@ -16,14 +16,20 @@ from conftest import ROOT
 pytest.importorskip("sentence_transformers")
 
 QUESTIONS = ["Which river flows through the capital of France?", "Who painted the castle by the forest?"]
-CHUNKS = ["Paris is the capital of France.", "The Seine flows through Paris and into the sea " * 8, "Bananas are yellow."]
+CHUNKS = [
+    "Paris is the capital of France.",
+    "The Seine flows through Paris and into the sea " * 8,
+    "Bananas are yellow.",
+]
 
 
 def make_checkpoint(tmp_path, tiny_encoder, overrides: list[str]):
     from qrag.model.checkpoint import save_checkpoint, untrained_qnet
     from qrag.config import load_config
 
-    cfg = load_config(None, [f"model.encoder={tiny_encoder}", "data.question_tokens=12", "data.chunk_tokens=24", *overrides])
+    cfg = load_config(
+        None, [f"model.encoder={tiny_encoder}", "data.question_tokens=12", "data.chunk_tokens=24", *overrides]
+    )
     qnet, tokenizer, _ = untrained_qnet(cfg.model, torch.device("cpu"))
     with torch.no_grad():  # the two encoders must differ, so that routing shows
         for p in qnet.action_encoder.parameters():
@@ -46,16 +52,34 @@ def qrag_vectors(checkpoint, cfg):
     return states, chunks
 
 
-@pytest.mark.parametrize("overrides,remote_code", [([], True), (["model.similarity=cosine"], False), (["model.normalize=false"], False)],
-                         ids=["twin", "cosine", "raw"])
+@pytest.mark.parametrize(
+    "overrides,remote_code",
+    [([], True), (["model.similarity=cosine"], False), (["model.normalize=false"], False)],
+    ids=["twin", "cosine", "raw"],
+)
 def test_export_gives_our_vectors(tmp_path, tiny_encoder, overrides, remote_code):
     from sentence_transformers import SentenceTransformer
 
     checkpoint, cfg = make_checkpoint(tmp_path, tiny_encoder, overrides)
     out = tmp_path / "st"
-    done = subprocess.run([sys.executable, "-m", "qrag", "export", "--checkpoint", str(checkpoint), "--format", "sentence-transformers",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(ROOT / "platform"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qrag",
+            "export",
+            "--checkpoint",
+            str(checkpoint),
+            "--format",
+            "sentence-transformers",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT / "platform"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     model = SentenceTransformer(str(out), trust_remote_code=remote_code, device="cpu")
     states, chunks = qrag_vectors(checkpoint, cfg)

@@ -23,7 +23,9 @@ def test_padded_buckets_give_the_plain_encoder_vectors(tiny_encoder, tiny_mpnet,
     """MPNet runs eager attention, which adds the mask to the scores: a boolean mask there let the
     padded tokens in (a wrong vector for every padded state)."""
     encoder = {"bert": tiny_encoder, "mpnet": tiny_mpnet}[arch]
-    qnet, tok, layout = untrained_qnet(ModelConfig(encoder=encoder, positions="relative", similarity=similarity), CPU, use_target=False)
+    qnet, tok, layout = untrained_qnet(
+        ModelConfig(encoder=encoder, positions="relative", similarity=similarity), CPU, use_target=False
+    )
     qnet.eval()
     rng = np.random.default_rng(0)
     # 5 states (bucket 8: three padding rows) of mixed lengths (bucket 64: padded columns).
@@ -32,7 +34,9 @@ def test_padded_buckets_give_the_plain_encoder_vectors(tiny_encoder, tiny_mpnet,
     got = enc(seqs)
     with torch.no_grad():
         want = qnet.finish(encode(qnet.state_encoder, seqs, pad_id=layout.pad_id, device=CPU))
-        alone = torch.cat([qnet.finish(encode(qnet.state_encoder, [s], pad_id=layout.pad_id, device=CPU)) for s in seqs])
+        alone = torch.cat(
+            [qnet.finish(encode(qnet.state_encoder, [s], pad_id=layout.pad_id, device=CPU)) for s in seqs]
+        )
     torch.testing.assert_close(want, alone, atol=2e-5, rtol=1e-4)  # padding changes no vector
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -105,7 +109,9 @@ def test_embedding_model_embeds_chunks_through_its_graphed_chunk_encoder(tiny_en
     model.chunk_encoder = GraphedEncoder.for_chunks(model.qnet, model.layout.pad_id, CPU, length_buckets=(16, 72))
     np.testing.assert_allclose(model.embed_chunks(seqs), plain, atol=2e-5, rtol=1e-4)
     assert model.chunk_encoder.eager_calls == 1
-    np.testing.assert_allclose(model.embed_chunks([*seqs, np.arange(80, dtype=np.int64)])[:5], plain, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(
+        model.embed_chunks([*seqs, np.arange(80, dtype=np.int64)])[:5], plain, atol=2e-5, rtol=1e-4
+    )
     assert model.chunk_encoder.eager_calls == 1  # 80 tokens: past the buckets, the plain path
 
 
@@ -239,7 +245,13 @@ def test_warm_up_captures_every_shape_a_replica_can_meet(tiny_encoder, monkeypat
     'cuda' device: CPU). With graphs off (CPU), nothing."""
     qnet, tok, layout = untrained_qnet(ModelConfig(encoder=tiny_encoder), CPU, use_target=False)
     monkeypatch.setattr(GraphedEncoder, "_capture", lambda self, batch, length: ("graph", batch, length))
-    enc = GraphedEncoder(qnet, layout.pad_id, torch.device("cuda:0"), batch_buckets=(1, 2, 4, 8, 16, 32, 64), length_buckets=(32, 64, 96, 128, 192))
+    enc = GraphedEncoder(
+        qnet,
+        layout.pad_id,
+        torch.device("cuda:0"),
+        batch_buckets=(1, 2, 4, 8, 16, 32, 64),
+        length_buckets=(32, 64, 96, 128, 192),
+    )
     enc.graphs = True
     assert enc.warm_up(20, 100) == 6 * 4  # batches 1..32 (20 states fill bucket 32), lengths 32..128
     assert enc.captured_shapes == [(b, n) for b in (1, 2, 4, 8, 16, 32) for n in (32, 64, 96, 128)]
@@ -274,7 +286,9 @@ def test_warming_up_for_indexing_captures_the_main_shape_and_runs_the_others_onc
     enc.graphs = True  # the shapes chosen, without a GPU: record instead of capturing
     captured, eager, used = [], [], set()
     monkeypatch.setattr(enc, "_graph", lambda batch, length: captured.append((batch, length)) or None)
-    monkeypatch.setattr(enc, "_forward", lambda ids, mask: eager.append(tuple(ids.shape)) or torch.zeros(ids.shape[0], qnet.dim))
+    monkeypatch.setattr(
+        enc, "_forward", lambda ids, mask: eager.append(tuple(ids.shape)) or torch.zeros(ids.shape[0], qnet.dim)
+    )
     enc.warm_up_sorted(40, max_tokens=8 * 32)
     assert captured == [(2, 48)]  # 8 rows of 48 ids are more than 256 tokens: 2 rows
     assert sorted(eager) == [(2, 16), (2, 32), (8, 16), (8, 32)]  # no 32 rows: 32 x 16 > 256 tokens

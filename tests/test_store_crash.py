@@ -63,8 +63,22 @@ def test_sigkill_during_appends_never_loses_an_acknowledged_write(tmp_path):
     acked: list[int] = []
     version, next_batch, mid_write = 0, 1, 0
     for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(next_batch), str(DOCS_PER_BATCH), str(CHUNKS_PER_DOC), str(DIM)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WRITER,
+                str(tmp_path),
+                str(next_batch),
+                str(DOCS_PER_BATCH),
+                str(CHUNKS_PER_DOC),
+                str(DIM),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         first = proc.stdout.readline()  # the first append is through: from now on, kill anywhere
         assert first.startswith("ACK"), proc.stderr.read()
         time.sleep(rng.uniform(0.0, 0.25))
@@ -102,7 +116,14 @@ def test_appends_fsync_files_and_directories_before_returning(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "fsync", fsync)
     docs = [Document("d", "text")]
-    store.append("c", docs, [DocumentChunk("d", "a chunk", 2)] * 3, [np.asarray([1, 2], np.int32)] * 3, np.ones((3, 4), np.float32), "fp")
+    store.append(
+        "c",
+        docs,
+        [DocumentChunk("d", "a chunk", 2)] * 3,
+        [np.asarray([1, 2], np.int32)] * 3,
+        np.ones((3, 4), np.float32),
+        "fp",
+    )
     corpus = str(tmp_path / "c")
     assert synced[-2].startswith(corpus + "/.corpus.json.") and synced[-1] == corpus  # the manifest, then its directory
     for folder in ("docs", "shard_000", "shard_001"):
@@ -112,8 +133,11 @@ def test_appends_fsync_files_and_directories_before_returning(tmp_path, monkeypa
 def test_reopening_removes_temp_and_stray_files_but_not_a_live_writers(tmp_path):
     store = CorpusStore(tmp_path)
     store.create("c", fingerprint="fp", model=ModelConfig(), dim=4, chunk_tokens=8, shards=1)
-    debris = [tmp_path / "c" / ".corpus.json.ab12cd34.tmp", tmp_path / "c" / "shard_000" / ".batch_000001.jsonl.99.tmp",
-              tmp_path / "c" / "shard_000" / "batch_000007.abc.safetensors"]
+    debris = [
+        tmp_path / "c" / ".corpus.json.ab12cd34.tmp",
+        tmp_path / "c" / "shard_000" / ".batch_000001.jsonl.99.tmp",
+        tmp_path / "c" / "shard_000" / "batch_000007.abc.safetensors",
+    ]
     (tmp_path / "c" / "shard_000").mkdir()
     for path in debris:
         path.write_bytes(b"half")

@@ -23,7 +23,17 @@ import qrag.index.store as store_module
 from qrag.config import ModelConfig
 from qrag.data.documents import Document, DocumentChunk
 from qrag.index.jobs import Job, JobBoard
-from qrag.index.store import FAULT_ENV, TMP_SUFFIX, Batch, CorpusNotFound, CorpusStore, Manifest, fault_hook_from_env, listed_files, segment_positions
+from qrag.index.store import (
+    FAULT_ENV,
+    TMP_SUFFIX,
+    Batch,
+    CorpusNotFound,
+    CorpusStore,
+    Manifest,
+    fault_hook_from_env,
+    listed_files,
+    segment_positions,
+)
 
 from power_loss import DurableState, PowerLoss
 
@@ -50,7 +60,10 @@ def whole(store: CorpusStore, name: str) -> Manifest:
         for s in range(m.shards):
             assert store.read_segment(m, s, b)[1] is None, store.read_segment(m, s, b)[1]
             staged = b.shards[s].next
-            assert staged is None or store._read_checked(store.path(name) / staged.vectors.file, staged.vectors.sha256) is not None
+            assert (
+                staged is None
+                or store._read_checked(store.path(name) / staged.vectors.file, staged.vectors.sha256) is not None
+            )
     files = {f"{p.parent.name}/{p.name}" for p in store.path(name).glob("*/*") if p.is_file()}
     assert files == listed_files(m) and not list(store.path(name).glob(f"**/*{TMP_SUFFIX}"))
     return m
@@ -79,7 +92,9 @@ def setup_corpus(root: Path) -> None:
 
 
 def op_create(store: CorpusStore, ack: Ack) -> None:
-    store.create("n", fingerprint=FP, model=ModelConfig(), dim=DIM, chunk_tokens=8, shards=SHARDS, first=batch("n", 50.0))
+    store.create(
+        "n", fingerprint=FP, model=ModelConfig(), dim=DIM, chunk_tokens=8, shards=SHARDS, first=batch("n", 50.0)
+    )
     ack("new")
 
 
@@ -162,7 +177,11 @@ def state_vectors(store: CorpusStore, new_at: Callable[[Manifest, int, Batch], b
     old = {(b.id, s): batch("a", 0.0)[3][segment_positions(m, s, b)] for b in m.batches for s in range(m.shards)}
     if all(np.array_equal(got[k], v) for k, v in old.items()):
         return "old"
-    new = {(b.id, s): new_vectors(m, s, b) if new_at(m, s, b) else old[(b.id, s)] for b in m.batches for s in range(m.shards)}
+    new = {
+        (b.id, s): new_vectors(m, s, b) if new_at(m, s, b) else old[(b.id, s)]
+        for b in m.batches
+        for s in range(m.shards)
+    }
     assert all(np.array_equal(got[k], v) for k, v in new.items()), "a mix of old and new vectors"
     return "new"
 
@@ -170,7 +189,10 @@ def state_vectors(store: CorpusStore, new_at: Callable[[Manifest, int, Batch], b
 def state_reindex(store: CorpusStore) -> str:
     version = state_vectors(store, lambda m, s, b: True)
     m = store.read("c")
-    assert m.fingerprint == (FP if version == "old" else FP2) and (version == "old" or m.reindex is None), (version, m.fingerprint)
+    assert m.fingerprint == (FP if version == "old" else FP2) and (version == "old" or m.reindex is None), (
+        version,
+        m.fingerprint,
+    )
     return version
 
 
@@ -237,7 +259,9 @@ def check_after_crash(root: Path, scenario: Scenario, acked: list[str], where: s
     last = scenario.versions.index(acked[-1]) if acked else 0
     assert scenario.versions.index(version) >= last, f"{where}: acknowledged {acked[-1]!r}, found {version!r}"
     if version != scenario.versions[-1]:
-        staged = len(store.reindex_todo(store.read("c"))) if scenario.op is op_reindex and store.read("c").reindex else None
+        staged = (
+            len(store.reindex_todo(store.read("c"))) if scenario.op is op_reindex and store.read("c").reindex else None
+        )
         done = scenario.op(CorpusStore(root), lambda label: None)
         if staged is not None:
             assert done == staged, f"{where}: the restarted re-index re-embedded {done} segments, {staged} were left"
@@ -308,7 +332,9 @@ def test_power_loss_at_every_fault_point(name, template, tmp_path, monkeypatch):
             finally:
                 store_module.set_fault_hook(previous)
             cut.disk.restore(cut.left if cut.left is not None else cut.disk.survivors())
-        where = f"{name}, power lost at {n}/{len(points)} ({points[n - 1] if n <= len(points) else 'after it returned'})"
+        where = (
+            f"{name}, power lost at {n}/{len(points)} ({points[n - 1] if n <= len(points) else 'after it returned'})"
+        )
         check_after_crash(root, scenario, acked, where)
         shutil.rmtree(root)
 
@@ -336,12 +362,20 @@ def test_the_fault_point_variable_kills_a_real_process(template, tmp_path):
     """$QRAG_FAULT_POINT in a fresh interpreter (as a server would be started under test)."""
     root = fresh(template, tmp_path, 1)
     points = fault_points(template, tmp_path, SCENARIOS["append"])
-    code = (f"from qrag.index.store import CorpusStore\nimport test_store_faults as t\n"
-            f"t.op_append(CorpusStore({str(root)!r}), print)")
-    env = {**os.environ, FAULT_ENV: str(len(points) // 2), "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), str(ROOT / "tests")])}
+    code = (
+        f"from qrag.index.store import CorpusStore\nimport test_store_faults as t\n"
+        f"t.op_append(CorpusStore({str(root)!r}), print)"
+    )
+    env = {
+        **os.environ,
+        FAULT_ENV: str(len(points) // 2),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), str(ROOT / "tests")]),
+    }
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL and "new" not in proc.stdout, proc.stderr
     assert state_append(CorpusStore(root)) == "old"
     env[FAULT_ENV] = "soon"
-    proc = subprocess.run([sys.executable, "-c", "import qrag.index.store"], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import qrag.index.store"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1 and "QRAG_FAULT_POINT must be a positive integer" in proc.stderr

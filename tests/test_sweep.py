@@ -51,31 +51,40 @@ def with_(**changes) -> dict:
     return data
 
 
-@pytest.mark.parametrize("data, message", [
-    (with_(budget=3), "unknown config key budget"),
-    (with_(scheduler={"kind": "asha"}), "unknown config key scheduler.kind"),
-    (with_(space={"learner.alhpa": {"uniform": [0, 1]}}), "space.learner.alhpa: not a training config key"),
-    (with_(space={"alpha": {"uniform": [0, 1]}}), "did you mean learner.alpha"),
-    (with_(space={"learner.alpha": {"normal": [0, 1]}}), "unknown kind 'normal'"),
-    (with_(space={"learner.alpha": 0.1}), "fixed values go in overrides"),
-    (with_(space={"learner.alpha": {"loguniform": [0, 1]}}), "bounds must be positive"),
-    (with_(space={"learner.alpha": {"uniform": [1, 0]}}), "low must be below high"),
-    (with_(space={"learner.episodes_per_update": {"uniform": [4, 64]}}), "expected an integer"),
-    (with_(space={"learner.soft_q": {"choice": [True, "yes"]}}), "expected true or false"),
-    (with_(space={"updates": {"choice": [4, 8]}}), "cannot vary updates"),
-    (with_(space={"distributed.runners": {"choice": [1, 2]}}), "cannot vary distributed.runners"),
-    (with_(space={}), "space: empty"),
-    (with_(overrides={"eval_every": 0, "updates": 6, "data.val_fraction": 0.2}), "eval_every=0"),
-    (with_(overrides={"eval_every": 2, "updates": 6, "data.val_fraction": 0.0}), "never on dev"),
-    (with_(overrides={"eval_every": 2, "updates": 6, "data.val_fraction": 0.2, "checkpoint_every": 3}), "multiple of eval_every"),
-    (with_(overrides={"eval_every": 2, "data.val_fraction": 0.2, "learner.alhpa": 1}), "overrides: unknown config key learner.alhpa"),
-    (with_(scheduler={"reduction_factor": 1}), "scheduler.reduction_factor must be above 1"),
-    (with_(scheduler={"metric": "train/return"}), "scheduler.metric must be"),
-    (with_(resources={"gpus": 1.5}), "resources.gpus must be"),
-    (with_(resources={"trial_cpus": 0}), "resources.trial_cpus must be positive"),
-    (with_(base="missing.yaml"), "config file not found"),
-    (with_(name="a b"), "use letters, digits"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (with_(budget=3), "unknown config key budget"),
+        (with_(scheduler={"kind": "asha"}), "unknown config key scheduler.kind"),
+        (with_(space={"learner.alhpa": {"uniform": [0, 1]}}), "space.learner.alhpa: not a training config key"),
+        (with_(space={"alpha": {"uniform": [0, 1]}}), "did you mean learner.alpha"),
+        (with_(space={"learner.alpha": {"normal": [0, 1]}}), "unknown kind 'normal'"),
+        (with_(space={"learner.alpha": 0.1}), "fixed values go in overrides"),
+        (with_(space={"learner.alpha": {"loguniform": [0, 1]}}), "bounds must be positive"),
+        (with_(space={"learner.alpha": {"uniform": [1, 0]}}), "low must be below high"),
+        (with_(space={"learner.episodes_per_update": {"uniform": [4, 64]}}), "expected an integer"),
+        (with_(space={"learner.soft_q": {"choice": [True, "yes"]}}), "expected true or false"),
+        (with_(space={"updates": {"choice": [4, 8]}}), "cannot vary updates"),
+        (with_(space={"distributed.runners": {"choice": [1, 2]}}), "cannot vary distributed.runners"),
+        (with_(space={}), "space: empty"),
+        (with_(overrides={"eval_every": 0, "updates": 6, "data.val_fraction": 0.2}), "eval_every=0"),
+        (with_(overrides={"eval_every": 2, "updates": 6, "data.val_fraction": 0.0}), "never on dev"),
+        (
+            with_(overrides={"eval_every": 2, "updates": 6, "data.val_fraction": 0.2, "checkpoint_every": 3}),
+            "multiple of eval_every",
+        ),
+        (
+            with_(overrides={"eval_every": 2, "data.val_fraction": 0.2, "learner.alhpa": 1}),
+            "overrides: unknown config key learner.alhpa",
+        ),
+        (with_(scheduler={"reduction_factor": 1}), "scheduler.reduction_factor must be above 1"),
+        (with_(scheduler={"metric": "train/return"}), "scheduler.metric must be"),
+        (with_(resources={"gpus": 1.5}), "resources.gpus must be"),
+        (with_(resources={"trial_cpus": 0}), "resources.trial_cpus must be positive"),
+        (with_(base="missing.yaml"), "config file not found"),
+        (with_(name="a b"), "use letters, digits"),
+    ],
+)
 def test_sweep_file_errors_name_the_problem(tmp_path, data, message):
     path = write_sweep(tmp_path, data)
     with pytest.raises(ConfigError) as err:
@@ -85,7 +94,9 @@ def test_sweep_file_errors_name_the_problem(tmp_path, data, message):
 
 def test_shipped_sweeps_load_and_vary_alpha_lambda_tau():
     hotpot = load_sweep(ROOT / "tune" / "hotpot_alpha_lambda_tau.yaml")
-    assert {"learner.alpha", "learner.lam", "learner.tau", "learner.lr", "learner.episodes_per_update"} == set(hotpot.keys)
+    assert {"learner.alpha", "learner.lam", "learner.tau", "learner.lr", "learner.episodes_per_update"} == set(
+        hotpot.keys
+    )
     assert hotpot.base.data.val_fraction > 0 and hotpot.base.updates == 160 and hotpot.total_trials() == 16
     assert hotpot.trial_config(hotpot.sample_trials()[0], "x", None).distributed.learner_gpus == 0.25
     smoke = load_sweep(ROOT / "tune" / "smoke.yaml", ["updates=8"])  # command-line overrides reach the base config
@@ -145,13 +156,32 @@ def test_the_stopping_rule_never_stops_a_trial_at_its_last_update():
 
 
 def outcome(trial_id, status, evals, **params):
-    return TrialOutcome(trial_id, {"learner.alpha": 0.05, "learner.lam": 0.5, **params}, status, evals[-1][0] if evals else 0,
-                        evals, dev_fact_f1=0.5 if status == "completed" else None, run_dir=f"/runs/{trial_id}")
+    return TrialOutcome(
+        trial_id,
+        {"learner.alpha": 0.05, "learner.lam": 0.5, **params},
+        status,
+        evals[-1][0] if evals else 0,
+        evals,
+        dev_fact_f1=0.5 if status == "completed" else None,
+        run_dir=f"/runs/{trial_id}",
+    )
 
 
 def test_report_ranks_plots_and_writes_a_trainable_best_config(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, with_(overrides={"eval_every": 2, "updates": 6, "data.val_fraction": 0.2,
-                                                               "keep_best": True, "out_dir": str(tmp_path / "runs")})))
+    sweep = load_sweep(
+        write_sweep(
+            tmp_path,
+            with_(
+                overrides={
+                    "eval_every": 2,
+                    "updates": 6,
+                    "data.val_fraction": 0.2,
+                    "keep_best": True,
+                    "out_dir": str(tmp_path / "runs"),
+                }
+            ),
+        )
+    )
     outcomes = [
         outcome("a", "completed", [(2, 0.40), (4, 0.55), (6, 0.50)], **{"learner.alpha": 0.02}),
         outcome("b", "stopped", [(2, 0.60)], **{"learner.alpha": 0.3}),  # best early value, but never finished
@@ -162,7 +192,11 @@ def test_report_ranks_plots_and_writes_a_trainable_best_config(tmp_path):
     assert best_outcome(outcomes, sweep).trial_id == "a"  # the best *completed* trial: b never finished its schedule
     report = write_report(outcomes, sweep, tmp_path / "out")
     rows = list(csv.DictReader(report.csv.open()))
-    assert [r["trial"] for r in rows] == ["b", "a", "c", "d"] and rows[1]["best_fact_f1"] == "0.55" and rows[1]["last_fact_f1"] == "0.5"
+    assert (
+        [r["trial"] for r in rows] == ["b", "a", "c", "d"]
+        and rows[1]["best_fact_f1"] == "0.55"
+        and rows[1]["last_fact_f1"] == "0.5"
+    )
     assert report.png.read_bytes()[:4] == b"\x89PNG"
     assert "learner.alpha" in report.table and "stopped" in report.table
     best = load_config(report.best_yaml)  # what `qrag train --config best.yaml` does first
@@ -175,7 +209,9 @@ def test_a_resumed_sweep_must_keep_its_settings(tmp_path):
     out = f"out_dir={tmp_path / 'runs'}"
     first = load_sweep(write_sweep(tmp_path, GOOD), [out])
     check_same_sweep(first, resuming=False)
-    check_same_sweep(load_sweep(write_sweep(tmp_path, {**GOOD, "max_concurrent": 3}, "b.yaml"), [out]), resuming=True)  # how, not what
+    check_same_sweep(
+        load_sweep(write_sweep(tmp_path, {**GOOD, "max_concurrent": 3}, "b.yaml"), [out]), resuming=True
+    )  # how, not what
     changed = load_sweep(write_sweep(tmp_path, GOOD, "c.yaml"), [out, "learner.lr=0.1"])
     with pytest.raises(ConfigError, match="started with other settings.*learner.lr"):
         check_same_sweep(changed, resuming=True)
@@ -185,22 +221,33 @@ def test_cli_errors_stop_before_anything_runs(tmp_path, capsys):
     path = write_sweep(tmp_path, with_(space={"learner.alhpa": {"uniform": [0, 1]}}))
     assert main(["--local", "--config", str(path)], prog="sweep") == 2
     assert "sweep: error:" in capsys.readouterr().err
-    assert main(["--config", str(ROOT / "tune" / "smoke.yaml"), "model.encoder=/nonexistent/encoder"], prog="sweep") == 2
+    assert (
+        main(["--config", str(ROOT / "tune" / "smoke.yaml"), "model.encoder=/nonexistent/encoder"], prog="sweep") == 2
+    )
 
 
 def test_local_sweep_stops_the_bad_trials_and_resumes(tiny_encoder, hotpot_file, tmp_path, capsys):
     """The shipped smoke sweep without Ray: the two trials that cannot retrieve (stop_threshold 10)
     are stopped at their first rung; an interrupted trial resumes from its checkpoint."""
     out = tmp_path / "runs"
-    argv = ["--local", "--config", str(ROOT / "tune" / "smoke.yaml"), f"model.encoder={tiny_encoder}",
-            f"data.path={hotpot_file}", f"out_dir={out}", "device=cpu"]
+    argv = [
+        "--local",
+        "--config",
+        str(ROOT / "tune" / "smoke.yaml"),
+        f"model.encoder={tiny_encoder}",
+        f"data.path={hotpot_file}",
+        f"out_dir={out}",
+        "device=cpu",
+    ]
     assert main(argv, prog="sweep") == 0
     first = capsys.readouterr()
     summary = json.loads(first.out.strip().splitlines()[-1])
     assert summary["trials"]["error"] == 0 and summary["trials"]["completed"] >= 1  # the first trial always completes
     rows = list(csv.DictReader(open(summary["results_csv"])))
     bad = [r for r in rows if r["search.stop_threshold"] == "10.0"]
-    assert len(bad) == 2 and all(r["status"] == "stopped" and r["updates"] == "2" and r["best_fact_f1"] == "0.0" for r in bad)
+    assert len(bad) == 2 and all(
+        r["status"] == "stopped" and r["updates"] == "2" and r["best_fact_f1"] == "0.0" for r in bad
+    )
     assert Path(summary["plot"]).is_file() and load_config(summary["best_config"]).name == "smoke-best"
 
     # Interrupt the last completed trial after its checkpoint at update 4: it resumes from there.
@@ -226,7 +273,10 @@ def test_a_sweep_that_stops_trials_needs_rays_state_api(monkeypatch, tiny_encode
     from qrag.distributed.sweep.driver import require_state_api
     from qrag.distributed.sweep.spec import load_sweep
 
-    sweep = load_sweep(ROOT / "tune" / "smoke.yaml", [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path}"])
+    sweep = load_sweep(
+        ROOT / "tune" / "smoke.yaml",
+        [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", f"out_dir={tmp_path}"],
+    )
 
     def no_dashboard(**kwargs):
         raise ConnectionError("no dashboard at 127.0.0.1:8265")

@@ -18,8 +18,17 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def cfg(tiny_encoder, tmp_path_factory):
     data = write_qa1_data(tmp_path_factory.mktemp("protocol"))
-    return load_config(None, [f"model.encoder={tiny_encoder}", "data.dataset=babilong", f"data.path={data / 'bg'}",
-                              f"data.facts_path={data / 'babi'}", "data.chunk_tokens=32", "search.max_steps=4"])
+    return load_config(
+        None,
+        [
+            f"model.encoder={tiny_encoder}",
+            "data.dataset=babilong",
+            f"data.path={data / 'bg'}",
+            f"data.facts_path={data / 'babi'}",
+            "data.chunk_tokens=32",
+            "search.max_steps=4",
+        ],
+    )
 
 
 def test_niah_is_searched_with_its_asked_needles_and_answered_beside(cfg):
@@ -31,7 +40,9 @@ def test_niah_is_searched_with_its_asked_needles_and_answered_beside(cfg):
             rec["ans_em"], rec["ans_f1"] = 1.0, 0.5  # what a reader scores, by RULER's rule for NIAH
         return {"answer_errors": 0, "reader_model": "fake"}
 
-    rows = sweep_model("untrained", "none", cfg, ["S1", "MV"], [4096], lambda n: 2, steps=NEEDLES, device=CPU, answer=reader)
+    rows = sweep_model(
+        "untrained", "none", cfg, ["S1", "MV"], [4096], lambda n: 2, steps=NEEDLES, device=CPU, answer=reader
+    )
     assert {r["task"]: r["steps"] for r in rows} == {"niah_single_1": 1, "niah_multivalue": 4}
     assert set(calls) == {"niah"}
     for r in rows:

@@ -64,20 +64,54 @@ def test_sweep_stops_bad_trials_tracks_resumes_and_its_best_config_trains(cluste
     from mlflow import MlflowClient
 
     out = tmp_path / "runs"
-    overrides = [f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}", "distributed.mlflow_registered_model=qrag-smoke"]
+    overrides = [
+        f"model.encoder={tiny_encoder}",
+        f"data.path={hotpot_file}",
+        "distributed.mlflow_registered_model=qrag-smoke",
+    ]
 
     # 1. plain `python tune/sweep.py` against the cluster, interrupted after its first trial
     code, log = _interrupt_after_first_trial(
-        [sys.executable, "tune/sweep.py", "--address", cluster["gcs"], "--config", "tune/smoke.yaml", *overrides, f"out_dir={out}"],
-        cluster["env"])
+        [
+            sys.executable,
+            "tune/sweep.py",
+            "--address",
+            cluster["gcs"],
+            "--config",
+            "tune/smoke.yaml",
+            *overrides,
+            f"out_dir={out}",
+        ],
+        cluster["env"],
+    )
     assert code == 130 and "start the same command again to resume" in log, log[-4000:]
     parent_id = re.search(r"MLflow parent run (\w+)", log).group(1)
 
     # 2. the same sweep submitted as a Ray job (relative out_dir against --base-dir): it resumes
     job = subprocess.run(
-        [RAY, "job", "submit", "--address", cluster["api"], "--working-dir", ".", "--", "python", "tune/sweep.py",
-         "--base-dir", str(tmp_path), "--config", "tune/smoke.yaml", *overrides, "out_dir=runs"],
-        cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=600,
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            cluster["api"],
+            "--working-dir",
+            ".",
+            "--",
+            "python",
+            "tune/sweep.py",
+            "--base-dir",
+            str(tmp_path),
+            "--config",
+            "tune/smoke.yaml",
+            *overrides,
+            "out_dir=runs",
+        ],
+        cwd=ROOT,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-4000:]
     assert "resuming 4 trials" in job.stdout + job.stderr
@@ -100,7 +134,9 @@ def test_sweep_stops_bad_trials_tracks_resumes_and_its_best_config_trains(cluste
     stopped = [t for t in trials if t.data.tags.get("qrag.stopped_early") == "true"]
     finished = [t for t in trials if t.info.status == "FINISHED"]
     assert len(stopped) == summary["trials"]["stopped"] and len(finished) == summary["trials"]["completed"]
-    assert {t.info.run_id for t in trials if t.data.params["search.stop_threshold"] == "10.0"} <= {t.info.run_id for t in stopped}
+    assert {t.info.run_id for t in trials if t.data.params["search.stop_threshold"] == "10.0"} <= {
+        t.info.run_id for t in stopped
+    }
     for t in stopped:
         assert t.info.status == "KILLED" and t.data.tags["qrag.trial_status"] == "stopped"
         # its history starts at the first rung (a learner killed a moment after the decision may log a little more)
@@ -115,7 +151,8 @@ def test_sweep_stops_bad_trials_tracks_resumes_and_its_best_config_trains(cluste
     best_run = next(t for t in finished if t.info.run_id == best_id)
     assert parent.data.params["best.learner.alpha"] == best_run.data.params["learner.alpha"]
     assert parent.data.metrics["best/eval/fact_f1"] == max(
-        m.value for m in client.get_metric_history(best_id, "eval/fact_f1"))
+        m.value for m in client.get_metric_history(best_id, "eval/fact_f1")
+    )
     assert {"results.csv", "fact_f1_vs_hparams.png", "best.yaml"} <= {a.path for a in client.list_artifacts(parent_id)}
     # The best trial's model is the registered version behind the alias `champion` (trials register nothing).
     assert client.get_model_version_by_alias("qrag-smoke", "champion").run_id == best_id
@@ -129,8 +166,14 @@ def test_sweep_stops_bad_trials_tracks_resumes_and_its_best_config_trains(cluste
     assert {r["mlflow_run_id"] for r in rows} == {t.info.run_id for t in trials}
     assert open(summary["plot"], "rb").read(4) == b"\x89PNG"
     best_yaml = summary["best_config"]
-    train = subprocess.run([sys.executable, "-m", "qrag", "train", "--config", best_yaml, "--no-progress"],
-                           cwd=tmp_path, env=cluster["env"], capture_output=True, text=True, timeout=300)
+    train = subprocess.run(
+        [sys.executable, "-m", "qrag", "train", "--config", best_yaml, "--no-progress"],
+        cwd=tmp_path,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert train.returncode == 0, train.stderr[-3000:]
     trained = json.loads(train.stdout.strip().splitlines()[-1])
     assert trained["updates"] == 6 and trained["checkpoint"].startswith(str(out / "smoke-best"))

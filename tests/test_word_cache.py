@@ -16,11 +16,27 @@ from qrag.retrieval.embedder import Tokenization
 from test_index import make_documents
 
 EDGES = [
-    "", " ", "Hello, World!", "It's 12:30 -- ok?", "snake_case_name and CamelCase", "tabs\tand\nnewlines\r here",
-    "vertical\x0btab and form\x0cfeed and bell\x07 and del\x7f and nul\x00.", "x" * 101 + " short", "a" * 100,
-    "[SEP] in text", "a [MASK] b", "[mask] lower", "{curly} <angle> |pipe| ~tilde^ `tick` \\back/ @at #hash $ % &",
-    "naïve café", "東京 Tokyo", "Mixed ASCII and — dash", "supercalifragilisticexpialidocious antidisestablishmentarianism",
-    "1234567890 3.14159 1,000,000", "ALL CAPS SHOUTING", "!!!???...", "e-mail: someone@example.com; url: http://x.org/a?b=c",
+    "",
+    " ",
+    "Hello, World!",
+    "It's 12:30 -- ok?",
+    "snake_case_name and CamelCase",
+    "tabs\tand\nnewlines\r here",
+    "vertical\x0btab and form\x0cfeed and bell\x07 and del\x7f and nul\x00.",
+    "x" * 101 + " short",
+    "a" * 100,
+    "[SEP] in text",
+    "a [MASK] b",
+    "[mask] lower",
+    "{curly} <angle> |pipe| ~tilde^ `tick` \\back/ @at #hash $ % &",
+    "naïve café",
+    "東京 Tokyo",
+    "Mixed ASCII and — dash",
+    "supercalifragilisticexpialidocious antidisestablishmentarianism",
+    "1234567890 3.14159 1,000,000",
+    "ALL CAPS SHOUTING",
+    "!!!???...",
+    "e-mail: someone@example.com; url: http://x.org/a?b=c",
 ]
 
 

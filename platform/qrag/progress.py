@@ -33,15 +33,25 @@ def enabled() -> bool:
 
 
 @contextmanager
-def bar(total: int | float | None, desc: str, unit: str = "it", kind: str | None = None, **options: Any) -> Iterator[tqdm]:
+def bar(
+    total: int | float | None, desc: str, unit: str = "it", kind: str | None = None, **options: Any
+) -> Iterator[tqdm]:
     """A bar to ``update(n)``; inside an open bar of the same ``kind``, that bar (its total
     already counts this work), so nested calls add to one ETA."""
     outer = (_open.get() or {}).get(kind) if kind else None
     if outer is not None:
         yield outer
         return
-    inner = tqdm(total=total, desc=desc, unit=unit, disable=not _on, file=sys.stderr, dynamic_ncols=True,
-                 leave=_open.get() is None, **options)
+    inner = tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=not _on,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=_open.get() is None,
+        **options,
+    )
     token = _open.set({**(_open.get() or {}), kind: inner}) if kind else None
     try:
         yield inner

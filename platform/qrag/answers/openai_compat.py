@@ -69,8 +69,11 @@ class OpenAIAnswerer:
         self.retry_after_max_s = retry_after_max_s
         self.concurrency, self.max_tokens = max(1, concurrency), max_tokens
         # One pool of kept-alive connections, as many as requests in flight.
-        self.http = httpx.Client(headers=self._headers(), timeout=timeout,
-                                 limits=httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency))
+        self.http = httpx.Client(
+            headers=self._headers(),
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency),
+        )
         self.model = model or self._first_model()
         self.name = f"{self.model} (OpenAI-compatible endpoint {self.base_url})"
 
@@ -78,11 +81,20 @@ class OpenAIAnswerer:
     def from_config(cls, cfg: AnswerConfig) -> "OpenAIAnswerer":
         base_url = cfg.base_url or os.environ.get("QRAG_ANSWER_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
         if not base_url:
-            raise AnswerSetupError("the openai answer backend needs an endpoint: set answer.base_url=http://HOST:PORT/v1 "
-                                   "or QRAG_ANSWER_BASE_URL / OPENAI_BASE_URL")
-        return cls(base_url, cfg.model or os.environ.get("QRAG_ANSWER_MODEL"), cfg.api_key or os.environ.get("OPENAI_API_KEY"),
-                   timeout=cfg.timeout, retries=cfg.retries, concurrency=cfg.concurrency, max_tokens=cfg.max_tokens,
-                   retry_after_max_s=cfg.retry_after_max_s)
+            raise AnswerSetupError(
+                "the openai answer backend needs an endpoint: set answer.base_url=http://HOST:PORT/v1 "
+                "or QRAG_ANSWER_BASE_URL / OPENAI_BASE_URL"
+            )
+        return cls(
+            base_url,
+            cfg.model or os.environ.get("QRAG_ANSWER_MODEL"),
+            cfg.api_key or os.environ.get("OPENAI_API_KEY"),
+            timeout=cfg.timeout,
+            retries=cfg.retries,
+            concurrency=cfg.concurrency,
+            max_tokens=cfg.max_tokens,
+            retry_after_max_s=cfg.retry_after_max_s,
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -109,7 +121,11 @@ class OpenAIAnswerer:
             detail = resp.text[:300].strip()
             message = f"HTTP {resp.status_code} from {path}" + (f": {detail}" if detail else "")
             if resp.status_code in RETRY_STATUS:
-                wait = retry_after_seconds(resp.headers.get("retry-after")) if resp.status_code in RETRY_AFTER_STATUS else None
+                wait = (
+                    retry_after_seconds(resp.headers.get("retry-after"))
+                    if resp.status_code in RETRY_AFTER_STATUS
+                    else None
+                )
                 raise _Retryable(message, wait)
             raise RuntimeError(message)
         try:
@@ -122,8 +138,10 @@ class OpenAIAnswerer:
             listing = self._call("GET", "/models")
             return str(listing["data"][0]["id"])
         except (_Retryable, RuntimeError, KeyError, IndexError, TypeError) as exc:
-            raise AnswerSetupError(f"no answer.model given and {self.base_url}/models lists none ({exc}); "
-                                   "set answer.model or QRAG_ANSWER_MODEL") from None
+            raise AnswerSetupError(
+                f"no answer.model given and {self.base_url}/models lists none ({exc}); "
+                "set answer.model or QRAG_ANSWER_MODEL"
+            ) from None
 
     # -- answering --------------------------------------------------------------------------------
 
@@ -142,10 +160,18 @@ class OpenAIAnswerer:
                 return Answer(request.id, text, seconds=time.perf_counter() - t0, attempts=attempt)
             except _Retryable as exc:
                 if attempt > self.retries:
-                    return Answer(request.id, None, f"{exc} (after {attempt} attempts)", time.perf_counter() - t0, attempt)
+                    return Answer(
+                        request.id, None, f"{exc} (after {attempt} attempts)", time.perf_counter() - t0, attempt
+                    )
                 if exc.retry_after is not None and exc.retry_after > self.retry_after_max_s:
-                    return Answer(request.id, None, f"{exc} (Retry-After {exc.retry_after:g} s is beyond answer.retry_after_max_s="
-                                                    f"{self.retry_after_max_s:g})", time.perf_counter() - t0, attempt)
+                    return Answer(
+                        request.id,
+                        None,
+                        f"{exc} (Retry-After {exc.retry_after:g} s is beyond answer.retry_after_max_s="
+                        f"{self.retry_after_max_s:g})",
+                        time.perf_counter() - t0,
+                        attempt,
+                    )
                 time.sleep(self.backoff * 2 ** (attempt - 1) if exc.retry_after is None else exc.retry_after)
             except RuntimeError as exc:
                 return Answer(request.id, None, str(exc), time.perf_counter() - t0, attempt)
@@ -155,8 +181,12 @@ class OpenAIAnswerer:
         if not requests:
             return []
         answers = []
-        with (ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests)), thread_name_prefix="qrag-answer") as pool,
-              progress.bar(len(requests), "answer", "q") as shown):
+        with (
+            ThreadPoolExecutor(
+                max_workers=min(self.concurrency, len(requests)), thread_name_prefix="qrag-answer"
+            ) as pool,
+            progress.bar(len(requests), "answer", "q") as shown,
+        ):
             for answer in pool.map(self._one, requests):
                 answers.append(answer)
                 shown.update()

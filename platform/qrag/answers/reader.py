@@ -116,7 +116,9 @@ def load_prompt(prompt: str, dataset: str) -> PromptTemplate:
 
 
 # "Answer:", "The answer is:", "The answer to this question is ..." in front of the answer proper.
-_LABEL = re.compile(r"^(the\s+)?(final\s+|correct\s+)?answer(\s+to\s+(this|the)\s+question)?(\s*[:\-]|\s+is\s*:?)\s*", re.IGNORECASE)
+_LABEL = re.compile(
+    r"^(the\s+)?(final\s+|correct\s+)?answer(\s+to\s+(this|the)\s+question)?(\s*[:\-]|\s+is\s*:?)\s*", re.IGNORECASE
+)
 
 
 def clean_answer(text: str) -> str:
@@ -160,14 +162,18 @@ def attach_reader_inputs(records: list[dict[str, Any]], samples: Sequence[Sample
             rec["task"] = sample.meta["task"]
 
 
-def answer_records(records: list[dict[str, Any]], answerer: Answerer, template: PromptTemplate, dataset: str) -> dict[str, Any]:
+def answer_records(
+    records: list[dict[str, Any]], answerer: Answerer, template: PromptTemplate, dataset: str
+) -> dict[str, Any]:
     """Answer every record (it must carry ``question``, ``passages``, ``gold_answers``), write
     ``prediction``, ``reader_output``, ``ans_em``, ``ans_f1`` or ``answer_error`` into it, and
     return the summary fields."""
     for i, rec in enumerate(records):
         missing = [k for k in ("question", "passages", "gold_answers") if k not in rec]
         if missing:
-            raise ValueError(f"record {i} (id={rec.get('id')}) has no {', '.join(missing)}: run attach_reader_inputs first")
+            raise ValueError(
+                f"record {i} (id={rec.get('id')}) has no {', '.join(missing)}: run attach_reader_inputs first"
+            )
     requests = [ChatRequest(str(rec["id"]), template.messages(rec["question"], rec["passages"])) for rec in records]
     answers = answerer.answer(requests)
     if len(answers) != len(records):

@@ -12,9 +12,13 @@ FORMATS = ("sentence-transformers", "mlflow")
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint directory (final/, best/, ...)")
-    p.add_argument("--format", required=True, choices=FORMATS,
-                   help="sentence-transformers: query (state) and document (chunk) encoders with pooling and a model "
-                        "card, for checkpoints without positions | mlflow: the pyfunc model that runs log (mlflow.pyfunc.load_model)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=FORMATS,
+        help="sentence-transformers: query (state) and document (chunk) encoders with pooling and a model "
+        "card, for checkpoints without positions | mlflow: the pyfunc model that runs log (mlflow.pyfunc.load_model)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
 
 
@@ -24,7 +28,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         try:
             from qrag.integrations.st_export import export_sentence_transformers
         except ImportError as exc:
-            raise FileNotFoundError(f"--format sentence-transformers needs sentence-transformers (pip install 'qrag[st]'): {exc}") from None
+            raise FileNotFoundError(
+                f"--format sentence-transformers needs sentence-transformers (pip install 'qrag[st]'): {exc}"
+            ) from None
         out = export_sentence_transformers(args.checkpoint, args.out)
     else:
         from qrag.model.checkpoint import read_meta

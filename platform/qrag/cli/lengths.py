@@ -15,36 +15,85 @@ DEFAULT_LENGTHS = "1k,4k,16k,32k,128k"
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", action="append", required=False, metavar="[LABEL=]DIR|none",
-                   help="a checkpoint directory or 'none' (the untrained encoder, full-vector cosine: multi-step RAG w/o FT; "
-                        "'none:twin' = its half-vector variant, an extra); repeat to "
-                        "compare several in one table, e.g. --checkpoint Q-RAG=runs/qa3/final --checkpoint none")
-    p.add_argument("--tasks", metavar="LIST", help="comma-separated: qa1..qa5 and/or RULER NIAH tasks (niah_single_1 or S1, MK2, MV, ...). "
-                                                  "Default: the config's data.tasks, else qa1-qa5 (babilong) or all eight NIAH tasks (niah)")
-    p.add_argument("--lengths", default=DEFAULT_LENGTHS, metavar="LIST", help=f"context lengths in tokens, e.g. 1k,4k,32k,128k,1m,10m (default {DEFAULT_LENGTHS})")
-    p.add_argument("--samples", type=int, metavar="N",
-                   help="questions per task and length (default: the frozen dev draw's, 500, and 100 from 10M tokens on; "
-                        "see qrag/data/dev_draw.py)")
-    p.add_argument("--samples-at", action="append", default=[], metavar="LENGTH=N",
-                   help="another number of questions at some lengths, e.g. --samples-at 10m=20")
-    p.add_argument("--split", default="dev", choices=["train", "val", "dev", "all"],
-                   help="which split's questions and background (default dev; val = the questions data.val_fraction holds out of train, in validation books: for choosing settings at long lengths)")
-    p.add_argument("--steps", default="config", metavar="T|config|needles|gold",
-                   help="retrieval steps T; config (default) = the config's search.max_steps (4 for BabiLong and RULER, as in the paper); "
-                        "needles = each RULER NIAH task's number of asked needles (no spare picks: the NIAH headline); "
-                        "gold = each sample group's number of support facts (reads the answer key: a labelled extra)")
-    p.add_argument("--val-samples", type=int, default=0, metavar="N",
-                   help="also report a learned Q-threshold stop, chosen per model and task on N validation questions "
-                        "(held-out part of train, data.val_fraction) at the training length (default 0 = off)")
-    p.add_argument("--answer", metavar="BACKEND", choices=["none", "local", "openai"],
-                   help="also answer each question from its retrieved chunks with a reader LLM (local | openai; answer.* keys) and "
-                        "score it by the benchmark's rule (RULER: share of needle values found; BabiLong: the label): ans_em, ans_f1")
-    p.add_argument("--allow-train-questions", action="store_true",
-                   help="score questions whose source a checkpoint trained on (refused by default; rows record how many)")
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        required=False,
+        metavar="[LABEL=]DIR|none",
+        help="a checkpoint directory or 'none' (the untrained encoder, full-vector cosine: multi-step RAG w/o FT; "
+        "'none:twin' = its half-vector variant, an extra); repeat to "
+        "compare several in one table, e.g. --checkpoint Q-RAG=runs/qa3/final --checkpoint none",
+    )
+    p.add_argument(
+        "--tasks",
+        metavar="LIST",
+        help="comma-separated: qa1..qa5 and/or RULER NIAH tasks (niah_single_1 or S1, MK2, MV, ...). "
+        "Default: the config's data.tasks, else qa1-qa5 (babilong) or all eight NIAH tasks (niah)",
+    )
+    p.add_argument(
+        "--lengths",
+        default=DEFAULT_LENGTHS,
+        metavar="LIST",
+        help=f"context lengths in tokens, e.g. 1k,4k,32k,128k,1m,10m (default {DEFAULT_LENGTHS})",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        metavar="N",
+        help="questions per task and length (default: the frozen dev draw's, 500, and 100 from 10M tokens on; "
+        "see qrag/data/dev_draw.py)",
+    )
+    p.add_argument(
+        "--samples-at",
+        action="append",
+        default=[],
+        metavar="LENGTH=N",
+        help="another number of questions at some lengths, e.g. --samples-at 10m=20",
+    )
+    p.add_argument(
+        "--split",
+        default="dev",
+        choices=["train", "val", "dev", "all"],
+        help="which split's questions and background (default dev; val = the questions data.val_fraction holds out of train, in validation books: for choosing settings at long lengths)",
+    )
+    p.add_argument(
+        "--steps",
+        default="config",
+        metavar="T|config|needles|gold",
+        help="retrieval steps T; config (default) = the config's search.max_steps (4 for BabiLong and RULER, as in the paper); "
+        "needles = each RULER NIAH task's number of asked needles (no spare picks: the NIAH headline); "
+        "gold = each sample group's number of support facts (reads the answer key: a labelled extra)",
+    )
+    p.add_argument(
+        "--val-samples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also report a learned Q-threshold stop, chosen per model and task on N validation questions "
+        "(held-out part of train, data.val_fraction) at the training length (default 0 = off)",
+    )
+    p.add_argument(
+        "--answer",
+        metavar="BACKEND",
+        choices=["none", "local", "openai"],
+        help="also answer each question from its retrieved chunks with a reader LLM (local | openai; answer.* keys) and "
+        "score it by the benchmark's rule (RULER: share of needle values found; BabiLong: the label): ans_em, ans_f1",
+    )
+    p.add_argument(
+        "--allow-train-questions",
+        action="store_true",
+        help="score questions whose source a checkpoint trained on (refused by default; rows record how many)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--no-cache", action="store_true", help="embed every chunk of every context (no reuse of book-chunk embeddings)")
-    p.add_argument("--out", default="runs/lengths.json", metavar="FILE.json", help="the table; the plot goes beside it as FILE.png")
-    p.add_argument("--plot-only", metavar="TABLE.json", nargs="+", help="re-draw (and merge) existing tables instead of evaluating")
+    p.add_argument(
+        "--no-cache", action="store_true", help="embed every chunk of every context (no reuse of book-chunk embeddings)"
+    )
+    p.add_argument(
+        "--out", default="runs/lengths.json", metavar="FILE.json", help="the table; the plot goes beside it as FILE.png"
+    )
+    p.add_argument(
+        "--plot-only", metavar="TABLE.json", nargs="+", help="re-draw (and merge) existing tables instead of evaluating"
+    )
     _config_args(p)
 
 
@@ -65,12 +114,23 @@ def _models(specs: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-@command("sweep-lengths", "evaluate retrievers on generated long contexts (BabiLong, RULER NIAH) at several lengths")(_args)
+@command("sweep-lengths", "evaluate retrievers on generated long contexts (BabiLong, RULER NIAH) at several lengths")(
+    _args
+)
 def cmd_sweep_lengths(args: argparse.Namespace) -> int:
     from qrag.config import ConfigError, load_config
     from qrag.data.dev_draw import questions_at
     from qrag.model.encoder import pick_device
-    from qrag.evaluation.lengths import NEEDLES, format_table, merge_tables, parse_length, plot_table, read_table, run_sweep, write_table
+    from qrag.evaluation.lengths import (
+        NEEDLES,
+        format_table,
+        merge_tables,
+        parse_length,
+        plot_table,
+        read_table,
+        run_sweep,
+        write_table,
+    )
 
     out = Path(args.out)
     if args.plot_only:
@@ -107,11 +167,21 @@ def cmd_sweep_lengths(args: argparse.Namespace) -> int:
             from qrag.evaluation.evaluate import ReaderHook
 
             answer = ReaderHook(cfg.answer, args.answer)
-        table = with_progress(run_sweep)(_models(args.checkpoint), cfg, tasks, lengths,
-                          lambda n: per_length.get(n, args.samples if args.samples is not None else questions_at(n)),
-                          split=args.split, steps=steps, device=pick_device(args.device), cache=not args.no_cache,
-                          val_samples=args.val_samples, answer=answer, allow_train_questions=args.allow_train_questions,
-                          log=progress.write)
+        table = with_progress(run_sweep)(
+            _models(args.checkpoint),
+            cfg,
+            tasks,
+            lengths,
+            lambda n: per_length.get(n, args.samples if args.samples is not None else questions_at(n)),
+            split=args.split,
+            steps=steps,
+            device=pick_device(args.device),
+            cache=not args.no_cache,
+            val_samples=args.val_samples,
+            answer=answer,
+            allow_train_questions=args.allow_train_questions,
+            log=progress.write,
+        )
         write_table(table, out)
     png = plot_table(table, out.with_suffix(".png"))
     print(format_table(table))

@@ -11,20 +11,34 @@ from qrag.cli.commands import command
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", metavar="RESULT",
-                   help="eval summaries (qrag eval --out FILE.json), length sweeps ({\"rows\": [...]}), early-stopping "
-                        "tables, or eval records (FILE.records.jsonl, analysed for Q-threshold early stopping)")
+    p.add_argument(
+        "results",
+        nargs="+",
+        metavar="RESULT",
+        help='eval summaries (qrag eval --out FILE.json), length sweeps ({"rows": [...]}), early-stopping '
+        "tables, or eval records (FILE.records.jsonl, analysed for Q-threshold early stopping)",
+    )
     p.add_argument("--out", default="report", metavar="DIR", help="where report.md and the plots go (default ./report)")
     p.add_argument("--paper", action="store_true", help="add the paper's Table 2 rows beside ours")
-    p.add_argument("--label", metavar="NAME", help="method name for every eval summary (default: the summary's 'label', "
-                                                   "else Q-RAG / Plan Q-RAG / Multi-step RAG w/o FT)")
-    p.add_argument("--early-stopping", action="store_true",
-                   help="also analyse the records beside each eval summary (FILE.records.jsonl; run eval with a large "
-                        "--steps and no --stop-threshold)")
+    p.add_argument(
+        "--label",
+        metavar="NAME",
+        help="method name for every eval summary (default: the summary's 'label', "
+        "else Q-RAG / Plan Q-RAG / Multi-step RAG w/o FT)",
+    )
+    p.add_argument(
+        "--early-stopping",
+        action="store_true",
+        help="also analyse the records beside each eval summary (FILE.records.jsonl; run eval with a large "
+        "--steps and no --stop-threshold)",
+    )
     p.add_argument("--thresholds", metavar="Q,Q,...", help="Q thresholds for early stopping (default -0.1,0.0,...,1.1)")
-    p.add_argument("--seeds", action="store_true",
-                   help="the results are one evaluation per training seed: combine them first (means with 95-percent intervals, "
-                        "bootstrap over seeds then questions; written to DIR/combined.json, as qrag combine-seeds does)")
+    p.add_argument(
+        "--seeds",
+        action="store_true",
+        help="the results are one evaluation per training seed: combine them first (means with 95-percent intervals, "
+        "bootstrap over seeds then questions; written to DIR/combined.json, as qrag combine-seeds does)",
+    )
     p.add_argument("--title", default="Q-RAG results", help="the report's heading")
 
 
@@ -59,7 +73,9 @@ def _early_stopping_file(records: Path, out: Path, thresholds: list[float] | Non
     return target
 
 
-@command("report", "render paper-style tables (Markdown) and plots (PNG) from eval / length-sweep results")(_report_args)
+@command("report", "render paper-style tables (Markdown) and plots (PNG) from eval / length-sweep results")(
+    _report_args
+)
 def cmd_report(args: argparse.Namespace) -> int:
     from qrag.evaluation.report import ReportError, build_report
 

@@ -13,19 +13,35 @@ REPO_STATIC = Path(__file__).resolve().parents[1] / "static"  # package data (se
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", metavar="DIR|URI", help="checkpoint directory or MLflow URI (runs:/..., models:/...); default: the untrained bundled encoder")
-    p.add_argument("--config", metavar="YAML", help="a Serve config such as serve/config.yaml: its first application's args are the defaults, "
-                                                    "its deployments: section sets replicas, autoscaling, GPUs and request limits")
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR|URI",
+        help="checkpoint directory or MLflow URI (runs:/..., models:/...); default: the untrained bundled encoder",
+    )
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="a Serve config such as serve/config.yaml: its first application's args are the defaults, "
+        "its deployments: section sets replicas, autoscaling, GPUs and request limits",
+    )
     p.add_argument("--storage", metavar="DIR", help="where corpora are persisted (default qrag_indexes)")
     p.add_argument("--shards", type=int, metavar="N", help="index-shard deployments (default 2)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default: the one qrag ships)")
-    p.add_argument("--log-json", action="store_true", help="structured logs: every deployment logs JSON lines (Serve's "
-                   "logging_config encoding JSON; also $QRAG_SERVE_JSON_LOGS=1, or logging_config: {encoding: JSON} in the --config file's application)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="ServeConfig overrides, e.g. state_batch_size=64 max_steps=8")
+    p.add_argument(
+        "--log-json",
+        action="store_true",
+        help="structured logs: every deployment logs JSON lines (Serve's "
+        "logging_config encoding JSON; also $QRAG_SERVE_JSON_LOGS=1, or logging_config: {encoding: JSON} in the --config file's application)",
+    )
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="ServeConfig overrides, e.g. state_batch_size=64 max_steps=8"
+    )
     width = max(len(k) for k, _, _ in describe(ServeConfig))
-    p.epilog = "serve keys:\n" + "\n".join(f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in describe(ServeConfig))
+    p.epilog = "serve keys:\n" + "\n".join(
+        f"  {k.ljust(width)}  {h} [default {d}]" for k, d, h in describe(ServeConfig)
+    )
     p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
@@ -73,11 +89,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     deployments = serve_deployments(args)
     from qrag.retrieval.embedder import resolve_source  # noqa: PLC0415
 
-    resolve_source(cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri)  # a bad checkpoint fails here, before Ray starts
+    resolve_source(
+        cfg.checkpoint, cfg.encoder, cfg.model_cache, cfg.mlflow_tracking_uri
+    )  # a bad checkpoint fails here, before Ray starts
     from qrag.distributed.serve_app import json_logs_asked, with_logging  # noqa: PLC0415 (Ray lives under qrag.distributed)
     from qrag.distributed.serving import serve_locally  # noqa: PLC0415
 
-    deployments = with_logging(deployments, cfg.shard_deployments, serve_logging_config(args), args.log_json or json_logs_asked())
+    deployments = with_logging(
+        deployments, cfg.shard_deployments, serve_logging_config(args), args.log_json or json_logs_asked()
+    )
     serve_locally(cfg, args.host, args.port, args.static, deployments)
     return 0
-

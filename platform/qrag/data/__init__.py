@@ -28,8 +28,15 @@ def register_loader(name: str) -> Callable[[Loader], Loader]:
 def _hotpotqa(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
     from qrag.data.hotpotqa import load_hotpotqa
 
-    return load_hotpotqa(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit,
-                         hub=cfg.hub)
+    return load_hotpotqa(
+        cfg.path,
+        split=split,
+        dev_fraction=cfg.dev_fraction,
+        budget=cfg.chunk_tokens,
+        count=count,
+        limit=cfg.limit,
+        hub=cfg.hub,
+    )
 
 
 @register_loader("jsonl")

@@ -96,13 +96,21 @@ def parse_babi(path: Path, task: str, file_split: str = "test") -> list[BabiQues
                     raise DataError(f"{where}: support {parts[2]!r} is not a list of line numbers") from None
                 missing = [x for x in lines if x not in line_to_fact]
                 if not lines or missing:
-                    raise DataError(f"{where}: support line {missing[0] if missing else '(none)'} is not a fact of this story")
+                    raise DataError(
+                        f"{where}: support line {missing[0] if missing else '(none)'} is not a fact of this story"
+                    )
                 support = tuple(sorted({line_to_fact[x] for x in lines}))
-                questions.append(BabiQuestion(
-                    task=task, id=f"{task}-{file_split}-{len(questions)}", facts=tuple(facts),
-                    question=parts[0].strip(), answer=parts[1].strip(), support=support,
-                    story=f"{task}-{file_split}-story{stories - 1}",
-                ))
+                questions.append(
+                    BabiQuestion(
+                        task=task,
+                        id=f"{task}-{file_split}-{len(questions)}",
+                        facts=tuple(facts),
+                        question=parts[0].strip(),
+                        answer=parts[1].strip(),
+                        support=support,
+                        story=f"{task}-{file_split}-story{stories - 1}",
+                    )
+                )
     except (OSError, UnicodeDecodeError, EOFError) as exc:
         raise DataError(f"{path}: cannot read: {exc}") from None
     return questions

@@ -33,7 +33,9 @@ class Renamer:
     def __init__(self, questions: Iterable[BabiQuestion]):
         used = {w for q in questions for text in (*q.facts, q.question, q.answer) for w in _WORD.findall(text)}
         # Only the names the task uses: a qa3 story never meets qa5's Fred, neither should a renamed one.
-        self.kinds = [kind for kind in (tuple(n for n in names if n in used) for names in KINDS.values()) if len(kind) > 1]
+        self.kinds = [
+            kind for kind in (tuple(n for n in names if n in used) for names in KINDS.values()) if len(kind) > 1
+        ]
         names = sorted({n for k in self.kinds for n in k})
         self._pattern = re.compile(r"\b(" + "|".join(names) + r")\b") if names else None
 
@@ -52,5 +54,12 @@ class Renamer:
         def sub(text: str) -> str:
             return pattern.sub(lambda m: mapping.get(m.group(1), m.group(1)), text)
 
-        return BabiQuestion(task=q.task, id=q.id, facts=tuple(sub(f) for f in q.facts), question=sub(q.question),
-                            answer=sub(q.answer), support=q.support, story=q.story)
+        return BabiQuestion(
+            task=q.task,
+            id=q.id,
+            facts=tuple(sub(f) for f in q.facts),
+            question=sub(q.question),
+            answer=sub(q.answer),
+            support=q.support,
+            story=q.story,
+        )

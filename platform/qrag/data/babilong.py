@@ -112,8 +112,10 @@ def generate_babilong(
     produced = draws = 0
     while produced < n:
         if draws >= n + len(questions):
-            raise DataError(f"babilong {task}: only {produced} of {len(questions)} {split} questions have facts "
-                            f"that fit in {length} tokens; raise data.context_tokens")
+            raise DataError(
+                f"babilong {task}: only {produced} of {len(questions)} {split} questions have facts "
+                f"that fit in {length} tokens; raise data.context_tokens"
+            )
         q = questions[order[draws % len(questions)]]
         story = q.source  # before renaming: the renamed story is still that story's logic
         draws += 1
@@ -131,7 +133,9 @@ def generate_babilong(
         if hard_negatives > 0 and not held:  # background from the best lexical matches of the story, the rest a window
             pool = candidates(hay, [q.question, *facts], hard_negatives, rng)
             hard = take(hay, pool, hard_negatives, length - fact_tokens)
-            window = add_hard(hay, hay.window(rng, length - fact_tokens - int(hay.chunk_counts[hard].sum())), hard, pool, rng)
+            window = add_hard(
+                hay, hay.window(rng, length - fact_tokens - int(hay.chunk_counts[hard].sum())), hard, pool, rng
+            )
         else:
             window = hay.window(rng, length - fact_tokens)
         chunks, refs, fact_pos = assemble(hay, window, facts, rng)
@@ -144,8 +148,14 @@ def generate_babilong(
             support=support,
             answer=q.answer,
             meta={
-                "task": task, "source_id": q.id, "story_id": story, "context_tokens": window.tokens + fact_tokens,
-                "target_tokens": length, "facts": len(facts), "dropped_facts": first, "background": hay.name,
+                "task": task,
+                "source_id": q.id,
+                "story_id": story,
+                "context_tokens": window.tokens + fact_tokens,
+                "target_tokens": length,
+                "facts": len(facts),
+                "dropped_facts": first,
+                "background": hay.name,
                 "hard_negatives": len(hard),
                 **({"renamed": True} if renamer is not None and not held else {}),
             },
@@ -164,16 +174,30 @@ def samples_for_split(cfg: DataConfig, split: str) -> int:
     return cfg.samples_per_task
 
 
-def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: int | None = None, n: int | None = None) -> list[Generated]:
+def generate_from_config(
+    cfg: DataConfig, split: str, measure: Measure, length: int | None = None, n: int | None = None
+) -> list[Generated]:
     """Every task of ``cfg`` at one length, interleaved task by task."""
     per_task = []
     for task in _tasks(cfg):
-        per_task.append(list(generate_babilong(
-            task, split, length or cfg.context_tokens, n if n is not None else samples_for_split(cfg, split), measure,
-            seed=cfg.seed, budget=cfg.chunk_tokens, facts_path=cfg.facts_path, background=cfg.path,
-            hard_negatives=cfg.hard_negatives if split == "train" else 0, val_fraction=cfg.val_fraction,
-            rename=cfg.rename_entities and split == "train",
-        )))
+        per_task.append(
+            list(
+                generate_babilong(
+                    task,
+                    split,
+                    length or cfg.context_tokens,
+                    n if n is not None else samples_for_split(cfg, split),
+                    measure,
+                    seed=cfg.seed,
+                    budget=cfg.chunk_tokens,
+                    facts_path=cfg.facts_path,
+                    background=cfg.path,
+                    hard_negatives=cfg.hard_negatives if split == "train" else 0,
+                    val_fraction=cfg.val_fraction,
+                    rename=cfg.rename_entities and split == "train",
+                )
+            )
+        )
     return interleave(per_task)
 
 

@@ -50,7 +50,7 @@ def cap_paragraphs(paragraphs: Sequence[tuple[str, Sequence[str]]], budget: int,
     prefixes = [f"{title}:" if title else "" for title, _ in paragraphs]
     flat = [s.strip() for _, sents in paragraphs for s in sents]
     counts = count(prefixes + flat)
-    prefix_counts, sent_counts = counts[: len(prefixes)], counts[len(prefixes):]
+    prefix_counts, sent_counts = counts[: len(prefixes)], counts[len(prefixes) :]
     chunks, k = [], 0
     for (title, sents), prefix, used in zip(paragraphs, prefixes, prefix_counts):
         kept = []

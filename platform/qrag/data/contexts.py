@@ -69,7 +69,9 @@ def rng_for(*parts: object) -> np.random.Generator:
     return np.random.default_rng(seed_for(*parts))
 
 
-def assemble(hay: Haystack, window: Window, specials: Sequence[str], rng: np.random.Generator) -> tuple[list[str], np.ndarray, np.ndarray]:
+def assemble(
+    hay: Haystack, window: Window, specials: Sequence[str], rng: np.random.Generator
+) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Chunks in document order, their refs, and the chunk position of each special sentence.
 
     The specials are placed, in the given order, at uniformly drawn boundaries between the
@@ -98,7 +100,9 @@ def assemble(hay: Haystack, window: Window, specials: Sequence[str], rng: np.ran
     return chunks, refs, special_pos
 
 
-def fresh_ids(hay: Haystack, window: Window, refs: np.ndarray, special_ids: Sequence[np.ndarray] | None) -> list[np.ndarray] | None:
+def fresh_ids(
+    hay: Haystack, window: Window, refs: np.ndarray, special_ids: Sequence[np.ndarray] | None
+) -> list[np.ndarray] | None:
     """Token ids of the chunks that are not whole haystack chunks (refs < 0), in chunk order,
     from ids measured already: the special sentences' own (``special_ids``, as the generator
     measured them to fit the length) and the fill chunks' segment ids. So a generated context

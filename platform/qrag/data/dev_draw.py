@@ -31,7 +31,11 @@ def questions_at(length: int) -> int:
 
 def describe() -> dict[str, Any]:
     """What a result file records about the draw it was measured on."""
-    return {"name": DRAW, "questions": QUESTIONS, "questions_from_10m": QUESTIONS_LONG,
-            "order": "bAbI test questions permuted by rng_for('babilong-order', name, task, 'dev', length); "
-                     "the first that fit are asked",
-            "background": "rng_for('babilong', name, task, 'dev', length, draw) in the dev books"}
+    return {
+        "name": DRAW,
+        "questions": QUESTIONS,
+        "questions_from_10m": QUESTIONS_LONG,
+        "order": "bAbI test questions permuted by rng_for('babilong-order', name, task, 'dev', length); "
+        "the first that fit are asked",
+        "background": "rng_for('babilong', name, task, 'dev', length, draw) in the dev books",
+    }

@@ -101,8 +101,10 @@ def check_id(value: Any, where: str) -> str:
     doc_id = str(value)
     bad = _ID_FORBIDDEN.search(doc_id)
     if bad:
-        raise DataError(f"{where}: control character, line separator or lone surrogate (U+{ord(bad.group()):04X}) at character "
-                        f"{bad.start()}; an id is one line of text")
+        raise DataError(
+            f"{where}: control character, line separator or lone surrogate (U+{ord(bad.group()):04X}) at character "
+            f"{bad.start()}; an id is one line of text"
+        )
     doc_id = normalize_id(doc_id)
     if len(doc_id) > DOC_ID_MAX_CHARS:
         raise DataError(f"{where}: longer than {DOC_ID_MAX_CHARS} characters")
@@ -126,7 +128,9 @@ def check_text(text: str, where: str) -> None:
         raise DataError(f"{where}: contains a NUL character")
 
 
-def _cut_long(sentences: dict[int, str], counts: dict[int, int], budget: int, count: TokenCounter) -> dict[int, list[tuple[str, int]]]:
+def _cut_long(
+    sentences: dict[int, str], counts: dict[int, int], budget: int, count: TokenCounter
+) -> dict[int, list[tuple[str, int]]]:
     """Cut sentences over the budget into word windows that fit it: each round splits every
     piece still too long into about budget-sized word runs, and counts all new pieces in one
     tokenizer call (far fewer strings than counting word by word). A single word over the
@@ -157,7 +161,9 @@ def chunk_documents(docs: Sequence[Document], count: TokenCounter, budget: int) 
     return _chunk(docs, budget, count, None)[0]
 
 
-def chunk_and_encode(docs: Sequence[Document], encode: TokenEncoder, budget: int) -> tuple[list[DocumentChunk], list[np.ndarray]]:
+def chunk_and_encode(
+    docs: Sequence[Document], encode: TokenEncoder, budget: int
+) -> tuple[list[DocumentChunk], list[np.ndarray]]:
     """:func:`chunk_documents` and each chunk's token ids (int32), every sentence tokenised once: a
     chunk's ids are its sentences' ids one after another. That equals tokenising the chunk's text
     only for a tokenizer that never merges tokens across a space (WordPiece does; byte-level BPE does
@@ -177,8 +183,9 @@ def chunk_and_encode(docs: Sequence[Document], encode: TokenEncoder, budget: int
     return chunks, ids  # type: ignore[return-value]
 
 
-def _chunk(docs: Sequence[Document], budget: int, count: TokenCounter, encode: TokenEncoder | None
-           ) -> tuple[list[DocumentChunk], list[np.ndarray] | None]:
+def _chunk(
+    docs: Sequence[Document], budget: int, count: TokenCounter, encode: TokenEncoder | None
+) -> tuple[list[DocumentChunk], list[np.ndarray] | None]:
     if budget < 1:
         raise DataError(f"chunk budget must be at least 1 token, got {budget}")
     per_doc = [split_sentences(d.text) for d in docs]

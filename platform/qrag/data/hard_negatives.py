@@ -110,7 +110,9 @@ def add_hard(hay: Haystack, window: Window, hard: np.ndarray, pool: np.ndarray, 
         return window
     dupes = np.isin(hard, window.chunks)
     if dupes.any():
-        more = take(hay, pool, int(dupes.sum()), int(hay.chunk_counts[hard[dupes]].sum()), np.concatenate([window.chunks, hard]))
+        more = take(
+            hay, pool, int(dupes.sum()), int(hay.chunk_counts[hard[dupes]].sum()), np.concatenate([window.chunks, hard])
+        )
         hard = np.concatenate([hard[~dupes], more])
     where = np.sort(rng.integers(0, len(window.chunks) + 1, size=len(hard)))
     return Window(np.insert(window.chunks, where, hard), window.fill, window.tokens + int(hay.chunk_counts[hard].sum()))

@@ -96,8 +96,15 @@ class Window:
 class Haystack:
     """A measured, chunked corpus; see the module docstring."""
 
-    def __init__(self, name: str, segments: list[str], seg_counts: np.ndarray, bounds: np.ndarray,
-                 seg_ids: list[np.ndarray] | None, budget: int):
+    def __init__(
+        self,
+        name: str,
+        segments: list[str],
+        seg_counts: np.ndarray,
+        bounds: np.ndarray,
+        seg_ids: list[np.ndarray] | None,
+        budget: int,
+    ):
         if len(bounds) < 2:
             raise DataError(f"haystack {name!r}: no text")
         self.name = name
@@ -118,11 +125,20 @@ class Haystack:
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def build(cls, name: str, documents: Iterable[str], budget: int, measure: Measure,
-              standalone: bool = False, split: Callable[[str], list[str]] = split_sentences) -> Haystack:
+    def build(
+        cls,
+        name: str,
+        documents: Iterable[str],
+        budget: int,
+        measure: Measure,
+        standalone: bool = False,
+        split: Callable[[str], list[str]] = split_sentences,
+    ) -> Haystack:
         """Segment, measure and chunk ``documents`` (read one at a time). With ``standalone``
         every segment is its own chunk (a haystack of needles)."""
-        return cls.from_parts(name, (Part.measure(split(doc), budget, measure, standalone) for doc in documents), budget, measure)
+        return cls.from_parts(
+            name, (Part.measure(split(doc), budget, measure, standalone) for doc in documents), budget, measure
+        )
 
     @classmethod
     def from_parts(cls, name: str, parts: Iterable[Part], budget: int, measure: Measure) -> Haystack:
@@ -255,7 +271,9 @@ class Part:
         return cls(segments, counts, ids, np.asarray([0] + [end for _, end in ranges], dtype=np.int64))
 
 
-def _segment(sentences: list[str], budget: int, measure: Measure) -> tuple[list[str], np.ndarray, list[np.ndarray] | None]:
+def _segment(
+    sentences: list[str], budget: int, measure: Measure
+) -> tuple[list[str], np.ndarray, list[np.ndarray] | None]:
     """Sentences -> segments of at most ``budget`` tokens: a longer sentence is halved between
     words (and re-measured) until every piece fits. A single word longer than the budget is
     dropped (e.g. a long run of dashes in old typesetting): the text is only background."""
@@ -287,7 +305,11 @@ def _segment(sentences: list[str], budget: int, measure: Measure) -> tuple[list[
                 k += 1
         items = out
     segments = [t for t, _, _ in items]
-    return segments, np.asarray([c for _, c, _ in items], dtype=np.int64), (None if ids is None else [x for _, _, x in items])
+    return (
+        segments,
+        np.asarray([c for _, c, _ in items], dtype=np.int64),
+        (None if ids is None else [x for _, _, x in items]),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +329,9 @@ SPLITS = ("train", "val", "dev", "all")
 
 
 def _text_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES) and p.name != "overview.txt")
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES) and p.name != "overview.txt"
+    )
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -334,8 +358,11 @@ def _named_split(folders: dict[str, Path], split: str, carve_val: bool) -> list[
 
 
 def _val_fallback(path: str | Path, train: list[Path]) -> list[Path]:
-    print(f"qrag: warning: {path}: no validation background books (a val/ folder); validation contexts use the "
-          f"training books", file=sys.stderr)
+    print(
+        f"qrag: warning: {path}: no validation background books (a val/ folder); validation contexts use the "
+        f"training books",
+        file=sys.stderr,
+    )
     return train
 
 
@@ -369,8 +396,11 @@ def split_files(path: str | Path, split: str) -> list[Path]:
         return _val_fallback(path, [f for f in files if in_split(f.name, "train", 0.5)] or files)
     chosen = [f for f in files if in_split(f.name, split, 0.5)]
     if not chosen:
-        print(f"qrag: warning: {path}: too few files to separate train and dev background text; "
-              f"both splits use all {len(files)} file(s)", file=sys.stderr)
+        print(
+            f"qrag: warning: {path}: too few files to separate train and dev background text; "
+            f"both splits use all {len(files)} file(s)",
+            file=sys.stderr,
+        )
         return files
     return chosen
 
@@ -447,8 +477,11 @@ def files_haystack(label: str, files: Sequence[Path], budget: int, measure: Meas
         if min_tokens and total >= min_tokens:
             break
     digest = hashlib.sha1("\n".join(used).encode()).hexdigest()[:10]
-    return cached_haystack(("files", tuple(used), budget), measure,
-                           lambda: Haystack.from_parts(f"{label}-{len(used)}files-{digest}", parts, budget, measure))
+    return cached_haystack(
+        ("files", tuple(used), budget),
+        measure,
+        lambda: Haystack.from_parts(f"{label}-{len(used)}files-{digest}", parts, budget, measure),
+    )
 
 
 def cached_haystack(key: tuple, measure: Measure, build: Callable[[], Haystack]) -> Haystack:

@@ -49,8 +49,10 @@ def _load_hub(spec: str) -> Any:
     try:
         loaded = datasets.load_dataset(name, config)
     except Exception as exc:  # network, unknown name, missing config: one line that names the source
-        raise DataError(f"data.hub={spec!r}: cannot load it with datasets.load_dataset({name!r}, {config!r}): "
-                        f"{type(exc).__name__}: {exc}") from None
+        raise DataError(
+            f"data.hub={spec!r}: cannot load it with datasets.load_dataset({name!r}, {config!r}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(loaded, datasets.DatasetDict):
         loaded = datasets.DatasetDict({"train": loaded})
     return loaded
@@ -111,8 +113,13 @@ def table_pairs(path: str | Path, normalize: Callable[[Any, str], Any] | None = 
     return (pair for file in files for pair in read(file))
 
 
-def record_pairs(path: str | Path | Callable[[], Path], hub: str | None, split: str, read_file: Callable[[Path], Pairs],
-                 normalize: Callable[[Any, str], Any] | None = None) -> tuple[Pairs, bool]:
+def record_pairs(
+    path: str | Path | Callable[[], Path],
+    hub: str | None,
+    split: str,
+    read_file: Callable[[Path], Pairs],
+    normalize: Callable[[Any, str], Any] | None = None,
+) -> tuple[Pairs, bool]:
     """(where, record) pairs of a loader's source and whether they still need the id-hash split.
     ``path`` may be the loader's default-file function: it is called only without ``hub``, so the
     hub path needs no data folder."""
@@ -138,8 +145,9 @@ def hotpot_layout(record: Any, where: str) -> Any:
         record["context"] = _zip(context.get("title"), sentences, "context.title", "context.sentences", where)
     facts = record.get("supporting_facts")
     if isinstance(facts, dict):
-        record["supporting_facts"] = _zip(facts.get("title"), facts.get("sent_id"), "supporting_facts.title",
-                                          "supporting_facts.sent_id", where)
+        record["supporting_facts"] = _zip(
+            facts.get("title"), facts.get("sent_id"), "supporting_facts.title", "supporting_facts.sent_id", where
+        )
     return record
 
 

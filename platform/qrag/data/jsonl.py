@@ -20,8 +20,9 @@ def _lines(file: Path):
     return ((f"{file}: line {lineno}", record) for lineno, record in read_jsonl(file))
 
 
-def load_jsonl(path: str | Path | None, *, split: str, dev_fraction: float, limit: int | None = None,
-               hub: str | None = None) -> list[Sample]:
+def load_jsonl(
+    path: str | Path | None, *, split: str, dev_fraction: float, limit: int | None = None, hub: str | None = None
+) -> list[Sample]:
     if path is None and hub is None:
         raise DataError("data.path (or data.hub) is required for dataset 'jsonl'")
     samples: list[Sample] = []

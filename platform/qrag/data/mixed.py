@@ -67,7 +67,9 @@ class Source:
 
 def parse_sources(raw: list[dict[str, Any]]) -> list[Source]:
     if not raw:
-        raise ConfigError("data.dataset=mixed needs data.sources, e.g. [{dataset: hotpotqa}, {dataset: musique, dev: none}]")
+        raise ConfigError(
+            "data.dataset=mixed needs data.sources, e.g. [{dataset: hotpotqa}, {dataset: musique, dev: none}]"
+        )
     sources = []
     for i, spec in enumerate(raw):
         key = f"data.sources[{i}]"
@@ -112,13 +114,21 @@ def load_mixed(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]
                     dropped.append(sample.id)
                     continue
                 if sample.id in owner:
-                    raise DataError(f"record id {sample.id!r} is in both {owner[sample.id]} and {source.name}: ids must be unique across data.sources")
+                    raise DataError(
+                        f"record id {sample.id!r} is in both {owner[sample.id]} and {source.name}: ids must be unique across data.sources"
+                    )
                 owner[sample.id] = source.name
                 sample.meta["source"] = source.dataset
                 samples.append(sample)
             if dropped:
-                log.warning("%s (%s split): left out %d record(s) with more than %d support chunks (max_support): %s",
-                            source.name, part, len(dropped), source.max_support, ", ".join(dropped[:20]) + (" ..." if len(dropped) > 20 else ""))
+                log.warning(
+                    "%s (%s split): left out %d record(s) with more than %d support chunks (max_support): %s",
+                    source.name,
+                    part,
+                    len(dropped),
+                    source.max_support,
+                    ", ".join(dropped[:20]) + (" ..." if len(dropped) > 20 else ""),
+                )
     return list(itertools.islice(samples, cfg.limit))
 
 

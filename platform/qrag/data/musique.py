@@ -78,7 +78,9 @@ def parse_record(record: Any, where: str, budget: int, count: TokenCounter) -> S
         if not isinstance(record.get(key), str) or not record[key].strip():
             raise DataError(f"{where}: missing or empty field {key!r}")
     if record.get("answerable", True) is not True:
-        raise DataError(f"{where}: 'answerable' is {record.get('answerable')!r}; this loader reads MuSiQue-Ans (answerable questions only)")
+        raise DataError(
+            f"{where}: 'answerable' is {record.get('answerable')!r}; this loader reads MuSiQue-Ans (answerable questions only)"
+        )
     paragraphs = _paragraphs(record, where)
     support = [j for j, para in enumerate(record["paragraphs"]) if para["is_supporting"]]
     if not support:
@@ -131,5 +133,12 @@ def _lines(file: Path):
 
 @register_loader("musique")
 def _musique(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
-    return load_musique(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit,
-                        hub=cfg.hub)
+    return load_musique(
+        cfg.path,
+        split=split,
+        dev_fraction=cfg.dev_fraction,
+        budget=cfg.chunk_tokens,
+        count=count,
+        limit=cfg.limit,
+        hub=cfg.hub,
+    )

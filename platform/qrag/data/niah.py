@@ -74,15 +74,25 @@ TASKS: dict[str, NiahTask] = {
     "niah_multivalue": NiahTask("essay", "words", "numbers", values=4),
     "niah_multiquery": NiahTask("essay", "words", "numbers", queries=4),
 }
-ALIASES = {"s1": "niah_single_1", "s2": "niah_single_2", "s3": "niah_single_3", "mk1": "niah_multikey_1",
-           "mk2": "niah_multikey_2", "mk3": "niah_multikey_3", "mv": "niah_multivalue", "mq": "niah_multiquery"}
+ALIASES = {
+    "s1": "niah_single_1",
+    "s2": "niah_single_2",
+    "s3": "niah_single_3",
+    "mk1": "niah_multikey_1",
+    "mk2": "niah_multikey_2",
+    "mk3": "niah_multikey_3",
+    "mv": "niah_multivalue",
+    "mq": "niah_multiquery",
+}
 SHORT_NAMES = {v: k.upper() for k, v in ALIASES.items()}
 
 
 def task_spec(name: str) -> tuple[str, NiahTask]:
     full = ALIASES.get(name.lower(), name)
     if full not in TASKS:
-        raise DataError(f"unknown NIAH task {name!r} (choose from {', '.join(TASKS)} or {', '.join(k.upper() for k in ALIASES)})")
+        raise DataError(
+            f"unknown NIAH task {name!r} (choose from {', '.join(TASKS)} or {', '.join(k.upper() for k in ALIASES)})"
+        )
     return full, TASKS[full]
 
 
@@ -130,7 +140,9 @@ def near_miss(rng: np.random.Generator, key: str, key_type: str) -> str:
     training context almost never does, so training sees them only when they are put in."""
     if key_type == "uuids":
         chars = list(key)
-        hexes = [i for i, c in enumerate(chars) if c != "-" and i not in (14, 19)]  # version and variant digits stay valid
+        hexes = [
+            i for i, c in enumerate(chars) if c != "-" and i not in (14, 19)
+        ]  # version and variant digits stay valid
         for i in rng.choice(hexes, size=int(rng.integers(2, 9)), replace=False):
             chars[i] = "0123456789abcdef"[(int(chars[i], 16) + int(rng.integers(1, 16))) % 16]
         return "".join(chars)
@@ -177,15 +189,23 @@ def read_essays(path: str | Path | None) -> str:
     return raw
 
 
-def haystack_for(spec: NiahTask, split: str, length: int, measure: Measure, budget: int, seed: int, essays: str | Path | None) -> Haystack:
+def haystack_for(
+    spec: NiahTask, split: str, length: int, measure: Measure, budget: int, seed: int, essays: str | Path | None
+) -> Haystack:
     if spec.haystack == "noise":
         # Enough repetitions that packing settles into its period; windows wrap around it.
-        return cached_haystack(("niah-noise", budget), measure,
-                               lambda: Haystack.build("niah-noise", [" ".join([NOISE] * 64)], budget, measure))
+        return cached_haystack(
+            ("niah-noise", budget),
+            measure,
+            lambda: Haystack.build("niah-noise", [" ".join([NOISE] * 64)], budget, measure),
+        )
     if spec.haystack == "essay":
         path = str(Path(essays) if essays else default_essays())
-        return cached_haystack(("niah-essay", path, budget), measure,
-                               lambda: Haystack.build("niah-essay", [read_essays(path)], budget, measure))
+        return cached_haystack(
+            ("niah-essay", path, budget),
+            measure,
+            lambda: Haystack.build("niah-essay", [read_essays(path)], budget, measure),
+        )
     # A pool of distractor needles, one per chunk, sized for the context (a power of two).
     per_needle = 16 if spec.key_type == "words" else 48  # fewer tokens than a needle really has
     size = 1 << max(10, int(np.ceil(np.log2(max(1, length) / per_needle + 1))))
@@ -198,8 +218,14 @@ def haystack_for(spec: NiahTask, split: str, length: int, measure: Measure, budg
         keys = draw_keys(rng, spec.key_type, size, asked=False)
         values = draw_values(rng, spec.value_type, size)
         text = [needle(kind, k, v) for k, v in zip(keys, values)]
-        return Haystack.build(f"niah-needles-{split}-{spec.key_type}-{spec.value_type}-{size}", [text], budget, measure,
-                              standalone=True, split=lambda doc: list(doc))
+        return Haystack.build(
+            f"niah-needles-{split}-{spec.key_type}-{spec.value_type}-{size}",
+            [text],
+            budget,
+            measure,
+            standalone=True,
+            split=lambda doc: list(doc),
+        )
 
     return cached_haystack(("niah-needles", split, spec.key_type, spec.value_type, size, seed), measure, build)
 
@@ -263,9 +289,15 @@ def generate_niah(
             chunks=chunks,
             support=support,
             answer=", ".join(answers),
-            meta={"task": name, "context_tokens": window.tokens + needle_tokens, "target_tokens": length,
-                  "needles": len(needles), "background": hay.name, "answers": answers,
-                  **({"near_misses": misses} if misses else {})},
+            meta={
+                "task": name,
+                "context_tokens": window.tokens + needle_tokens,
+                "target_tokens": length,
+                "needles": len(needles),
+                "background": hay.name,
+                "answers": answers,
+                **({"near_misses": misses} if misses else {}),
+            },
         )
         yield Generated(sample, hay, refs, fresh)
 
@@ -285,14 +317,29 @@ def near_misses_for(cfg: DataConfig, split: str, task: str) -> int:
     return cfg.hard_negatives if task_spec(task)[1].haystack == "needles" else 0
 
 
-def generate_from_config(cfg: DataConfig, split: str, measure: Measure, length: int | None = None, n: int | None = None) -> list[Generated]:
+def generate_from_config(
+    cfg: DataConfig, split: str, measure: Measure, length: int | None = None, n: int | None = None
+) -> list[Generated]:
     from qrag.data.babilong import samples_for_split
 
     count = n if n is not None else samples_for_split(cfg, split)
-    per_task = [list(generate_niah(t, split, length or cfg.context_tokens, count, measure, seed=cfg.seed,
-                                   budget=cfg.chunk_tokens, essays=cfg.path, near_misses=near_misses_for(cfg, split, t),
-                                   val_fraction=cfg.val_fraction))
-                for t in _tasks(cfg)]
+    per_task = [
+        list(
+            generate_niah(
+                t,
+                split,
+                length or cfg.context_tokens,
+                count,
+                measure,
+                seed=cfg.seed,
+                budget=cfg.chunk_tokens,
+                essays=cfg.path,
+                near_misses=near_misses_for(cfg, split, t),
+                val_fraction=cfg.val_fraction,
+            )
+        )
+        for t in _tasks(cfg)
+    ]
     return interleave(per_task)
 
 

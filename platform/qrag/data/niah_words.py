@@ -4,7 +4,10 @@ RULER draws its word keys from the ``wonderwords`` lists; these are our own list
 English words, long enough for ~200K distinct keys without any extra dependency.
 """
 
-ADJECTIVES = tuple(sorted(set("""
+ADJECTIVES = tuple(
+    sorted(
+        set(
+            """
 abandoned able absent absurd abundant accurate acidic active adorable adventurous afraid agile
 alert alive amber ambitious amused ancient angry anxious arctic aromatic ashamed autumn awake
 awful bald barren bashful beautiful belated beloved bitter bizarre blank blissful blue blushing
@@ -39,9 +42,15 @@ sunny super sweet swift tall tame tangy tart tender tense thick thin thirsty tid
 tired tranquil tropical true turquoise twin ugly unique upbeat urban vacant vague valiant vast
 velvet vibrant violet vivid warm wary watery weak wealthy weary western wet whole wicked wide
 wild windy wise witty wooden worried young youthful zany zealous
-""".split())))
+""".split()
+        )
+    )
+)
 
-NOUNS = tuple(sorted(set("""
+NOUNS = tuple(
+    sorted(
+        set(
+            """
 acorn actor airport album alley almond anchor angle ankle answer antler apple apron arch arena
 armchair arrow artist atlas attic author avenue award axe badge bagel bakery balcony ball
 balloon bamboo banana band banjo bank banner barn barrel basket bath battery beach beacon bean
@@ -80,4 +89,7 @@ tail tiger timber toast tomato tower town toy tractor trail train tree triangle 
 tulip tunnel turtle umbrella unicorn valley vase velvet violin volcano wagon walnut wand
 wardrobe wasp watch waterfall wave whale wheat wheel whistle willow window wing winter wizard
 wolf wood wren yacht yak yard yarn zebra zephyr zipper
-""".split())))
+""".split()
+        )
+    )
+)

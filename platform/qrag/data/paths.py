@@ -46,10 +46,12 @@ HUB_NAMES = {"hotpotqa": "hotpotqa/hotpot_qa:distractor", "musique": "dgslibisey
 def no_data_help() -> str:
     """The ways to give a run its data, for errors of a machine without the data folder."""
     hub = "; ".join(f"data.dataset={name} data.hub={spec}" for name, spec in HUB_NAMES.items())
-    return ("export QRAG_DATA_DIR=<a folder of the benchmark files> (the layout of the repository's ../shared/data), "
-            "or give a file or folder: data.path=<JSON/JSONL, .parquet or a datasets save_to_disk folder> (qrag eval: --data), "
-            f"or read the full dataset from the Hugging Face hub with `datasets`: {hub} "
-            "(data.hub also takes a local folder of data files or of save_to_disk)")
+    return (
+        "export QRAG_DATA_DIR=<a folder of the benchmark files> (the layout of the repository's ../shared/data), "
+        "or give a file or folder: data.path=<JSON/JSONL, .parquet or a datasets save_to_disk folder> (qrag eval: --data), "
+        f"or read the full dataset from the Hugging Face hub with `datasets`: {hub} "
+        "(data.hub also takes a local folder of data files or of save_to_disk)"
+    )
 
 
 def data_root() -> Path:

@@ -50,7 +50,9 @@ _NOT_IN_KEY = ("val_fraction", "cache_dir")
 class PreparedSplit:
     """One split's samples and token arrays: an Arrow table (cached datasets) or plain lists."""
 
-    def __init__(self, table: Any = None, samples: list[Sample] | None = None, tokenized: list[TokenizedSample] | None = None):
+    def __init__(
+        self, table: Any = None, samples: list[Sample] | None = None, tokenized: list[TokenizedSample] | None = None
+    ):
         self.table = table  # datasets.Dataset, or None for the list form
         self._samples, self._tokenized = samples, tokenized
 
@@ -61,9 +63,13 @@ class PreparedSplit:
         if self.table is None:
             return list(self._samples or [])
         t = self.table.with_format("arrow")[:]
-        columns = {name: t.column(name).to_pylist() for name in ("id", "question", "chunks", "support", "answer", "meta")}
-        return [Sample(id=i, question=q, chunks=c, support=s, answer=a, meta=json.loads(m))
-                for i, q, c, s, a, m in zip(*columns.values())]
+        columns = {
+            name: t.column(name).to_pylist() for name in ("id", "question", "chunks", "support", "answer", "meta")
+        }
+        return [
+            Sample(id=i, question=q, chunks=c, support=s, answer=a, meta=json.loads(m))
+            for i, q, c, s, a, m in zip(*columns.values())
+        ]
 
     def tokenized(self) -> list[TokenizedSample]:
         if self.table is None:
@@ -74,8 +80,10 @@ class PreparedSplit:
         bounds = chunks.offsets.to_numpy()  # row -> range of chunk rows
         chunk_arrays = _int_lists(chunks.values)
         supports = _int_lists(t.column("support"), np.int64)
-        return [TokenizedSample(rid, q, chunk_arrays[bounds[r]:bounds[r + 1]], s)
-                for r, (rid, q, s) in enumerate(zip(t.column("id").to_pylist(), questions, supports))]
+        return [
+            TokenizedSample(rid, q, chunk_arrays[bounds[r] : bounds[r + 1]], s)
+            for r, (rid, q, s) in enumerate(zip(t.column("id").to_pylist(), questions, supports))
+        ]
 
     def select(self, rows: Sequence[int]) -> PreparedSplit:
         if self.table is not None:
@@ -115,7 +123,7 @@ def _int_lists(column: Any, dtype: Any = np.int32) -> list[np.ndarray]:
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     offsets = array.offsets.to_numpy()
     values = array.values.to_numpy(zero_copy_only=False).astype(dtype, copy=True)  # writable, owned
-    return [values[offsets[r]:offsets[r + 1]] for r in range(len(array))]
+    return [values[offsets[r] : offsets[r + 1]] for r in range(len(array))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +155,9 @@ def prepare_split(cfg: DataConfig, split: str, tokenizer: Any, layout: TokenLayo
 
 
 def _tokenize(samples: Sequence[Sample], cfg: DataConfig, tokenizer: Any, layout: TokenLayout) -> list[TokenizedSample]:
-    return tokenize_samples(samples, tokenizer, layout, chunk_tokens=cfg.chunk_tokens, question_tokens=cfg.question_tokens)
+    return tokenize_samples(
+        samples, tokenizer, layout, chunk_tokens=cfg.chunk_tokens, question_tokens=cfg.question_tokens
+    )
 
 
 def cache_folder(cfg: DataConfig) -> Path | None:
@@ -163,7 +173,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A hash of everything that decides the ids: the fast tokenizer's full JSON (vocab, normaliser, ...)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    extra = json.dumps([type(tokenizer).__name__, tokenizer.all_special_tokens, getattr(tokenizer, "do_lower_case", None)])
+    extra = json.dumps(
+        [type(tokenizer).__name__, tokenizer.all_special_tokens, getattr(tokenizer, "do_lower_case", None)]
+    )
     return hashlib.sha256((text + extra).encode("utf-8")).hexdigest()
 
 
@@ -188,8 +200,13 @@ def cache_key(cfg: DataConfig, split: str, tokenizer: Any, layout: TokenLayout) 
     except DataError:
         root = None
     fields = {
-        "format": FORMAT, "split": split, "data": data, "data_root": root, "layout": dataclasses.asdict(layout),
-        "tokenizer": tokenizer_fingerprint(tokenizer), "code": _code_fingerprint(),
+        "format": FORMAT,
+        "split": split,
+        "data": data,
+        "data_root": root,
+        "layout": dataclasses.asdict(layout),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "code": _code_fingerprint(),
     }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:24]
     return f"{cfg.dataset}-{split}-{digest}"

@@ -29,8 +29,9 @@ def in_split(record_id: str, split: str, dev_fraction: float) -> bool:
     return is_dev if split == "dev" else not is_dev
 
 
-def records_in_split(pairs: Iterable[tuple[str, Any]], id_key: str, split: str, dev_fraction: float, *,
-                     by_hash: bool = True) -> Iterator[tuple[str, Any]]:
+def records_in_split(
+    pairs: Iterable[tuple[str, Any]], id_key: str, split: str, dev_fraction: float, *, by_hash: bool = True
+) -> Iterator[tuple[str, Any]]:
     """The (where, record) pairs of ``split``, ``where`` extended with the record's id. A record
     without a string id is kept, so that its parser stops with an error naming it."""
     for where, record in pairs:

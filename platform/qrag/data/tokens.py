@@ -63,14 +63,17 @@ class TokenLayout:
 
     def state(self, question: np.ndarray, chunks: Sequence[np.ndarray]) -> np.ndarray:
         """The state's input ids; ``chunks`` must already be in document order."""
-        bodies = [c[self.n_prefix:] for c in chunks]
+        bodies = [c[self.n_prefix :] for c in chunks]
         total = len(question) + sum(len(b) for b in bodies)
         if total > self.max_state_tokens and bodies:
             # Keep the question whole and give every selected chunk an equal share of the rest,
             # so that no selected chunk disappears from the state.
             share = max(2, (self.max_state_tokens - len(question)) // len(bodies))
             tail = [] if self.sep_id is None else [self.sep_id]
-            bodies = [b if len(b) <= share else np.concatenate([b[: share - len(tail)], np.asarray(tail, np.int32)]) for b in bodies]
+            bodies = [
+                b if len(b) <= share else np.concatenate([b[: share - len(tail)], np.asarray(tail, np.int32)])
+                for b in bodies
+            ]
         return np.concatenate([question, *bodies])[: self.max_state_tokens]
 
 
@@ -79,9 +82,15 @@ def tokenize_samples(
 ) -> list[TokenizedSample]:
     """Tokenise questions and chunks of many samples in a few batched tokenizer calls."""
     questions = [s.question for s in samples]
-    q_ids = tokenizer(questions, add_special_tokens=False, truncation=True, max_length=question_tokens)["input_ids"] if questions else []
+    q_ids = (
+        tokenizer(questions, add_special_tokens=False, truncation=True, max_length=question_tokens)["input_ids"]
+        if questions
+        else []
+    )
     flat = [c for s in samples for c in s.chunks]
-    c_ids = tokenizer(flat, add_special_tokens=False, truncation=True, max_length=chunk_tokens)["input_ids"] if flat else []
+    c_ids = (
+        tokenizer(flat, add_special_tokens=False, truncation=True, max_length=chunk_tokens)["input_ids"] if flat else []
+    )
     out, k = [], 0
     for sample, q in zip(samples, q_ids):
         chunks = [layout.wrap(ids) for ids in c_ids[k : k + len(sample.chunks)]]

@@ -70,12 +70,22 @@ def load_2wiki(
         sample.meta["evidences"] = record.get("evidences")
         samples.append(sample)
     if skipped:
-        log.warning("2wiki: skipped %d record(s) without a 'context' field (nothing to retrieve from): %s",
-                    len(skipped), ", ".join(skipped))
+        log.warning(
+            "2wiki: skipped %d record(s) without a 'context' field (nothing to retrieve from): %s",
+            len(skipped),
+            ", ".join(skipped),
+        )
     return samples
 
 
 @register_loader("2wiki")
 def _2wiki(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
-    return load_2wiki(cfg.path, split=split, dev_fraction=cfg.dev_fraction, budget=cfg.chunk_tokens, count=count, limit=cfg.limit,
-                      hub=cfg.hub)
+    return load_2wiki(
+        cfg.path,
+        split=split,
+        dev_fraction=cfg.dev_fraction,
+        budget=cfg.chunk_tokens,
+        count=count,
+        limit=cfg.limit,
+        hub=cfg.hub,
+    )

@@ -64,7 +64,11 @@ class WordCache:
         except Exception:  # noqa: BLE001 - a backend that cannot describe itself is not used
             return None
         norm, pre, model = spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}, spec.get("model") or {}
-        if norm.get("type") != "BertNormalizer" or not norm.get("clean_text", False) or pre.get("type") != "BertPreTokenizer":
+        if (
+            norm.get("type") != "BertNormalizer"
+            or not norm.get("clean_text", False)
+            or pre.get("type") != "BertPreTokenizer"
+        ):
             return None
         if model.get("type") != "WordPiece":
             return None

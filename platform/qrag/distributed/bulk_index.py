@@ -53,6 +53,7 @@ from qrag.retrieval.embedder import load_embedding_model, resolve_source, source
 # ---------------------------------------------------------------------------------------------
 # Stage 1 (CPU tasks): files -> chunk rows
 
+
 def chunk_rows(path: str, docs: Sequence[tuple[str, Document]], tok, chunk_tokens: int) -> dict[str, np.ndarray]:
     """Documents of one file -> one row per chunk (corpus order), with what the driver needs to
     put whole documents together again and to name the record in errors."""
@@ -92,7 +93,9 @@ class DocumentChunker:
 
         from qrag.retrieval.embedder import Tokenization
 
-        source = resolve_source(model["checkpoint"], model["encoder"], model["model_cache"], model["mlflow_tracking_uri"])
+        source = resolve_source(
+            model["checkpoint"], model["encoder"], model["model_cache"], model["mlflow_tracking_uri"]
+        )
         _, _, tokenizer, layout = source_identity(source)
         self.tok = Tokenization(tokenizer, layout)
         self.chunk_tokens, self.docs_per_block = chunk_tokens, docs_per_block
@@ -134,15 +137,23 @@ class ChunkEncoder:
     """One encoder per actor, loaded once; ``__call__`` embeds a batch of chunk rows."""
 
     def __init__(self, model: dict[str, Any], fingerprint: str, device: str, encode_tokens: int, encode_batch: int):
-        source = resolve_source(model["checkpoint"], model["encoder"], model["model_cache"], model["mlflow_tracking_uri"])
+        source = resolve_source(
+            model["checkpoint"], model["encoder"], model["model_cache"], model["mlflow_tracking_uri"]
+        )
         self.model = load_embedding_model(source, device, encode_tokens=encode_tokens, chunk_batch=encode_batch)
         if self.model.fingerprint != fingerprint:
-            raise CorpusConflict(f"the encoder actor loaded model {self.model.fingerprint}, the driver expected {fingerprint}")
+            raise CorpusConflict(
+                f"the encoder actor loaded model {self.model.fingerprint}, the driver expected {fingerprint}"
+            )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
         with host_settings_while_feeding(self.model.device):  # one torch thread, a short GIL interval (see there)
-            vectors = self.model.embed_chunks(list(batch["tokens"])) if len(batch["tokens"]) else np.zeros((0, self.model.dim), np.float32)
+            vectors = (
+                self.model.embed_chunks(list(batch["tokens"]))
+                if len(batch["tokens"])
+                else np.zeros((0, self.model.dim), np.float32)
+            )
         seconds = np.zeros(len(vectors), dtype=np.float64)
         if len(vectors):
             seconds[0] = time.perf_counter() - t0
@@ -200,7 +211,9 @@ def _user_error(exc: BaseException) -> BaseException | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        cause = getattr(e, "cause", None)  # a RayTaskError's: the task's own exception (the error itself may pose as one)
+        cause = getattr(
+            e, "cause", None
+        )  # a RayTaskError's: the task's own exception (the error itself may pose as one)
         if isinstance(e, USER_ERRORS) and cause is None:
             return type(e)(str(e).strip().splitlines()[-1] if "Traceback" in str(e) else str(e))
         todo += [cause, e.__cause__, e.__context__]
@@ -228,8 +241,11 @@ def ensure_ray(address: str | None = None) -> None:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
 
 
-def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] | None = None,
-               on_commit: Callable[[Manifest], None] | None = None) -> dict[str, Any]:
+def bulk_index(
+    cfg: BulkIndexConfig,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    on_commit: Callable[[Manifest], None] | None = None,
+) -> dict[str, Any]:
     """Index ``cfg.inputs`` into corpus ``cfg.corpus`` (created when missing) on the running Ray
     (started by :func:`ensure_ray` when there is none). Returns the run's figures (:class:`BulkStats`). ``progress`` gets
     them after every commit; ``on_commit`` gets the manifest (tests interrupt the run there)."""
@@ -251,7 +267,9 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
         manifest = None
     if manifest is not None:
         if manifest.fingerprint != fingerprint:
-            raise CorpusConflict(f"corpus {cfg.corpus!r} was indexed with model {manifest.fingerprint}; {source.describe()} is {fingerprint}")
+            raise CorpusConflict(
+                f"corpus {cfg.corpus!r} was indexed with model {manifest.fingerprint}; {source.describe()} is {fingerprint}"
+            )
         manifest.check_settings(chunk_tokens=cfg.chunk_tokens, shards=cfg.shards, dtype=cfg.dtype)
         committed = frozenset(store.doc_ids(manifest))
         chunk_tokens = manifest.chunk_tokens
@@ -262,7 +280,11 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
     stats.already_committed = len(committed)
 
     ensure_ray()  # after the checks above: a bad input or corpus fails before Ray starts
-    gpus = cfg.encoder_gpus if cfg.encoder_gpus is not None else (1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)
+    gpus = (
+        cfg.encoder_gpus
+        if cfg.encoder_gpus is not None
+        else (1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0)
+    )
     stats.encoder_actors, stats.encoder_gpus = cfg.encoder_actors, gpus
     model = cfg.model_spec()
     spare = ray.cluster_resources().get("CPU", 1) - cfg.encoder_actors * cfg.encoder_cpus
@@ -275,19 +297,43 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
     if cfg.block_bytes:
         ctx.target_max_block_size = cfg.block_bytes
     try:
-        ds = ray.data.from_items([{"path": p, "format": f, "start": a, "end": b} for p, f, a, b in parts],
-                                 override_num_blocks=max(1, len(parts)))
+        ds = ray.data.from_items(
+            [{"path": p, "format": f, "start": a, "end": b} for p, f, a, b in parts],
+            override_num_blocks=max(1, len(parts)),
+        )
         # Two actor pools: Ray Data never fuses them (a task stage would be fused into the encoder
         # actors on a CPU-only cluster, which would then read files one at a time between forwards).
-        ds = ds.map_batches(DocumentChunker, batch_size=1, batch_format="numpy", num_cpus=cfg.tokenize_cpus,
-                            compute=ActorPoolStrategy(min_size=1, max_size=tokenizers),
-                            fn_constructor_kwargs={"model": model, "chunk_tokens": chunk_tokens, "docs_per_block": cfg.docs_per_block,
-                                                   "skip": ray.put(committed) if committed else None})
-        ds = ds.map_batches(ChunkEncoder, batch_size=cfg.encode_batch, batch_format="numpy", compute=ActorPoolStrategy(size=cfg.encoder_actors),
-                            num_gpus=gpus, num_cpus=cfg.encoder_cpus,
-                            fn_constructor_kwargs={"model": model, "fingerprint": fingerprint, "device": "cuda" if gpus > 0 else "cpu",
-                                                   "encode_tokens": cfg.encode_tokens, "encode_batch": cfg.encode_batch})
-        manifest = _drain(ds, store, cfg, manifest, fingerprint, model_cfg, chunk_tokens, stats, t_start, progress, on_commit)
+        ds = ds.map_batches(
+            DocumentChunker,
+            batch_size=1,
+            batch_format="numpy",
+            num_cpus=cfg.tokenize_cpus,
+            compute=ActorPoolStrategy(min_size=1, max_size=tokenizers),
+            fn_constructor_kwargs={
+                "model": model,
+                "chunk_tokens": chunk_tokens,
+                "docs_per_block": cfg.docs_per_block,
+                "skip": ray.put(committed) if committed else None,
+            },
+        )
+        ds = ds.map_batches(
+            ChunkEncoder,
+            batch_size=cfg.encode_batch,
+            batch_format="numpy",
+            compute=ActorPoolStrategy(size=cfg.encoder_actors),
+            num_gpus=gpus,
+            num_cpus=cfg.encoder_cpus,
+            fn_constructor_kwargs={
+                "model": model,
+                "fingerprint": fingerprint,
+                "device": "cuda" if gpus > 0 else "cpu",
+                "encode_tokens": cfg.encode_tokens,
+                "encode_batch": cfg.encode_batch,
+            },
+        )
+        manifest = _drain(
+            ds, store, cfg, manifest, fingerprint, model_cfg, chunk_tokens, stats, t_start, progress, on_commit
+        )
     except Exception as exc:
         _raise_user_error(exc)
         raise
@@ -300,8 +346,19 @@ def bulk_index(cfg: BulkIndexConfig, progress: Callable[[dict[str, Any]], None] 
     return {"path": "ray", "devices": ["cuda" if gpus > 0 else "cpu"] * cfg.encoder_actors, **stats.summary()}
 
 
-def _drain(ds, store: CorpusStore, cfg: BulkIndexConfig, manifest: Manifest | None, fingerprint: str, model_cfg, chunk_tokens: int,
-           stats: BulkStats, t_start: float, progress, on_commit) -> Manifest | None:
+def _drain(
+    ds,
+    store: CorpusStore,
+    cfg: BulkIndexConfig,
+    manifest: Manifest | None,
+    fingerprint: str,
+    model_cfg,
+    chunk_tokens: int,
+    stats: BulkStats,
+    t_start: float,
+    progress,
+    on_commit,
+) -> Manifest | None:
     pending: dict[tuple[str, str], _PendingDoc] = {}
     ready: list[_PendingDoc] = []
     ready_chunks = 0
@@ -322,8 +379,16 @@ def _drain(ds, store: CorpusStore, cfg: BulkIndexConfig, manifest: Manifest | No
                 vectors.append(vec)
         vecs = np.stack(vectors).astype(np.float32, copy=False)
         if manifest is None:
-            manifest = store.create(cfg.corpus, fingerprint=fingerprint, model=model_cfg, dim=vecs.shape[1], chunk_tokens=chunk_tokens,
-                                    shards=cfg.shards or 2, dtype=cfg.dtype or "float32", first=(docs, chunks, token_ids, vecs))
+            manifest = store.create(
+                cfg.corpus,
+                fingerprint=fingerprint,
+                model=model_cfg,
+                dim=vecs.shape[1],
+                chunk_tokens=chunk_tokens,
+                shards=cfg.shards or 2,
+                dtype=cfg.dtype or "float32",
+                first=(docs, chunks, token_ids, vecs),
+            )
         else:
             manifest = store.append(cfg.corpus, docs, chunks, token_ids, vecs, fingerprint)
         stats.write_seconds += time.perf_counter() - t0
@@ -365,7 +430,9 @@ def _drain(ds, store: CorpusStore, cfg: BulkIndexConfig, manifest: Manifest | No
         t_wait = time.perf_counter()
     commit()
     if pending:  # cannot happen unless a stage dropped rows
-        raise StoreError(f"corpus {cfg.corpus!r}: {len(pending)} document(s) incomplete at the end, e.g. {next(iter(pending.values())).where}")
+        raise StoreError(
+            f"corpus {cfg.corpus!r}: {len(pending)} document(s) incomplete at the end, e.g. {next(iter(pending.values())).where}"
+        )
     return manifest
 
 
@@ -380,7 +447,9 @@ def node_gpus() -> int:
     return max((int(node["Resources"].get("GPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
 
 
-def index_on_cluster(cfg: BulkIndexConfig, address: str | None, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def index_on_cluster(
+    cfg: BulkIndexConfig, address: str | None, progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Join the cluster of ``address`` (a local Ray when None and none is running) and index there:
     the lanes on one node with the most GPUs, or Ray Data (:func:`qrag.index.bulk.cluster_path`)."""
     ensure_ray(address)
@@ -390,7 +459,9 @@ def index_on_cluster(cfg: BulkIndexConfig, address: str | None, progress: Callab
     return bulk_index(cfg, progress=progress)
 
 
-def lanes_on_a_node(cfg: BulkIndexConfig, gpus: int, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def lanes_on_a_node(
+    cfg: BulkIndexConfig, gpus: int, progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """:func:`qrag.index.bulk.index_files` as one Ray task holding ``gpus`` GPUs of a node (its lanes
     on every one of them; on the CPU when 0). ``progress`` gets each commit's figures, streamed
     back from the node. Returns the run's figures with the node's address."""

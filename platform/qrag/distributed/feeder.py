@@ -76,12 +76,16 @@ class EpisodeFeeder:
         tokenizer = load_tokenizer(tokenizer_path)
         mine = TokenLayout.from_tokenizer(tokenizer, cfg.model.max_state_tokens)
         if mine != layout:
-            raise ValueError(f"episode feeder {index}: tokenizer {tokenizer_path} gives {mine}, the learner's model uses {layout}")
+            raise ValueError(
+                f"episode feeder {index}: tokenizer {tokenizer_path} gives {mine}, the learner's model uses {layout}"
+            )
         # The train split minus its validation part, as ``TrainingRun.load_data`` splits it.
         train = prepare_split(cfg.data, "train", tokenizer, layout).split_validation(cfg.data.val_fraction)[0]
         if len(train) < count:
-            raise DataError(f"episode feeder {index}: the training split has {len(train)} samples, too few for {count} feeders "
-                            f"(distributed.runners)")
+            raise DataError(
+                f"episode feeder {index}: the training split has {len(train)} samples, too few for {count} feeders "
+                f"(distributed.runners)"
+            )
         self.episodes = train.shard(count, index).tokenized()
         self.stream = ShardStream(len(self.episodes), cfg.seed, index)
         self.served = 0

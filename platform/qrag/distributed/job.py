@@ -52,12 +52,16 @@ def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
     from qrag.config import config_keys_epilog
 
     p = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_keys_epilog(),
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=config_keys_epilog(),
         description="Train a Q-RAG retriever on Ray: EpisodeFeeder actors feed a Ray Train learner; MLflow tracks the run. "
-                    "Submitting the same run name again resumes it.",
+        "Submitting the same run name again resumes it.",
     )
     p.add_argument("--config", default=default_config, metavar="YAML", help=f"config preset (default {default_config})")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. updates=200 distributed.runners=4")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. updates=200 distributed.runners=4"
+    )
     add_cluster_arguments(p)
     return p
 
@@ -129,9 +133,13 @@ def connect(job: Job, ship_code: bool = True) -> bool:
         return False
     ray.init(
         # The dashboard (when installed) serves the state API that Ray Train's clean-up actor polls.
-        address="local", _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", logging_level="WARNING",
+        address="local",
+        _node_ip_address="127.0.0.1",
+        dashboard_host="127.0.0.1",
+        logging_level="WARNING",
         # Logical CPUs: enough for the learner and every runner even on a small machine.
-        num_cpus=max(os.cpu_count() or 1, math.ceil(cpu_need(job.cfg))), runtime_env=runtime_env,
+        num_cpus=max(os.cpu_count() or 1, math.ceil(cpu_need(job.cfg))),
+        runtime_env=runtime_env,
     )
     return True
 
@@ -142,13 +150,17 @@ def launch(job: Job) -> dict[str, Any]:
 
     cfg = job.cfg
     uri = tracking_uri(cfg)
-    job.say(f"run {job.run_dir}  (checkpoints in checkpoints/update_*, final/; {cfg.updates} updates, "
-            f"{cfg.distributed.runners} EpisodeFeeders)")
+    job.say(
+        f"run {job.run_dir}  (checkpoints in checkpoints/update_*, final/; {cfg.updates} updates, "
+        f"{cfg.distributed.runners} EpisodeFeeders)"
+    )
     job.say(f"MLflow {uri or 'off'}" + (f"  (experiment {cfg.distributed.mlflow_experiment!r})" if uri else ""))
     started = connect(job)
     try:
-        job.say(f"Ray {'started locally on 127.0.0.1' if started else 'at ' + job.address}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
-                f"{ray.cluster_resources().get('GPU', 0):g} GPUs")
+        job.say(
+            f"Ray {'started locally on 127.0.0.1' if started else 'at ' + job.address}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
+            f"{ray.cluster_resources().get('GPU', 0):g} GPUs"
+        )
         result = train_with_ray(cfg)
     finally:
         if started:
@@ -167,8 +179,10 @@ def launch(job: Job) -> dict[str, Any]:
     }
     if result.mlflow:
         summary.update(mlflow_run_id=result.mlflow.run_id, tracking_uri=result.mlflow.tracking_uri)
-        job.say(f"MLflow run {result.mlflow.run_id} in {result.mlflow.tracking_uri}; "
-                f"UI (needs the full `mlflow` package): mlflow ui --backend-store-uri {result.mlflow.tracking_uri} --host 127.0.0.1")
+        job.say(
+            f"MLflow run {result.mlflow.run_id} in {result.mlflow.tracking_uri}; "
+            f"UI (needs the full `mlflow` package): mlflow ui --backend-store-uri {result.mlflow.tracking_uri} --host 127.0.0.1"
+        )
     job.say(f"checkpoint {summary['checkpoint']} (evaluate it: qrag eval --checkpoint {summary['checkpoint']})")
     print(json.dumps(summary), flush=True)
     return summary
@@ -198,7 +212,13 @@ def run(make: Callable[[], Job], prog: str) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
-        print(f"{prog}: training failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr)
-        print(f"{prog}: submit the same command again to resume from the last checkpoint in {job.run_dir}", file=sys.stderr)
+        print(
+            f"{prog}: training failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            file=sys.stderr,
+        )
+        print(
+            f"{prog}: submit the same command again to resume from the last checkpoint in {job.run_dir}",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -43,11 +43,15 @@ def check_resource_map(key: str, resources: Mapping[str, Any]) -> dict[str, floa
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"{key}: resource names must be non-empty strings, got {name!r}")
         if name in BUILT_IN or name.startswith("node:"):
-            raise ConfigError(f"{key}.{name}: {name!r} is not a custom resource (CPUs and GPUs have fields of their own)")
+            raise ConfigError(
+                f"{key}.{name}: {name!r} is not a custom resource (CPUs and GPUs have fields of their own)"
+            )
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
             raise ConfigError(f"{key}.{name}: expected a positive amount, got {amount!r}")
         if amount > 1 and not float(amount).is_integer():
-            raise ConfigError(f"{key}.{name}: Ray takes fractions only up to 1 (a sliver such as 0.001 pins to a node type), got {amount!r}")
+            raise ConfigError(
+                f"{key}.{name}: Ray takes fractions only up to 1 (a sliver such as 0.001 pins to a node type), got {amount!r}"
+            )
         out[name] = float(amount)
     return out
 
@@ -100,13 +104,19 @@ def check_cluster_has(cfg: TrainConfig, cluster: Mapping[str, float]) -> None:
     """Every custom resource the run asks for is declared by some node of the cluster; otherwise
     its actors would wait forever for a node that never comes."""
     d = cfg.distributed
-    wanted = [("distributed.runner_resources", name, amount) for name, amount in runner_resources(cfg).items() if d.runners]
-    wanted += [("distributed.learner_resources", name, amount)
-               for name, amount in check_resource_map("distributed.learner_resources", d.learner_resources).items()]
+    wanted = [
+        ("distributed.runner_resources", name, amount) for name, amount in runner_resources(cfg).items() if d.runners
+    ]
+    wanted += [
+        ("distributed.learner_resources", name, amount)
+        for name, amount in check_resource_map("distributed.learner_resources", d.learner_resources).items()
+    ]
     for key, name, amount in wanted:
         have = float(cluster.get(name, 0.0))
         if have + 1e-9 < amount:
-            declared = ", ".join(sorted(k for k in cluster if k not in BUILT_IN and not k.startswith("node:"))) or "none"
+            declared = (
+                ", ".join(sorted(k for k in cluster if k not in BUILT_IN and not k.startswith("node:"))) or "none"
+            )
             raise ConfigError(
                 f"{key} asks for {amount:g} of {name!r} but the Ray cluster has {have:g} (custom resources it declares: {declared}); "
                 f"start the nodes meant for it with --resources='{{\"{name}\": 1000}}' (infra/ declares qrag_cpu_node on the CPU workers) "
@@ -144,16 +154,21 @@ def gpu_plan_problems(shards: int, shard_gpus: float, gpus: int, others: Mapping
     spread one shard per GPU (k = ceil(shards/gpus) per GPU) in every placement order; [] if they do."""
     if gpus <= 0:
         return [f"{name} asks for {g:g} GPU but there is none" for name, g in others.items() if g > 0] + (
-            [f"shards ask for {shard_gpus:g} GPU each but there is none"] if shard_gpus > 0 else [])
+            [f"shards ask for {shard_gpus:g} GPU each but there is none"] if shard_gpus > 0 else []
+        )
     problems = []
     per_gpu = math.ceil(shards / gpus)
     rest = float(sum(others.values()))
     if shard_gpus <= 0:
         problems.append("shards ask for no GPU: they run on CPU")
     elif shard_gpus * (per_gpu + 1) <= 1.0 + 1e-9:
-        problems.append(f"shard_gpus {shard_gpus:g} lets {per_gpu + 1} shards share one GPU (needs > {1 / (per_gpu + 1):.4f})")
+        problems.append(
+            f"shard_gpus {shard_gpus:g} lets {per_gpu + 1} shards share one GPU (needs > {1 / (per_gpu + 1):.4f})"
+        )
     if per_gpu * shard_gpus + rest > 1.0 + 1e-9:
         shown = ", ".join(f"{k} {v:g}" for k, v in others.items())
-        problems.append(f"{per_gpu} shard(s) x {shard_gpus:g} + the rest ({shown}) = {per_gpu * shard_gpus + rest:g} > 1 GPU: "
-                        "some placement order leaves a shard without a GPU")
+        problems.append(
+            f"{per_gpu} shard(s) x {shard_gpus:g} + the rest ({shown}) = {per_gpu * shard_gpus + rest:g} > 1 GPU: "
+            "some placement order leaves a shard without a GPU"
+        )
     return problems

@@ -28,8 +28,18 @@ from qrag.integrations.tracking import is_uri, tracking_uri
 MLFLOW_CHECKPOINT_MODES = ("inference", "full", "none")
 # Passed on to every runner and learner process when set on the driver.
 # QRAG_DATA_CACHE / QRAG_CACHE_DIR / HF_DATASETS_CACHE: runners read the same prepared splits and hub data.
-FORWARDED_ENV = ("QRAG_DATA_DIR", "QRAG_ENCODER", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE",
-                 "QRAG_DATA_CACHE", "QRAG_CACHE_DIR", "HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE")
+FORWARDED_ENV = (
+    "QRAG_DATA_DIR",
+    "QRAG_ENCODER",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HUB_CACHE",
+    "QRAG_DATA_CACHE",
+    "QRAG_CACHE_DIR",
+    "HF_DATASETS_CACHE",
+    "HF_DATASETS_OFFLINE",
+)
 
 
 def storage_root() -> str:
@@ -82,16 +92,18 @@ def _input(value: str, key: str, base: PathBase) -> str:
     if base.cluster and not base.explicit and not path.exists():
         # Under `ray job submit` the cwd is the uploaded working directory: a path outside it
         # (data beside the checkout, .rayignored files) has no meaning on the cluster.
-        raise ConfigError(f"{key}={value} is a relative path and {path} does not exist on the driver (a cluster job runs in "
-                          f"a copy of the uploaded working directory): give an absolute {key} the cluster can read, or pass "
-                          "--base-dir \"$PWD\" after the script name when the cluster shares this machine's files")
+        raise ConfigError(
+            f"{key}={value} is a relative path and {path} does not exist on the driver (a cluster job runs in "
+            f"a copy of the uploaded working directory): give an absolute {key} the cluster can read, or pass "
+            '--base-dir "$PWD" after the script name when the cluster shares this machine\'s files'
+        )
     return str(path)
 
 
 def _sqlite_absolute(uri: str, base: PathBase) -> str:
     prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-        return prefix + _join(base.outputs, uri[len(prefix):])
+    if uri.startswith(prefix) and not uri[len(prefix) :].startswith("/"):
+        return prefix + _join(base.outputs, uri[len(prefix) :])
     return uri
 
 
@@ -130,9 +142,24 @@ def check_distributed(cfg: TrainConfig) -> None:
         ("distributed.request_retries", d.request_retries, d.request_retries >= 0, "0 or more"),
         ("distributed.request_timeout_s", d.request_timeout_s, d.request_timeout_s > 0, "positive"),
         ("distributed.max_failures", d.max_failures, d.max_failures >= -1, "-1 (always) or more"),
-        ("distributed.checkpoints_to_keep", d.checkpoints_to_keep, d.checkpoints_to_keep is None or d.checkpoints_to_keep >= 1, "null or at least 1"),
-        ("distributed.mlflow_checkpoint", d.mlflow_checkpoint, d.mlflow_checkpoint in MLFLOW_CHECKPOINT_MODES, " | ".join(MLFLOW_CHECKPOINT_MODES)),
-        ("learner.episodes_per_update", cfg.learner.episodes_per_update, cfg.learner.episodes_per_update >= 1, "at least 1"),
+        (
+            "distributed.checkpoints_to_keep",
+            d.checkpoints_to_keep,
+            d.checkpoints_to_keep is None or d.checkpoints_to_keep >= 1,
+            "null or at least 1",
+        ),
+        (
+            "distributed.mlflow_checkpoint",
+            d.mlflow_checkpoint,
+            d.mlflow_checkpoint in MLFLOW_CHECKPOINT_MODES,
+            " | ".join(MLFLOW_CHECKPOINT_MODES),
+        ),
+        (
+            "learner.episodes_per_update",
+            cfg.learner.episodes_per_update,
+            cfg.learner.episodes_per_update >= 1,
+            "at least 1",
+        ),
         ("updates", cfg.updates, cfg.updates >= 1, "at least 1"),
     ]
     for key, value, ok, requirement in rules:
@@ -144,8 +171,10 @@ def preflight(cfg: TrainConfig) -> None:
     """Fail now, with one line, on anything that would fail later in an actor."""
     check_distributed(cfg)
     if tracking_uri(cfg) and importlib.util.find_spec("mlflow") is None:
-        raise ConfigError("MLflow tracking needs the mlflow-skinny package (pip install 'qrag[ray]'), "
-                          "or switch it off with distributed.mlflow_uri=none")
+        raise ConfigError(
+            "MLflow tracking needs the mlflow-skinny package (pip install 'qrag[ray]'), "
+            "or switch it off with distributed.mlflow_uri=none"
+        )
     tokenizer = load_tokenizer(resolve_encoder(cfg.model.encoder))
     count = tokenizer_counter(tokenizer)
     probe = dataclasses.replace(cfg.data, limit=1)

@@ -39,16 +39,22 @@ def typed_args(args: dict[str, Any] | None) -> dict[str, Any]:
             return any(takes_text(arg) for arg in typing.get_args(hint))
         return hint is str or bool(choices(hint))
 
-    return {k: yaml.safe_load(v) if isinstance(v, str) and k in hints and not takes_text(hints[k]) else v
-            for k, v in (args or {}).items()}
+    return {
+        k: yaml.safe_load(v) if isinstance(v, str) and k in hints and not takes_text(hints[k]) else v
+        for k, v in (args or {}).items()
+    }
 
 
 def json_logs_asked() -> bool:
     return os.environ.get(JSON_LOGS_ENV, "").strip().lower() in ("1", "true", "yes", "json")
 
 
-def with_logging(deployments: Sequence[Mapping[str, Any]], shard_deployments: int,
-                 logging_config: Mapping[str, Any] | None, json_logs: bool = False) -> list[dict[str, Any]]:
+def with_logging(
+    deployments: Sequence[Mapping[str, Any]],
+    shard_deployments: int,
+    logging_config: Mapping[str, Any] | None,
+    json_logs: bool = False,
+) -> list[dict[str, Any]]:
     """A ``deployments:`` list in which every deployment of the app gets ``logging_config`` (a
     Serve config's app-level key), with ``encoding: JSON`` when ``json_logs``; an entry's own
     ``logging_config`` wins, as in Serve."""

@@ -60,7 +60,10 @@ PROXY_CALLBACK = "qrag.distributed.proxy_guard:middlewares"
 LATENCY_BOUNDS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
 INGRESS = "Ingress"
-SHARD_LIMITS = {"max_ongoing_requests": 64, "max_queued_requests": 512}  # per shard replica: each call carries a whole round
+SHARD_LIMITS = {
+    "max_ongoing_requests": 64,
+    "max_queued_requests": 512,
+}  # per shard replica: each call carries a whole round
 
 
 def shard_name(slot: int) -> str:
@@ -80,8 +83,13 @@ def serving_source(c: ServeConfig):
 
 def serving_model(c: ServeConfig):
     """The encoders as an Ingress replica runs them, their CUDA graphs captured (``warm_up``)."""
-    model = load_embedding_model(serving_source(c), c.encoder_device, encode_tokens=c.encode_tokens,
-                                 question_tokens=c.question_tokens, chunk_batch=c.chunk_batch)
+    model = load_embedding_model(
+        serving_source(c),
+        c.encoder_device,
+        encode_tokens=c.encode_tokens,
+        question_tokens=c.question_tokens,
+        chunk_batch=c.chunk_batch,
+    )
     if c.warm_up:
         model.warm_up(max(c.state_batch_size, c.max_beam_width))
     return model
@@ -89,7 +97,11 @@ def serving_model(c: ServeConfig):
 
 def encoder_stats_of(model) -> dict[str, Any]:
     """The encoder's work counters (GET /v1/encoder)."""
-    return {"chunks_embedded": model.chunks_embedded, "states_embedded": model.states_embedded, "device": str(model.device)}
+    return {
+        "chunks_embedded": model.chunks_embedded,
+        "states_embedded": model.states_embedded,
+        "device": str(model.device),
+    }
 
 
 @serve.deployment(name="Shard", ray_actor_options={"num_cpus": 0}, **SHARD_LIMITS)
@@ -100,7 +112,9 @@ class Shard:
     def __init__(self, cfg: dict[str, Any], slot: int):
         c = from_dict(ServeConfig, cfg)
         device = pick_device(c.shard_device)
-        self.holder = ShardHolder(CorpusStore(c.storage), slot, c.shard_holders(), device, c.shard_options(), c.shard_budget(device))
+        self.holder = ShardHolder(
+            CorpusStore(c.storage), slot, c.shard_holders(), device, c.shard_options(), c.shard_budget(device)
+        )
         # Loading a corpus from disk runs in its own threads: queries of loaded corpora never
         # wait behind it for a worker thread.
         self.loader = ThreadPoolExecutor(2, thread_name_prefix="qrag-load")
@@ -108,6 +122,7 @@ class Shard:
 
     async def ready(self, corpus: str, uid: str, version: int):
         """Load the corpus version (before a query's rounds); the answer as :meth:`best_chunks`'s."""
+
         async def load():
             await self._ensure(corpus, uid, version)  # (the answer is the status alone: shards stay here)
 
@@ -119,7 +134,9 @@ class Shard:
             cs = await asyncio.get_running_loop().run_in_executor(self.loader, self.holder.ensure, corpus, uid, version)
         return cs
 
-    async def best_chunks(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int):
+    async def best_chunks(
+        self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int
+    ):
         """("ok", ShardHits) | ("unhealthy", problems) | ("not_found", message) |
         ("over_budget", (corpus, need, budget)): plain data, so the ingress sees the reason
         whatever Ray does to exception types."""
@@ -198,9 +215,18 @@ class RemoteHolder:
 
 class RayMetrics:
     def __init__(self):
-        self.requests = Counter("qrag_requests_total", description="HTTP requests by route and status.", tag_keys=("path", "status"))
-        self.latency = Histogram("qrag_request_seconds", description="HTTP request latency.", boundaries=LATENCY_BOUNDS, tag_keys=("path",))
-        self.stages = Histogram("qrag_retrieve_stage_seconds", description="Retrieval time per stage.", boundaries=LATENCY_BOUNDS, tag_keys=("stage",))
+        self.requests = Counter(
+            "qrag_requests_total", description="HTTP requests by route and status.", tag_keys=("path", "status")
+        )
+        self.latency = Histogram(
+            "qrag_request_seconds", description="HTTP request latency.", boundaries=LATENCY_BOUNDS, tag_keys=("path",)
+        )
+        self.stages = Histogram(
+            "qrag_retrieve_stage_seconds",
+            description="Retrieval time per stage.",
+            boundaries=LATENCY_BOUNDS,
+            tag_keys=("stage",),
+        )
         self.indexed = Counter("qrag_chunks_indexed_total", description="Chunks embedded and stored.")
 
     def request(self, path: str, status: int, seconds: float) -> None:
@@ -240,8 +266,15 @@ class Ingress:
         else:
             clients = local_holders(c, store, pick_device(c.shard_device), holders=1)
             await asyncio.to_thread(warm_holder, clients[0].holder, c, self.model.fingerprint)
-        self.service = RetrievalService(c, store, self.model, ModelIdentity.of(self.model), LocalEncoder(self.model, c.retry_after_s),
-                                        clients, self.metrics)
+        self.service = RetrievalService(
+            c,
+            store,
+            self.model,
+            ModelIdentity.of(self.model),
+            LocalEncoder(self.model, c.retry_after_s),
+            clients,
+            self.metrics,
+        )
 
     def __serve_build_asgi_app__(self):
         app = build_api(self.service, self.static, self.metrics.request, self.keys)
@@ -249,8 +282,12 @@ class Ingress:
         @app.api.get("/v1/encoder", include_in_schema=False)
         async def encoder_stats():  # work counters: the durability test checks nothing is re-embedded
             batcher = self.service.batcher
-            return {**encoder_stats_of(self.model), "rounds": batcher.rounds, "rows": batcher.rows,
-                    "replica": serve.get_replica_context().replica_id.unique_id}
+            return {
+                **encoder_stats_of(self.model),
+                "rounds": batcher.rounds,
+                "rows": batcher.rows,
+                "replica": serve.get_replica_context().replica_id.unique_id,
+            }
 
         return ServerTiming(app)
 
@@ -271,20 +308,29 @@ def deployment_overrides(deployments: Sequence[Mapping[str, Any]] | None, shards
             raise ConfigError(f"deployments[{i}]: an entry needs a 'name' (one of {', '.join(names)})")
         at = f"deployments[{i}] ({entry['name']})"
         if entry["name"] not in names:
-            app = "the app with its shards in the Ingress" if shards == 0 else f"the app with {shards} shard deployment(s)"
+            app = (
+                "the app with its shards in the Ingress"
+                if shards == 0
+                else f"the app with {shards} shard deployment(s)"
+            )
             raise ConfigError(f"{at}: no deployment {entry['name']!r} in {app} (it has {', '.join(names)})")
         if entry["name"] in out:
             raise ConfigError(f"{at}: listed twice")
         problems += [f"{at}: unknown key {k!r}" for k in sorted(set(entry) - set(DeploymentSchema.model_fields))]
         auto = entry.get("autoscaling_config")
         if isinstance(auto, Mapping):
-            problems += [f"{at}: autoscaling_config.{k}: unknown key" for k in sorted(set(auto) - set(AutoscalingConfig.model_fields))]
+            problems += [
+                f"{at}: autoscaling_config.{k}: unknown key"
+                for k in sorted(set(auto) - set(AutoscalingConfig.model_fields))
+            ]
         try:
             DeploymentSchema.model_validate(dict(entry))
             if isinstance(auto, Mapping):
                 AutoscalingConfig.model_validate(dict(auto))
         except ValidationError as exc:
-            problems += [f"{at}: {'.'.join(map(str, e['loc'])) or 'autoscaling_config'}: {e['msg']}" for e in exc.errors()]
+            problems += [
+                f"{at}: {'.'.join(map(str, e['loc'])) or 'autoscaling_config'}: {e['msg']}" for e in exc.errors()
+            ]
         out[entry["name"]] = {k: v for k, v in entry.items() if k != "name"}
     if problems:
         raise ConfigError("; ".join(problems))
@@ -317,7 +363,9 @@ def default_ingress_replicas(cfg: ServeConfig) -> int:
     return max(1, cfg.replicas_per_gpu) * gpus if gpus and cfg.shard_deployments == 0 else 1
 
 
-def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployments: Sequence[Mapping[str, Any]] | None = None):
+def build_app(
+    cfg: ServeConfig, static: dict[str, bytes] | None = None, deployments: Sequence[Mapping[str, Any]] | None = None
+):
     """The Serve application: the Ingress, and Shard0..Shard{D-1} when ``shard_deployments`` D > 0.
     ``deployments`` (a Serve config's ``deployments:`` section) overrides each deployment's
     options, as Serve does when it deploys a config file: an entry's ``ray_actor_options``
@@ -335,13 +383,23 @@ def build_app(cfg: ServeConfig, static: dict[str, bytes] | None = None, deployme
     args = to_dict(cfg)
     backpressure = {"status_code": 503, "retry_after_s": cfg.retry_after_s}
     shards = [
-        Shard.options(**options(shard_name(i), name=shard_name(i), ray_actor_options={"num_gpus": gpus[shard_name(i)], "num_cpus": 0}))
-        .bind(args, i)
+        Shard.options(
+            **options(
+                shard_name(i), name=shard_name(i), ray_actor_options={"num_gpus": gpus[shard_name(i)], "num_cpus": 0}
+            )
+        ).bind(args, i)
         for i in range(d)
     ]
     # Replicas: the deployments: entry's num_replicas or autoscaling_config, else replicas_per_gpu a GPU.
-    replicas = {} if "autoscaling_config" in overrides.get(INGRESS, {}) else {"num_replicas": default_ingress_replicas(cfg)}
-    ingress = options(INGRESS, **replicas, ray_actor_options={"num_gpus": gpus[INGRESS], "num_cpus": 0}, backpressure_config=backpressure)
+    replicas = (
+        {} if "autoscaling_config" in overrides.get(INGRESS, {}) else {"num_replicas": default_ingress_replicas(cfg)}
+    )
+    ingress = options(
+        INGRESS,
+        **replicas,
+        ray_actor_options={"num_gpus": gpus[INGRESS], "num_cpus": 0},
+        backpressure_config=backpressure,
+    )
     return Ingress.options(**ingress).bind(args, shards, static or {})
 
 
@@ -352,7 +410,9 @@ def build_app_from_args(args: dict[str, Any] | None, static_dir) -> Any:
     return build_app(from_dict(ServeConfig, dict(args or {})), static_files(static_dir))
 
 
-def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir, deployments: Sequence[Mapping[str, Any]] | None = None) -> None:
+def serve_locally(
+    cfg: ServeConfig, host: str, port: int, static_dir, deployments: Sequence[Mapping[str, Any]] | None = None
+) -> None:
     """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C."""
     import os
     import signal
@@ -387,8 +447,11 @@ def serve_locally(cfg: ServeConfig, host: str, port: int, static_dir, deployment
         serve.start(http_options={"host": host, "port": port, "request_timeout_s": cfg.request_timeout_s + 10})
         serve.run(build_app(cfg, static_files(static_dir), deployments), name="qrag", route_prefix="/")
         url = f"http://{host}:{port}"
-        print(f"qrag serve: {url}/ (page)  {url}/docs (API)  {url}/healthz; model: {cfg.checkpoint or 'untrained ' + cfg.encoder}; "
-              f"storage: {cfg.storage}; Ctrl-C stops", file=sys.stderr)
+        print(
+            f"qrag serve: {url}/ (page)  {url}/docs (API)  {url}/healthz; model: {cfg.checkpoint or 'untrained ' + cfg.encoder}; "
+            f"storage: {cfg.storage}; Ctrl-C stops",
+            file=sys.stderr,
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

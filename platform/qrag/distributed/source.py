@@ -45,7 +45,10 @@ class FeederPool:
         self.per_request = episodes_per_request(cfg)
         self.depth = self.n * max(1, d.prefetch)
         actor = ray.remote(EpisodeFeeder).options(  # the dashboard shows the class name: EpisodeFeeder
-            num_cpus=d.runner_cpus, num_gpus=0, max_restarts=d.runner_max_restarts, max_task_retries=d.request_retries,
+            num_cpus=d.runner_cpus,
+            num_gpus=0,
+            max_restarts=d.runner_max_restarts,
+            max_task_retries=d.request_retries,
             resources=runner_resources(cfg),  # e.g. pinned to the CPU worker group (qrag.distributed.placement)
         )
         crash = faults.runner_crash(self.n, self.per_request)
@@ -88,24 +91,32 @@ class FeederPool:
                 pid, batch = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except ActorUnavailableError as exc:  # being restarted: ask again shortly, while the timeout allows
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"EpisodeFeeder {feeder} stayed unavailable for {d.request_timeout_s:g} s") from exc
+                    raise RuntimeError(
+                        f"EpisodeFeeder {feeder} stayed unavailable for {d.request_timeout_s:g} s"
+                    ) from exc
                 time.sleep(0.5)
                 self._issue(j)
                 continue
             except GetTimeoutError as exc:
                 hangs += 1
                 if hangs > d.request_retries:
-                    raise RuntimeError(f"EpisodeFeeder {feeder} did not answer request {j} within {d.request_timeout_s:g} s, "
-                                       f"{hangs} times; giving up") from exc
-                log.warning("EpisodeFeeder %d did not answer request %d in %g s; restarting it", feeder, j, d.request_timeout_s)
+                    raise RuntimeError(
+                        f"EpisodeFeeder {feeder} did not answer request {j} within {d.request_timeout_s:g} s, "
+                        f"{hangs} times; giving up"
+                    ) from exc
+                log.warning(
+                    "EpisodeFeeder %d did not answer request %d in %g s; restarting it", feeder, j, d.request_timeout_s
+                )
                 ray.kill(self.feeders[feeder], no_restart=False)  # stuck: make Ray restart it
                 deadline = time.monotonic() + d.request_timeout_s
                 for k in [k for k in self.in_flight if k % self.n == feeder]:  # what it held, to its restarted copy
                     self._issue(k)
                 continue
             except RayActorError as exc:  # out of restarts or retries
-                raise RuntimeError(f"EpisodeFeeder {feeder} is gone (request {j}; distributed.runner_max_restarts / "
-                                   f"request_retries exhausted): {exc}") from exc
+                raise RuntimeError(
+                    f"EpisodeFeeder {feeder} is gone (request {j}; distributed.runner_max_restarts / "
+                    f"request_retries exhausted): {exc}"
+                ) from exc
             del self.in_flight[j]
             if pid != self.pids[feeder]:
                 self.restarts += 1
@@ -127,4 +138,3 @@ class FeederPool:
         for f in self.feeders:
             ray.kill(f, no_restart=True)
         self.feeders, self.in_flight = [], {}
-

@@ -165,7 +165,11 @@ class _Reporter:
         if self.pool is not None:
             metrics["perf/runner_requests_lost"] = float(self.pool.lost)
             metrics["perf/runner_restarts"] = float(self.pool.restarts)
-        _say(json.dumps({"update": update, **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}}))
+        _say(
+            json.dumps(
+                {"update": update, **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}}
+            )
+        )
         if self.logger is not None:
             self.logger.log(update, metrics)
         # A checkpoint report right after carries these metrics: report an evaluation only once.
@@ -257,20 +261,27 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         if checkpoint is not None:
             _restore_best(run_dir, scratch)
         if run.layout != layout:
-            raise ValueError(f"the checkpoint's tokenizer gives {run.layout}, the runners use {layout} ({tokenizer_path})")
+            raise ValueError(
+                f"the checkpoint's tokenizer gives {run.layout}, the runners use {layout} ({tokenizer_path})"
+            )
         if pool is not None:
             _load_eval_splits(run, cfg)
             t0 = time.perf_counter()
             pool.start(run.learner.update)
-            _say(f"learner: {d.runners} EpisodeFeeders ready ({sum(i['samples'] for i in pool.infos)} training questions, "
-                 f"waited {time.perf_counter() - t0:.1f} s), {len(run.dev_tok)} dev questions, device {run.device}, "
-                 f"from update {run.learner.update}")
+            _say(
+                f"learner: {d.runners} EpisodeFeeders ready ({sum(i['samples'] for i in pool.infos)} training questions, "
+                f"waited {time.perf_counter() - t0:.1f} s), {len(run.dev_tok)} dev questions, device {run.device}, "
+                f"from update {run.learner.update}"
+            )
         source = pool if pool is not None else run.local_source()
         feed = _Feed(source, run, faults)
         reporter = _Reporter(cfg, run, run_dir, feed, logger, pool)
         out = run.run(source=feed, report=reporter, on_checkpoint=reporter.checkpoint)
-        in_storage = {key: f"{run_dir}/{Path(out[key]).relative_to(scratch).as_posix()}"
-                      for key in ("checkpoint", "final_checkpoint") if key in out}
+        in_storage = {
+            key: f"{run_dir}/{Path(out[key]).relative_to(scratch).as_posix()}"
+            for key in ("checkpoint", "final_checkpoint")
+            if key in out
+        }
         return {
             **out,
             **in_storage,
@@ -352,7 +363,9 @@ def train_with_ray(
 
         uri = tracking_uri(cfg)
         if uri:
-            run_id = open_run(cfg, uri, run_dir, run_name, resuming=has_checkpoint(run_dir), parent_run_id=parent_run_id)
+            run_id = open_run(
+                cfg, uri, run_dir, run_name, resuming=has_checkpoint(run_dir), parent_run_id=parent_run_id
+            )
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg, "run_dir": run_dir, "mlflow_uri": uri, "mlflow_run_id": run_id},
@@ -362,7 +375,9 @@ def train_with_ray(
             storage_path=storage_path,
             failure_config=FailureConfig(max_failures=d.max_failures),
             # +1: the final checkpoint counts too.
-            checkpoint_config=CheckpointConfig(num_to_keep=None if d.checkpoints_to_keep is None else d.checkpoints_to_keep + 1),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=None if d.checkpoints_to_keep is None else d.checkpoints_to_keep + 1
+            ),
             callbacks=list(callbacks),
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
@@ -382,4 +397,3 @@ def train_with_ray(
                 log_final_checkpoint(uri, run_id, Path(final), chosen, d.mlflow_checkpoint, cfg)
         finish_run(uri, run_id, "FINISHED", {"qrag.checkpoint": reported})
     return RayTrainRun(result, MlflowRun(uri, run_id, d.mlflow_experiment) if run_id else None)
-

@@ -66,11 +66,15 @@ def traces_from_records(records: Iterable[dict[str, Any]]) -> list[Trace]:
         where = f"record {i} (id={rec.get('id')})"
         for key in ("gold", "retrieved", "q_values"):
             if not isinstance(rec.get(key), list):
-                raise ValueError(f"{where}: no list field {key!r}; early stopping needs eval records of a full-length run")
+                raise ValueError(
+                    f"{where}: no list field {key!r}; early stopping needs eval records of a full-length run"
+                )
         if len(rec["retrieved"]) != len(rec["q_values"]):
             raise ValueError(f"{where}: {len(rec['retrieved'])} picks but {len(rec['q_values'])} Q values")
         if rec.get("stopped_early"):
-            raise ValueError(f"{where}: the run stopped on a Q threshold; analyse a full-length run (no --stop-threshold)")
+            raise ValueError(
+                f"{where}: the run stopped on a Q threshold; analyse a full-length run (no --stop-threshold)"
+            )
         if isinstance(rec.get("fact_picks"), list) and "n_facts" in rec:
             # Fact space (qrag.data.credit): the record's credit rule decides what counts as found.
             gold, picks = tuple(range(int(rec["n_facts"]))), tuple(rec["fact_picks"])
@@ -133,7 +137,10 @@ def roc_auc(traces: Sequence[Trace]) -> float | None:
         return None
     import bisect
 
-    wins = sum(len(pos) - bisect.bisect_right(pos, q) + 0.5 * (bisect.bisect_right(pos, q) - bisect.bisect_left(pos, q)) for q in neg)
+    wins = sum(
+        len(pos) - bisect.bisect_right(pos, q) + 0.5 * (bisect.bisect_right(pos, q) - bisect.bisect_left(pos, q))
+        for q in neg
+    )
     return wins / (len(pos) * len(neg))
 
 
@@ -181,4 +188,9 @@ def learned_stop(val_records: Iterable[dict[str, Any]], records: Iterable[dict[s
     """Fact EM/F1 of ``records`` stopped by the Q threshold chosen on ``val_records``."""
     threshold = choose_threshold(traces_from_records(val_records))
     row = analyse_threshold(traces_from_records(records), threshold)
-    return {"threshold": threshold, "fact_em": row["fact_em"], "fact_f1": row["fact_f1"], "episode_len": row["episode_len"]}
+    return {
+        "threshold": threshold,
+        "fact_em": row["fact_em"],
+        "fact_f1": row["fact_f1"],
+        "episode_len": row["episode_len"],
+    }

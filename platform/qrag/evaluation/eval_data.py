@@ -31,8 +31,10 @@ def _source_dataset(base: DataConfig, data: str) -> str:
 
     hits = {s.dataset for s in parse_sources(base.sources) if s.path and _same_file(_resolve(s.path), data)}
     if len(hits) != 1:
-        raise ConfigError(f"this checkpoint trained on mixed sources ({', '.join(sorted({s.get('dataset', '?') for s in base.sources}))}); "
-                          f"say which loader reads {data} with --dataset (e.g. --dataset hotpotqa)")
+        raise ConfigError(
+            f"this checkpoint trained on mixed sources ({', '.join(sorted({s.get('dataset', '?') for s in base.sources}))}); "
+            f"say which loader reads {data} with --dataset (e.g. --dataset hotpotqa)"
+        )
     return hits.pop()
 
 
@@ -41,7 +43,9 @@ def eval_data_config(base: DataConfig, data: str | None = None, dataset: str | N
     if data is None and dataset is None:
         return base
     if dataset == "mixed" and data is not None:
-        raise ConfigError("--dataset mixed reads data.sources, not a file: leave out --data, or name the file's own loader")
+        raise ConfigError(
+            "--dataset mixed reads data.sources, not a file: leave out --data, or name the file's own loader"
+        )
     target = dataset or (_source_dataset(base, data) if base.dataset == "mixed" else base.dataset)
     if target != base.dataset:
         base = dataclasses.replace(base, dataset=target, **_WHERE)

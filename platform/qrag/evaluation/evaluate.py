@@ -35,7 +35,9 @@ class EvalResult:
                     fh.write(json.dumps(rec) + "\n")
 
 
-def score_retrievals(samples: Sequence[Sample], retrievals: Sequence[Retrieval], credit: str = "chunk") -> list[dict[str, Any]]:
+def score_retrievals(
+    samples: Sequence[Sample], retrievals: Sequence[Retrieval], credit: str = "chunk"
+) -> list[dict[str, Any]]:
     """Per-question records. ``fact_em``/``fact_f1``: every pick of the run (no oracle: the
     headline); ``oracle_fact_*``: the picks up to the one that completes the support (a search
     stopped by the answer key, as the reference's environment does; comparable with the paper's
@@ -49,24 +51,26 @@ def score_retrievals(samples: Sequence[Sample], retrievals: Sequence[Retrieval],
         facts = range(n_facts)
         complete = Trace(sample.id, tuple(facts), tuple(picks), ()).t_earliest  # picks that complete the support
         oracle = picks[:complete] if complete is not None else picks
-        records.append({
-            "id": sample.id,
-            "question": sample.question,
-            "gold": list(sample.support),
-            "retrieved": selected,
-            "q_values": [round(s.q, 5) for s in ret.steps],
-            "steps": len(selected),
-            "stopped_early": ret.stopped_early,
-            "credit": credit,
-            "n_facts": n_facts,
-            "fact_picks": picks,
-            "complete_at": complete,
-            "fact_em": fact_em(facts, picks),
-            "fact_f1": fact_f1(facts, picks),
-            "oracle_fact_em": fact_em(facts, oracle),
-            "oracle_fact_f1": fact_f1(facts, oracle),
-            "answer": sample.answer,
-        })
+        records.append(
+            {
+                "id": sample.id,
+                "question": sample.question,
+                "gold": list(sample.support),
+                "retrieved": selected,
+                "q_values": [round(s.q, 5) for s in ret.steps],
+                "steps": len(selected),
+                "stopped_early": ret.stopped_early,
+                "credit": credit,
+                "n_facts": n_facts,
+                "fact_picks": picks,
+                "complete_at": complete,
+                "fact_em": fact_em(facts, picks),
+                "fact_f1": fact_f1(facts, picks),
+                "oracle_fact_em": fact_em(facts, oracle),
+                "oracle_fact_f1": fact_f1(facts, oracle),
+                "answer": sample.answer,
+            }
+        )
     return records
 
 
@@ -168,14 +172,28 @@ def evaluate_checkpoint(
         samples = samples[:limit]
     guard = Guard(checkpoint, allow_train_questions)
     guard.check(samples)
-    tokenized = tokenize_samples(samples, tokenizer, layout, chunk_tokens=cfg.data.chunk_tokens, question_tokens=cfg.data.question_tokens)
+    tokenized = tokenize_samples(
+        samples, tokenizer, layout, chunk_tokens=cfg.data.chunk_tokens, question_tokens=cfg.data.question_tokens
+    )
     retriever = Retriever(qnet, layout, dev, cfg.learner.encode_tokens)
-    result = evaluate(retriever, samples, tokenized, cfg.search, extra={
-        "checkpoint": checkpoint, "dataset": cfg.data.dataset, "split": split, "device": str(dev),
-        "data": {"path": cfg.data.path, "hub": cfg.data.hub, "sources": cfg.data.sources}, "train_questions": guard.record(),
-        "positions": qnet.cfg.positions, "similarity": qnet.cfg.similarity, "train_dataset": trained_on,
-        **({"label": label} if label else {}),
-    })
+    result = evaluate(
+        retriever,
+        samples,
+        tokenized,
+        cfg.search,
+        extra={
+            "checkpoint": checkpoint,
+            "dataset": cfg.data.dataset,
+            "split": split,
+            "device": str(dev),
+            "data": {"path": cfg.data.path, "hub": cfg.data.hub, "sources": cfg.data.sources},
+            "train_questions": guard.record(),
+            "positions": qnet.cfg.positions,
+            "similarity": qnet.cfg.similarity,
+            "train_dataset": trained_on,
+            **({"label": label} if label else {}),
+        },
+    )
     backend = answer or cfg.answer.backend
     if backend != "none":
         _answer(result, samples, cfg, backend)

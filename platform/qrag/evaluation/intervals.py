@@ -79,16 +79,18 @@ def _interval(mean: float, draws: np.ndarray, level: float, arrays: list[np.ndar
     return Interval(mean, float(low), float(high), level, len(arrays), max(len(a) for a in arrays))
 
 
-def bootstrap_interval(scores_by_seed: ScoresBySeed, level: float = LEVEL, replicates: int = REPLICATES,
-                       seed: int = 0) -> Interval:
+def bootstrap_interval(
+    scores_by_seed: ScoresBySeed, level: float = LEVEL, replicates: int = REPLICATES, seed: int = 0
+) -> Interval:
     """The mean over all questions of all seeds and its ``level`` interval (module docstring)."""
     arrays = _arrays(scores_by_seed)
     draws = replicate_means(arrays, replicates, np.random.default_rng(seed))
     return _interval(_pooled_mean(arrays), draws, level, arrays)
 
 
-def difference_interval(a_by_seed: ScoresBySeed, b_by_seed: ScoresBySeed, level: float = LEVEL,
-                        replicates: int = REPLICATES, seed: int = 0) -> Interval:
+def difference_interval(
+    a_by_seed: ScoresBySeed, b_by_seed: ScoresBySeed, level: float = LEVEL, replicates: int = REPLICATES, seed: int = 0
+) -> Interval:
     """Figure a minus figure b, each side bootstrapped on its own (no pairing assumed: the
     interval is at least as wide as a paired one would be). ``seeds``/``questions`` are a's."""
     a, b = _arrays(a_by_seed), _arrays(b_by_seed)

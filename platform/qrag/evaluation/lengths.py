@@ -106,7 +106,9 @@ def sweep_model(
     retriever = CachingRetriever(qnet, layout, device, cfg.learner.encode_tokens, shared=tokens.shared if cache else {})
     guard = Guard(checkpoint, allow_train_questions)
 
-    def run(task: str, which: str, length: int, n: int, answering: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def run(
+        task: str, which: str, length: int, n: int, answering: bool = False
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         gen_s = search_s = answer_s = 0.0
         records, ctx_tokens, n_chunks, distinct, hard = [], [], [], [], []
         t_steps = task_steps(task, cfg.search.max_steps if steps is None else steps) or None
@@ -139,9 +141,17 @@ def sweep_model(
             hard.extend(g.sample.meta.get("hard_negatives", g.sample.meta.get("near_misses", 0)) for g in group)
             hay_tokens = max(hay_tokens, *(g.haystack.tokens for g in group))
             del group, tok, retrievals
-        return records, {"steps": t_steps, "gen_s": gen_s, "search_s": search_s, "context_tokens": mean(ctx_tokens),
-                         "chunks": mean(n_chunks), "haystack_tokens": hay_tokens, "distinct_background_tokens": mean(distinct),
-                         "hard_negatives": mean(hard), **answer_means(records, answers, answer_s)}
+        return records, {
+            "steps": t_steps,
+            "gen_s": gen_s,
+            "search_s": search_s,
+            "context_tokens": mean(ctx_tokens),
+            "chunks": mean(n_chunks),
+            "haystack_tokens": hay_tokens,
+            "distinct_background_tokens": mean(distinct),
+            "hard_negatives": mean(hard),
+            **answer_means(records, answers, answer_s),
+        }
 
     rows = []
     for task in [canonical_task(t) for t in tasks]:
@@ -150,7 +160,9 @@ def sweep_model(
             val_records, _ = run(task, "val", cfg.data.context_tokens, val_samples)
             if val_records:
                 threshold = choose_threshold(traces_from_records(val_records))
-                log(f"{label:>12} {task:>16}: Q threshold {threshold:.4f} chosen on {len(val_records)} validation questions")
+                log(
+                    f"{label:>12} {task:>16}: Q threshold {threshold:.4f} chosen on {len(val_records)} validation questions"
+                )
             else:  # too few training questions for data.val_fraction to hold any out
                 log(f"{label:>12} {task:>16}: no validation questions (data.val_fraction); no learned stop")
         for length in sorted(lengths):
@@ -160,26 +172,38 @@ def sweep_model(
             records, info = run(task, split, length, n, answering=True)
             gen_s, search_s = info.pop("gen_s"), info.pop("search_s")
             row = {
-                "model": label, "checkpoint": checkpoint, "task": task, "length": int(length),
-                **protocol_means(records), "credit": cfg.env.credit,
+                "model": label,
+                "checkpoint": checkpoint,
+                "task": task,
+                "length": int(length),
+                **protocol_means(records),
+                "credit": cfg.env.credit,
                 "num_samples": len(records),
                 "seconds_per_question": search_s / max(1, len(records)),
                 "generate_seconds_per_question": gen_s / max(1, len(records)),
-                "peak_memory_mb": round(peak_mb(device), 1), **info,
+                "peak_memory_mb": round(peak_mb(device), 1),
+                **info,
                 "positions": qnet.cfg.positions,
-                "cached_chunks": retriever.hits - cached0, "embedded_chunks": retriever.misses - embedded0,
+                "cached_chunks": retriever.hits - cached0,
+                "embedded_chunks": retriever.misses - embedded0,
                 "train_questions": {**guard.record(), "trained_on": guard.hits - trained0},
             }
             if threshold is not None:
                 stopped = analyse_threshold(traces_from_records(records), threshold, keep_records=True)
                 for rec, em, f1 in zip(records, stopped["fact_em_each"], stopped["fact_f1_each"]):
                     rec["threshold_fact_em"], rec["threshold_fact_f1"] = em, f1
-                row.update(threshold=threshold, threshold_fact_em=stopped["fact_em"], threshold_fact_f1=stopped["fact_f1"],
-                           threshold_steps=stopped["episode_len"])
+                row.update(
+                    threshold=threshold,
+                    threshold_fact_em=stopped["fact_em"],
+                    threshold_fact_f1=stopped["fact_f1"],
+                    threshold_steps=stopped["episode_len"],
+                )
             row["per_question"] = per_question(records)
             rows.append(row)
-            log(f"{label:>12} {task:>16} {length_label(length):>6}: fact_f1 {row['fact_f1']:.3f} fact_em {row['fact_em']:.3f} "
-                f"n={row['num_samples']} {row['seconds_per_question']:.3f}s/q peak {row['peak_memory_mb']:.0f}MB")
+            log(
+                f"{label:>12} {task:>16} {length_label(length):>6}: fact_f1 {row['fact_f1']:.3f} fact_em {row['fact_em']:.3f} "
+                f"n={row['num_samples']} {row['seconds_per_question']:.3f}s/q peak {row['peak_memory_mb']:.0f}MB"
+            )
         tokens.clear()  # haystack chunk arrays of this task; the embedding cache goes with them
         retriever.clear()
     return rows
@@ -202,10 +226,13 @@ def answer_means(records: list[dict[str, Any]], answers: list[dict[str, Any]], s
     if not answers:
         return {}
     scored = [r for r in records if r.get("ans_em") is not None]
-    return {"ans_em": mean([r["ans_em"] for r in scored]) if scored else None,
-            "ans_f1": mean([r["ans_f1"] for r in scored]) if scored else None,
-            "answer_errors": sum(a.get("answer_errors", 0) for a in answers), "reader_model": answers[0].get("reader_model"),
-            "answer_seconds_per_question": seconds / max(1, len(records))}
+    return {
+        "ans_em": mean([r["ans_em"] for r in scored]) if scored else None,
+        "ans_f1": mean([r["ans_f1"] for r in scored]) if scored else None,
+        "answer_errors": sum(a.get("answer_errors", 0) for a in answers),
+        "reader_model": answers[0].get("reader_model"),
+        "answer_seconds_per_question": seconds / max(1, len(records)),
+    }
 
 
 def generate_split(task: str, split: str, length: int, n: int, measure: Measure, data) -> Iterator[Any]:
@@ -259,9 +286,24 @@ def run_sweep(
     """The whole table for several models (a checkpoint directory, or ``"none"``)."""
     rows = []
     for label, checkpoint in models:
-        rows.extend(sweep_model(label, checkpoint, cfg, tasks, lengths, samples, split=split, steps=steps,
-                                device=device, cache=cache, val_samples=val_samples, answer=answer,
-                                allow_train_questions=allow_train_questions, log=log))
+        rows.extend(
+            sweep_model(
+                label,
+                checkpoint,
+                cfg,
+                tasks,
+                lengths,
+                samples,
+                split=split,
+                steps=steps,
+                device=device,
+                cache=cache,
+                val_samples=val_samples,
+                answer=answer,
+                allow_train_questions=allow_train_questions,
+                log=log,
+            )
+        )
     return run_sweep_table(rows, cfg, device, split, selected_on=selection_note(cfg, val_samples))
 
 
@@ -269,13 +311,20 @@ def selection_note(cfg: TrainConfig, val_samples: int) -> str:
     """What the sweep itself chose, and on what (generated from its arguments, never hand-written)."""
     if val_samples <= 0:
         return "nothing in this sweep: every row is all T picks, no stop, no threshold"
-    return (f"learned stop only: a Q threshold per model and task, chosen on {val_samples} validation questions "
-            f"(held out of train by source, data.val_fraction={cfg.data.val_fraction}) at {cfg.data.context_tokens} tokens; "
-            "the checkpoints were given to the sweep")
+    return (
+        f"learned stop only: a Q threshold per model and task, chosen on {val_samples} validation questions "
+        f"(held out of train by source, data.val_fraction={cfg.data.val_fraction}) at {cfg.data.context_tokens} tokens; "
+        "the checkpoints were given to the sweep"
+    )
 
 
-def run_sweep_table(rows: list[dict[str, Any]], cfg: TrainConfig, device: torch.device, split: str = "dev",
-                    selected_on: str | None = None) -> dict[str, Any]:
+def run_sweep_table(
+    rows: list[dict[str, Any]],
+    cfg: TrainConfig,
+    device: torch.device,
+    split: str = "dev",
+    selected_on: str | None = None,
+) -> dict[str, Any]:
     """The table (module docstring) around rows of :func:`sweep_model`."""
     from qrag.data.dev_draw import describe
     from qrag.evaluation.longcontext import default_paths
@@ -285,7 +334,9 @@ def run_sweep_table(rows: list[dict[str, Any]], cfg: TrainConfig, device: torch.
         "schema": SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
-        "git_commit": git["commit"], "git_dirty": git["dirty"], "git_diff_sha256": git["diff_sha256"],
+        "git_commit": git["commit"],
+        "git_dirty": git["dirty"],
+        "git_diff_sha256": git["diff_sha256"],
         "split": split,
         **({"dev_draw": describe()} if split == "dev" else {}),
         **({"selected_on": selected_on} if selected_on else {}),
@@ -295,8 +346,11 @@ def run_sweep_table(rows: list[dict[str, Any]], cfg: TrainConfig, device: torch.
         # Every row names its protocol: fact_* = T picks, no oracle (the headline, within T);
         # oracle_fact_* = stopped once the support is complete (the reference's, paper-comparable);
         # threshold_fact_* = stopped by a Q threshold chosen on validation questions.
-        "protocols": {"fact": "all T picks, no oracle", "oracle_fact": "stop once the support is complete (answer key)",
-                      "threshold_fact": "learned Q-threshold stop chosen on validation questions"},
+        "protocols": {
+            "fact": "all T picks, no oracle",
+            "oracle_fact": "stop once the support is complete (answer key)",
+            "threshold_fact": "learned Q-threshold stop chosen on validation questions",
+        },
         "credit": cfg.env.credit,
         "rows": rows,
     }
@@ -348,14 +402,20 @@ def format_table(table: dict[str, Any]) -> str:
             continue
         lines = [f"Fact {metric[-2:].upper()} (%): {note}; T = {steps}; credit: {credit}", head]
         for task, model in keys:
-            cells = [f"{percent_cell(by[(task, model, n)], metric):>{width}}" if metric in by.get((task, model, n), {})
-                     else f"{'-':>{width}}" for n in lengths]
+            cells = [
+                f"{percent_cell(by[(task, model, n)], metric):>{width}}"
+                if metric in by.get((task, model, n), {})
+                else f"{'-':>{width}}"
+                for n in lengths
+            ]
             lines.append(f"{task:<16}{model[:17]:<18}" + "".join(cells))
         blocks.append("\n".join(lines))
     if width > 8:
         seeds = sorted({r.get("num_seeds", 1) for r in rows})
-        blocks.append(f"[low, high]: 95% interval, bootstrap over training seeds ({', '.join(map(str, seeds))} per row), "
-                      "then questions")
+        blocks.append(
+            f"[low, high]: 95% interval, bootstrap over training seeds ({', '.join(map(str, seeds))} per row), "
+            "then questions"
+        )
     return "\n\n".join(blocks)
 
 
@@ -395,7 +455,11 @@ def plot_table(table: dict[str, Any], path: str | Path) -> Path | None:
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
         for m in models:
-            pts = sorted((r["length"], 100 * r["fact_f1"], r.get("fact_f1_ci")) for r in rows if r["task"] == task and r["model"] == m)
+            pts = sorted(
+                (r["length"], 100 * r["fact_f1"], r.get("fact_f1_ci"))
+                for r in rows
+                if r["task"] == task and r["model"] == m
+            )
             if not pts:
                 continue
             style = "--" if m.lower().startswith(("untrained", "none", "w/o ft")) else "-"
@@ -409,7 +473,7 @@ def plot_table(table: dict[str, Any], path: str | Path) -> Path | None:
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("Fact F1 (%)")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tasks):]:
+    for ax in list(axes.flat)[len(tasks) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()

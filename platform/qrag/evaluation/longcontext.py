@@ -54,13 +54,30 @@ def generate(task: str, split: str, length: int, n: int, measure: Measure, data:
     if task_dataset(task) == "babilong":
         from qrag.data.babilong import generate_babilong
 
-        return generate_babilong(task, split, length, n, measure, seed=data.seed, budget=data.chunk_tokens,
-                                 facts_path=data.facts_path, background=data.path if data.dataset == "babilong" else None,
-                                 val_fraction=data.val_fraction)
+        return generate_babilong(
+            task,
+            split,
+            length,
+            n,
+            measure,
+            seed=data.seed,
+            budget=data.chunk_tokens,
+            facts_path=data.facts_path,
+            background=data.path if data.dataset == "babilong" else None,
+            val_fraction=data.val_fraction,
+        )
     from qrag.data.niah import generate_niah
 
-    return generate_niah(task, split, length, n, measure, seed=data.seed, budget=data.chunk_tokens,
-                         essays=data.path if data.dataset == "niah" else None)
+    return generate_niah(
+        task,
+        split,
+        length,
+        n,
+        measure,
+        seed=data.seed,
+        budget=data.chunk_tokens,
+        essays=data.path if data.dataset == "niah" else None,
+    )
 
 
 class ChunkTokens:
@@ -89,23 +106,40 @@ class ChunkTokens:
         slow = [g for g in items if not g.haystack.additive]
         out: dict[int, TokenizedSample] = {}
         if slow:  # the tokenizer does not compose: tokenise every chunk's text
-            for g, t in zip(slow, tokenize_samples([g.sample for g in slow], self.tokenizer, self.layout,
-                                                   chunk_tokens=self.chunk_tokens, question_tokens=self.question_tokens)):
+            for g, t in zip(
+                slow,
+                tokenize_samples(
+                    [g.sample for g in slow],
+                    self.tokenizer,
+                    self.layout,
+                    chunk_tokens=self.chunk_tokens,
+                    question_tokens=self.question_tokens,
+                ),
+            ):
                 out[id(g)] = t
         if fast:
             # Facts, needles and fill chunks: the ids the generator measured (each sentence is
             # tokenised once per context), else their text tokenised here.
             fresh_text = [g.sample.chunks[i] for g in fast if g.fresh_ids is None for i in np.flatnonzero(g.refs < 0)]
-            told = iter(self.tokenizer(fresh_text, add_special_tokens=False, truncation=True, max_length=self.chunk_tokens)["input_ids"]
-                        if fresh_text else [])
+            told = iter(
+                self.tokenizer(fresh_text, add_special_tokens=False, truncation=True, max_length=self.chunk_tokens)[
+                    "input_ids"
+                ]
+                if fresh_text
+                else []
+            )
             fresh: list = []
             for g in fast:
                 if g.fresh_ids is not None:
                     fresh.extend(ids[: self.chunk_tokens] for ids in g.fresh_ids)
                 else:
                     fresh.extend(next(told) for _ in range(int((g.refs < 0).sum())))
-            questions = self.tokenizer([g.sample.question for g in fast], add_special_tokens=False, truncation=True,
-                                       max_length=self.question_tokens)["input_ids"]
+            questions = self.tokenizer(
+                [g.sample.question for g in fast],
+                add_special_tokens=False,
+                truncation=True,
+                max_length=self.question_tokens,
+            )["input_ids"]
             k = 0
             for g, q in zip(fast, questions):
                 self._haystacks[id(g.haystack)] = g.haystack
@@ -116,7 +150,9 @@ class ChunkTokens:
                     else:
                         chunks.append(self.layout.wrap(fresh[k]))
                         k += 1
-                out[id(g)] = TokenizedSample(g.sample.id, self.layout.wrap(q), chunks, np.asarray(g.sample.support, dtype=np.int64))
+                out[id(g)] = TokenizedSample(
+                    g.sample.id, self.layout.wrap(q), chunks, np.asarray(g.sample.support, dtype=np.int64)
+                )
         return [out[id(g)] for g in items]
 
     def clear(self) -> None:
@@ -133,8 +169,15 @@ class CachingRetriever(Retriever):
     At most ``max_cached`` vectors are kept (the cache is emptied when full).
     """
 
-    def __init__(self, qnet, layout: TokenLayout, device: torch.device, encode_tokens: int = 32768,
-                 shared: dict[int, np.ndarray] | None = None, max_cached: int = 2_000_000):
+    def __init__(
+        self,
+        qnet,
+        layout: TokenLayout,
+        device: torch.device,
+        encode_tokens: int = 32768,
+        shared: dict[int, np.ndarray] | None = None,
+        max_cached: int = 2_000_000,
+    ):
         super().__init__(qnet, layout, device, encode_tokens)
         self.shared = shared if shared is not None else {}
         self.max_cached = max_cached

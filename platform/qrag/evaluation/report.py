@@ -38,9 +38,21 @@ from qrag.evaluation.lengths import error_bars
 # Retriever. Reference numbers to print beside ours, not results of this code.
 PAPER_READER = "QwQ-32B"
 PAPER_TABLE2: dict[str, dict[str, tuple[float | None, ...]]] = {
-    "Plan Q-RAG": {"hotpotqa": (0.95, 0.91, 0.76, 0.60), "musique": (0.84, 0.76, 0.60, 0.44), "musique (OOD)": (0.69, 0.53, 0.51, 0.36)},
-    "Q-RAG": {"hotpotqa": (0.93, 0.89, 0.76, 0.59), "musique": (0.81, 0.72, 0.59, 0.43), "musique (OOD)": (0.71, 0.55, 0.52, 0.37)},
-    "Beam Retriever": {"hotpotqa": (0.97, 0.94, 0.77, 0.61), "musique": (0.86, 0.69, 0.59, 0.43), "musique (OOD)": (0.61, 0.36, 0.40, 0.27)},
+    "Plan Q-RAG": {
+        "hotpotqa": (0.95, 0.91, 0.76, 0.60),
+        "musique": (0.84, 0.76, 0.60, 0.44),
+        "musique (OOD)": (0.69, 0.53, 0.51, 0.36),
+    },
+    "Q-RAG": {
+        "hotpotqa": (0.93, 0.89, 0.76, 0.59),
+        "musique": (0.81, 0.72, 0.59, 0.43),
+        "musique (OOD)": (0.71, 0.55, 0.52, 0.37),
+    },
+    "Beam Retriever": {
+        "hotpotqa": (0.97, 0.94, 0.77, 0.61),
+        "musique": (0.86, 0.69, 0.59, 0.43),
+        "musique (OOD)": (0.61, 0.36, 0.40, 0.27),
+    },
     "Search-R1": {"hotpotqa": (0.81, 0.66, 0.65, 0.52), "musique (OOD)": (0.71, 0.55, 0.51, 0.39)},
     "RAG-RL": {"hotpotqa": (0.82, None, 0.69, None), "musique (OOD)": (0.65, None, 0.47, None)},
     "Multi-step RAG w/o FT": {"hotpotqa": (0.73, 0.54, 0.65, 0.50), "musique (OOD)": (0.51, 0.30, 0.40, 0.27)},
@@ -48,10 +60,21 @@ PAPER_TABLE2: dict[str, dict[str, tuple[float | None, ...]]] = {
     "Single-step RAG": {"hotpotqa": (None, None, 0.53, 0.39), "musique (OOD)": (None, None, 0.28, 0.17)},
 }
 METRICS = ("fact_f1", "fact_em", "ans_f1", "ans_em")
-METRIC_TITLES = {"fact_f1": "Fact F1", "fact_em": "Fact EM", "ans_f1": "Ans F1", "ans_em": "Ans EM",
-                 "oracle_fact_f1": "Fact F1, oracle stop (paper-comparable)",
-                 "threshold_fact_f1": "Fact F1, learned Q-threshold stop (chosen on validation)"}
-DATASET_TITLES = {"hotpotqa": "HotPotQA", "musique": "MuSiQue", "2wiki": "2WikiMultihopQA", "babilong": "BabiLong", "niah": "RULER NIAH"}
+METRIC_TITLES = {
+    "fact_f1": "Fact F1",
+    "fact_em": "Fact EM",
+    "ans_f1": "Ans F1",
+    "ans_em": "Ans EM",
+    "oracle_fact_f1": "Fact F1, oracle stop (paper-comparable)",
+    "threshold_fact_f1": "Fact F1, learned Q-threshold stop (chosen on validation)",
+}
+DATASET_TITLES = {
+    "hotpotqa": "HotPotQA",
+    "musique": "MuSiQue",
+    "2wiki": "2WikiMultihopQA",
+    "babilong": "BabiLong",
+    "niah": "RULER NIAH",
+}
 COLUMN_ORDER = ("hotpotqa", "musique", "musique (OOD)", "2wiki", "2wiki (OOD)")
 
 
@@ -161,17 +184,27 @@ def table2(summaries: Sequence[tuple[str, dict[str, Any]]], paper: bool = False,
         if not s.get("train_dataset") and f"{col} (OOD)" in ood:
             col = f"{col} (OOD)"
         if (name, col) in sources:
-            raise ReportError(f"two results for {name!r} on {column_title(col)}: {sources[(name, col)]} and {file}; "
-                              "give them different 'label' fields")
+            raise ReportError(
+                f"two results for {name!r} on {column_title(col)}: {sources[(name, col)]} and {file}; "
+                "give them different 'label' fields"
+            )
         sources[(name, col)] = file
         cells.setdefault(name, {})[col] = s
     present = {c for row in cells.values() for c in row}
     columns = [c for c in COLUMN_ORDER if c in present] + sorted(present - set(COLUMN_ORDER))
-    header = ["Method"] + [f"{column_title(c)} {METRIC_TITLES[m]}" for c in columns for m in METRICS] + ["Avg Ans F1", "Avg Ans EM"]
+    header = (
+        ["Method"]
+        + [f"{column_title(c)} {METRIC_TITLES[m]}" for c in columns for m in METRICS]
+        + ["Avg Ans F1", "Avg Ans EM"]
+    )
     rows = []
     for name, by_col in cells.items():
-        values = [with_interval(by_col.get(c, {}).get(m), by_col.get(c, {}).get(f"{m}_ci")) for c in columns for m in METRICS]
-        rows.append([name, *values, *_avg_answers([[by_col.get(c, {}).get(m) for c in columns] for m in ("ans_f1", "ans_em")])])
+        values = [
+            with_interval(by_col.get(c, {}).get(m), by_col.get(c, {}).get(f"{m}_ci")) for c in columns for m in METRICS
+        ]
+        rows.append(
+            [name, *values, *_avg_answers([[by_col.get(c, {}).get(m) for c in columns] for m in ("ans_f1", "ans_em")])]
+        )
     if paper:
         for name, by_col in PAPER_TABLE2.items():
             if not any(c in by_col for c in columns):
@@ -188,12 +221,16 @@ def table2(summaries: Sequence[tuple[str, dict[str, Any]]], paper: bool = False,
                 extra = f", {s['answer_errors']} answer errors" if s.get("answer_errors") else ""
                 if s.get("num_seeds"):
                     extra += f", mean of {s['num_seeds']} training seeds with 95% intervals ({(s.get('interval') or {}).get('method', 'bootstrap')})"
-                rep.notes.append(f"{name}, {column_title(col)}: {s.get('num_samples')} questions ({s.get('split', '?')} split), "
-                                 f"T = {(s.get('search') or {}).get('max_steps', '?')}, reader {reader}{extra}; "
-                                 f"checkpoint {s.get('checkpoint', '?')} ({sources[(name, col)]})")
+                rep.notes.append(
+                    f"{name}, {column_title(col)}: {s.get('num_samples')} questions ({s.get('split', '?')} split), "
+                    f"T = {(s.get('search') or {}).get('max_steps', '?')}, reader {reader}{extra}; "
+                    f"checkpoint {s.get('checkpoint', '?')} ({sources[(name, col)]})"
+                )
     if paper:
-        rep.notes.append(f"(paper) rows: Table 2 and the appendix table of the Q-RAG paper (retrievers fine-tuned on HotPotQA; "
-                         f"Q-RAG, Plan Q-RAG and Beam Retriever answer with {PAPER_READER}; '–' = not reported).")
+        rep.notes.append(
+            f"(paper) rows: Table 2 and the appendix table of the Q-RAG paper (retrievers fine-tuned on HotPotQA; "
+            f"Q-RAG, Plan Q-RAG and Beam Retriever answer with {PAPER_READER}; '–' = not reported)."
+        )
     return rep
 
 
@@ -224,7 +261,16 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, Series, Inte
         if not isinstance(row, dict) or "task" not in row or "length" not in row:
             raise ReportError(f"{name}: rows[{i}] needs 'task' and 'length'")
         label = str(row["task"]) if len(models) <= 1 else f"{row['task']} · {row.get('model', '')}"
-        for key in ("fact_em", "fact_f1", "oracle_fact_f1", "threshold_fact_f1", "ans_f1", "ans_em", "ans_acc", "accuracy"):
+        for key in (
+            "fact_em",
+            "fact_f1",
+            "oracle_fact_f1",
+            "threshold_fact_f1",
+            "ans_f1",
+            "ans_em",
+            "ans_acc",
+            "accuracy",
+        ):
             value = row.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 series.setdefault(key, {}).setdefault(label, {})[int(row["length"])] = float(value)
@@ -237,22 +283,46 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, Series, Inte
         lengths = sorted({n for vals in by_label.values() for n in vals})
         header = ["Task"] + [length_label(n) for n in lengths]
         cis = intervals.get(metric, {})
-        body = [[label, *(with_interval(vals.get(n), cis.get(label, {}).get(n)) for n in lengths)] for label, vals in sorted(by_label.items())]
+        body = [
+            [label, *(with_interval(vals.get(n), cis.get(label, {}).get(n)) for n in lengths)]
+            for label, vals in sorted(by_label.items())
+        ]
         for model in models:
-            members = [v for label, v in by_label.items() if (len(models) <= 1 or label.endswith(f" · {model}"))
-                       and not label.startswith("mean")]
+            members = [
+                v
+                for label, v in by_label.items()
+                if (len(models) <= 1 or label.endswith(f" · {model}")) and not label.startswith("mean")
+            ]
             # A table combined over seeds has its own mean rows (with intervals); no second one.
             if len(members) > 1 and not any(label.startswith("mean") for label in by_label):
-                body.append([f"mean · {model}" if len(models) > 1 else "mean", *(_mean([v.get(n) for v in members]) for n in lengths)])
+                body.append(
+                    [
+                        f"mean · {model}" if len(models) > 1 else "mean",
+                        *(_mean([v.get(n) for v in members]) for n in lengths),
+                    ]
+                )
         steps = sorted({r.get("steps") for r in rows if isinstance(r, dict) and r.get("steps") is not None})
         credit = sorted({str(r.get("credit", data.get("credit", "chunk"))) for r in rows if isinstance(r, dict)})
-        note = [f"Protocol: {PROTOCOL_NOTES[metric]}; T = {', '.join(map(str, steps)) or '?'}; credit: {', '.join(credit)}.", ""] \
-            if metric in PROTOCOL_NOTES else []
-        rep.markdown += [f"## {METRIC_TITLES.get(metric, metric)} by context length ({name})", ""] + md_table(header, body) + [""] + note
+        note = (
+            [
+                f"Protocol: {PROTOCOL_NOTES[metric]}; T = {', '.join(map(str, steps)) or '?'}; credit: {', '.join(credit)}.",
+                "",
+            ]
+            if metric in PROTOCOL_NOTES
+            else []
+        )
+        rep.markdown += (
+            [f"## {METRIC_TITLES.get(metric, metric)} by context length ({name})", ""]
+            + md_table(header, body)
+            + [""]
+            + note
+        )
     if intervals:
         seeds = sorted({r.get("num_seeds", 1) for r in rows if isinstance(r, dict)})
-        rep.notes.append(f"{name}: means over {', '.join(map(str, seeds))} training seed(s) per row; [low, high] = 95% interval, "
-                         f"{(data.get('interval') or {}).get('method', 'bootstrap over seeds, then questions')}.")
+        rep.notes.append(
+            f"{name}: means over {', '.join(map(str, seeds))} training seed(s) per row; [low, high] = 95% interval, "
+            f"{(data.get('interval') or {}).get('method', 'bootstrap over seeds, then questions')}."
+        )
     rep.markdown += differences_table(data.get("differences") or [], name)
     return rep, series, intervals
 
@@ -262,10 +332,24 @@ def differences_table(differences: Sequence[dict[str, Any]], name: str) -> list[
     if not differences:
         return []
     header = ["Task", "Length", "A", "B", "A − B", "95% interval", "called"]
-    body = [[d["task"], length_label(d["length"]), d["a"], d["b"], f"{d['difference']:+.3f}",
-             f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", d["called"]] for d in differences]
+    body = [
+        [
+            d["task"],
+            length_label(d["length"]),
+            d["a"],
+            d["b"],
+            f"{d['difference']:+.3f}",
+            f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
+            d["called"],
+        ]
+        for d in differences
+    ]
     metric = METRIC_TITLES.get(differences[0].get("metric", "fact_em"), "Fact EM")
-    return [f"## Differences in {metric} ({name}): a difference only where the interval excludes 0", ""] + md_table(header, body) + [""]
+    return (
+        [f"## Differences in {metric} ({name}): a difference only where the interval excludes 0", ""]
+        + md_table(header, body)
+        + [""]
+    )
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -278,20 +362,44 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 def early_stopping_table(data: dict[str, Any], name: str) -> Report:
     rep = Report()
-    header = ["Q threshold", "stopped early", "stopped late", "perfect stop", "TPR", "FPR", "Episode len", "Fact EM", "Fact F1"]
+    header = [
+        "Q threshold",
+        "stopped early",
+        "stopped late",
+        "perfect stop",
+        "TPR",
+        "FPR",
+        "Episode len",
+        "Fact EM",
+        "Fact F1",
+    ]
     keys = ["threshold", "early", "late", "perfect", "tpr", "fpr", "episode_len", "fact_em", "fact_f1"]
     if any("ans_em" in r for r in data["rows"]):
         header += ["Ans EM", "Ans F1"]
         keys += ["ans_em", "ans_f1"]
     rows = [[r.get(k) for k in keys] for r in data["rows"]]
     o = data.get("oracle") or {}
-    rows.append(["oracle", None, None, None, o.get("tpr"), o.get("fpr"), o.get("episode_len"), o.get("fact_em"), o.get("fact_f1")]
-                + [None] * (len(keys) - 9))
+    rows.append(
+        [
+            "oracle",
+            None,
+            None,
+            None,
+            o.get("tpr"),
+            o.get("fpr"),
+            o.get("episode_len"),
+            o.get("fact_em"),
+            o.get("fact_f1"),
+        ]
+        + [None] * (len(keys) - 9)
+    )
     rep.markdown += [f"## Early stopping on the Q threshold ({name})", ""] + md_table(header, rows) + [""]
     auc = data.get("auc")
-    rep.notes.append(f"Early stopping ({name}): {data.get('episodes')} episodes of up to {data.get('max_steps')} steps, "
-                     f"{data.get('collected_gold')} of them collect every gold chunk (early/late/perfect shares are over those); "
-                     f"ROC AUC of Q as a stop signal {fmt(auc)}.")
+    rep.notes.append(
+        f"Early stopping ({name}): {data.get('episodes')} episodes of up to {data.get('max_steps')} steps, "
+        f"{data.get('collected_gold')} of them collect every gold chunk (early/late/perfect shares are over those); "
+        f"ROC AUC of Q as a stop signal {fmt(auc)}."
+    )
     return rep
 
 
@@ -330,7 +438,9 @@ def plot_lengths(series: Series, path: Path, title: str, intervals: Intervals | 
             xs = sorted(vals)
             ys = [vals[x] for x in xs]
             cis = (intervals or {}).get(metric, {}).get(task, {})
-            ax.errorbar(xs, ys, yerr=error_bars(ys, [cis.get(x) for x in xs], scale=1.0), marker="o", capsize=3, label=task)
+            ax.errorbar(
+                xs, ys, yerr=error_bars(ys, [cis.get(x) for x in xs], scale=1.0), marker="o", capsize=3, label=task
+            )
         ax.set_xscale("log", base=2)
         ticks = sorted({x for vals in series[metric].values() for x in vals})
         ax.set_xticks(ticks, [length_label(x) for x in ticks])
@@ -372,7 +482,12 @@ def plot_early_stopping(data: dict[str, Any], path: Path, title: str) -> Path | 
         a.grid(alpha=0.3)
     ax = axes[3]
     pts = sorted((r["fpr"], r["tpr"]) for r in rows if r["fpr"] is not None and r["tpr"] is not None)
-    ax.plot([0, *(p[0] for p in pts), 1], [0, *(p[1] for p in pts), 1], marker="o", label=f"Q threshold (AUC {fmt(data.get('auc'), 2)})")
+    ax.plot(
+        [0, *(p[0] for p in pts), 1],
+        [0, *(p[1] for p in pts), 1],
+        marker="o",
+        label=f"Q threshold (AUC {fmt(data.get('auc'), 2)})",
+    )
     ax.plot([0, 1], [0, 1], linestyle="--", color="gray", label="random")
     ax.plot([0], [1], marker="*", markersize=14, color="red", linestyle="none", label="oracle")
     ax.set_xlabel("FPR")
@@ -386,8 +501,14 @@ def plot_early_stopping(data: dict[str, Any], path: Path, title: str) -> Path | 
 # -- everything ---------------------------------------------------------------------------------------
 
 
-def build_report(files: Sequence[str | Path], out_dir: str | Path, *, paper: bool = False, label: str | None = None,
-                 title: str = "Q-RAG results") -> Report:
+def build_report(
+    files: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    paper: bool = False,
+    label: str | None = None,
+    title: str = "Q-RAG results",
+) -> Report:
     """Read result files, write ``report.md`` and PNG plots into ``out_dir``; return the report."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -408,10 +529,18 @@ def build_report(files: Sequence[str | Path], out_dir: str | Path, *, paper: boo
         stem = Path(f).name.removesuffix(".json").removesuffix(".early_stopping").removesuffix(".lengths")
         if kind == "lengths":
             part, series, intervals = length_tables(data, stem)
-            png = plot_lengths(series, out / f"{stem}.lengths.png", f"Q-RAG by context length: {stem}", intervals) if plotting else None
+            png = (
+                plot_lengths(series, out / f"{stem}.lengths.png", f"Q-RAG by context length: {stem}", intervals)
+                if plotting
+                else None
+            )
         else:
             part = early_stopping_table(data, stem)
-            png = plot_early_stopping(data, out / f"{stem}.early_stopping.png", f"Early stopping: {stem}") if plotting else None
+            png = (
+                plot_early_stopping(data, out / f"{stem}.early_stopping.png", f"Early stopping: {stem}")
+                if plotting
+                else None
+            )
         if png:
             part.markdown += [f"![{stem}]({png.name})", ""]
             part.plots.append(png)

@@ -26,11 +26,21 @@ from qrag.data.sample import DataError
 from qrag.evaluation.intervals import LEVEL, REPLICATES, Interval, bootstrap_interval, difference_interval
 
 # Per-question scores a result may carry, each the mean of its questions in the figure.
-METRICS = ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1", "threshold_fact_em", "threshold_fact_f1",
-           "ans_em", "ans_f1")
+METRICS = (
+    "fact_em",
+    "fact_f1",
+    "oracle_fact_em",
+    "oracle_fact_f1",
+    "threshold_fact_em",
+    "threshold_fact_f1",
+    "ans_em",
+    "ans_f1",
+)
 DIFFERENCE_METRIC = "fact_em"
-METHOD = ("two-stage percentile bootstrap: training seeds with replacement, then each drawn seed's questions "
-          "with replacement; the figure is the mean over all questions of all seeds")
+METHOD = (
+    "two-stage percentile bootstrap: training seeds with replacement, then each drawn seed's questions "
+    "with replacement; the figure is the mean over all questions of all seeds"
+)
 
 
 def per_question(records: Sequence[dict[str, Any]]) -> dict[str, list]:
@@ -45,24 +55,31 @@ def per_question(records: Sequence[dict[str, Any]]) -> dict[str, list]:
 
 def interval_fields(metric: str, by_seed: list[list[float]], replicates: int = REPLICATES) -> dict[str, Any]:
     iv = bootstrap_interval(by_seed, replicates=replicates)
-    return {metric: iv.mean, f"{metric}_ci": [iv.low, iv.high],
-            f"{metric}_by_seed": [sum(s) / len(s) for s in by_seed]}
+    return {metric: iv.mean, f"{metric}_ci": [iv.low, iv.high], f"{metric}_by_seed": [sum(s) / len(s) for s in by_seed]}
 
 
 def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates: int) -> dict[str, Any]:
     """One row from one (model, task, length) of each seed's file."""
     missing = [f for f, r in rows if not isinstance(r.get("per_question"), dict)]
     if missing:
-        raise DataError(f"{missing[0]}: row {key} has no per-question scores (per_question); re-run its evaluation "
-                        "with this version, which records them")
+        raise DataError(
+            f"{missing[0]}: row {key} has no per-question scores (per_question); re-run its evaluation "
+            "with this version, which records them"
+        )
     ids = [r["per_question"]["id"] for _, r in rows]
     for (file, _), other in zip(rows[1:], ids[1:]):
         if other != ids[0]:
-            raise DataError(f"{file}: row {key} was asked other questions than {rows[0][0]}: seeds must be scored on "
-                            "the same (frozen) dev draw")
+            raise DataError(
+                f"{file}: row {key} was asked other questions than {rows[0][0]}: seeds must be scored on "
+                "the same (frozen) dev draw"
+            )
     first = rows[0][1]
     # Per-seed values (a checkpoint, its own stop threshold) are not a combined row's: lists below.
-    out = {k: v for k, v in first.items() if k not in METRICS and not k.startswith("threshold") and k not in ("per_question", "checkpoint")}
+    out = {
+        k: v
+        for k, v in first.items()
+        if k not in METRICS and not k.startswith("threshold") and k not in ("per_question", "checkpoint")
+    }
     for k in ("context_tokens", "chunks", "distinct_background_tokens", "seconds_per_question"):
         if all(isinstance(r.get(k), (int, float)) for _, r in rows):
             out[k] = sum(r[k] for _, r in rows) / len(rows)
@@ -73,17 +90,29 @@ def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates
     return out
 
 
-def _differences(rows: list[dict[str, Any]], by_key: dict[tuple, list[list[float]]], replicates: int) -> list[dict[str, Any]]:
+def _differences(
+    rows: list[dict[str, Any]], by_key: dict[tuple, list[list[float]]], replicates: int
+) -> list[dict[str, Any]]:
     out = []
     cells = sorted({(r["task"], r["length"]) for r in rows})
     models = list(dict.fromkeys(r["model"] for r in rows))
     for task, length in cells:
         present = [m for m in models if (m, task, length) in by_key]
         for i, a in enumerate(present):
-            for b in present[i + 1:]:
+            for b in present[i + 1 :]:
                 iv = difference_interval(by_key[(a, task, length)], by_key[(b, task, length)], replicates=replicates)
-                out.append({"task": task, "length": length, "metric": DIFFERENCE_METRIC, "a": a, "b": b,
-                            "difference": iv.mean, "ci": [iv.low, iv.high], "called": called(iv, a, b)})
+                out.append(
+                    {
+                        "task": task,
+                        "length": length,
+                        "metric": DIFFERENCE_METRIC,
+                        "a": a,
+                        "b": b,
+                        "difference": iv.mean,
+                        "ci": [iv.low, iv.high],
+                        "called": called(iv, a, b),
+                    }
+                )
     return out
 
 
@@ -127,7 +156,9 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
 MEAN_TASK = "mean"
 
 
-def _task_means(grouped: dict[tuple, list[tuple[str, dict[str, Any]]]]) -> dict[tuple, list[tuple[str, dict[str, Any]]]]:
+def _task_means(
+    grouped: dict[tuple, list[tuple[str, dict[str, Any]]]],
+) -> dict[tuple, list[tuple[str, dict[str, Any]]]]:
     """A ``mean`` row per model and length measured on several tasks (RULER NIAH's headline): per
     seed, the questions of all its tasks pooled (equal questions per task: the mean of the tasks)."""
     by_cell: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
@@ -147,8 +178,19 @@ def _task_means(grouped: dict[tuple, list[tuple[str, dict[str, Any]]]]) -> dict[
             for metric in METRICS:
                 if all(metric in r["per_question"] for r in rows):
                     pq[metric] = [v for r in rows for v in r["per_question"][metric]]
-            pooled.append((file, {"model": model, "task": MEAN_TASK, "length": length, "credit": rows[0].get("credit"),
-                                  "tasks": [r["task"] for r in rows], "per_question": pq}))
+            pooled.append(
+                (
+                    file,
+                    {
+                        "model": model,
+                        "task": MEAN_TASK,
+                        "length": length,
+                        "credit": rows[0].get("credit"),
+                        "tasks": [r["task"] for r in rows],
+                        "per_question": pq,
+                    },
+                )
+            )
         else:
             out[(model, MEAN_TASK, length)] = pooled
     return out
@@ -157,27 +199,40 @@ def _task_means(grouped: dict[tuple, list[tuple[str, dict[str, Any]]]]) -> dict[
 def _source(file: str, table: dict[str, Any]) -> dict[str, Any]:
     training = table.get("training") or {}
     models = list(dict.fromkeys(r.get("model") for r in table.get("rows", [])))
-    return {"file": file, "git_commit": table.get("git_commit") or (table.get("machine") or {}).get("commit"),
-            "git_dirty": table.get("git_dirty"), "models": models, "training_seed": (training.get("config") or {}).get("seed"),
-            "selected_on": training.get("selected_on") or table.get("selected_on")}
+    return {
+        "file": file,
+        "git_commit": table.get("git_commit") or (table.get("machine") or {}).get("commit"),
+        "git_dirty": table.get("git_dirty"),
+        "models": models,
+        "training_seed": (training.get("config") or {}).get("seed"),
+        "selected_on": training.get("selected_on") or table.get("selected_on"),
+    }
 
 
-def combine_summaries(summaries: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]],
-                      replicates: int = REPLICATES) -> dict[str, Any]:
+def combine_summaries(
+    summaries: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], replicates: int = REPLICATES
+) -> dict[str, Any]:
     """One eval summary from several seeds' (file, summary, records) of one method and dataset."""
     if not summaries:
         raise DataError("combine-seeds: no result files")
     kinds = {(s.get("label") or "", s.get("dataset"), s.get("split")) for _, s, _ in summaries}
     if len(kinds) > 1:
-        raise DataError(f"combine-seeds: eval summaries of different methods, datasets or splits: {sorted(map(str, kinds))}; "
-                        "combine one method on one split at a time")
+        raise DataError(
+            f"combine-seeds: eval summaries of different methods, datasets or splits: {sorted(map(str, kinds))}; "
+            "combine one method on one split at a time"
+        )
     cols = [(file, per_question(records)) for file, _, records in summaries]
     for file, c in cols[1:]:
         if c["id"] != cols[0][1]["id"]:
             raise DataError(f"{file}: other questions than {cols[0][0]}: seeds must be scored on the same questions")
     out = {k: v for k, v in summaries[-1][1].items() if k not in METRICS}
-    out.update(num_seeds=len(summaries), num_samples=len(cols[0][1]["id"]), checkpoints=[s.get("checkpoint") for _, s, _ in summaries],
-               combined_from=[f for f, _, _ in summaries], interval={"level": LEVEL, "method": METHOD, "replicates": replicates})
+    out.update(
+        num_seeds=len(summaries),
+        num_samples=len(cols[0][1]["id"]),
+        checkpoints=[s.get("checkpoint") for _, s, _ in summaries],
+        combined_from=[f for f, _, _ in summaries],
+        interval={"level": LEVEL, "method": METHOD, "replicates": replicates},
+    )
     for metric in METRICS:
         if all(metric in c for _, c in cols):
             out.update(interval_fields(metric, [c[metric] for _, c in cols], replicates))

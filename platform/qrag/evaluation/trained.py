@@ -52,7 +52,8 @@ class Guard:
         if hits and not self.allow:
             raise TrainedQuestionsError(
                 f"{len(hits)} of these {len(samples)} questions (e.g. {hits[0]}) come from sources {self.checkpoint} was trained "
-                "on; evaluate on held-out data (e.g. --split dev), or pass --allow-train-questions to score them anyway")
+                "on; evaluate on held-out data (e.g. --split dev), or pass --allow-train-questions to score them anyway"
+            )
         self.hits += len(hits)
 
     def record(self) -> dict[str, Any]:

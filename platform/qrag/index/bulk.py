@@ -33,7 +33,11 @@ USER_ERRORS = (DataError, StoreError, CheckpointError)  # a one-line error for t
 # Settings both paths take, left unset (None): each path's own. The lanes stream small groups to
 # their device (a group is a lane's unit of work); Ray Data's encoder actors take bigger calls.
 PATH_DEFAULTS: dict[str, dict[str, int]] = {
-    "lanes": {"encode_batch": LANE_CHUNK_BATCH, "encode_tokens": LANE_ENCODE_TOKENS, "commit_chunks": LANE_COMMIT_CHUNKS},
+    "lanes": {
+        "encode_batch": LANE_CHUNK_BATCH,
+        "encode_tokens": LANE_ENCODE_TOKENS,
+        "commit_chunks": LANE_COMMIT_CHUNKS,
+    },
     "ray": {"encode_batch": 4096, "encode_tokens": 32768, "commit_chunks": 65536},
 }
 
@@ -65,9 +69,13 @@ class BulkIndexConfig:
     encoder_gpus: float | None = None  # per actor; None = 1 when the cluster has a GPU, else 0
     encoder_cpus: float = 1.0
     tokenize_cpus: float = 1.0
-    tokenize_actors: int | None = None  # most read+tokenise actors; None = the CPUs the encoder actors leave (autoscaled from 1)
+    tokenize_actors: int | None = (
+        None  # most read+tokenise actors; None = the CPUs the encoder actors leave (autoscaled from 1)
+    )
     docs_per_block: int = 256  # documents chunked and tokenised per tokenizer call (one file part's blocks)
-    file_part_bytes: int = 16 << 20  # large uncompressed JSONL and parquet files are read as parts of about this size (one task each)
+    file_part_bytes: int = (
+        16 << 20
+    )  # large uncompressed JSONL and parquet files are read as parts of about this size (one task each)
     preserve_order: bool = True
     block_bytes: int | None = None  # Ray Data's target block size for this run; None: Ray Data's own
     max_files: int | None = None  # bench/tests: only the first N files
@@ -83,7 +91,14 @@ class BulkIndexConfig:
             if self.path == "ray":
                 raise DataError("--lanes runs the lanes on this machine; it does not go with --path ray")
             self.path = "lanes"
-        for key in ("encoder_actors", "docs_per_block", "encode_batch", "encode_tokens", "commit_chunks", "file_part_bytes"):
+        for key in (
+            "encoder_actors",
+            "docs_per_block",
+            "encode_batch",
+            "encode_tokens",
+            "commit_chunks",
+            "file_part_bytes",
+        ):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise DataError(f"{key} must be at least 1, got {value}")
@@ -93,8 +108,12 @@ class BulkIndexConfig:
         return replace(self, **{k: v for k, v in PATH_DEFAULTS[path].items() if getattr(self, k) is None})
 
     def model_spec(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "encoder": self.encoder, "model_cache": self.model_cache,
-                "mlflow_tracking_uri": self.mlflow_tracking_uri}
+        return {
+            "checkpoint": self.checkpoint,
+            "encoder": self.encoder,
+            "model_cache": self.model_cache,
+            "mlflow_tracking_uri": self.mlflow_tracking_uri,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,8 +172,12 @@ def lane_devices(spec: str, per_device: int | None) -> list[str]:
     return lanes_on(devices, per_device)
 
 
-def index_files(cfg: BulkIndexConfig, files: Sequence[tuple[str, str]], source,
-                on_commit: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def index_files(
+    cfg: BulkIndexConfig,
+    files: Sequence[tuple[str, str]],
+    source,
+    on_commit: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Index ``files`` ((path, format) from :func:`qrag.data.records.expand_inputs`) into corpus
     ``cfg.corpus`` (created when missing) in lanes on this machine's devices (``cfg.lanes``,
     default :func:`default_lanes`). Documents the corpus holds are skipped. ``source``: the resolved
@@ -174,13 +197,22 @@ def index_files(cfg: BulkIndexConfig, files: Sequence[tuple[str, str]], source,
         m = store.read(cfg.corpus)
         m.check_settings(chunk_tokens=cfg.chunk_tokens, shards=cfg.shards, dtype=cfg.dtype)
     except CorpusNotFound:
-        m = LocalIndex(store, model).create(cfg.corpus, chunk_tokens=cfg.chunk_tokens or 64, shards=cfg.shards or 2,
-                                            dtype=cfg.dtype or "float32")
+        m = LocalIndex(store, model).create(
+            cfg.corpus, chunk_tokens=cfg.chunk_tokens or 64, shards=cfg.shards or 2, dtype=cfg.dtype or "float32"
+        )
     workers = cfg.lane_workers or max(1, (os.cpu_count() or 2) * 3 // 4 // len(devices))
     lane_cfg = lane_module.LaneConfig(
-        store_root=str(store.root), name=cfg.corpus,
-        make_model=functools.partial(load_embedding_model, source, encode_tokens=cfg.encode_tokens, chunk_batch=cfg.encode_batch),
-        tokenizer_dir=source.tokenizer_dir, layout=model.layout, chunk_tokens=m.chunk_tokens, workers=workers, chunk_batch=cfg.encode_batch)
+        store_root=str(store.root),
+        name=cfg.corpus,
+        make_model=functools.partial(
+            load_embedding_model, source, encode_tokens=cfg.encode_tokens, chunk_batch=cfg.encode_batch
+        ),
+        tokenizer_dir=source.tokenizer_dir,
+        layout=model.layout,
+        chunk_tokens=m.chunk_tokens,
+        workers=workers,
+        chunk_batch=cfg.encode_batch,
+    )
     t0 = time.perf_counter()
     before = (m.documents, m.chunks, m.tokens)
     commits = 0
@@ -189,12 +221,33 @@ def index_files(cfg: BulkIndexConfig, files: Sequence[tuple[str, str]], source,
         nonlocal commits
         commits += 1
         if on_commit is not None:
-            on_commit({"corpus": man.name, "documents": man.documents - before[0], "already_committed": before[0],
-                       "chunks": man.chunks - before[1], "tokens": man.tokens - before[2], "commits": commits,
-                       "seconds": round(time.perf_counter() - t0, 3)})
+            on_commit(
+                {
+                    "corpus": man.name,
+                    "documents": man.documents - before[0],
+                    "already_committed": before[0],
+                    "chunks": man.chunks - before[1],
+                    "tokens": man.tokens - before[2],
+                    "commits": commits,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                }
+            )
 
-    m, stats = lane_module.index_in_lanes(store, cfg.corpus, read_documents(files), lane_cfg, devices, resume=True, on_commit=committed,
-                                          commit_chars=lane_module.commit_chars_for(cfg.commit_chunks, m.chunk_tokens))
-    return {"path": "lanes", "devices": list(dict.fromkeys(devices)), "corpus": m.summary(), "lanes": stats.summary(),
-            "seconds": round(time.perf_counter() - t0, 3),
-            "tokens_per_s": round(stats.encoder_tokens / stats.seconds) if stats.seconds else 0}
+    m, stats = lane_module.index_in_lanes(
+        store,
+        cfg.corpus,
+        read_documents(files),
+        lane_cfg,
+        devices,
+        resume=True,
+        on_commit=committed,
+        commit_chars=lane_module.commit_chars_for(cfg.commit_chunks, m.chunk_tokens),
+    )
+    return {
+        "path": "lanes",
+        "devices": list(dict.fromkeys(devices)),
+        "corpus": m.summary(),
+        "lanes": stats.summary(),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "tokens_per_s": round(stats.encoder_tokens / stats.seconds) if stats.seconds else 0,
+    }

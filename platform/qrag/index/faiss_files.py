@@ -29,7 +29,9 @@ def _paths(folder: Path, shard: int) -> tuple[Path, Path]:
     return folder / f"shard_{shard:03d}.index", folder / f"shard_{shard:03d}.json"
 
 
-def save_index(data: bytes, rows: int, folder: Path, shard: int, uid: str, batches: list[tuple[int, str]], hnsw_m: int) -> bool:
+def save_index(
+    data: bytes, rows: int, folder: Path, shard: int, uid: str, batches: list[tuple[int, str]], hnsw_m: int
+) -> bool:
     """Write ``data`` (a serialised index of ``rows`` rows, covering ``batches``) for ``shard``: the
     index file first, then its description, each atomically, so a reader never pairs a description
     with another file. Best effort: on a read-only or full disk nothing is saved (False) and the
@@ -38,14 +40,27 @@ def save_index(data: bytes, rows: int, folder: Path, shard: int, uid: str, batch
     try:
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(path, data, durable=False)  # a lost index is rebuilt, never wrong: no fsync needed
-        write_atomic(meta, json.dumps({"uid": uid, "batches": [list(b) for b in batches], "rows": int(rows), "hnsw_m": hnsw_m,
-                                       "sha256": hashlib.sha256(data).hexdigest()}).encode(), durable=False)
+        write_atomic(
+            meta,
+            json.dumps(
+                {
+                    "uid": uid,
+                    "batches": [list(b) for b in batches],
+                    "rows": int(rows),
+                    "hnsw_m": hnsw_m,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
+            ).encode(),
+            durable=False,
+        )
     except OSError:
         return False
     return True
 
 
-def load_index(faiss: Any, folder: Path, shard: int, uid: str, loaded: list[tuple[int, str]], hnsw_m: int) -> tuple[Any, int, int] | None:
+def load_index(
+    faiss: Any, folder: Path, shard: int, uid: str, loaded: list[tuple[int, str]], hnsw_m: int
+) -> tuple[Any, int, int] | None:
     """The saved index of ``shard``, its rows and how many of the ``loaded`` batches it covers,
     when it belongs to this corpus (``uid``), covers a prefix of ``loaded`` with the same vectors,
     and was built with ``hnsw_m``; else None."""

@@ -33,8 +33,10 @@ class ShardOverBudget(StoreError):
 
     def __init__(self, corpus: str, need: int, budget: int):
         self.corpus, self.need, self.budget = corpus, need, budget
-        super().__init__(f"corpus {corpus!r} needs about {need / 2**20:.1f} MiB in each index shard; "
-                         f"the budget is {budget / 2**20:.1f} MiB (shard_memory_bytes)")
+        super().__init__(
+            f"corpus {corpus!r} needs about {need / 2**20:.1f} MiB in each index shard; "
+            f"the budget is {budget / 2**20:.1f} MiB (shard_memory_bytes)"
+        )
 
     def __reduce__(self):  # picklable across processes (Ray)
         return (ShardOverBudget, (self.corpus, self.need, self.budget))
@@ -45,8 +47,10 @@ class ShardBusy(StoreError):
 
     def __init__(self, corpus: str, need: int, waited_s: float):
         self.corpus, self.need, self.waited_s = corpus, need, waited_s
-        super().__init__(f"corpus {corpus!r} waited {waited_s:g} s for {need / 2**20:.1f} MiB that loads of other corpora hold "
-                         f"(shard_memory_bytes); retry")
+        super().__init__(
+            f"corpus {corpus!r} waited {waited_s:g} s for {need / 2**20:.1f} MiB that loads of other corpora hold "
+            f"(shard_memory_bytes); retry"
+        )
 
     def __reduce__(self):
         return (ShardBusy, (self.corpus, self.need, self.waited_s))
@@ -54,8 +58,10 @@ class ShardBusy(StoreError):
 
 def _cgroup_room() -> int | None:
     """Bytes this process's cgroup (v2 or v1) may still take, or None without a limit."""
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             cap, used = Path(limit).read_text().strip(), Path(usage).read_text().strip()
         except OSError:
@@ -118,8 +124,17 @@ class ShardHolder:
     """Shards ``slot, slot + holders, ...`` of every corpus (what one shard deployment replica
     holds), kept in step with the store."""
 
-    def __init__(self, store: CorpusStore, slot: int, holders: int, device: torch.device, options: ShardOptions | None = None,
-                 memory_bytes: int | None = None, sweep_s: float = 2.0, reserve_wait_s: float = 60.0):
+    def __init__(
+        self,
+        store: CorpusStore,
+        slot: int,
+        holders: int,
+        device: torch.device,
+        options: ShardOptions | None = None,
+        memory_bytes: int | None = None,
+        sweep_s: float = 2.0,
+        reserve_wait_s: float = 60.0,
+    ):
         """``memory_bytes``: the budget (None: none). A load kept out only by other loads in
         flight waits for them, ``reserve_wait_s`` at most."""
         self.store, self.slot, self.holders, self.device = store, slot, holders, device
@@ -171,7 +186,9 @@ class ShardHolder:
                 del self.corpora[corpus]
                 cs = None
             if cs is None:
-                cs = self.corpora[corpus] = CorpusShards(self.store, corpus, self._slots(m.shards), self.device, self.options)
+                cs = self.corpora[corpus] = CorpusShards(
+                    self.store, corpus, self._slots(m.shards), self.device, self.options
+                )
         cs.sync(version, uid)  # loads outside self._lock: other corpora keep answering
         return cs
 
@@ -196,7 +213,9 @@ class ShardHolder:
     def _used_by_others(self, corpus: str) -> int:
         """Bytes of every other corpus: loaded, or reserved by its load in flight (caller holds the lock)."""
         names = (set(self.corpora) | set(self._reserved)) - {corpus}
-        return sum(max(self.corpora[n].nbytes() if n in self.corpora else 0, self._reserved.get(n, [0])[0]) for n in names)
+        return sum(
+            max(self.corpora[n].nbytes() if n in self.corpora else 0, self._reserved.get(n, [0])[0]) for n in names
+        )
 
     def _evict_for(self, corpus: str, need: int) -> bool:
         """Evict loaded corpora, least recently used first (never one that is loading), until
@@ -254,8 +273,9 @@ class ShardHolder:
             self._loads_done.notify_all()
             return gone
 
-    def best_chunks(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
-                    k: int) -> ShardHits:
+    def best_chunks(
+        self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int
+    ) -> ShardHits:
         """:meth:`CorpusShards.best_chunks` of corpus version (``corpus``, ``uid``, ``version``), loaded first if need be."""
         return self.ensure(corpus, uid, version).best_chunks(states, selected, n_total, k)
 
@@ -304,10 +324,14 @@ class ShardHolder:
         with self._lock:
             held = {name: cs for name, cs in self.corpora.items() if corpus is None or name == corpus}
         return {
-            "slot": self.slot, "device": str(self.device), "corpora": len(held),
+            "slot": self.slot,
+            "device": str(self.device),
+            "corpora": len(held),
             "rows": sum(s.n for cs in held.values() for s in cs.shards.values()),
             "bytes": sum(cs.nbytes() for cs in held.values()),
-            "budget_bytes": self.memory_bytes, "reserved_bytes": sum(b for b, _ in self._reserved.values()), "evictions": self.evictions,
+            "budget_bytes": self.memory_bytes,
+            "reserved_bytes": sum(b for b, _ in self._reserved.values()),
+            "evictions": self.evictions,
             "loaded_rows": sum(cs.loaded_rows for cs in held.values()),
             "problems": [str(p) for cs in held.values() for p in cs.problems],
         }

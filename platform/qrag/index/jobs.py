@@ -61,7 +61,11 @@ class Job:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         del d["owner"], d["heartbeat"]
-        d["progress"] = round(self.chunks_done / self.chunks_total, 4) if self.chunks_total else (1.0 if self.state == "done" else 0.0)
+        d["progress"] = (
+            round(self.chunks_done / self.chunks_total, 4)
+            if self.chunks_total
+            else (1.0 if self.state == "done" else 0.0)
+        )
         return d
 
     @classmethod
@@ -146,8 +150,13 @@ class JobBoard:
         return job.active and ((now or time.time()) - job.heartbeat > self.stale_s)
 
     def recent(self, corpus: str, limit: int) -> list[Job]:
-        jobs = [j for j in (self._read(p) for p in [*(self.root / "active").glob("*.json"), *(self.root / "done").glob("*.json")])
-                if j is not None and j.corpus == corpus]
+        jobs = [
+            j
+            for j in (
+                self._read(p) for p in [*(self.root / "active").glob("*.json"), *(self.root / "done").glob("*.json")]
+            )
+            if j is not None and j.corpus == corpus
+        ]
         return sorted(jobs, key=lambda j: j.created, reverse=True)[:limit]
 
     def prune(self, keep: int) -> None:

@@ -80,7 +80,9 @@ class LaneConfig:
 
     store_root: str
     name: str
-    make_model: Callable[[str], Any]  # device -> the embedding model on it (picklable: a module-level function or partial)
+    make_model: Callable[
+        [str], Any
+    ]  # device -> the embedding model on it (picklable: a module-level function or partial)
     tokenizer_dir: str
     layout: Any  # the model's TokenLayout: the tokenising workers start before the model loads
     chunk_tokens: int
@@ -117,6 +119,7 @@ class LaneStats:
 def lanes_on(devices: Sequence[str], per_device: int | None = None) -> list[str]:
     """One device name per lane: ``per_device`` lanes on each (None: LANES_PER_GPU on a GPU, 1 on
     the CPU)."""
+
     def count(device: str) -> int:
         return per_device or (LANES_PER_GPU if device.startswith("cuda") else 1)
 
@@ -161,10 +164,15 @@ def _tokenised_groups(pool, inbox, cfg: LaneConfig, parent: int, keys: deque, re
     msg = first
     while msg is not None:
         k, docs = msg
-        futures = [pool.submit(prepare_block, [(d.id, d.text) for d in b], cfg.chunk_tokens) for b in blocks_of(docs, cfg.block_chars)]
+        futures = [
+            pool.submit(prepare_block, [(d.id, d.text) for d in b], cfg.chunk_tokens)
+            for b in blocks_of(docs, cfg.block_chars)
+        ]
         report_count_when_done(futures, lambda n, k=k: report(("count", k, n)))
         keys.append(k)
-        yield Group(docs=[Document(d.id, "") for d in docs], pending=_gathered(futures))  # the texts live on in the chunks
+        yield Group(
+            docs=[Document(d.id, "") for d in docs], pending=_gathered(futures)
+        )  # the texts live on in the chunks
         msg = _get(inbox, parent)
 
 
@@ -216,8 +224,12 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
         # each worker importing torch and transformers itself, then the model loading only once
         # every worker was up, made a lane's start many times longer.
         t_fork = time.perf_counter()
-        pool = ProcessPoolExecutor(cfg.workers, mp_context=_worker_context(), initializer=init_worker,
-                                   initargs=(cfg.tokenizer_dir, cfg.layout, 64, cfg.worker_nice))
+        pool = ProcessPoolExecutor(
+            cfg.workers,
+            mp_context=_worker_context(),
+            initializer=init_worker,
+            initargs=(cfg.tokenizer_dir, cfg.layout, 64, cfg.worker_nice),
+        )
         workers_up = [pool.submit(int, 0) for _ in range(cfg.workers)]
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(pick_device(device))
@@ -232,8 +244,18 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
         store = CorpusStore(cfg.store_root, clean=False)  # the caller holds the lock and cleaned already
         fixed = store.read(cfg.name)  # name, shards, dim, dtype: what writing a batch needs
         t_ready = time.perf_counter()
-        report(("ready", model.fingerprint, {"model_seconds": round(t_model - t_fork, 3), "warm_up_seconds": round(t_warm - t_model, 3),
-                                             "warm_shapes": shapes, "workers_after_model_seconds": round(t_ready - t_warm, 3)}))
+        report(
+            (
+                "ready",
+                model.fingerprint,
+                {
+                    "model_seconds": round(t_model - t_fork, 3),
+                    "warm_up_seconds": round(t_warm - t_model, 3),
+                    "warm_shapes": shapes,
+                    "workers_after_model_seconds": round(t_ready - t_warm, 3),
+                },
+            )
+        )
         keys: deque = deque()
         starts: dict[int, tuple[int, int]] = {}
 
@@ -245,19 +267,31 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
                     raise _Stopped("stopped by the indexing process")
                 starts[msg[0]] = (msg[1], msg[2])
             batch_id, first = starts.pop(k)
-            batch = store.write_batch_files(fixed, batch_id, first, group.docs, group.chunks, group.ids, vectors,
-                                            fingerprint=model.fingerprint)
+            batch = store.write_batch_files(
+                fixed, batch_id, first, group.docs, group.chunks, group.ids, vectors, fingerprint=model.fingerprint
+            )
             report(("written", k, batch, sum(len(x) for x in group.ids)))
 
         # The lane's figures start with its first group, not while the other lanes are starting.
         first = _get(inbox, parent)
         try:
-            _, stats = index_groups(store, cfg.name, model, _tokenised_groups(pool, inbox, cfg, parent, keys, report, first),
-                                    chunk_batch=cfg.chunk_batch, depth=cfg.depth, append=append)
+            _, stats = index_groups(
+                store,
+                cfg.name,
+                model,
+                _tokenised_groups(pool, inbox, cfg, parent, keys, report, first),
+                chunk_batch=cfg.chunk_batch,
+                depth=cfg.depth,
+                append=append,
+            )
         finally:  # after a failure: the groups queued ahead are not tokenised for nothing
             pool.shutdown(wait=True, cancel_futures=True)
         graphed = getattr(model, "chunk_encoder", None)  # CUDA-graph replays of the chunk encoder, where it has them
-        graphs = {"graph_replays": graphed.replays, "eager_calls": graphed.eager_calls} if hasattr(graphed, "replays") else {}
+        graphs = (
+            {"graph_replays": graphed.replays, "eager_calls": graphed.eager_calls}
+            if hasattr(graphed, "replays")
+            else {}
+        )
         if torch.device(device).type == "cuda":  # several lanes share a GPU's memory
             graphs["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved(torch.device(device)) / 2**30, 2)
         report(("done", {**stats.summary(), **graphs}, stats.started_at))
@@ -274,7 +308,9 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
 class _Run:
     """The caller's side of one run: positions in group order, commits in group order."""
 
-    def __init__(self, store: CorpusStore, m: Manifest, devices: Sequence[str], on_commit: Callable[[Manifest], None] | None):
+    def __init__(
+        self, store: CorpusStore, m: Manifest, devices: Sequence[str], on_commit: Callable[[Manifest], None] | None
+    ):
         self.store, self.m, self.on_commit = store, m, on_commit
         self.counts: dict[int, tuple[int, int]] = {}  # group -> (chunks, its lane)
         self.written: dict[int, tuple[Batch, int]] = {}  # group -> (its written batch, encoder tokens)
@@ -314,9 +350,17 @@ class _Run:
                 self.on_commit(self.m)
 
 
-def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg: LaneConfig, devices: Sequence[str], *,
-                   commit_chars: int = 4 << 20, resume: bool = False,
-                   on_commit: Callable[[Manifest], None] | None = None) -> tuple[Manifest, LaneStats]:
+def index_in_lanes(
+    store: CorpusStore,
+    name: str,
+    docs: Iterable[Document],
+    cfg: LaneConfig,
+    devices: Sequence[str],
+    *,
+    commit_chars: int = 4 << 20,
+    resume: bool = False,
+    on_commit: Callable[[Manifest], None] | None = None,
+) -> tuple[Manifest, LaneStats]:
     """Embed and commit ``docs`` into corpus ``name`` with one lane per device (see the module
     doc). ``resume``: documents the corpus holds are skipped (else they are an error, as for
     ``CorpusStore.append``). ``on_commit(manifest)`` after every commit. Returns the last
@@ -331,15 +375,23 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
         outbox = ctx.Queue()
         inboxes = [ctx.Queue(maxsize=cfg.depth) for _ in range(n)]
         controls = [ctx.Queue() for _ in range(n)]
-        procs = [ctx.Process(target=_lane, args=(i, str(d), cfg, inboxes[i], controls[i], outbox, os.getpid()),
-                             name=f"qrag-lane-{i}") for i, d in enumerate(devices)]  # not daemonic: a lane has worker processes
+        procs = [
+            ctx.Process(
+                target=_lane, args=(i, str(d), cfg, inboxes[i], controls[i], outbox, os.getpid()), name=f"qrag-lane-{i}"
+            )
+            for i, d in enumerate(devices)
+        ]  # not daemonic: a lane has worker processes
         t_spawn = time.perf_counter()
         for p in procs:
             p.start()
         stop = threading.Event()
         failure: list[BaseException] = []
-        sender = threading.Thread(target=_send, args=(docs, existing, resume, name, commit_chars, inboxes, stop, failure),
-                                  name="qrag-lanes-send", daemon=True)
+        sender = threading.Thread(
+            target=_send,
+            args=(docs, existing, resume, name, commit_chars, inboxes, stop, failure),
+            name="qrag-lanes-send",
+            daemon=True,
+        )
         finished: set[int] = set()
         ready = 0
         t_ready = None
@@ -351,14 +403,20 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
                     dead = [i for i, p in enumerate(procs) if i not in finished and not p.is_alive()]
                     if dead:
                         i = dead[0]
-                        raise LaneError(f"lane {i} ({devices[i]}) exited with code {procs[i].exitcode} without a word") from None
+                        raise LaneError(
+                            f"lane {i} ({devices[i]}) exited with code {procs[i].exitcode} without a word"
+                        ) from None
                     continue  # a failure of the input ends the inboxes itself: the groups before it are committed
                 kind, i = msg[0], msg[1]
                 if kind == "ready":
                     if msg[2] != m.fingerprint:
-                        raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}; lane {i} has {msg[2]}")
+                        raise CorpusConflict(
+                            f"corpus {name!r} was indexed with model {m.fingerprint}; lane {i} has {msg[2]}"
+                        )
                     ready += 1
-                    run.stats.lane_startup.append({"lane": i, "seconds": round(time.perf_counter() - t_spawn, 3), **msg[3]})
+                    run.stats.lane_startup.append(
+                        {"lane": i, "seconds": round(time.perf_counter() - t_spawn, 3), **msg[3]}
+                    )
                     if ready == n:
                         # Groups go out once every lane is ready: a lane ready earlier would index
                         # alone meanwhile, and the run's rate would mix that in.
@@ -373,14 +431,22 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
                     finished.add(i)
                     # When the lane began its first group, from the moment groups went out (perf_counter: one clock for the machine)
                     begun = round(msg[3] - t_ready, 3) if t_ready is not None else None
-                    run.stats.per_lane.append({"lane": i, "device": str(devices[i]), "started_after_ready": begun, **msg[2]})
+                    run.stats.per_lane.append(
+                        {"lane": i, "device": str(devices[i]), "started_after_ready": begun, **msg[2]}
+                    )
                 elif kind == "stopped":
                     finished.add(i)
                 elif kind == "error":
                     finished.add(i)
                     if not failure:  # bad input or a refusal of the store names its record itself
                         user = isinstance(msg[2], (DataError, StoreError))
-                        failure.append(msg[2] if user else LaneError(f"lane {i} ({devices[i]}) failed: {msg[2]}\n--- the lane's traceback ---\n{msg[3]}"))
+                        failure.append(
+                            msg[2]
+                            if user
+                            else LaneError(
+                                f"lane {i} ({devices[i]}) failed: {msg[2]}\n--- the lane's traceback ---\n{msg[3]}"
+                            )
+                        )
                     _stop(stop, inboxes, controls)
         except BaseException:
             _stop(stop, inboxes, controls)
@@ -398,8 +464,16 @@ def index_in_lanes(store: CorpusStore, name: str, docs: Iterable[Document], cfg:
         return m, run.stats
 
 
-def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str, commit_chars: int, inboxes: Sequence, stop: threading.Event,
-          failure: list[BaseException]) -> None:
+def _send(
+    docs: Iterable[Document],
+    existing: set[str],
+    resume: bool,
+    name: str,
+    commit_chars: int,
+    inboxes: Sequence,
+    stop: threading.Event,
+    failure: list[BaseException],
+) -> None:
     """The sender thread: each group to the next lane with room in its inbox (round robin while the
     lanes keep pace; a lane that falls behind gets fewer), then an end mark to each."""
     seen = set(existing)
@@ -416,7 +490,9 @@ def _send(docs: Iterable[Document], existing: set[str], resume: bool, name: str,
     try:
         lane = -1
         first_chars = max(1, commit_chars // FIRST_GROUP_SHRINK)
-        for k, group in enumerate(char_groups(fresh(), commit_chars, first_groups=len(inboxes), first_chars=first_chars)):
+        for k, group in enumerate(
+            char_groups(fresh(), commit_chars, first_groups=len(inboxes), first_chars=first_chars)
+        ):
             lane = put_where_room(inboxes, (k, group), lane + 1, stop)
             if lane is None:
                 return

@@ -30,7 +30,9 @@ class Embedder(Protocol):
 
     def count_tokens(self, texts: list[str]) -> list[int]: ...
     def tokenize_chunks(self, texts: Sequence[str], chunk_tokens: int) -> list[np.ndarray]: ...
-    def chunk_documents(self, docs: Sequence[Document], chunk_tokens: int) -> tuple[list[DocumentChunk], list[np.ndarray]]: ...
+    def chunk_documents(
+        self, docs: Sequence[Document], chunk_tokens: int
+    ) -> tuple[list[DocumentChunk], list[np.ndarray]]: ...
     def tokenize_question(self, text: str) -> np.ndarray: ...
     def embed_chunks(self, seqs: Sequence[np.ndarray]) -> np.ndarray: ...
     def embed_states(self, seqs: Sequence[np.ndarray]) -> np.ndarray: ...
@@ -51,9 +53,18 @@ class ShardsBackend:
 class LocalIndex:
     """Index documents and search corpora in one process, every shard in memory."""
 
-    def __init__(self, store: CorpusStore, model: Embedder, device: torch.device | str | Sequence[torch.device | str] = "cpu",
-                 options: ShardOptions | None = None, chunk_batch: int = 4096, commit_chunks: int | None = 65536, pipelined: bool = True,
-                 writer: str = "thread", replicas: Sequence[Embedder] = ()):
+    def __init__(
+        self,
+        store: CorpusStore,
+        model: Embedder,
+        device: torch.device | str | Sequence[torch.device | str] = "cpu",
+        options: ShardOptions | None = None,
+        chunk_batch: int = 4096,
+        commit_chunks: int | None = 65536,
+        pipelined: bool = True,
+        writer: str = "thread",
+        replicas: Sequence[Embedder] = (),
+    ):
         """``device``: where the shards are held; several: shard s on ``device[s % n]``.
         ``replicas``: the model on more devices (``EmbeddingModel.replica``): indexing embeds
         commit groups on all of them (:func:`qrag.index.pipeline.index_groups`)."""
@@ -70,11 +81,19 @@ class LocalIndex:
         self._open: dict[str, CorpusShards] = {}
 
     def create(self, name: str, chunk_tokens: int, shards: int, dtype: str = "float32") -> Manifest:
-        return self.store.create(name, fingerprint=self.model.fingerprint, model=self.model.model_cfg, dim=self.model.dim,
-                                 chunk_tokens=chunk_tokens, shards=shards, dtype=dtype)
+        return self.store.create(
+            name,
+            fingerprint=self.model.fingerprint,
+            model=self.model.model_cfg,
+            dim=self.model.dim,
+            chunk_tokens=chunk_tokens,
+            shards=shards,
+            dtype=dtype,
+        )
 
-    def add_documents(self, name: str, docs: Sequence[Document], progress=None, *, resume: bool = False,
-                      on_commit=None) -> Manifest:
+    def add_documents(
+        self, name: str, docs: Sequence[Document], progress=None, *, resume: bool = False, on_commit=None
+    ) -> Manifest:
         """Chunk, tokenise, embed and store ``docs`` (in order) through :mod:`qrag.index.pipeline`:
         committed in batches of whole documents of about ``commit_chunks`` chunks, each batch
         atomically (a failure leaves the corpus at the last whole batch and is raised here).
@@ -101,9 +120,18 @@ class LocalIndex:
         if resume and not docs:
             return m
         groups = document_groups(docs, prepare, self.commit_chunks)
-        manifest, self.last_stats = index_groups(self.store, name, self.model, groups, chunk_batch=self.chunk_batch,
-                                                 pipelined=self.pipelined, progress=progress, on_commit=on_commit, writer=self.writer,
-                                                 replicas=self.replicas)
+        manifest, self.last_stats = index_groups(
+            self.store,
+            name,
+            self.model,
+            groups,
+            chunk_batch=self.chunk_batch,
+            pipelined=self.pipelined,
+            progress=progress,
+            on_commit=on_commit,
+            writer=self.writer,
+            replicas=self.replicas,
+        )
         return manifest
 
     def shards(self, name: str) -> CorpusShards:
@@ -114,12 +142,16 @@ class LocalIndex:
         cs.sync(m.version, m.uid)
         return cs
 
-    def retrieve(self, name: str, question: str, cfg: SearchConfig) -> tuple[Retrieval, dict[int, ChunkRecord], Timings]:
+    def retrieve(
+        self, name: str, question: str, cfg: SearchConfig
+    ) -> tuple[Retrieval, dict[int, ChunkRecord], Timings]:
         t0 = time.perf_counter()
         timings = Timings()
         m = self.store.read(name)
         if m.fingerprint != self.model.fingerprint:
-            raise CorpusConflict(f"corpus {name!r} was indexed with model {m.fingerprint}, not {self.model.fingerprint}")
+            raise CorpusConflict(
+                f"corpus {name!r} was indexed with model {m.fingerprint}, not {self.model.fingerprint}"
+            )
         cs = self.shards(name)
         q_ids = self.model.tokenize_question(question)
         timings.tokenize = time.perf_counter() - t0

@@ -103,8 +103,12 @@ class GroupBuilder:
         return group if group.docs else None
 
 
-def document_groups(docs: Sequence[Document], prepare: Callable[[list[Document]], tuple[list[DocumentChunk], list[np.ndarray]]],
-                    commit_chunks: int | None, block_docs: int = 256) -> Iterator[Group]:
+def document_groups(
+    docs: Sequence[Document],
+    prepare: Callable[[list[Document]], tuple[list[DocumentChunk], list[np.ndarray]]],
+    commit_chunks: int | None,
+    block_docs: int = 256,
+) -> Iterator[Group]:
     """Chunk + tokenise ``docs`` ``block_docs`` at a time (``prepare``: documents -> their chunks
     in order and the chunks' token ids) and yield commit groups. No documents: one empty group
     (an empty batch, as a single append of nothing makes)."""
@@ -137,7 +141,9 @@ class IndexStats:
     tokens: int = 0  # text tokens of the chunks
     encoder_tokens: int = 0  # token ids embedded (with [CLS]/[SEP])
     seconds: float = 0.0  # wall, first group asked for to last commit
-    prep_seconds: float = 0.0  # busy: producing groups (chunking, tokenising or waiting on workers; a streamed group: handing it over)
+    prep_seconds: float = (
+        0.0  # busy: producing groups (chunking, tokenising or waiting on workers; a streamed group: handing it over)
+    )
     embed_seconds: float = 0.0  # busy: queueing forwards and waiting for the device to take more
     write_seconds: float = 0.0  # busy: store appends (files, checksums, fsync, manifest)
     embed_waiting_for_prep: float = 0.0  # the embed stage starved: no group, or a streamed group's next block not ready
@@ -308,6 +314,7 @@ def _starter(model) -> Callable[[Sequence[np.ndarray]], Callable[[], np.ndarray]
     def start_now(seqs, _embed=model.embed_chunks):
         out = _embed(seqs)
         return lambda: out
+
     return start_now
 
 
@@ -317,7 +324,9 @@ def _joined(parts: list[np.ndarray], dim: int) -> np.ndarray:
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def embed_group(model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on_slice: Callable[[int], None] | None = None) -> np.ndarray:
+def embed_group(
+    model, ids: Sequence[np.ndarray], chunk_batch: int, dim: int, on_slice: Callable[[int], None] | None = None
+) -> np.ndarray:
     """Vectors of a group, ``chunk_batch`` chunks per encoder call; with a model that can start a
     call before the previous one is waited for (``embed_chunks_start``), one call stays queued
     ahead so the device never waits for the host between calls. (A pipelined run's :class:`_Feeder`
@@ -351,16 +360,27 @@ class _Feeder:
 
     _END = object()
 
-    def __init__(self, model, chunk_batch: int, dim: int, stats: IndexStats, counting: threading.Lock,
-                 on_block: Callable[[Sequence[np.ndarray]], None], on_slice: Callable[[int], None], name: str):
+    def __init__(
+        self,
+        model,
+        chunk_batch: int,
+        dim: int,
+        stats: IndexStats,
+        counting: threading.Lock,
+        on_block: Callable[[Sequence[np.ndarray]], None],
+        on_slice: Callable[[int], None],
+        name: str,
+    ):
         self.model, self.chunk_batch, self.dim, self.stats, self.counting = model, chunk_batch, dim, stats, counting
         self.on_block, self.on_slice = on_block, on_slice
         self.inbox: queue.Queue = queue.Queue()
         self.launched: queue.Queue = queue.Queue()
         self.room = threading.Semaphore(2)  # slices on the device: the one waited for and one queued behind it
         self.closed = False
-        self.threads = [threading.Thread(target=self._launch, name=f"{name}-launch", daemon=True),
-                        threading.Thread(target=self._collect, name=f"{name}-collect", daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._launch, name=f"{name}-launch", daemon=True),
+            threading.Thread(target=self._collect, name=f"{name}-collect", daemon=True),
+        ]
         for t in self.threads:
             t.start()
 
@@ -462,19 +482,32 @@ class _Feeder:
 def _on_device(device) -> Callable[[], None]:
     """A feeder thread's initializer: CUDA work of the thread (graph captures, events, streams)
     goes to its model's device, not to device 0."""
+
     def init() -> None:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is not None:
             torch.cuda.set_device(dev)
+
     return init
 
 
-def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], *, chunk_batch: int, pipelined: bool = True,
-                 depth: int = 2, progress: Callable[[int, int], None] | None = None,
-                 on_commit: Callable[[Manifest], None] | None = None, host_threads: int | None = 1,
-                 switch_s: float | None = FEEDING_SWITCH_S, writer: str = "thread",
-                 replicas: Sequence = (), append: Callable[[Group, np.ndarray], Manifest | None] | None = None
-                 ) -> tuple[Manifest, IndexStats]:
+def index_groups(
+    store: CorpusStore,
+    name: str,
+    model,
+    groups: Iterable[Group],
+    *,
+    chunk_batch: int,
+    pipelined: bool = True,
+    depth: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+    on_commit: Callable[[Manifest], None] | None = None,
+    host_threads: int | None = 1,
+    switch_s: float | None = FEEDING_SWITCH_S,
+    writer: str = "thread",
+    replicas: Sequence = (),
+    append: Callable[[Group, np.ndarray], Manifest | None] | None = None,
+) -> tuple[Manifest, IndexStats]:
     """Embed and commit ``groups`` (in order, one ``store.append`` each) into corpus ``name``.
 
     ``progress(done, known)`` after every encoder call: chunks embedded and chunks prepared so far.
@@ -502,15 +535,30 @@ def index_groups(store: CorpusStore, name: str, model, groups: Iterable[Group], 
     if append is not None and writer != "thread":
         raise ValueError("a custom append runs on the writer thread: it needs writer='thread'")
     with host_settings_while_feeding(getattr(model, "device", "cpu"), host_threads, switch_s):
-        return _index_groups(store, name, models, groups, chunk_batch, pipelined, depth, progress, on_commit, writer, append)
+        return _index_groups(
+            store, name, models, groups, chunk_batch, pipelined, depth, progress, on_commit, writer, append
+        )
 
 
-def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Iterable[Group], chunk_batch: int, pipelined: bool, depth: int,
-                  progress: Callable[[int, int], None] | None, on_commit: Callable[[Manifest], None] | None,
-                  writer_kind: str = "thread", append: Callable[[Group, np.ndarray], Manifest | None] | None = None
-                  ) -> tuple[Manifest, IndexStats]:
-    stats = IndexStats(pipelined=pipelined, depth=depth if pipelined else 0, writer=writer_kind if pipelined else "caller",
-                       devices=len(models))
+def _index_groups(
+    store: CorpusStore,
+    name: str,
+    models: Sequence,
+    groups: Iterable[Group],
+    chunk_batch: int,
+    pipelined: bool,
+    depth: int,
+    progress: Callable[[int, int], None] | None,
+    on_commit: Callable[[Manifest], None] | None,
+    writer_kind: str = "thread",
+    append: Callable[[Group, np.ndarray], Manifest | None] | None = None,
+) -> tuple[Manifest, IndexStats]:
+    stats = IndexStats(
+        pipelined=pipelined,
+        depth=depth if pipelined else 0,
+        writer=writer_kind if pipelined else "caller",
+        devices=len(models),
+    )
     dim = store.read(name).dim
     fingerprint = models[0].fingerprint
     last: list[Manifest] = []
@@ -531,9 +579,11 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
     # writer "process") by a child process. Each gives the committed manifest, or None.
     child = ChildWriter(store.root, name, fingerprint) if pipelined and writer_kind == "process" else None
     if append is None and child is not None:
+
         def append(group: Group, vectors: np.ndarray) -> Manifest:
             return child.append(group.docs, group.chunks, group.ids, vectors)
     elif append is None:
+
         def append(group: Group, vectors: np.ndarray) -> Manifest:
             return store.append(name, group.docs, group.chunks, group.ids, vectors, fingerprint)
 
@@ -573,7 +623,10 @@ def _index_groups(store: CorpusStore, name: str, models: Sequence, groups: Itera
     else:
         prep = _Prefetch(groups, depth, stats)
         writer = _Writer(write, depth * len(models), stats)
-        feeders = [_Feeder(m, chunk_batch, dim, stats, counting, known, on_slice, f"qrag-index-feed-{i}") for i, m in enumerate(models)]
+        feeders = [
+            _Feeder(m, chunk_batch, dim, stats, counting, known, on_slice, f"qrag-index-feed-{i}")
+            for i, m in enumerate(models)
+        ]
         failed = True
         try:
             for k, group in enumerate(prep):

@@ -87,8 +87,9 @@ class ScoreGraphs:
         self.replays = 0
         self.captures = 0
 
-    def replay_best_chunks(self, shards: Sequence[Any], states: torch.Tensor, sel: np.ndarray, n_total: int, k: int
-             ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None:
+    def replay_best_chunks(
+        self, shards: Sequence[Any], states: torch.Tensor, sel: np.ndarray, n_total: int, k: int
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None:
         """Each shard's :meth:`~qrag.index.shards.ShardIndex.best_chunks_on_device` for the rows of ``states``
         (on the shards' GPU) and ``sel`` (:func:`~qrag.index.shards.selected_matrix`), on the host;
         None where no graph serves (more rows than the largest bucket, a failed capture)."""
@@ -96,7 +97,14 @@ class ScoreGraphs:
         size = bucket_of(rows, self.batch_buckets)
         if size is None:
             return None
-        key = (tuple((id(s), s.rows_within(n_total), s.vectors.data_ptr()) for s in shards), size, width, n_total, k, str(states.device))
+        key = (
+            tuple((id(s), s.rows_within(n_total), s.vectors.data_ptr()) for s in shards),
+            size,
+            width,
+            n_total,
+            k,
+            str(states.device),
+        )
         if key in self.failures:
             return None
         with self._lock:
@@ -139,9 +147,15 @@ class ScoreGraphs:
 
         graph, (tops, packed) = self._record(step, device)
         self.captures += 1
-        return _Captured([weakref.ref(s) for s in shards], graph, st, sl, packed,
-                         [(t.dtype, tuple(t.shape)) for top in tops for t in top if t is not None],
-                         [top[2] is not None for top in tops])
+        return _Captured(
+            [weakref.ref(s) for s in shards],
+            graph,
+            st,
+            sl,
+            packed,
+            [(t.dtype, tuple(t.shape)) for top in tops for t in top if t is not None],
+            [top[2] is not None for top in tops],
+        )
 
 
 _BY_DEVICE: dict[str, ScoreGraphs] = {}
@@ -154,5 +168,8 @@ def score_graphs_for(device: torch.device) -> ScoreGraphs:
 
 def graph_stats() -> dict[str, Any]:
     """Captures, replays and failures over every device (for benchmarks and /metrics)."""
-    return {"captures": sum(g.captures for g in _BY_DEVICE.values()), "replays": sum(g.replays for g in _BY_DEVICE.values()),
-            "failures": {repr(k): v for g in _BY_DEVICE.values() for k, v in g.failures.items()}}
+    return {
+        "captures": sum(g.captures for g in _BY_DEVICE.values()),
+        "replays": sum(g.replays for g in _BY_DEVICE.values()),
+        "failures": {repr(k): v for g in _BY_DEVICE.values() for k, v in g.failures.items()},
+    }

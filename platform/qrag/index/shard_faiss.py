@@ -67,7 +67,17 @@ class ShardFaiss:
     ``approximate``). An HNSW index is saved under ``folder`` (None: never) after it grows and
     loaded from there at start (:mod:`qrag.index.faiss_files`)."""
 
-    def __init__(self, faiss: Any, dim: int, shard: int, *, hnsw_m: int, ef_search: int, folder: Path | None = None, uid: str = ""):
+    def __init__(
+        self,
+        faiss: Any,
+        dim: int,
+        shard: int,
+        *,
+        hnsw_m: int,
+        ef_search: int,
+        folder: Path | None = None,
+        uid: str = "",
+    ):
         self.faiss, self.dim, self.shard = faiss, dim, shard
         self.hnsw_m, self.ef_search = hnsw_m, ef_search
         self.folder, self.uid = folder, uid
@@ -95,7 +105,9 @@ class ShardFaiss:
                 self.index, self.rows, self.loaded_rows = index, rows, rows
                 self.batches = [tuple(b) for b in batches[:covered]]
 
-    def catch_up(self, n: int, approximate: bool, rows_from: Callable[[int], tuple[np.ndarray, list[tuple[int, str]]]]) -> None:
+    def catch_up(
+        self, n: int, approximate: bool, rows_from: Callable[[int], tuple[np.ndarray, list[tuple[int, str]]]]
+    ) -> None:
         """Hold at least the shard's first ``n`` rows. ``rows_from(start)`` gives the shard's
         vectors from row ``start`` to its end and the batches they complete. A grown HNSW index
         is saved by the saver thread, not here."""
@@ -135,7 +147,9 @@ class ShardFaiss:
         with self._save_lock:
             self._save_wanted = True
             if self._saver is None:
-                self._saver = threading.Thread(target=self._save_loop, name=f"qrag-faiss-save-{self.shard}", daemon=True)
+                self._saver = threading.Thread(
+                    target=self._save_loop, name=f"qrag-faiss-save-{self.shard}", daemon=True
+                )
                 self._saver.start()
 
     def _save_loop(self) -> None:

@@ -29,7 +29,9 @@ from qrag.index.store import (
 )
 
 
-def positions_at(mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total: int, delta: float, ell: float) -> torch.Tensor | None:
+def positions_at(
+    mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total: int, delta: float, ell: float
+) -> torch.Tensor | None:
     """Positions of the chunks at global indices ``gpos`` [n] for each row of ``selected``
     [B, k] (sorted global indices; pad with ``n_total``), as :func:`qrag.model.positions.chunk_positions`
     computes them over the whole context — the same float32 arithmetic, for a subset of columns."""
@@ -50,8 +52,16 @@ def positions_at(mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total:
     return j.to(torch.float32) * delta + ell * (idx - prev).to(torch.float32) / width
 
 
-def relative_scores(states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Tensor, sel: torch.Tensor, n_total: int,
-                    delta: float, ell: float, freqs: torch.Tensor) -> torch.Tensor:
+def relative_scores(
+    states: torch.Tensor,
+    vectors: torch.Tensor,
+    gpos: torch.Tensor,
+    sel: torch.Tensor,
+    n_total: int,
+    delta: float,
+    ell: float,
+    freqs: torch.Tensor,
+) -> torch.Tensor:
     """Q of every chunk of a shard for each state row, chunks rotated to their relative positions,
     selected chunks at -inf: :func:`positions_at` + :func:`qrag.retrieval.scoring.score_chunks` + the
     exclusion, written as one expression so that ``torch.compile`` fuses it into a few kernels
@@ -142,7 +152,16 @@ class ShardIndex:
     positions off and ``faiss`` allowed, an inner-product FAISS index gives the candidates instead.
     """
 
-    def __init__(self, corpus: str, shard: int, n_shards: int, model: ModelConfig, dim: int, device: torch.device, options: ShardOptions | None = None):
+    def __init__(
+        self,
+        corpus: str,
+        shard: int,
+        n_shards: int,
+        model: ModelConfig,
+        dim: int,
+        device: torch.device,
+        options: ShardOptions | None = None,
+    ):
         self.corpus, self.shard, self.n_shards = corpus, shard, n_shards
         self.model, self.dim, self.device = model, dim, device
         self.options = options or ShardOptions()
@@ -202,7 +221,9 @@ class ShardIndex:
             self.doc_ids.extend(segment.doc_ids)
             self.texts.extend(segment.texts)
             self.tokens.extend(segment.tokens)
-            self._row_bytes += sum(row_bytes(len(t), len(d), len(ids)) for t, d, ids in zip(segment.texts, segment.doc_ids, segment.tokens))
+            self._row_bytes += sum(
+                row_bytes(len(t), len(d), len(ids)) for t, d, ids in zip(segment.texts, segment.doc_ids, segment.tokens)
+            )
             self.n = need
             if vectors_sha256 is not None:
                 self.loaded[segment.batch] = vectors_sha256
@@ -228,13 +249,26 @@ class ShardIndex:
         with self._lock:
             if self.faiss is None:
                 o = self.options
-                self.faiss = ShardFaiss(_faiss(), self.dim, self.shard, hnsw_m=o.hnsw_m, ef_search=o.hnsw_ef_search,
-                                        folder=self.faiss_folder, uid=self.uid or "")
+                self.faiss = ShardFaiss(
+                    _faiss(),
+                    self.dim,
+                    self.shard,
+                    hnsw_m=o.hnsw_m,
+                    ef_search=o.hnsw_ef_search,
+                    folder=self.faiss_folder,
+                    uid=self.uid or "",
+                )
             return self.faiss
 
     def restore_faiss(self) -> None:
         """Load the saved approximate index of this shard (what it covers of the loaded rows)."""
-        if _faiss() is None or self.faiss_folder is None or not self.uses_faiss or not self._approximate() or self.faiss is not None:
+        if (
+            _faiss() is None
+            or self.faiss_folder is None
+            or not self.uses_faiss
+            or not self._approximate()
+            or self.faiss is not None
+        ):
             return
         self._shard_faiss().restore(self._batches())
 
@@ -243,7 +277,9 @@ class ShardIndex:
             return self.vectors[start : self.n].cpu().numpy(), self._batches()
 
     @torch.no_grad()
-    def best_chunks(self, states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]], n_total: int, k: int) -> ShardHits:
+    def best_chunks(
+        self, states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]], n_total: int, k: int
+    ) -> ShardHits:
         """Each state row's best ``k`` chunks of this shard among the first ``n_total`` global
         positions, the row's ``selected`` (global) chunks excluded."""
         n = self.rows_within(n_total)
@@ -252,7 +288,9 @@ class ShardIndex:
         with_pos = self.model.positions != "none"
         if n == 0 or k <= 0:
             return ShardHits.empty(rows, with_pos)
-        mine = [[g // self.n_shards for g in sel if g % self.n_shards == self.shard and g < n_total] for sel in selected]
+        mine = [
+            [g // self.n_shards for g in sel if g % self.n_shards == self.shard and g < n_total] for sel in selected
+        ]
         if self.uses_faiss:
             q, local = self._faiss_best_chunks(states, mine, n, k)
             pos = None
@@ -273,7 +311,9 @@ class ShardIndex:
     def _gpos(self, n: int) -> torch.Tensor:
         return self.shard + self.n_shards * torch.arange(n, device=self.device)
 
-    def _selected_rows(self, selected: Sequence[Sequence[int]], n: int, n_total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _selected_rows(
+        self, selected: Sequence[Sequence[int]], n: int, n_total: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Global positions of this shard's first ``n`` rows, and each state row's selected set
         [B, width] (sorted, padded with ``n_total``): built on the host, one copy to the device."""
         return self._gpos(n), torch.from_numpy(selected_matrix(selected, n_total)).to(self.device)
@@ -281,7 +321,9 @@ class ShardIndex:
     def _wants_fused(self) -> bool:
         return self.model.positions == "relative" and self.device.type == "cuda" and self.options.fused
 
-    def _fused_scores(self, states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Tensor, sel: torch.Tensor, n_total: int) -> torch.Tensor | None:
+    def _fused_scores(
+        self, states: torch.Tensor, vectors: torch.Tensor, gpos: torch.Tensor, sel: torch.Tensor, n_total: int
+    ) -> torch.Tensor | None:
         """Q by the compiled ``relative_scores`` (selected chunks at -inf); None where it cannot compile."""
         fn = _fused()
         if fn is None:
@@ -305,7 +347,9 @@ class ShardIndex:
         return banned[:, :n]
 
     @torch.no_grad()
-    def best_chunks_on_device(self, states: torch.Tensor, sel: torch.Tensor, n_total: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def best_chunks_on_device(
+        self, states: torch.Tensor, sel: torch.Tensor, n_total: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The device half of :meth:`best_chunks` for torch-scored shards (``n > 0``, ``k > 0``): each row's
         best ``min(k, n)`` Q, their local rows and their positions (None: positions off), left on
         the device (no host sync). ``states`` and ``sel`` (:func:`selected_matrix`) are on the device.
@@ -317,9 +361,15 @@ class ShardIndex:
             q = self._fused_scores(states, self.vectors[:n], gpos, sel, n_total)
             if q is not None:
                 top_q, top_i = q.topk(min(k, n), dim=1)
-                return top_q, top_i, positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell)
+                return (
+                    top_q,
+                    top_i,
+                    positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell),
+                )
         pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
-        q = score_chunks(states, self.vectors[:n], pos, c.rope_base, block=max(1, self.options.score_block // max(1, len(states))))
+        q = score_chunks(
+            states, self.vectors[:n], pos, c.rope_base, block=max(1, self.options.score_block // max(1, len(states)))
+        )
         q.masked_fill_(self._banned(sel, n, n_total), float("-inf"))
         top_q, top_i = q.topk(min(k, n), dim=1)
         return top_q, top_i, None if pos is None else pos.gather(1, top_i)
@@ -346,7 +396,9 @@ class ShardIndex:
         if c.positions != "none":  # the selected set only matters through the chunks' positions
             gpos, sel = self._selected_rows(selected, n, n_total)
             pos = positions_at(c.positions, gpos, sel, n_total, c.relative_delta, c.relative_ell)
-        q = score_chunks(states, vectors, pos, c.rope_base, block=max(1, self.options.score_block // max(1, len(states))))
+        q = score_chunks(
+            states, vectors, pos, c.rope_base, block=max(1, self.options.score_block // max(1, len(states)))
+        )
         for r, rows in enumerate(mine):
             if rows:
                 q[r, rows] = float("-inf")
@@ -360,7 +412,9 @@ class ShardIndex:
         q = self._fused_scores(states, vectors, gpos, sel, n_total)
         if q is None:
             return None
-        return self._top(q, k, n, lambda top_i: positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell))
+        return self._top(
+            q, k, n, lambda top_i: positions_at("relative", gpos[top_i], sel, n_total, c.relative_delta, c.relative_ell)
+        )
 
     def _faiss_best_chunks(self, states, mine, n, k):
         faiss_index = self._shard_faiss()
@@ -377,7 +431,9 @@ class ShardIndex:
         return out_q / 2.0, out_i  # Q = mean of the twin halves = <s, a> / 2
 
 
-def best_unselected(dist: np.ndarray, local: np.ndarray, banned: Sequence[set[int]], k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+def best_unselected(
+    dist: np.ndarray, local: np.ndarray, banned: Sequence[set[int]], k: int, n: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Each row's best ``k`` of a FAISS answer (``dist``, ``local`` rows, best first) that are rows
     below ``n`` and not in the row's ``banned`` set; -inf and -1 pad rows with fewer."""
     out_q = np.full((len(dist), k), -np.inf, np.float32)
@@ -406,8 +462,13 @@ def _faiss():
 
 
 @torch.no_grad()
-def score_shards(shards: Sequence[ShardIndex], states: torch.Tensor | np.ndarray, selected: Sequence[Sequence[int]],
-                 n_total: int, k: int) -> list[ShardHits]:
+def score_shards(
+    shards: Sequence[ShardIndex],
+    states: torch.Tensor | np.ndarray,
+    selected: Sequence[Sequence[int]],
+    n_total: int,
+    k: int,
+) -> list[ShardHits]:
     """Each shard's :meth:`ShardIndex.best_chunks`, in order. The torch-scored shards of a device are
     scored in one pass: the states and the selected set go to the device once, every shard's
     device half is launched, and all their results come back in one copy (a host sync per shard
@@ -456,8 +517,14 @@ def as_devices(device: torch.device | str | Sequence[torch.device | str]) -> lis
 class CorpusShards:
     """The shards ``slots`` of one corpus held by one process, kept in step with the store."""
 
-    def __init__(self, store: CorpusStore, name: str, slots: Sequence[int], device: torch.device | Sequence[torch.device],
-                 options: ShardOptions | None = None):
+    def __init__(
+        self,
+        store: CorpusStore,
+        name: str,
+        slots: Sequence[int],
+        device: torch.device | Sequence[torch.device],
+        options: ShardOptions | None = None,
+    ):
         """``device``: where the shards live; several: shard s on ``device[s % len(device)]`` (the
         shards of a corpus spread over GPUs; each device's shards are scored in one pass)."""
         self.devices = as_devices(device)
@@ -490,7 +557,9 @@ class CorpusShards:
                     b.id in shard.loaded and shard.loaded[b.id] != b.shards[slot].vectors.sha256 for b in m.batches
                 )
                 if shard is None or replaced:
-                    shard = ShardIndex(m.name, slot, m.shards, m.model_cfg, m.dim, self.devices[slot % len(self.devices)], self.options)
+                    shard = ShardIndex(
+                        m.name, slot, m.shards, m.model_cfg, m.dim, self.devices[slot % len(self.devices)], self.options
+                    )
                     shard.faiss_folder, shard.uid = self.store.path(self.name) / "faiss", m.uid
                 new = [b for b in m.batches if b.id not in shard.loaded]
                 shard.reserve(shard.n + sum(b.shards[slot].chunks for b in new))

@@ -189,15 +189,25 @@ class SegmentFiles:
     next: StagedVectors | None = None  # while a re-index has staged this segment's new vectors
 
     def to_json(self) -> dict[str, Any]:
-        out = {"chunks": self.chunks, "fingerprint": self.fingerprint, "vectors": self.vectors.to_json(), "texts": self.texts.to_json()}
+        out = {
+            "chunks": self.chunks,
+            "fingerprint": self.fingerprint,
+            "vectors": self.vectors.to_json(),
+            "texts": self.texts.to_json(),
+        }
         return out if self.next is None else {**out, "next": self.next.to_json()}
 
     @classmethod
     def from_json(cls, data: object) -> SegmentFiles:
         d = _fields(data, "segment", {"chunks": int, "fingerprint": str})
         staged = d.get("next")
-        return cls(d["chunks"], d["fingerprint"], FileRef.from_json(d.get("vectors")), FileRef.from_json(d.get("texts")),
-                   None if staged is None else StagedVectors.from_json(staged))
+        return cls(
+            d["chunks"],
+            d["fingerprint"],
+            FileRef.from_json(d.get("vectors")),
+            FileRef.from_json(d.get("texts")),
+            None if staged is None else StagedVectors.from_json(staged),
+        )
 
 
 @dataclass(frozen=True)
@@ -215,18 +225,35 @@ class Batch:
     job: str | None = None  # the job that wrote it: a restarted server tells an interrupted job's fate
 
     def to_json(self) -> dict[str, Any]:
-        out = {"id": self.id, "first": self.first, "chunks": self.chunks, "documents": self.documents, "tokens": self.tokens,
-               "docs": self.docs.to_json(), "shards": [s.to_json() for s in self.shards]}
+        out = {
+            "id": self.id,
+            "first": self.first,
+            "chunks": self.chunks,
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "docs": self.docs.to_json(),
+            "shards": [s.to_json() for s in self.shards],
+        }
         return {**out, "job": self.job} if self.job else out  # written only when there is one (as ever)
 
     @classmethod
     def from_json(cls, data: object) -> Batch:
-        d = _fields(data, "batch", {"id": int, "first": int, "chunks": int, "documents": int, "tokens": int, "shards": list})
+        d = _fields(
+            data, "batch", {"id": int, "first": int, "chunks": int, "documents": int, "tokens": int, "shards": list}
+        )
         job = d.get("job")
         if job is not None and not isinstance(job, str):
             raise TypeError("a batch's job is not a string")
-        return cls(d["id"], d["first"], d["chunks"], d["documents"], d["tokens"], FileRef.from_json(d.get("docs")),
-                   tuple(SegmentFiles.from_json(s) for s in d["shards"]), job)
+        return cls(
+            d["id"],
+            d["first"],
+            d["chunks"],
+            d["documents"],
+            d["tokens"],
+            FileRef.from_json(d.get("docs")),
+            tuple(SegmentFiles.from_json(s) for s in d["shards"]),
+            job,
+        )
 
     def with_segment(self, shard: int, segment: SegmentFiles) -> Batch:
         """This batch with ``shard``'s segment replaced (new vectors, staged or swapped in)."""
@@ -308,7 +335,20 @@ class Manifest:
                 raise CorpusConflict(f"corpus {self.name!r} has {key} {getattr(self, key)}, not {value}")
 
     def summary(self) -> dict[str, Any]:
-        keys = ("name", "fingerprint", "dim", "chunk_tokens", "shards", "dtype", "version", "documents", "chunks", "tokens", "created", "updated")
+        keys = (
+            "name",
+            "fingerprint",
+            "dim",
+            "chunk_tokens",
+            "shards",
+            "dtype",
+            "version",
+            "documents",
+            "chunks",
+            "tokens",
+            "created",
+            "updated",
+        )
         return {**{k: getattr(self, k) for k in keys}, "positions": self.positions, "batches": len(self.batches)}
 
     def to_json(self) -> dict[str, Any]:
@@ -323,8 +363,13 @@ class Manifest:
         """A TypeError (or ValueError) for anything that is not a manifest's layout."""
         d = _fields(data, "manifest", {"batches": list, "chunks": int, "shards": int})
         reindex = d.get("reindex")
-        return cls(**{**d, "batches": [Batch.from_json(b) for b in d["batches"]],
-                      "reindex": None if reindex is None else Reindex.from_json(reindex)})
+        return cls(
+            **{
+                **d,
+                "batches": [Batch.from_json(b) for b in d["batches"]],
+                "reindex": None if reindex is None else Reindex.from_json(reindex),
+            }
+        )
 
 
 def segment_positions(m: Manifest, shard: int, batch: Batch) -> np.ndarray:
@@ -480,12 +525,14 @@ def _encode_segment(positions: np.ndarray, vectors: np.ndarray, tokens: Sequence
     offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate(tokens).astype(np.int32) if len(tokens) else np.zeros(0, np.int32)
-    return st_save({
-        "vectors": np.ascontiguousarray(vectors, dtype=np.dtype(dtype)),
-        "positions": np.ascontiguousarray(positions, dtype=np.int64),
-        "tokens": flat,
-        "offsets": offsets,
-    })
+    return st_save(
+        {
+            "vectors": np.ascontiguousarray(vectors, dtype=np.dtype(dtype)),
+            "positions": np.ascontiguousarray(positions, dtype=np.int64),
+            "tokens": flat,
+            "offsets": offsets,
+        }
+    )
 
 
 _encode_str = json.encoder.encode_basestring  # what json.dumps(..., ensure_ascii=False) uses for a str (the C version)
@@ -495,7 +542,9 @@ def _text_line(p, d, t) -> str:
     """``json.dumps({"position": p, "doc": d, "text": t}, ensure_ascii=False)``, the same
     characters, without building an encoder per line (the writer's hot loop while indexing)."""
     if type(d) is str and type(t) is str:
-        return '{"position": ' + int.__repr__(int(p)) + ', "doc": ' + _encode_str(d) + ', "text": ' + _encode_str(t) + "}"
+        return (
+            '{"position": ' + int.__repr__(int(p)) + ', "doc": ' + _encode_str(d) + ', "text": ' + _encode_str(t) + "}"
+        )
     return json.dumps({"position": int(p), "doc": d, "text": t}, ensure_ascii=False)
 
 
@@ -523,7 +572,9 @@ class CorpusStore:
     def path(self, name: str) -> Path:
         if not valid_name(name):
             shown = name[:80] if isinstance(name, str) else name
-            raise StoreError(f"invalid corpus name {shown!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+            raise StoreError(
+                f"invalid corpus name {shown!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
         return self.root / name
 
     @contextmanager
@@ -545,7 +596,9 @@ class CorpusStore:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if valid_name(p.name) and p.is_dir() and (p / "corpus.json").is_file())
+        return sorted(
+            p.name for p in self.root.iterdir() if valid_name(p.name) and p.is_dir() and (p / "corpus.json").is_file()
+        )
 
     def read(self, name: str) -> Manifest:
         path = self.path(name) / "corpus.json"
@@ -559,7 +612,9 @@ class CorpusStore:
             data = json.loads(raw.decode("utf-8"))
             manifest = Manifest.from_json(data)
         except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise StoreError(f"corpus {name!r}: corpus.json is unreadable ({type(exc).__name__}); restore it or delete the corpus") from None
+            raise StoreError(
+                f"corpus {name!r}: corpus.json is unreadable ({type(exc).__name__}); restore it or delete the corpus"
+            ) from None
         if manifest.format_version != FORMAT_VERSION:
             raise StoreError(f"corpus {name!r}: unsupported index format {manifest.format_version!r}")
         return manifest
@@ -589,9 +644,19 @@ class CorpusStore:
         m.updated = time.time()
         write_atomic(self.path(m.name) / "corpus.json", json.dumps(m.to_json(), indent=1).encode("utf-8"))
 
-    def create(self, name: str, *, fingerprint: str, model: ModelConfig, dim: int, chunk_tokens: int, shards: int, dtype: str = "float32",
-               first: tuple[Sequence[Document], Sequence[DocumentChunk], Sequence[np.ndarray], np.ndarray] | None = None,
-               job: str | None = None) -> Manifest:
+    def create(
+        self,
+        name: str,
+        *,
+        fingerprint: str,
+        model: ModelConfig,
+        dim: int,
+        chunk_tokens: int,
+        shards: int,
+        dtype: str = "float32",
+        first: tuple[Sequence[Document], Sequence[DocumentChunk], Sequence[np.ndarray], np.ndarray] | None = None,
+        job: str | None = None,
+    ) -> Manifest:
         """A new corpus; with ``first`` (docs, chunks, token ids, vectors) it appears already
         holding them, so a failed create leaves nothing behind (no empty corpus, no 409 on retry)."""
         if shards < 1:
@@ -606,8 +671,17 @@ class CorpusStore:
                 shutil.rmtree(path)
             make_dir(path)
             now = time.time()
-            m = Manifest(name=name, uid=secrets.token_hex(8), fingerprint=fingerprint, model=to_dict(model), dim=int(dim),
-                         chunk_tokens=int(chunk_tokens), shards=int(shards), dtype=dtype, created=now)
+            m = Manifest(
+                name=name,
+                uid=secrets.token_hex(8),
+                fingerprint=fingerprint,
+                model=to_dict(model),
+                dim=int(dim),
+                chunk_tokens=int(chunk_tokens),
+                shards=int(shards),
+                dtype=dtype,
+                created=now,
+            )
             if first is not None:  # indexed, then visible: the manifest is written last
                 self._add_batch(m, *first, fingerprint=fingerprint, job=job)
             self._write_manifest(m)
@@ -660,8 +734,10 @@ class CorpusStore:
     def _check_uid(m: Manifest, uid: str | None, what: str) -> None:
         """The generation check of every write that started on corpus ``uid`` (None: no check)."""
         if uid is not None and m.uid != uid:
-            raise CorpusChanged(f"corpus {m.name!r} was deleted and created again while this {what} ran (generation {uid}, now "
-                                f"{m.uid}); nothing of it was stored in the new corpus")
+            raise CorpusChanged(
+                f"corpus {m.name!r} was deleted and created again while this {what} ran (generation {uid}, now "
+                f"{m.uid}); nothing of it was stored in the new corpus"
+            )
 
     @staticmethod
     def _read_checked(path: Path, sha: str) -> bytes | None:
@@ -673,11 +749,15 @@ class CorpusStore:
 
     # -- appending
 
-    def check_new(self, m: Manifest, docs: Sequence[Document], fingerprint: str, existing: set[str] | None = None) -> None:
+    def check_new(
+        self, m: Manifest, docs: Sequence[Document], fingerprint: str, existing: set[str] | None = None
+    ) -> None:
         """What :meth:`append` refuses (CorpusConflict): vectors of another model, or a document id
         the corpus holds (``existing``: its ids, when the caller has read them already)."""
         if fingerprint != m.fingerprint and (m.reindex is None or fingerprint != m.reindex.fingerprint):
-            raise CorpusConflict(f"corpus {m.name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}")
+            raise CorpusConflict(
+                f"corpus {m.name!r} was indexed with model {m.fingerprint}; these vectors come from {fingerprint}"
+            )
         held = {normalize_id(i) for i in (self.doc_ids(m) if existing is None else existing)}
         dup = next((d.id for d in docs if normalize_id(d.id) in held), None)
         if dup is not None:
@@ -704,13 +784,31 @@ class CorpusStore:
             self._write_manifest(m)
             return m
 
-    def _add_batch(self, m: Manifest, docs, chunks, token_ids, vectors: np.ndarray, *, fingerprint: str, job: str | None) -> None:
+    def _add_batch(
+        self, m: Manifest, docs, chunks, token_ids, vectors: np.ndarray, *, fingerprint: str, job: str | None
+    ) -> None:
         """Write one batch's files (each durable) and add it to ``m`` (not yet written)."""
         batch_id = m.last_batch_id + 1
-        self.add_written(m, self.write_batch_files(m, batch_id, m.chunks, docs, chunks, token_ids, vectors, fingerprint=fingerprint, job=job))
+        self.add_written(
+            m,
+            self.write_batch_files(
+                m, batch_id, m.chunks, docs, chunks, token_ids, vectors, fingerprint=fingerprint, job=job
+            ),
+        )
 
-    def write_batch_files(self, m: Manifest, batch_id: int, first: int, docs, chunks, token_ids, vectors: np.ndarray, *,
-                          fingerprint: str, job: str | None = None) -> Batch:
+    def write_batch_files(
+        self,
+        m: Manifest,
+        batch_id: int,
+        first: int,
+        docs,
+        chunks,
+        token_ids,
+        vectors: np.ndarray,
+        *,
+        fingerprint: str,
+        job: str | None = None,
+    ) -> Batch:
         """The files of batch ``batch_id`` whose chunks take the global positions ``first``...
         (each file durable), and its manifest entry, which :meth:`add_written` commits. ``m``
         gives only the corpus's fixed fields (name, shards, dim, dtype): several processes may
@@ -718,7 +816,9 @@ class CorpusStore:
         (:meth:`hold`) commits them in order (:mod:`qrag.index.lanes`)."""
         name = m.name
         if not (len(chunks) == len(token_ids) == len(vectors)):
-            raise StoreError(f"corpus {name!r}: {len(chunks)} chunks, {len(token_ids)} token arrays and {len(vectors)} vectors")
+            raise StoreError(
+                f"corpus {name!r}: {len(chunks)} chunks, {len(token_ids)} token arrays and {len(vectors)} vectors"
+            )
         if vectors.ndim != 2 or vectors.shape[1] != m.dim:
             raise StoreError(f"corpus {name!r}: vectors of shape {tuple(vectors.shape)}, expected [n, {m.dim}]")
         positions = np.arange(first, first + len(chunks), dtype=np.int64)
@@ -729,14 +829,27 @@ class CorpusStore:
             per_doc[c.doc_id][0] += 1
             per_doc[c.doc_id][1] += c.tokens
         docs_bytes = _one_record_per_line(
-            "".join(json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n" for d, (n, t) in per_doc.items()).encode())
+            "".join(
+                json.dumps({"id": d, "chunks": n, "tokens": t}, ensure_ascii=False) + "\n"
+                for d, (n, t) in per_doc.items()
+            ).encode()
+        )
         make_dir(root / "docs")
         write_atomic(root / "docs" / f"{tag}.jsonl", docs_bytes)
 
         def write_shard(s: int) -> SegmentFiles:
             rows = np.nonzero(positions % m.shards == s)[0]
-            return self._write_segment(m, s, tag, positions[rows], vectors[rows], [token_ids[i] for i in rows],
-                                       [chunks[i].doc_id for i in rows], [chunks[i].text for i in rows], fingerprint)
+            return self._write_segment(
+                m,
+                s,
+                tag,
+                positions[rows],
+                vectors[rows],
+                [token_ids[i] for i in rows],
+                [chunks[i].doc_id for i in rows],
+                [chunks[i].text for i in rows],
+                fingerprint,
+            )
 
         # The shards' files side by side: serialising, hashing, writing and fsync release the GIL,
         # and the store's one writer was a serial stage of bulk indexing (docs/benchmarks.md,
@@ -746,8 +859,16 @@ class CorpusStore:
                 shard_entries = list(pool.map(write_shard, range(m.shards)))
         else:
             shard_entries = [write_shard(s) for s in range(m.shards)]
-        return Batch(id=batch_id, first=first, chunks=len(chunks), documents=len(docs), tokens=int(sum(c.tokens for c in chunks)),
-                     docs=FileRef(f"docs/{tag}.jsonl", _sha256(docs_bytes)), shards=tuple(shard_entries), job=job or None)
+        return Batch(
+            id=batch_id,
+            first=first,
+            chunks=len(chunks),
+            documents=len(docs),
+            tokens=int(sum(c.tokens for c in chunks)),
+            docs=FileRef(f"docs/{tag}.jsonl", _sha256(docs_bytes)),
+            shards=tuple(shard_entries),
+            job=job or None,
+        )
 
     @staticmethod
     def add_written(m: Manifest, batch: Batch) -> None:
@@ -755,8 +876,10 @@ class CorpusStore:
         the next batch: its id after the last and its first position the corpus's chunk count."""
         last_id = m.last_batch_id
         if batch.id <= last_id or batch.first != m.chunks:
-            raise StoreError(f"corpus {m.name!r}: batch {batch.id} at position {batch.first} does not follow "
-                             f"batch {last_id} ending at {m.chunks}")
+            raise StoreError(
+                f"corpus {m.name!r}: batch {batch.id} at position {batch.first} does not follow "
+                f"batch {last_id} ending at {m.chunks}"
+            )
         m.batches.append(batch)
         m.version += 1
         m.documents += batch.documents
@@ -784,7 +907,9 @@ class CorpusStore:
         self._write_manifest(m)
         return m
 
-    def _write_segment(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str) -> SegmentFiles:
+    def _write_segment(
+        self, m: Manifest, shard: int, tag: str, positions, vectors, tokens, doc_ids, texts, fingerprint: str
+    ) -> SegmentFiles:
         txt_bytes = _one_record_per_line(_encode_texts(positions, doc_ids, texts))
         vec = self._write_vectors(m, shard, tag, positions, vectors, tokens)
         txt_name = f"{tag}.jsonl"
@@ -793,7 +918,9 @@ class CorpusStore:
             write_atomic(folder / txt_name, txt_bytes)
         else:  # written by an earlier attempt, perhaps before its directory was synced
             fsync_dir(folder)
-        return SegmentFiles(len(positions), fingerprint, vec, FileRef(f"shard_{shard:03d}/{txt_name}", _sha256(txt_bytes)))
+        return SegmentFiles(
+            len(positions), fingerprint, vec, FileRef(f"shard_{shard:03d}/{txt_name}", _sha256(txt_bytes))
+        )
 
     def _write_vectors(self, m: Manifest, shard: int, tag: str, positions, vectors, tokens) -> FileRef:
         """One segment's vectors file, durable."""
@@ -805,13 +932,16 @@ class CorpusStore:
         write_atomic(folder / name, data)
         return FileRef(f"shard_{shard:03d}/{name}", _sha256(data))
 
-    def _rewrite_vectors(self, m: Manifest, shard: int, batch: Batch, vectors: np.ndarray, token_ids: Sequence[np.ndarray],
-                         dim: int) -> FileRef:
+    def _rewrite_vectors(
+        self, m: Manifest, shard: int, batch: Batch, vectors: np.ndarray, token_ids: Sequence[np.ndarray], dim: int
+    ) -> FileRef:
         """New vectors for a segment whose texts stay as they are (repair, re-index)."""
         positions = segment_positions(m, shard, batch)
         if vectors.ndim != 2 or vectors.shape != (len(positions), dim) or len(token_ids) != len(positions):
-            raise StoreError(f"corpus {m.name!r} shard {shard} batch {batch.id}: vectors of shape {tuple(vectors.shape)} and "
-                             f"{len(token_ids)} token arrays for {len(positions)} chunks of dimension {dim}")
+            raise StoreError(
+                f"corpus {m.name!r} shard {shard} batch {batch.id}: vectors of shape {tuple(vectors.shape)} and "
+                f"{len(token_ids)} token arrays for {len(positions)} chunks of dimension {dim}"
+            )
         return self._write_vectors(m, shard, f"batch_{batch.id:06d}", positions, vectors, token_ids)
 
     def _remove_strays(self, m: Manifest) -> int:
@@ -850,27 +980,50 @@ class CorpusStore:
         try:
             rows = _records(texts, _TEXT_FIELDS)
         except ValueError as exc:
-            return problem(entry.texts.file, f"{exc}; the chunk texts are unreadable, restore the file or re-create the corpus", False)
+            return problem(
+                entry.texts.file,
+                f"{exc}; the chunk texts are unreadable, restore the file or re-create the corpus",
+                False,
+            )
         if len(rows) != len(expected) or any(r["position"] != p for r, p in zip(rows, expected)):
             return problem(entry.texts.file, "rows do not match the manifest", False)
         if entry.fingerprint != m.fingerprint:
-            return problem(entry.vectors.file, f"vectors from model {entry.fingerprint}, corpus model {m.fingerprint}", True)
+            return problem(
+                entry.vectors.file, f"vectors from model {entry.fingerprint}, corpus model {m.fingerprint}", True
+            )
         data = self._read_checked(root / entry.vectors.file, entry.vectors.sha256)
         if data is None:
             reason = "missing" if not (root / entry.vectors.file).exists() else "checksum mismatch"
             return problem(entry.vectors.file, reason, True)
         try:
             arrays = st_load(data)
-            vectors, positions, flat, offsets = arrays["vectors"], arrays["positions"], arrays["tokens"], arrays["offsets"]
+            vectors, positions, flat, offsets = (
+                arrays["vectors"],
+                arrays["positions"],
+                arrays["tokens"],
+                arrays["offsets"],
+            )
         except Exception as exc:  # safetensors raises its own error types
             return problem(entry.vectors.file, f"unreadable ({exc})", True)
-        if vectors.shape != (len(expected), m.dim) or not np.array_equal(positions, expected) or len(offsets) != len(expected) + 1:
+        if (
+            vectors.shape != (len(expected), m.dim)
+            or not np.array_equal(positions, expected)
+            or len(offsets) != len(expected) + 1
+        ):
             return problem(entry.vectors.file, "arrays do not match the manifest", True)
         tokens = [flat[offsets[i] : offsets[i + 1]] for i in range(len(expected))]
         return Segment(batch.id, positions, vectors, tokens, [r["doc"] for r in rows], [r["text"] for r in rows]), None
 
-    def replace_vectors(self, name: str, shard: int, batch_id: int, vectors: np.ndarray, token_ids: Sequence[np.ndarray], fingerprint: str,
-                        uid: str | None = None) -> Manifest:
+    def replace_vectors(
+        self,
+        name: str,
+        shard: int,
+        batch_id: int,
+        vectors: np.ndarray,
+        token_ids: Sequence[np.ndarray],
+        fingerprint: str,
+        uid: str | None = None,
+    ) -> Manifest:
         """Re-embedded vectors for one segment whose texts are intact (repair), of the corpus
         generation ``uid`` the texts were read from (:class:`CorpusChanged` otherwise)."""
         with self.lock(name):
@@ -933,19 +1086,34 @@ class CorpusStore:
         if m.reindex is None:
             return []
         target, through = m.reindex.fingerprint, m.reindex.through
-        return [(b, s) for b in m.batches for s, entry in enumerate(b.shards)
-                if (entry.next is None or entry.next.fingerprint != target) and (b.id <= through or entry.fingerprint != target)]
+        return [
+            (b, s)
+            for b in m.batches
+            for s, entry in enumerate(b.shards)
+            if (entry.next is None or entry.next.fingerprint != target)
+            and (b.id <= through or entry.fingerprint != target)
+        ]
 
     def _reindexing(self, name: str, uid: str, fingerprint: str) -> Manifest:
         """The manifest (the caller holds the lock) of generation ``uid`` under a re-index to ``fingerprint``."""
         m = self.read(name)
         self._check_uid(m, uid, "re-index")
         if m.reindex is None or m.reindex.fingerprint != fingerprint:
-            raise CorpusConflict(f"corpus {name!r}: the re-index to model {fingerprint} was finished or replaced by another one")
+            raise CorpusConflict(
+                f"corpus {name!r}: the re-index to model {fingerprint} was finished or replaced by another one"
+            )
         return m
 
-    def stage_vectors(self, name: str, uid: str, fingerprint: str, shard: int, batch_id: int, vectors: np.ndarray,
-                      token_ids: Sequence[np.ndarray]) -> Manifest:
+    def stage_vectors(
+        self,
+        name: str,
+        uid: str,
+        fingerprint: str,
+        shard: int,
+        batch_id: int,
+        vectors: np.ndarray,
+        token_ids: Sequence[np.ndarray],
+    ) -> Manifest:
         """One segment's vectors from the re-index's model, durable beside the current ones."""
         with self.lock(name):
             m = self._reindexing(name, uid, fingerprint)
@@ -967,8 +1135,18 @@ class CorpusStore:
             if todo:
                 return m, todo
             replaced = [s.vectors.file for b in m.batches for s in b.shards if s.next is not None]
-            m.batches = [replace(b, shards=tuple(s if s.next is None else replace(s, vectors=s.next.vectors, fingerprint=s.next.fingerprint, next=None)
-                                                 for s in b.shards)) for b in m.batches]
+            m.batches = [
+                replace(
+                    b,
+                    shards=tuple(
+                        s
+                        if s.next is None
+                        else replace(s, vectors=s.next.vectors, fingerprint=s.next.fingerprint, next=None)
+                        for s in b.shards
+                    ),
+                )
+                for b in m.batches
+            ]
             target, m.reindex = m.reindex, None
             m.fingerprint, m.dim, m.model = target.fingerprint, target.dim, target.model
             m.version += 1

@@ -43,7 +43,9 @@ def prepare_block(docs: Sequence[tuple[str, str]], chunk_tokens: int) -> tuple:
     return pack_chunks(chunks, ids)
 
 
-def char_groups(docs: Iterable[Document], min_chars: int, first_groups: int = 0, first_chars: int = 1) -> Iterator[list[Document]]:
+def char_groups(
+    docs: Iterable[Document], min_chars: int, first_groups: int = 0, first_chars: int = 1
+) -> Iterator[list[Document]]:
     """Whole documents in input order, in groups of at least ``min_chars`` characters (the last
     may be smaller); the first ``first_groups`` groups of at least ``first_chars`` instead.
     Boundaries depend on the documents alone."""

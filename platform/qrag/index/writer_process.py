@@ -84,8 +84,12 @@ class ChildWriter:
         env = dict(os.environ)
         here = str(Path(__file__).resolve().parents[2])  # the folder holding the qrag package
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "qrag.index.writer_process", str(store_root), name, fingerprint],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qrag.index.writer_process", str(store_root), name, fingerprint],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
 
     def append(self, docs, chunks, ids, vectors) -> Any:
         """The committed manifest; the child's exception if the store refused the batch."""
@@ -95,8 +99,10 @@ class ChildWriter:
             self.proc.stdin.flush()
             kind, payload = pickle.load(self.proc.stdout)
         except (EOFError, OSError, pickle.UnpicklingError):
-            raise RuntimeError(f"the index writer process exited with code {self.proc.wait()}; "
-                               "the corpus is committed up to the last whole batch") from None
+            raise RuntimeError(
+                f"the index writer process exited with code {self.proc.wait()}; "
+                "the corpus is committed up to the last whole batch"
+            ) from None
         if kind == "error":
             raise payload
         return payload

@@ -38,7 +38,17 @@ ENTRY = Path(__file__).with_name("mlflow_pyfunc_entry.py")  # models from code: 
 PACKAGE = Path(__file__).resolve().parents[1]  # the qrag package, logged with the model
 # What the pyfunc and the qrag modules it loads import (tests/test_mlflow_portable.py runs it
 # in a virtualenv holding only these).
-RUNTIME_PACKAGES = ("mlflow-skinny", "pandas", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyyaml", "tqdm")
+RUNTIME_PACKAGES = (
+    "mlflow-skinny",
+    "pandas",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "pyyaml",
+    "tqdm",
+)
 
 
 def pip_requirements() -> list[str]:
@@ -86,12 +96,17 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
         from qrag.data.tokens import tokenize_samples
 
         params = params or {}
-        search = dataclasses.replace(self.cfg.search, max_steps=int(params.get("max_steps", self.cfg.search.max_steps)),
-                                     beam_width=int(params.get("beam_width", self.cfg.search.beam_width)))
+        search = dataclasses.replace(
+            self.cfg.search,
+            max_steps=int(params.get("max_steps", self.cfg.search.max_steps)),
+            beam_width=int(params.get("beam_width", self.cfg.search.beam_width)),
+        )
         rows = _rows(model_input)
         samples = [Sample(str(i), str(r["question"]), [str(c) for c in r["chunks"]], []) for i, r in enumerate(rows)]
         d = self.cfg.data
-        tokenized = tokenize_samples(samples, self.tokenizer, self.layout, chunk_tokens=d.chunk_tokens, question_tokens=d.question_tokens)
+        tokenized = tokenize_samples(
+            samples, self.tokenizer, self.layout, chunk_tokens=d.chunk_tokens, question_tokens=d.question_tokens
+        )
         out = []
         for sample, found in zip(samples, self.retriever.retrieve(tokenized, search)):
             steps = [{"chunk": s.chunk, "text": sample.chunks[s.chunk], "q": float(s.q)} for s in found.steps]
@@ -106,7 +121,10 @@ def save_model(checkpoint: str | Path, path: str | Path) -> Path:
     from qrag.model.checkpoint import INFERENCE_PARTS
 
     cfg = load_run_config(checkpoint)
-    with tempfile.TemporaryDirectory(prefix="qrag-inference-") as tmp, tempfile.TemporaryDirectory(prefix="qrag-code-") as code:
+    with (
+        tempfile.TemporaryDirectory(prefix="qrag-inference-") as tmp,
+        tempfile.TemporaryDirectory(prefix="qrag-code-") as code,
+    ):
         for name in INFERENCE_PARTS:
             part = Path(checkpoint) / name
             if part.is_dir():
@@ -119,7 +137,9 @@ def save_model(checkpoint: str | Path, path: str | Path) -> Path:
             # The signature is given (no input example to run) and predict's rows are dicts, not typed.
             warnings.filterwarnings("ignore", message=".*(input_example|type hints).*")
             mlflow.pyfunc.save_model(
-                path=str(path), python_model=str(ENTRY), artifacts={ARTIFACT: tmp},
+                path=str(path),
+                python_model=str(ENTRY),
+                artifacts={ARTIFACT: tmp},
                 code_paths=[str(Path(code) / PACKAGE.name)],
                 signature=signature(cfg.search.max_steps, cfg.search.beam_width),
                 # Explicit: inferring them would import and time the model in a subprocess.

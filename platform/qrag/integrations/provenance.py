@@ -40,7 +40,9 @@ def _checkout_state() -> tuple[str | None, bool | None, str | None]:
     try:
         commit = _git("rev-parse", "HEAD").decode().strip() or None
         diff = _git("diff", "HEAD", "--binary")
-        untracked = sorted(p for p in _git("ls-files", "--others", "--exclude-standard", "-z").decode().split("\0") if p)
+        untracked = sorted(
+            p for p in _git("ls-files", "--others", "--exclude-standard", "-z").decode().split("\0") if p
+        )
     except (OSError, subprocess.SubprocessError):
         return None, None, None
     if not diff and not untracked:
@@ -64,8 +66,11 @@ def git_state() -> dict[str, Any]:
     env = os.environ.get("QRAG_COMMIT")
     if env:
         flag = os.environ.get("QRAG_DIRTY")
-        return {"commit": env, "dirty": None if flag is None else flag.strip() not in ("", "0", "false"),
-                "diff_sha256": os.environ.get("QRAG_DIFF_SHA256") or None}
+        return {
+            "commit": env,
+            "dirty": None if flag is None else flag.strip() not in ("", "0", "false"),
+            "diff_sha256": os.environ.get("QRAG_DIFF_SHA256") or None,
+        }
     commit, dirty, diff = _checkout_state()
     return {"commit": commit, "dirty": dirty, "diff_sha256": diff}
 
@@ -109,7 +114,9 @@ def write_json(path: str | os.PathLike, result: dict[str, Any]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="The checkout's commit, dirty flag and diff hash.")
-    p.add_argument("--env", action="store_true", help="print KEY=value lines (QRAG_COMMIT, QRAG_DIRTY, QRAG_DIFF_SHA256)")
+    p.add_argument(
+        "--env", action="store_true", help="print KEY=value lines (QRAG_COMMIT, QRAG_DIRTY, QRAG_DIFF_SHA256)"
+    )
     args = p.parse_args(argv)
     print(env_lines() if args.env else json.dumps(git_state()), end="" if args.env else "\n")
     return 0

@@ -69,13 +69,23 @@ def find_eval(checkpoint: Path) -> dict[str, Any] | None:
     return None
 
 
-def model_card(checkpoint: Path, cfg_dict: dict[str, Any], model_cfg: ModelConfig, evaluation: dict[str, Any] | None,
-               question_tokens: int, chunk_tokens: int) -> str:
+def model_card(
+    checkpoint: Path,
+    cfg_dict: dict[str, Any],
+    model_cfg: ModelConfig,
+    evaluation: dict[str, Any] | None,
+    question_tokens: int,
+    chunk_tokens: int,
+) -> str:
     needs_code = model_cfg.normalize and model_cfg.similarity == "twin"
     load = "SentenceTransformer(path, trust_remote_code=True)" if needs_code else "SentenceTransformer(path)"
     metrics = ""
     if evaluation:
-        shown = {k: evaluation[k] for k in ("fact_em", "fact_f1", "num_samples", "avg_steps", "split", "update") if k in evaluation}
+        shown = {
+            k: evaluation[k]
+            for k in ("fact_em", "fact_f1", "num_samples", "avg_steps", "split", "update")
+            if k in evaluation
+        }
         metrics = "\n".join(f"| {k} | {v} |" for k, v in shown.items())
         metrics = f"## Evaluation (the run's final, multi-step, from eval.json)\n\n| metric | value |\n| --- | --- |\n{metrics}\n"
     return f"""---
@@ -84,13 +94,18 @@ pipeline_tag: sentence-similarity
 tags: [sentence-transformers, retrieval, q-rag]
 ---
 
-# Q-RAG retriever encoders ({cfg_dict.get('name', 'qrag')})
+# Q-RAG retriever encoders ({cfg_dict.get("name", "qrag")})
 
 Exported by `qrag export --format sentence-transformers` from the checkpoint `{checkpoint}`.
 A Router sends queries through the trained **state encoder** and documents through the trained
 **chunk encoder** (each: {model_cfg.encoder} architecture, mean pooling, then
-{"each half of the vector unit-length (Q-RAG's twin critics; the module ships as code here)" if needs_code
- else "normalisation" if model_cfg.normalize else "no normalisation"}). Score with the dot product:
+{
+        "each half of the vector unit-length (Q-RAG's twin critics; the module ships as code here)"
+        if needs_code
+        else "normalisation"
+        if model_cfg.normalize
+        else "no normalisation"
+    }). Score with the dot product:
 it is Q(s0, a) of the trained agent for the first retrieval step. Later steps (the state holds
 the chunks picked so far) and chunk positions need qrag itself.
 
@@ -124,8 +139,10 @@ def export_sentence_transformers(checkpoint: str | Path, out: str | Path) -> Pat
     meta = read_meta(checkpoint)
     model_cfg = from_dict(ModelConfig, meta["model"])
     if model_cfg.positions != "none":
-        raise CheckpointError(f"{checkpoint}: model.positions={model_cfg.positions}: a sentence-transformers model has no "
-                              "chunk positions; export checkpoints trained with model.positions=none")
+        raise CheckpointError(
+            f"{checkpoint}: model.positions={model_cfg.positions}: a sentence-transformers model has no "
+            "chunk positions; export checkpoints trained with model.positions=none"
+        )
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty")
     cfg = load_run_config(checkpoint)
@@ -139,6 +156,8 @@ def export_sentence_transformers(checkpoint: str | Path, out: str | Path) -> Pat
     model.save(str(out), create_model_card=False)
     if model_cfg.normalize and model_cfg.similarity == "twin":
         shutil.copy(Path(__file__).with_name("st_twin_normalize.py"), out / f"{TWIN_MODULE}.py")
-    card = model_card(checkpoint, to_dict(cfg), model_cfg, find_eval(checkpoint), cfg.data.question_tokens, cfg.data.chunk_tokens)
+    card = model_card(
+        checkpoint, to_dict(cfg), model_cfg, find_eval(checkpoint), cfg.data.question_tokens, cfg.data.chunk_tokens
+    )
     (out / "README.md").write_text(card, encoding="utf-8")
     return out

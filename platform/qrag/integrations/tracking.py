@@ -48,8 +48,10 @@ def tracking_uri(cfg: TrainConfig) -> str | None:
     uri = cfg.distributed.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None:
         if is_uri(cfg.out_dir):
-            raise ConfigError(f"out_dir {cfg.out_dir} is a URI: set distributed.mlflow_uri or $MLFLOW_TRACKING_URI "
-                              "(the default SQLite store lives in a local out_dir)")
+            raise ConfigError(
+                f"out_dir {cfg.out_dir} is a URI: set distributed.mlflow_uri or $MLFLOW_TRACKING_URI "
+                "(the default SQLite store lives in a local out_dir)"
+            )
         uri = f"sqlite:///{Path(cfg.out_dir).resolve() / 'mlflow.db'}"
     return None if uri.strip().lower() == "none" else uri
 
@@ -57,7 +59,7 @@ def tracking_uri(cfg: TrainConfig) -> str | None:
 def _artifact_root(uri: str) -> str | None:
     """Artifacts of a SQLite store go beside the database (MLflow would use the cwd)."""
     if uri.startswith("sqlite:///"):
-        return str(Path(uri[len("sqlite:///"):]).parent / "mlruns")
+        return str(Path(uri[len("sqlite:///") :]).parent / "mlruns")
     return None
 
 
@@ -66,7 +68,7 @@ def client_for(uri: str):
     from mlflow import MlflowClient
 
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     return MlflowClient(tracking_uri=uri)
 
 
@@ -106,11 +108,15 @@ def open_run(
     if found:
         run = found[0]
         logged = run.data.params
-        changed = sorted(k for k in params if k in logged and logged[k] != params[k] and not k.startswith("distributed."))
+        changed = sorted(
+            k for k in params if k in logged and logged[k] != params[k] and not k.startswith("distributed.")
+        )
         if changed:
             shown = ", ".join(f"{k}: {logged[k]} -> {params[k]}" for k in changed[:3])
-            raise ConfigError(f"run {run_name!r} already exists in {run_dir} with other settings ({shown}); "
-                              "resume it unchanged or choose a new name=")
+            raise ConfigError(
+                f"run {run_name!r} already exists in {run_dir} with other settings ({shown}); "
+                "resume it unchanged or choose a new name="
+            )
         run_id = run.info.run_id
         params = {k: v for k, v in params.items() if k not in logged}
         client.update_run(run_id, status="RUNNING")
@@ -131,8 +137,11 @@ def open_run(
 def data_sources(cfg: TrainConfig) -> list[tuple[str, str]]:
     """(name, source) of every dataset the run reads: a hub name, a path, or the loader's default."""
     d = cfg.data
-    entries = d.sources if d.dataset == "mixed" and getattr(d, "sources", None) else [{"dataset": d.dataset, "path": d.path,
-                                                                                        "hub": getattr(d, "hub", None)}]
+    entries = (
+        d.sources
+        if d.dataset == "mixed" and getattr(d, "sources", None)
+        else [{"dataset": d.dataset, "path": d.path, "hub": getattr(d, "hub", None)}]
+    )
     out = []
     for e in entries:
         name = str(e.get("dataset", d.dataset))
@@ -168,7 +177,9 @@ def log_provenance(client, run_id: str, cfg: TrainConfig) -> None:
     d = cfg.data
     inputs = []
     for name, source in data_sources(cfg):
-        digest = hashlib.sha1(f"{source}|{d.chunk_tokens}|{d.question_tokens}|{d.dev_fraction}|{d.limit}".encode()).hexdigest()[:12]
+        digest = hashlib.sha1(
+            f"{source}|{d.chunk_tokens}|{d.question_tokens}|{d.dev_fraction}|{d.limit}".encode()
+        ).hexdigest()[:12]
         kind = "hf" if source.startswith("hf://") else "local"
         dataset = Dataset(name=name, digest=digest, source_type=kind, source=json.dumps({"uri": source}))
         inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "train")]))
@@ -187,7 +198,9 @@ def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, 
     client.set_terminated(run_id, status)
 
 
-def log_final_checkpoint(uri: str, run_id: str, final: Path, checkpoint: Path, mode: str, cfg: TrainConfig | None = None) -> None:
+def log_final_checkpoint(
+    uri: str, run_id: str, final: Path, checkpoint: Path, mode: str, cfg: TrainConfig | None = None
+) -> None:
     """The final eval files (kept in ``final``), ``checkpoint`` (``mode``: inference | full | none)
     and, per ``cfg.distributed``, its inference part as a pyfunc model, registered under a name
     and alias."""
@@ -259,8 +272,10 @@ class RunTracker:
             return cls(cfg, None, None)
         if importlib.util.find_spec("mlflow") is None:  # the core install has no MLflow
             if cfg.distributed.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI"):
-                raise ConfigError(f"MLflow tracking to {uri} needs mlflow-skinny (pip install 'qrag[ray]'), "
-                                  "or switch it off with distributed.mlflow_uri=none")
+                raise ConfigError(
+                    f"MLflow tracking to {uri} needs mlflow-skinny (pip install 'qrag[ray]'), "
+                    "or switch it off with distributed.mlflow_uri=none"
+                )
             sys.stderr.write("train: no MLflow tracking (mlflow-skinny is not installed)\n")
             return cls(cfg, None, None)
         return cls(cfg, uri, open_run(cfg, uri, run_dir, cfg.name, resuming=resuming))

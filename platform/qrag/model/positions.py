@@ -56,7 +56,9 @@ def relative_positions(selected: torch.Tensor, n_chunks: torch.Tensor, delta: fl
     return j.to(torch.float32) * delta + ell * (idx - prev).to(torch.float32) / width
 
 
-def chunk_positions(mode: str, selected: torch.Tensor, n_chunks: torch.Tensor, delta: float, ell: float) -> torch.Tensor | None:
+def chunk_positions(
+    mode: str, selected: torch.Tensor, n_chunks: torch.Tensor, delta: float, ell: float
+) -> torch.Tensor | None:
     """Positions of every chunk for the current selection, or None when positions are off."""
     if mode == "none":
         return None

@@ -48,12 +48,18 @@ def capture_lock(device: torch.device | str) -> threading.Lock:
     a query's state-encoder capture beside an
     append's chunk-encoder capture in a Serve replica could meet the same."""
     dev = torch.device(device)
-    index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" and torch.cuda.is_available() else 0)
+    index = (
+        dev.index
+        if dev.index is not None
+        else (torch.cuda.current_device() if dev.type == "cuda" and torch.cuda.is_available() else 0)
+    )
     with _CAPTURE_LOCKS_GUARD:
         return _CAPTURE_LOCKS.setdefault((dev.type, index), threading.Lock())
 
 
-def capture_graph(run: Callable[[], Any], device: torch.device, pool: Any, error_mode: str = "global") -> tuple[Any, Any, Any]:
+def capture_graph(
+    run: Callable[[], Any], device: torch.device, pool: Any, error_mode: str = "global"
+) -> tuple[Any, Any, Any]:
     """Warm ``run`` up twice on a side stream of ``device`` (capture requires it; compiled code
     compiles there), then capture it on that stream with ``device`` current: (graph, its outputs,
     the memory pool, made when ``pool`` is None). Not on torch.cuda.graph's default capture
@@ -85,15 +91,26 @@ class GraphedEncoder:
     """E_s(s) (or, given ``encoder=qnet.action_encoder``, E_a(a)) for a list of token sequences,
     at bucketed shapes (CUDA graphs on GPU)."""
 
-    def __init__(self, qnet, pad_id: int, device: torch.device, *, graphs: bool | None = None, encoder: torch.nn.Module | None = None,
-                 batch_buckets: Sequence[int] = BATCH_BUCKETS, length_buckets: Sequence[int] = LENGTH_BUCKETS):
+    def __init__(
+        self,
+        qnet,
+        pad_id: int,
+        device: torch.device,
+        *,
+        graphs: bool | None = None,
+        encoder: torch.nn.Module | None = None,
+        batch_buckets: Sequence[int] = BATCH_BUCKETS,
+        length_buckets: Sequence[int] = LENGTH_BUCKETS,
+    ):
         self.qnet, self.pad_id, self.device = qnet, pad_id, torch.device(device)
         self.encoder = qnet.state_encoder if encoder is None else encoder
         limit = getattr(self.encoder.config, "max_position_embeddings", None) or max(length_buckets)
         self.length_buckets = tuple(b for b in length_buckets if b <= limit) or (int(limit),)
         self.batch_buckets = tuple(batch_buckets)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs and self.device.type == "cuda")
-        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._captured: dict[
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}
         self._pool = None  # one memory pool shared by every captured shape
         self.fallbacks: dict[tuple[int, int], str] = {}
         self.replays = 0
@@ -127,7 +144,9 @@ class GraphedEncoder:
         mask[:, 0] = True
         # thread_local: a query or an append in another thread of the replica may allocate or
         # launch meanwhile (on its own stream); 'global', the default, would fail that call.
-        graph, out, self._pool = capture_graph(lambda: self._forward(ids, mask), self.device, self._pool, "thread_local")
+        graph, out, self._pool = capture_graph(
+            lambda: self._forward(ids, mask), self.device, self._pool, "thread_local"
+        )
         return graph, ids, mask, out
 
     def _graph(self, batch: int, length: int):
@@ -195,7 +214,11 @@ class GraphedEncoder:
         ids = np.full((batch, length), self.pad_id, dtype=np.int64)
         mask = np.zeros((batch, length), dtype=bool)
         mask[:n] = np.arange(length)[None, :] < lengths[:, None]
-        flat = np.concatenate(seqs) if all(type(s) is np.ndarray and s.ndim == 1 for s in seqs) else np.concatenate([np.asarray(s).reshape(-1) for s in seqs])
+        flat = (
+            np.concatenate(seqs)
+            if all(type(s) is np.ndarray and s.ndim == 1 for s in seqs)
+            else np.concatenate([np.asarray(s).reshape(-1) for s in seqs])
+        )
         ids[:n][mask[:n]] = flat  # row-major: each row's tokens in turn
         mask[n:, 0] = True  # rows beyond the request: one visible token keeps the pool finite
         ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
@@ -228,7 +251,9 @@ class GraphedEncoder:
                     self.replays += 1
                     return out[: len(seqs)].clone()
         self.eager_calls += 1
-        return self._forward(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True))[: len(seqs)]
+        return self._forward(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True))[
+            : len(seqs)
+        ]
 
     @torch.no_grad()
     def encode_sorted(self, seqs: Sequence[np.ndarray], max_tokens: int) -> torch.Tensor:
@@ -246,7 +271,9 @@ class GraphedEncoder:
             longest = int(lengths[order[start]])
             length = bucket_of(longest, self.length_buckets)
             if length is None:
-                raise ValueError(f"a sequence of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}")
+                raise ValueError(
+                    f"a sequence of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}"
+                )
             rows = self._rows_for(length, max_tokens)
             pieces.append(self([seqs[i] for i in order[start : start + rows]]))
             start += rows

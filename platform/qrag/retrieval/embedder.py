@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from qrag.model.checkpoint import CheckpointError, fingerprint as checkpoint_fingerprint, is_checkpoint, load_qnet, read_meta, untrained_qnet
+from qrag.model.checkpoint import (
+    CheckpointError,
+    fingerprint as checkpoint_fingerprint,
+    is_checkpoint,
+    load_qnet,
+    read_meta,
+    untrained_qnet,
+)
 from qrag.config import ModelConfig, from_dict, to_dict
 from qrag.data.chunking import tokenizer_counter
 from qrag.data.documents import Document, DocumentChunk, chunk_and_encode, chunk_documents
@@ -54,7 +61,9 @@ class ModelSource:
         return str(self.directory / "tokenizer") if self.directory is not None else resolve_encoder(self.encoder)
 
 
-def resolve_source(spec: str | None, encoder: str = "minilm", cache_dir: str | Path = ".qrag_models", tracking_uri: str | None = None) -> ModelSource:
+def resolve_source(
+    spec: str | None, encoder: str = "minilm", cache_dir: str | Path = ".qrag_models", tracking_uri: str | None = None
+) -> ModelSource:
     """A checkpoint directory or MLflow URI -> a local checkpoint directory (downloading once).
 
     ``runs:/`` and ``models:/`` URIs are looked up in ``tracking_uri`` (default: $MLFLOW_TRACKING_URI).
@@ -75,10 +84,14 @@ def _pin_alias(uri: str, tracking_uri: str | None) -> str:
         return uri
     from mlflow import MlflowClient  # noqa: PLC0415
 
-    name, _, rest = uri[len("models:/"):].partition("@")
+    name, _, rest = uri[len("models:/") :].partition("@")
     alias, slash, path = rest.partition("/")
     try:
-        version = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri).get_model_version_by_alias(name, alias).version
+        version = (
+            MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+            .get_model_version_by_alias(name, alias)
+            .version
+        )
     except Exception as exc:  # mlflow raises many types (MlflowException, OSError, ...)
         raise CheckpointError(f"{uri}: cannot resolve the alias in the model registry: {exc}") from None
     return f"models:/{name}/{version}{slash}{path}"
@@ -130,11 +143,21 @@ def source_identity(source: ModelSource) -> tuple[str, ModelConfig, Any, TokenLa
         meta = read_meta(source.directory)
         model_cfg = from_dict(ModelConfig, meta["model"])
         tokenizer = load_tokenizer(str(source.directory / "tokenizer"))
-        return checkpoint_fingerprint(source.directory), model_cfg, tokenizer, TokenLayout.from_tokenizer(tokenizer, model_cfg.max_state_tokens)
+        return (
+            checkpoint_fingerprint(source.directory),
+            model_cfg,
+            tokenizer,
+            TokenLayout.from_tokenizer(tokenizer, model_cfg.max_state_tokens),
+        )
     model_cfg = untrained_model_cfg(source.encoder)
     path = resolve_encoder(model_cfg.encoder)
     tokenizer = load_tokenizer(path)
-    return encoder_fingerprint(model_cfg, path), model_cfg, tokenizer, TokenLayout.from_tokenizer(tokenizer, model_cfg.max_state_tokens)
+    return (
+        encoder_fingerprint(model_cfg, path),
+        model_cfg,
+        tokenizer,
+        TokenLayout.from_tokenizer(tokenizer, model_cfg.max_state_tokens),
+    )
 
 
 def untrained_model_cfg(encoder: str, positions: str = "none") -> ModelConfig:
@@ -150,8 +173,12 @@ class Tokenization:
 
     # Sentences that a tokenizer splitting at spaces tokenises the same alone or joined; a
     # byte-level BPE ("Ġit" inside a text, "it" at its start) or a cased/NFKC quirk shows here.
-    _JOIN_PROBES = (["Mary went to the kitchen.", "It's late; isn't it?"], ["\"Go!\" he said.", "(Then) 3.5 km — 12:30."],
-                    ["Élodie's café.", "naïve Straße, 東京!"], ["A.", "b", "C-3PO's e-mail."])
+    _JOIN_PROBES = (
+        ["Mary went to the kitchen.", "It's late; isn't it?"],
+        ['"Go!" he said.', "(Then) 3.5 km — 12:30."],
+        ["Élodie's café.", "naïve Straße, 東京!"],
+        ["A.", "b", "C-3PO's e-mail."],
+    )
 
     @functools.cached_property
     def joins_at_spaces(self) -> bool:
@@ -194,7 +221,9 @@ class Tokenization:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
-    def chunk_documents(self, docs: Sequence[Document], chunk_tokens: int) -> tuple[list[DocumentChunk], list[np.ndarray]]:
+    def chunk_documents(
+        self, docs: Sequence[Document], chunk_tokens: int
+    ) -> tuple[list[DocumentChunk], list[np.ndarray]]:
         """Documents -> chunks (:func:`qrag.data.documents.chunk_documents`) and their encoder ids
         (what :meth:`tokenize_chunks` gives), tokenising each sentence once where the tokenizer
         allows it (:attr:`joins_at_spaces`), else tokenising the chunks again."""
@@ -207,19 +236,33 @@ class Tokenization:
     def tokenize_chunks(self, texts: Sequence[str], chunk_tokens: int) -> list[np.ndarray]:
         if not texts:
             return []
-        ids = self.tokenizer(list(texts), add_special_tokens=False, truncation=True, max_length=chunk_tokens)["input_ids"]
+        ids = self.tokenizer(list(texts), add_special_tokens=False, truncation=True, max_length=chunk_tokens)[
+            "input_ids"
+        ]
         return [self.layout.wrap(x) for x in ids]
 
     def tokenize_question(self, text: str) -> np.ndarray:
-        ids = self.tokenizer([text], add_special_tokens=False, truncation=True, max_length=self.question_tokens)["input_ids"][0]
+        ids = self.tokenizer([text], add_special_tokens=False, truncation=True, max_length=self.question_tokens)[
+            "input_ids"
+        ][0]
         return self.layout.wrap(ids)
 
 
 class EmbeddingModel(Tokenization):
     """State and chunk encoders of one model, on one device, with encoder-work counters."""
 
-    def __init__(self, qnet, tokenizer, layout: TokenLayout, device: torch.device, fingerprint: str, source: ModelSource,
-                 encode_tokens: int = 32768, question_tokens: int = 64, chunk_batch: int = 4096):
+    def __init__(
+        self,
+        qnet,
+        tokenizer,
+        layout: TokenLayout,
+        device: torch.device,
+        fingerprint: str,
+        source: ModelSource,
+        encode_tokens: int = 32768,
+        question_tokens: int = 64,
+        chunk_batch: int = 4096,
+    ):
         super().__init__(tokenizer, layout, question_tokens)
         self.qnet, self.device, self.fingerprint, self.source = qnet, device, fingerprint, source
         self.retriever = Retriever(qnet, layout, device, encode_tokens)
@@ -238,8 +281,17 @@ class EmbeddingModel(Tokenization):
         ``qrag.index.pipeline.index_groups(..., replicas=...)``)."""
         dev = pick_device(str(device)) if not isinstance(device, torch.device) else device
         qnet = copy.deepcopy(self.qnet).to(dev)
-        return EmbeddingModel(qnet, self.tokenizer, self.layout, dev, self.fingerprint, self.source, self.retriever.encode_tokens,
-                              self.question_tokens, self.chunk_batch)
+        return EmbeddingModel(
+            qnet,
+            self.tokenizer,
+            self.layout,
+            dev,
+            self.fingerprint,
+            self.source,
+            self.retriever.encode_tokens,
+            self.question_tokens,
+            self.chunk_batch,
+        )
 
     @property
     def model_cfg(self) -> ModelConfig:
@@ -301,14 +353,25 @@ class EmbeddingModel(Tokenization):
 
     def info(self) -> dict[str, Any]:
         return {
-            "fingerprint": self.fingerprint, "source": self.source.describe(), "trained": self.source.trained,
-            "positions": self.model_cfg.positions, "dim": self.dim, "device": str(self.device),
+            "fingerprint": self.fingerprint,
+            "source": self.source.describe(),
+            "trained": self.source.trained,
+            "positions": self.model_cfg.positions,
+            "dim": self.dim,
+            "device": str(self.device),
             "encoder": self.model_cfg.encoder,
         }
 
 
-def load_embedding_model(source: ModelSource, device: str | torch.device = "auto", *, positions: str | None = None,
-                         encode_tokens: int = 32768, question_tokens: int = 64, chunk_batch: int = 4096) -> EmbeddingModel:
+def load_embedding_model(
+    source: ModelSource,
+    device: str | torch.device = "auto",
+    *,
+    positions: str | None = None,
+    encode_tokens: int = 32768,
+    question_tokens: int = 64,
+    chunk_batch: int = 4096,
+) -> EmbeddingModel:
     """Load the online encoders of a checkpoint (no targets), or the untrained encoder.
 
     ``positions`` overrides the positions mode of an untrained encoder (benchmarks of the

@@ -34,7 +34,11 @@ class ShardHits:
 
     @classmethod
     def empty(cls, rows: int, with_pos: bool) -> ShardHits:
-        return cls(np.zeros((rows, 0), np.float32), np.zeros((rows, 0), np.int64), np.zeros((rows, 0), np.float32) if with_pos else None)
+        return cls(
+            np.zeros((rows, 0), np.float32),
+            np.zeros((rows, 0), np.int64),
+            np.zeros((rows, 0), np.float32) if with_pos else None,
+        )
 
 
 def merge_hits(hits: Sequence[ShardHits], k: int) -> ShardHits:

@@ -101,8 +101,14 @@ class SearchRun:
     them a chosen chunk's tokens come from the records the shards return with their hits.
     """
 
-    def __init__(self, question: np.ndarray, layout: TokenLayout, cfg: SearchConfig, n_total: int,
-                 chunks: Sequence[np.ndarray] | None = None):
+    def __init__(
+        self,
+        question: np.ndarray,
+        layout: TokenLayout,
+        cfg: SearchConfig,
+        n_total: int,
+        chunks: Sequence[np.ndarray] | None = None,
+    ):
         self.question, self.layout, self.cfg, self.n_total, self.chunks = question, layout, cfg, n_total, chunks
         self.rule = beam_rule(cfg.beam_score)
         self.width = max(1, cfg.beam_width)
@@ -237,8 +243,12 @@ class Timings:
         return {f"{k}_ms": round(v * 1000.0, 3) for k, v in asdict(self).items()}
 
 
-def search(runs: Sequence[SearchRun], embed: Callable[[list[np.ndarray]], Any], backend: ScoringBackend,
-           timings: Timings | None = None) -> None:
+def search(
+    runs: Sequence[SearchRun],
+    embed: Callable[[list[np.ndarray]], Any],
+    backend: ScoringBackend,
+    timings: Timings | None = None,
+) -> None:
     """Run ``runs`` to the end in this thread: ``embed`` maps state token ids to state vectors."""
     for r in rounds(runs):
         t0 = time.perf_counter()
@@ -251,8 +261,12 @@ def search(runs: Sequence[SearchRun], embed: Callable[[list[np.ndarray]], Any], 
             timings.add_round(t0, t1, t2, time.perf_counter())
 
 
-async def search_async(runs: Sequence[SearchRun], embed: Callable[[list[np.ndarray]], Awaitable[Any]],
-                       backend: AsyncScoringBackend, timings: Timings | None = None) -> None:
+async def search_async(
+    runs: Sequence[SearchRun],
+    embed: Callable[[list[np.ndarray]], Awaitable[Any]],
+    backend: AsyncScoringBackend,
+    timings: Timings | None = None,
+) -> None:
     """:func:`search` for an event loop: the encoder and the backend are awaited."""
     for r in rounds(runs):
         t0 = time.perf_counter()

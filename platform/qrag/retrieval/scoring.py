@@ -11,8 +11,9 @@ from qrag.model.positions import rope_frequencies
 
 
 @torch.no_grad()
-def score_chunks(states: torch.Tensor, chunk_vecs: torch.Tensor, pos: torch.Tensor | None, rope_base: float,
-                 block: int | None = None) -> torch.Tensor:
+def score_chunks(
+    states: torch.Tensor, chunk_vecs: torch.Tensor, pos: torch.Tensor | None, rope_base: float, block: int | None = None
+) -> torch.Tensor:
     """Q (mean of the twin halves) of every chunk for each state row: [L, N], the chunks rotated to
     ``pos`` [L, N] (or not, for None). ``chunk_vecs`` is [L, N, d] or [N, d] shared by all rows.
     The one scoring rule of offline search and of the sharded index."""

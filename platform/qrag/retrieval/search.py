@@ -64,13 +64,24 @@ class Retriever:
         self.stats = EncodeStats()
 
     def _encode(self, model, seqs: Sequence[np.ndarray], kind: str) -> torch.Tensor:
-        pooled = encode(model, seqs, pad_id=self.layout.pad_id, device=self.device, max_tokens=self.encode_tokens, stats=self.stats, kind=kind)
+        pooled = encode(
+            model,
+            seqs,
+            pad_id=self.layout.pad_id,
+            device=self.device,
+            max_tokens=self.encode_tokens,
+            stats=self.stats,
+            kind=kind,
+        )
         return self.qnet.finish(pooled)
 
     @torch.no_grad()
     def embed_chunks(self, seqs: Sequence[np.ndarray], chunk_batch: int = 4096) -> torch.Tensor:
         """Chunk vectors [N, d], ``chunk_batch`` chunks per call so peak memory does not grow with N."""
-        parts = [self._encode(self.qnet.action_encoder, seqs[i : i + chunk_batch], "chunks") for i in range(0, len(seqs), chunk_batch)]
+        parts = [
+            self._encode(self.qnet.action_encoder, seqs[i : i + chunk_batch], "chunks")
+            for i in range(0, len(seqs), chunk_batch)
+        ]
         return torch.cat(parts) if parts else torch.zeros(0, self.qnet.dim, device=self.device)
 
     @torch.no_grad()
@@ -78,8 +89,15 @@ class Retriever:
         return self._encode(self.qnet.state_encoder, seqs, "states")
 
     @torch.no_grad()
-    def score(self, states: torch.Tensor, chunk_vecs: torch.Tensor, selected: torch.Tensor, n_chunks: torch.Tensor,
-              block: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def score(
+        self,
+        states: torch.Tensor,
+        chunk_vecs: torch.Tensor,
+        selected: torch.Tensor,
+        n_chunks: torch.Tensor,
+        block: int | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Q (mean of the twin halves) of every chunk for each state row: [L, N].
 
         ``chunk_vecs`` is [L, N, d] or [N, d] shared by all rows. Without positions the mean of
@@ -92,7 +110,9 @@ class Retriever:
         pos = self.qnet.positions(selected, n_chunks) if positions is None else positions
         return score_chunks(states, chunk_vecs, pos, self.qnet.cfg.rope_base, block)
 
-    def retrieve(self, samples: Sequence[TokenizedSample], cfg: SearchConfig, max_batch_chunks: int = 65536) -> list[Retrieval]:
+    def retrieve(
+        self, samples: Sequence[TokenizedSample], cfg: SearchConfig, max_batch_chunks: int = 65536
+    ) -> list[Retrieval]:
         """Search every sample; short contexts are batched together, long ones run alone."""
         results: list[Retrieval] = []
         batch: list[TokenizedSample] = []

@@ -154,7 +154,9 @@ class SoftPQNLearner:
         """Boltzmann policy over the top-k available chunks (greedy when α = 0)."""
         return self.sample_actions_with_entropy(q, available, alpha)[0]
 
-    def sample_actions_with_entropy(self, q: torch.Tensor, available: torch.Tensor, alpha: float) -> tuple[np.ndarray, torch.Tensor]:
+    def sample_actions_with_entropy(
+        self, q: torch.Tensor, available: torch.Tensor, alpha: float
+    ) -> tuple[np.ndarray, torch.Tensor]:
         """Actions and the entropy (nats) of the distribution each was drawn from."""
         masked = q.masked_fill(~available, float("-inf"))
         k = min(self.cfg.top_k, masked.shape[1])
@@ -175,8 +177,14 @@ class SoftPQNLearner:
 
     def _embed(self, model, seqs, grad: bool = False, kind: str = "encode") -> torch.Tensor:
         pooled = encode(
-            model, seqs, pad_id=self.layout.pad_id, device=self.device, max_tokens=self.cfg.encode_tokens,
-            grad=grad, stats=self.stats, kind=kind,
+            model,
+            seqs,
+            pad_id=self.layout.pad_id,
+            device=self.device,
+            max_tokens=self.cfg.encode_tokens,
+            grad=grad,
+            stats=self.stats,
+            kind=kind,
         )
         return self.qnet.finish(pooled)
 
@@ -188,14 +196,17 @@ class SoftPQNLearner:
         m, horizon = len(episodes), self.env_cfg.max_steps
         use_target = cfg.use_target and qnet.use_target  # the config can ablate targets a checkpoint has
         target_state_enc, target_action_enc = (
-            qnet.target_encoders() if use_target else (qnet.state_encoder, qnet.action_encoder))
+            qnet.target_encoders() if use_target else (qnet.state_encoder, qnet.action_encoder)
+        )
 
         flat_chunks = [c for s in episodes for c in s.chunks]
         qnet.action_encoder.eval()  # acting sees the deterministic encoder
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat_chunks, kind="chunks"), env.n_chunks)
         qnet.action_encoder.train()
         if use_target:
-            target_chunk_vecs = pad_rows(self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks)
+            target_chunk_vecs = pad_rows(
+                self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks
+            )
         else:
             target_chunk_vecs = chunk_vecs
         n_chunks = torch.from_numpy(env.n_chunks).to(dev)
@@ -278,8 +289,9 @@ class SoftPQNLearner:
             "success": float(env.succeeded.mean()),
             "episode_length": float(env.t.mean()),
             "transitions": int(len(targets)),
-            **signal_diagnostics(q_taken.detach().mean(1), rows_all, steps_all, env, rewards, dones, next_values,
-                                 torch.cat(entropies)),
+            **signal_diagnostics(
+                q_taken.detach().mean(1), rows_all, steps_all, env, rewards, dones, next_values, torch.cat(entropies)
+            ),
         }
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -331,11 +343,22 @@ class SoftPQNLearner:
         if self.device.type == "cuda" and self.stats.timed:
             torch.cuda.synchronize(self.device)
         return UpdateMetrics(
-            loss=sums["loss_sum"] / max(1.0, sums["transitions"]), q_taken=sums["q_taken"], target=sums["target"],
-            episode_return=sums["episode_return"], success=sums["success"], episode_length=sums["episode_length"],
-            **diag.means(), alpha=alpha, lr=lr, grad_norm=float(grad_norm), episodes=len(episodes), transitions=int(sums["transitions"]),
-            encoder_tokens=self.stats.tokens, encoder_padded_tokens=self.stats.padded_tokens,
-            encoder_seconds=self.stats.seconds, seconds=time.perf_counter() - t0,
+            loss=sums["loss_sum"] / max(1.0, sums["transitions"]),
+            q_taken=sums["q_taken"],
+            target=sums["target"],
+            episode_return=sums["episode_return"],
+            success=sums["success"],
+            episode_length=sums["episode_length"],
+            **diag.means(),
+            alpha=alpha,
+            lr=lr,
+            grad_norm=float(grad_norm),
+            episodes=len(episodes),
+            transitions=int(sums["transitions"]),
+            encoder_tokens=self.stats.tokens,
+            encoder_padded_tokens=self.stats.padded_tokens,
+            encoder_seconds=self.stats.seconds,
+            seconds=time.perf_counter() - t0,
         )
 
     # -- state ---------------------------------------------------------------------------------
@@ -351,8 +374,14 @@ class SoftPQNLearner:
 
 
 def signal_diagnostics(
-    q_taken: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, env: RetrievalEnv, rewards: np.ndarray,
-    dones: np.ndarray, next_values: torch.Tensor, entropies: torch.Tensor,
+    q_taken: torch.Tensor,
+    rows: torch.Tensor,
+    steps: torch.Tensor,
+    env: RetrievalEnv,
+    rewards: np.ndarray,
+    dones: np.ndarray,
+    next_values: torch.Tensor,
+    entropies: torch.Tensor,
 ) -> dict[str, dict[str, float]]:
     """Sums and counts of one micro-batch's diagnostics (merged over micro-batches by
     :class:`Diagnostics`); ``q_taken`` is the mean of the twin halves per transition."""
@@ -361,15 +390,19 @@ def signal_diagnostics(
     success = torch.from_numpy(env.succeeded[rows_np]).to(q_taken.device)
     boots = dones[rows_np, steps_np] == 0
     q = q_taken.float()
-    return {"counts": {
-        "transitions": float(len(rows_np)),
-        "entropy_sum": float(entropies.sum()),
-        "value_sum": float(next_values[rows, steps].float()[torch.from_numpy(boots).to(q.device)].sum()),
-        "value_n": float(boots.sum()),
-        "nonzero_n": float((to_go[rows_np, steps_np] > 0).sum()),
-        "q_success_sum": float(q[success].sum()), "q_success_n": float(success.sum()),
-        "q_failure_sum": float(q[~success].sum()), "q_failure_n": float((~success).sum()),
-    }}
+    return {
+        "counts": {
+            "transitions": float(len(rows_np)),
+            "entropy_sum": float(entropies.sum()),
+            "value_sum": float(next_values[rows, steps].float()[torch.from_numpy(boots).to(q.device)].sum()),
+            "value_n": float(boots.sum()),
+            "nonzero_n": float((to_go[rows_np, steps_np] > 0).sum()),
+            "q_success_sum": float(q[success].sum()),
+            "q_success_n": float(success.sum()),
+            "q_failure_sum": float(q[~success].sum()),
+            "q_failure_n": float((~success).sum()),
+        }
+    }
 
 
 class Diagnostics:

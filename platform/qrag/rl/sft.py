@@ -43,10 +43,15 @@ class SupervisedLearner(SoftPQNLearner):
         for t in range(max(len(o) for o in orders)):
             rows = np.array([i for i, o in enumerate(orders) if len(o) > t], dtype=np.int64)
             rows_t = torch.from_numpy(rows).to(dev)
-            seqs = [layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])]) for i in rows]
+            seqs = [
+                layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])])
+                for i in rows
+            ]
             states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
             sel = torch.from_numpy(selected[rows]).to(dev)
-            q = QNetwork.twin_scores(states, qnet.place(chunk_vecs[rows_t], qnet.positions(sel, n_chunks[rows_t]))).mean(-1)
+            q = QNetwork.twin_scores(
+                states, qnet.place(chunk_vecs[rows_t], qnet.positions(sel, n_chunks[rows_t]))
+            ).mean(-1)
             available = torch.from_numpy(env.valid[rows] & ~selected[rows]).to(dev)
             missing = torch.from_numpy(env.gold[rows] & ~selected[rows]).to(dev) & available
             logits = (q.float() / self.cfg.sft_temperature).masked_fill(~available, float("-inf"))
@@ -58,9 +63,14 @@ class SupervisedLearner(SoftPQNLearner):
         loss_sum = per_step.sum()  # train_update divides by the update's count of steps
         self._backward(loss_sum)
         return {
-            "loss_sum": float(loss_sum.detach()), "q_taken": float(torch.cat(q_pos).float().mean()), "target": 1.0,
-            "episode_return": 0.0, "success": 0.0, "episode_length": float(np.mean([len(o) for o in orders])),
-            "transitions": int(len(per_step)), "counts": {"transitions": float(len(per_step))},
+            "loss_sum": float(loss_sum.detach()),
+            "q_taken": float(torch.cat(q_pos).float().mean()),
+            "target": 1.0,
+            "episode_return": 0.0,
+            "success": 0.0,
+            "episode_length": float(np.mean([len(o) for o in orders])),
+            "transitions": int(len(per_step)),
+            "counts": {"transitions": float(len(per_step))},
         }
 
 

@@ -19,7 +19,13 @@ import numpy as np
 import torch
 
 from qrag.model.checkpoint import (
-    is_checkpoint, load_qnet, load_training_state, numpy_state, save_checkpoint, set_numpy_state, untrained_qnet,
+    is_checkpoint,
+    load_qnet,
+    load_training_state,
+    numpy_state,
+    save_checkpoint,
+    set_numpy_state,
+    untrained_qnet,
 )
 from qrag.config import ConfigError, LearnerConfig, SearchConfig, TrainConfig
 from qrag.data.prepared import prepare_split
@@ -88,7 +94,12 @@ def seed_everything(seed: int) -> None:
 
 
 def print_reporter(step: int, metrics: dict[str, float]) -> None:
-    print(json.dumps({"update": step, **{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in metrics.items()}}), flush=True)
+    print(
+        json.dumps(
+            {"update": step, **{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in metrics.items()}}
+        ),
+        flush=True,
+    )
 
 
 def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
@@ -96,7 +107,9 @@ def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
     if cfg.objective not in ("pqn", "sft"):
         raise ConfigError(f"learner.objective: expected pqn or sft, got {cfg.objective!r}")
     if cfg.sft_warmup_updates < 0 or (cfg.sft_warmup_updates and cfg.objective != "pqn"):
-        raise ConfigError("learner.sft_warmup_updates: a count >= 0 of supervised updates before soft PQN (objective=pqn only)")
+        raise ConfigError(
+            "learner.sft_warmup_updates: a count >= 0 of supervised updates before soft PQN (objective=pqn only)"
+        )
     if cfg.objective == "sft":
         return SupervisedLearner
     return WarmStartedPQNLearner if cfg.sft_warmup_updates else SoftPQNLearner
@@ -105,7 +118,13 @@ def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
 class TrainingRun:
     """Model + learner + data for one run; resumable from a checkpoint directory."""
 
-    def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, device: torch.device | None = None, load_data: bool = True):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        resume: str | Path | None = None,
+        device: torch.device | None = None,
+        load_data: bool = True,
+    ):
         self.cfg = cfg
         learner_cls = learner_class(cfg.learner)  # a bad objective fails before minutes of loading
         self.device = device or pick_device(cfg.device)
@@ -121,7 +140,9 @@ class TrainingRun:
         # the encoders and initialising the GPU; it only needs the tokenizer.
         self.timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        self.tokenizer = load_tokenizer(str(Path(resume) / "tokenizer") if resume is not None else resolve_encoder(cfg.model.encoder))
+        self.tokenizer = load_tokenizer(
+            str(Path(resume) / "tokenizer") if resume is not None else resolve_encoder(cfg.model.encoder)
+        )
         self.layout = TokenLayout.from_tokenizer(self.tokenizer, cfg.model.max_state_tokens)
         with ThreadPoolExecutor(max_workers=2) as pool:
             if self.device.type == "cuda":
@@ -137,7 +158,9 @@ class TrainingRun:
             if loading is not None:
                 loading.result()
             self.timings["model_and_data_s"] = time.perf_counter() - t0
-        self.learner = learner_cls(self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed)
+        self.learner = learner_cls(
+            self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed
+        )
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []
         self.resumed_sampler: dict[str, Any] | None = None
@@ -171,14 +194,20 @@ class TrainingRun:
     ) -> None:
         """Data made outside :meth:`load_data` (e.g. generated haystacks), as (samples, tokenized)
         pairs. A resumed run's epoch order goes on where its checkpoint left it."""
-        (self.train_samples, self.train_tok), (self.val_samples, self.val_tok), (self.dev_samples, self.dev_tok) = train, val, dev
+        (self.train_samples, self.train_tok), (self.val_samples, self.val_tok), (self.dev_samples, self.dev_tok) = (
+            train,
+            val,
+            dev,
+        )
         self.sampler = EpochSampler(max(1, len(self.train_tok)), self.cfg.seed)
         if self.resumed_sampler:
             self.sampler.load_state(self.resumed_sampler)
 
     def tokenize(self, samples: Sequence[Sample]) -> list[TokenizedSample]:
         d = self.cfg.data
-        return tokenize_samples(samples, self.tokenizer, self.layout, chunk_tokens=d.chunk_tokens, question_tokens=d.question_tokens)
+        return tokenize_samples(
+            samples, self.tokenizer, self.layout, chunk_tokens=d.chunk_tokens, question_tokens=d.question_tokens
+        )
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -195,8 +224,13 @@ class TrainingRun:
         """Episodes sampled in this process from the training split (the default source)."""
         return LocalEpisodeSource(self.train_tok, self.cfg.learner.episodes_per_update, self.sampler)
 
-    def evaluate(self, limit: int | None = None, search: SearchConfig | None = None, split: str = "dev",
-                 credit: str | None = None) -> EvalResult:
+    def evaluate(
+        self,
+        limit: int | None = None,
+        search: SearchConfig | None = None,
+        split: str = "dev",
+        credit: str | None = None,
+    ) -> EvalResult:
         """Search + metrics on ``split`` ("dev", or "val" — the held-out part of train), under the
         credit rule ``credit`` (default: the one the run is trained with)."""
         samples, tokenized = (self.val_samples, self.val_tok) if split == "val" else (self.dev_samples, self.dev_tok)
@@ -204,8 +238,14 @@ class TrainingRun:
         n = len(tokenized) if limit is None else min(limit, len(tokenized))
         retriever = Retriever(self.qnet, self.layout, self.device, self.cfg.learner.encode_tokens)
         try:
-            return evaluate(retriever, samples[:n], tokenized[:n], search, extra={"update": self.learner.update, "split": split},
-                            credit=credit or self.cfg.env.credit)
+            return evaluate(
+                retriever,
+                samples[:n],
+                tokenized[:n],
+                search,
+                extra={"update": self.learner.update, "split": split},
+                credit=credit or self.cfg.env.credit,
+            )
         finally:
             self.qnet.train()
 
@@ -219,8 +259,15 @@ class TrainingRun:
         extra = {"sampler": self.sampler.state(), "history": self.history[-10000:], "best_f1": self.best_f1}
         # What it trained on, so that evaluation can refuse it (none known when Ray runners hold the data).
         trained = [validation_key(s) for s in self.train_samples] if self.train_samples else None
-        return save_checkpoint(directory, self.qnet, self.tokenizer, self.cfg, self.learner if resumable else None, extra,
-                               trained_sources=trained)
+        return save_checkpoint(
+            directory,
+            self.qnet,
+            self.tokenizer,
+            self.cfg,
+            self.learner if resumable else None,
+            extra,
+            trained_sources=trained,
+        )
 
     def run(
         self,
@@ -251,22 +298,37 @@ class TrainingRun:
             seconds = time.perf_counter() - t0
             update = self.learner.update
             metrics = {
-                "train/return": m.episode_return, "train/success": m.success, "train/loss": m.loss,
-                "train/q_taken": m.q_taken, "train/target": m.target, "train/episode_length": m.episode_length,
-                "train/alpha": m.alpha, "train/lr": m.lr, "train/grad_norm": m.grad_norm,
-                "perf/episodes_per_s": m.episodes / seconds, "perf/encoder_tokens_per_s": m.encoder_tokens / seconds,
-                "perf/runner_wait_s": wait, "perf/update_s": seconds,
+                "train/return": m.episode_return,
+                "train/success": m.success,
+                "train/loss": m.loss,
+                "train/q_taken": m.q_taken,
+                "train/target": m.target,
+                "train/episode_length": m.episode_length,
+                "train/alpha": m.alpha,
+                "train/lr": m.lr,
+                "train/grad_norm": m.grad_norm,
+                "perf/episodes_per_s": m.episodes / seconds,
+                "perf/encoder_tokens_per_s": m.encoder_tokens / seconds,
+                "perf/runner_wait_s": wait,
+                "perf/update_s": seconds,
                 # The learning signal (qrag.rl.learner): visible without a debugger.
-                "train/policy_entropy": m.policy_entropy, "train/value_next": m.value_next,
+                "train/policy_entropy": m.policy_entropy,
+                "train/value_next": m.value_next,
                 "train/nonzero_return_share": m.nonzero_return_share,
-                **{f"train/{k}": v for k, v in (("q_success", m.q_success), ("q_failure", m.q_failure)) if v is not None},
+                **{
+                    f"train/{k}": v
+                    for k, v in (("q_success", m.q_success), ("q_failure", m.q_failure))
+                    if v is not None
+                },
             }
             if m.encoder_seconds:
                 metrics["perf/encoder_share"] = m.encoder_seconds / m.seconds
             self.history.append({"update": update, **metrics})
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(ret=f"{m.episode_return:.3f}", loss=f"{m.loss:.4f}", eps=f"{metrics['perf/episodes_per_s']:.0f}")
+                bar.set_postfix(
+                    ret=f"{m.episode_return:.3f}", loss=f"{m.loss:.4f}", eps=f"{metrics['perf/episodes_per_s']:.0f}"
+                )
             if cfg.eval_every and (update % cfg.eval_every == 0 or update == cfg.updates):
                 ev = self.evaluate(cfg.eval_limit, split=self.periodic_split).summary
                 last_eval = {"eval/fact_em": ev["fact_em"], "eval/fact_f1": ev["fact_f1"]}
@@ -290,8 +352,13 @@ class TrainingRun:
             path = self.checkpoint_dir(self.learner.update)
             if not is_checkpoint(path):  # checkpoint_every may have saved this update already
                 path = self.save(path)
-            return {"stopped": True, "checkpoint": str(path), "updates": self.learner.update,
-                    "seconds": time.perf_counter() - started, "run_dir": str(self.run_dir)}
+            return {
+                "stopped": True,
+                "checkpoint": str(path),
+                "updates": self.learner.update,
+                "seconds": time.perf_counter() - started,
+                "run_dir": str(self.run_dir),
+            }
         final = self.save(self.run_dir / "final")
         reported = final
         if cfg.keep_best and (self.run_dir / "best").is_dir():
@@ -308,8 +375,12 @@ class TrainingRun:
         if on_checkpoint is not None:
             on_checkpoint(final, summary)
         return {
-            "checkpoint": str(reported), "final_checkpoint": str(final), "eval": result.summary, "updates": self.learner.update,
-            "seconds": time.perf_counter() - started, "run_dir": str(self.run_dir),
+            "checkpoint": str(reported),
+            "final_checkpoint": str(final),
+            "eval": result.summary,
+            "updates": self.learner.update,
+            "seconds": time.perf_counter() - started,
+            "run_dir": str(self.run_dir),
         }
 
 

@@ -26,8 +26,12 @@ class DocumentIn(_Strict):
 
 class CreateCorpus(_Strict):
     name: StrictStr = Field(description="1-64 letters, digits, '.', '_' or '-'.")
-    documents: list[DocumentIn] = Field(default_factory=list, description="Documents to index now (more can be appended).")
-    chunk_tokens: StrictInt | None = Field(None, description="Token budget per chunk (default: the server's chunk_tokens).")
+    documents: list[DocumentIn] = Field(
+        default_factory=list, description="Documents to index now (more can be appended)."
+    )
+    chunk_tokens: StrictInt | None = Field(
+        None, description="Token budget per chunk (default: the server's chunk_tokens)."
+    )
     wait: StrictBool = Field(True, description="false: answer 202 at once with a job to poll at /v1/jobs/{id}.")
 
 
@@ -61,7 +65,9 @@ class _Answer(BaseModel):
 
 class ErrorDetail(_Answer):
     status: int
-    field: str | None = Field(description="The request field at fault (documents[3].text, authorization, ...), or null.")
+    field: str | None = Field(
+        description="The request field at fault (documents[3].text, authorization, ...), or null."
+    )
     message: str
 
 
@@ -148,7 +154,9 @@ class Step(_Answer):
     doc_id: str
     text: str
     q: float
-    position: float | int | None = Field(description="The chunk's position as the Q-network saw it (null: positions off).")
+    position: float | int | None = Field(
+        description="The chunk's position as the Q-network saw it (null: positions off)."
+    )
     alternatives: list[ChunkHit] = Field(description="Runner-up chunks of this step, best first.")
 
 
@@ -196,6 +204,20 @@ class Health(_Answer):
 
 
 __all__ = [
-    "AppendDocuments", "CorpusJobs", "CorpusList", "CorpusStats", "CorpusSummary", "CreateCorpus", "Deleted", "DocumentIn",
-    "ErrorBody", "ErrorDetail", "Health", "Job", "JobAnswer", "Reindex", "RetrieveAnswer", "RetrieveRequest",
+    "AppendDocuments",
+    "CorpusJobs",
+    "CorpusList",
+    "CorpusStats",
+    "CorpusSummary",
+    "CreateCorpus",
+    "Deleted",
+    "DocumentIn",
+    "ErrorBody",
+    "ErrorDetail",
+    "Health",
+    "Job",
+    "JobAnswer",
+    "Reindex",
+    "RetrieveAnswer",
+    "RetrieveRequest",
 ]

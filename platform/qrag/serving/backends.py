@@ -38,8 +38,9 @@ class HolderClient(Protocol):
     """A client of one shard holder (some shards of every corpus): :class:`LocalHolder` in this
     process, ``RemoteHolder`` over a Serve handle. Raises ShardUnhealthy instead of serving a bad shard."""
 
-    async def best_chunks(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
-                          k: int) -> ShardHits: ...
+    async def best_chunks(
+        self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int
+    ) -> ShardHits: ...
     async def ready(self, corpus: str, uid: str, version: int) -> None: ...
     async def stats(self, corpus: str | None) -> dict[str, Any]: ...
     async def forget(self, corpus: str) -> None: ...
@@ -56,7 +57,9 @@ class LocalEncoder:
 
     def _failed(self, exc: BaseException) -> ServiceError:
         log.warning("the encoder failed: %s", exc)
-        return ServiceError(503, None, f"the encoder failed ({type(exc).__name__}); retry", {"Retry-After": str(self.retry_after_s)})
+        return ServiceError(
+            503, None, f"the encoder failed ({type(exc).__name__}); retry", {"Retry-After": str(self.retry_after_s)}
+        )
 
     def _call(self, fn, seqs: list[np.ndarray]) -> np.ndarray:
         with self._lock:
@@ -84,8 +87,9 @@ class LocalHolder:
         self.holder = holder
         self._loader = ThreadPoolExecutor(loaders, thread_name_prefix="qrag-load")
 
-    def best_chunks_now(self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int,
-                        k: int) -> ShardHits:
+    def best_chunks_now(
+        self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int
+    ) -> ShardHits:
         return self.holder.best_chunks(corpus, uid, version, states, selected, n_total, k)
 
     async def best_chunks(self, *args) -> ShardHits:

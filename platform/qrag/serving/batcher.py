@@ -132,12 +132,15 @@ class LockstepBatcher:
             with self._lock:
                 pending, self._active, self._waiting, self._driving = self._active + self._waiting, [], [], False
             for s in pending:
-                _settle(loop, s.done, exc if isinstance(exc, Exception) else RuntimeError("the server is shutting down"))
+                _settle(
+                    loop, s.done, exc if isinstance(exc, Exception) else RuntimeError("the server is shutting down")
+                )
             raise
 
     def _in_process(self, groups: list[_Group]) -> bool:
-        return getattr(self.encoder, "embed_now", None) is not None and all(getattr(g.backend, "score_now", None) is not None
-                                                                            for g in groups)
+        return getattr(self.encoder, "embed_now", None) is not None and all(
+            getattr(g.backend, "score_now", None) is not None for g in groups
+        )
 
     def _fail(self, loop: asyncio.AbstractEventLoop, failures: list[tuple[list[_Search], Exception]]) -> None:
         with self._lock:
@@ -161,7 +164,7 @@ class LockstepBatcher:
         failures = []
         for g in groups:
             try:
-                hits = g.backend.score_now(vectors[g.lo:g.hi], *_rows(g))
+                hits = g.backend.score_now(vectors[g.lo : g.hi], *_rows(g))
             except Exception as exc:  # noqa: BLE001 - this corpus's searches fail; the others go on
                 failures.append((g.searches, exc))
                 continue
@@ -178,7 +181,9 @@ class LockstepBatcher:
         except Exception as exc:  # noqa: BLE001 - the round's searches fail with it
             return [(live, exc)]
         t1 = time.perf_counter()
-        answers = await asyncio.gather(*(g.backend.score(vectors[g.lo:g.hi], *_rows(g)) for g in groups), return_exceptions=True)
+        answers = await asyncio.gather(
+            *(g.backend.score(vectors[g.lo : g.hi], *_rows(g)) for g in groups), return_exceptions=True
+        )
         t2 = time.perf_counter()
         failures = []
         for g, hits in zip(groups, answers):

@@ -31,8 +31,16 @@ from qrag.serving.service_config import ServeConfig
 
 
 class CorpusAdmin:
-    def __init__(self, cfg: ServeConfig, store: CorpusStore, tok: Tokenization, model: ModelIdentity, encoder: EncoderClient,
-                 holders: Sequence[HolderClient], metrics: Metrics | None = None):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        store: CorpusStore,
+        tok: Tokenization,
+        model: ModelIdentity,
+        encoder: EncoderClient,
+        holders: Sequence[HolderClient],
+        metrics: Metrics | None = None,
+    ):
         self.cfg, self.store, self.tok, self.model = cfg, store, tok, model
         self.encoder, self.holders, self.metrics = encoder, list(holders), metrics
         self.max_chunk_tokens = chunk_token_limit(model.max_positions, tok)
@@ -78,12 +86,20 @@ class CorpusAdmin:
         if m.fingerprint == self.model.fingerprint or (reindexing and target == self.model.fingerprint):
             return m
         if target == self.model.fingerprint:
-            raise ServiceError(409, "corpus", f"corpus {name!r} is being re-indexed to the served model {target}, or its re-index "
-                                              f"was interrupted: it serves once that ends (GET /v1/corpora/{name}/jobs; POST "
-                                              f"/v1/corpora/{name}/reindex goes on from the segments already re-embedded)")
-        raise ServiceError(409, "corpus", f"corpus {name!r} was indexed with model {m.fingerprint}; this server runs "
-                                          f"{self.model.fingerprint} ({public_source(self.model.source)}). "
-                                          f"POST /v1/corpora/{name}/reindex re-embeds it from its stored texts")
+            raise ServiceError(
+                409,
+                "corpus",
+                f"corpus {name!r} is being re-indexed to the served model {target}, or its re-index "
+                f"was interrupted: it serves once that ends (GET /v1/corpora/{name}/jobs; POST "
+                f"/v1/corpora/{name}/reindex goes on from the segments already re-embedded)",
+            )
+        raise ServiceError(
+            409,
+            "corpus",
+            f"corpus {name!r} was indexed with model {m.fingerprint}; this server runs "
+            f"{self.model.fingerprint} ({public_source(self.model.source)}). "
+            f"POST /v1/corpora/{name}/reindex re-embeds it from its stored texts",
+        )
 
     def searchable(self, name: str) -> Manifest:
         """The manifest of a corpus a query can search: of the served model (409), within the
@@ -107,21 +123,31 @@ class CorpusAdmin:
         m = self.manifest(name)
         held = await asyncio.gather(*(s.stats(name) for s in self.holders), return_exceptions=True)
         shards = [h if isinstance(h, dict) else {"error": type(h).__name__} for h in held]
-        return {**m.summary(), "bytes": await asyncio.to_thread(self.store.disk_bytes, name),
-                "memory_bytes": sum(s.get("bytes", 0) for s in shards), "shard_holders": shards,
-                "compatible": m.fingerprint == self.model.fingerprint}
+        return {
+            **m.summary(),
+            "bytes": await asyncio.to_thread(self.store.disk_bytes, name),
+            "memory_bytes": sum(s.get("bytes", 0) for s in shards),
+            "shard_holders": shards,
+            "compatible": m.fingerprint == self.model.fingerprint,
+        }
 
     def chunk_budget(self, chunk_tokens: int | None, field: str = "chunk_tokens") -> int:
         budget = self.cfg.chunk_tokens if chunk_tokens is None else chunk_tokens
         hi = self.max_chunk_tokens
         if not 8 <= budget <= hi:
-            raise ServiceError(422, field, f"{field} must be between 8 and {hi} (the model's token positions minus its special tokens), "
-                                           f"got {budget}")
+            raise ServiceError(
+                422,
+                field,
+                f"{field} must be between 8 and {hi} (the model's token positions minus its special tokens), "
+                f"got {budget}",
+            )
         return budget
 
     # -- writes -----------------------------------------------------------------------------
 
-    async def create(self, name: str, documents: Any = None, chunk_tokens: int | None = None, wait: bool = True) -> dict[str, Any]:
+    async def create(
+        self, name: str, documents: Any = None, chunk_tokens: int | None = None, wait: bool = True
+    ) -> dict[str, Any]:
         """Create a corpus; with documents it becomes visible only once they are indexed, so a
         failed create leaves nothing (and its retry is not a 409)."""
         try:
@@ -135,21 +161,40 @@ class CorpusAdmin:
             raise ServiceError(409, "name", f"corpus {name!r} already exists")
         if not docs:
             try:
-                m = await asyncio.to_thread(self.store.create, name, fingerprint=self.model.fingerprint, model=self.model.model_cfg,
-                                            dim=self.model.dim, chunk_tokens=budget, shards=self.cfg.shards, dtype=self.cfg.dtype)
+                m = await asyncio.to_thread(
+                    self.store.create,
+                    name,
+                    fingerprint=self.model.fingerprint,
+                    model=self.model.model_cfg,
+                    dim=self.model.dim,
+                    chunk_tokens=budget,
+                    shards=self.cfg.shards,
+                    dtype=self.cfg.dtype,
+                )
             except CorpusConflict as exc:
                 raise ServiceError(409, "name", str(exc)) from None
             return {"corpus": m.summary(), "job": None}
-        return await self.jobs.submit(name, "create", len(docs), lambda job: self._create(job, name, budget, docs), wait)
+        return await self.jobs.submit(
+            name, "create", len(docs), lambda job: self._create(job, name, budget, docs), wait
+        )
 
     async def _create(self, job: Job, name: str, budget: int, docs: list[Document]) -> None:
         chunks, ids = await self._chunk(job, docs, budget)
         self.check_memory(None, name, len(ids), sum(c.tokens for c in chunks))
         vectors = await self._embed_chunks(ids, job)
         try:
-            await asyncio.to_thread(self.store.create, name, fingerprint=self.model.fingerprint, model=self.model.model_cfg,
-                                    dim=self.model.dim, chunk_tokens=budget, shards=self.cfg.shards, dtype=self.cfg.dtype,
-                                    first=(docs, chunks, ids, vectors), job=job.id)
+            await asyncio.to_thread(
+                self.store.create,
+                name,
+                fingerprint=self.model.fingerprint,
+                model=self.model.model_cfg,
+                dim=self.model.dim,
+                chunk_tokens=budget,
+                shards=self.cfg.shards,
+                dtype=self.cfg.dtype,
+                first=(docs, chunks, ids, vectors),
+                job=job.id,
+            )
         except CorpusConflict as exc:
             raise ServiceError(409, "name", f"{exc} (created by another request meanwhile)") from None
         if self.metrics:
@@ -168,8 +213,11 @@ class CorpusAdmin:
 
     def _documents(self, documents: Any) -> list[Document]:
         if isinstance(documents, list) and len(documents) > self.cfg.max_documents:
-            raise ServiceError(413, "documents", f"{len(documents)} documents in one request; send at most "
-                                                 f"{self.cfg.max_documents} per request")
+            raise ServiceError(
+                413,
+                "documents",
+                f"{len(documents)} documents in one request; send at most {self.cfg.max_documents} per request",
+            )
         try:
             docs = parse_documents(documents)
         except DataError as exc:
@@ -178,13 +226,21 @@ class CorpusAdmin:
         for i, d in enumerate(docs):
             long = word.search(d.text)
             if long:
-                raise ServiceError(422, f"documents[{i}].text", f"documents[{i}].text: {long.end() - long.start()} characters without "
-                                   f"a space at character {long.start()}; at most {self.cfg.max_word_chars} (max_word_chars)")
+                raise ServiceError(
+                    422,
+                    f"documents[{i}].text",
+                    f"documents[{i}].text: {long.end() - long.start()} characters without "
+                    f"a space at character {long.start()}; at most {self.cfg.max_word_chars} (max_word_chars)",
+                )
         return docs
 
     async def append(self, name: str, documents: Any, wait: bool = True) -> dict[str, Any]:
         m = self.compatible(name, reindexing=True)
-        docs = documents if documents and isinstance(documents[0], Document) else await asyncio.to_thread(self._documents, documents)
+        docs = (
+            documents
+            if documents and isinstance(documents[0], Document)
+            else await asyncio.to_thread(self._documents, documents)
+        )
         if not docs:
             raise ServiceError(422, "documents", "no documents to add")
         self.check_memory(m, name, 0, 0)
@@ -202,7 +258,11 @@ class CorpusAdmin:
         holders of this process sized from the machine (holders behind handles check their own)."""
         if self.cfg.shard_memory_bytes is not None:
             return self.cfg.shard_memory_bytes
-        budgets = [b for b in (getattr(getattr(c, "holder", None), "memory_bytes", None) for c in self.holders) if b is not None]
+        budgets = [
+            b
+            for b in (getattr(getattr(c, "holder", None), "memory_bytes", None) for c in self.holders)
+            if b is not None
+        ]
         return min(budgets) if budgets else None
 
     def check_memory(self, m: Manifest | None, name: str, chunks: int, tokens: int) -> None:
@@ -211,12 +271,17 @@ class CorpusAdmin:
         if budget is None:
             return
         if m is None:
-            m = Manifest(name=name, uid="", fingerprint="", model={}, dim=self.model.dim, chunk_tokens=0, shards=self.cfg.shards)
+            m = Manifest(
+                name=name, uid="", fingerprint="", model={}, dim=self.model.dim, chunk_tokens=0, shards=self.cfg.shards
+            )
         need = corpus_bytes_per_holder(m, len(self.holders), chunks, tokens)
         if need > budget:
-            raise ServiceError(507, "documents" if chunks else "corpus",
-                               f"corpus {name!r} would need about {need / 2**20:.1f} MiB in each index shard; the budget is "
-                               f"{budget / 2**20:.1f} MiB (shard_memory_bytes): use another corpus or more shards")
+            raise ServiceError(
+                507,
+                "documents" if chunks else "corpus",
+                f"corpus {name!r} would need about {need / 2**20:.1f} MiB in each index shard; the budget is "
+                f"{budget / 2**20:.1f} MiB (shard_memory_bytes): use another corpus or more shards",
+            )
 
     async def _chunk(self, job: Job, docs: list[Document], budget: int) -> tuple[list, list[np.ndarray]]:
         chunks, ids = await asyncio.to_thread(self.tok.chunk_documents, docs, budget)
@@ -228,7 +293,9 @@ class CorpusAdmin:
         self.check_memory(self.manifest(m.name), m.name, len(ids), sum(c.tokens for c in chunks))
         vectors = await self._embed_chunks(ids, job)
         try:
-            await asyncio.to_thread(self.store.append, m.name, docs, chunks, ids, vectors, self.model.fingerprint, job.id, m.uid)
+            await asyncio.to_thread(
+                self.store.append, m.name, docs, chunks, ids, vectors, self.model.fingerprint, job.id, m.uid
+            )
         except CorpusChanged as exc:
             raise ServiceError(409, "corpus", str(exc)) from None
         except CorpusConflict as exc:
@@ -260,7 +327,9 @@ class CorpusAdmin:
 
     async def _reindex(self, job: Job, name: str, uid: str) -> None:
         fingerprint = self.model.fingerprint
-        m = await asyncio.to_thread(self.store.begin_reindex, name, uid, fingerprint, self.model.dim, self.model.model_cfg)
+        m = await asyncio.to_thread(
+            self.store.begin_reindex, name, uid, fingerprint, self.model.dim, self.model.model_cfg
+        )
         self.check_memory(m, name, 0, 0)
         todo = self.store.reindex_todo(m)
         while True:  # appends of another model meanwhile leave segments to re-embed at the swap
@@ -280,9 +349,13 @@ class CorpusAdmin:
         ids = await asyncio.to_thread(self.tok.tokenize_chunks, [t for _, _, t in rows], m.chunk_tokens)
         vectors = await self._embed_chunks(ids)
         if stage:
-            await asyncio.to_thread(self.store.stage_vectors, m.name, m.uid, self.model.fingerprint, shard, batch.id, vectors, ids)
+            await asyncio.to_thread(
+                self.store.stage_vectors, m.name, m.uid, self.model.fingerprint, shard, batch.id, vectors, ids
+            )
         else:
-            await asyncio.to_thread(self.store.replace_vectors, m.name, shard, batch.id, vectors, ids, self.model.fingerprint, m.uid)
+            await asyncio.to_thread(
+                self.store.replace_vectors, m.name, shard, batch.id, vectors, ids, self.model.fingerprint, m.uid
+            )
 
     async def repaired(self, name: str, exc: ShardUnhealthy) -> Manifest:
         """Repair what a query found unhealthy, and the corpus to search again: 503 when the

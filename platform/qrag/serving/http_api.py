@@ -29,18 +29,46 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qrag.index.store import StoreError
-from qrag.serving.api_models import (AppendDocuments, CorpusJobs, CorpusList, CorpusStats, CreateCorpus, Deleted, DocumentIn,  # noqa: F401
-                                     ErrorBody, Health, Job, JobAnswer, Reindex, RetrieveAnswer, RetrieveRequest)
+from qrag.serving.api_models import (
+    AppendDocuments,
+    CorpusJobs,
+    CorpusList,
+    CorpusStats,
+    CreateCorpus,
+    Deleted,
+    DocumentIn,  # noqa: F401
+    ErrorBody,
+    Health,
+    Job,
+    JobAnswer,
+    Reindex,
+    RetrieveAnswer,
+    RetrieveRequest,
+)
 from qrag.serving.errors import ServiceError, os_error, store_error
-from qrag.serving.http_guards import (KEY_SCOPE, OFF_LOOP_BYTES, PUBLIC_ROUTES, BodyGuard, Guard, Observed, RouteTable, SecurityHeaders,  # noqa: F401
-                                      error_response, needed_scope, off_loop)
+from qrag.serving.http_guards import (
+    KEY_SCOPE,
+    OFF_LOOP_BYTES,
+    PUBLIC_ROUTES,
+    BodyGuard,
+    Guard,
+    Observed,
+    RouteTable,
+    SecurityHeaders,
+    error_response,
+    off_loop,
+)
 from qrag.serving.http_headers import PAGE_HEADERS
 from qrag.serving.retrieval import RetrieveParams
 from qrag.serving.service import RetrievalService
 
 log = logging.getLogger("qrag.http")
 
-STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+STATIC_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+}
 BEARER = "bearer"  # the OpenAPI security scheme of the API keys
 _error = error_response
 
@@ -62,15 +90,35 @@ def parse_body(adapter: TypeAdapter, body: bytes) -> Any:
     try:
         data = json.loads(body)
     except json.JSONDecodeError as e:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {},
-                                       "ctx": {"error": e.msg}}]) from None
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", e.pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": e.msg},
+                }
+            ]
+        ) from None
     except RecursionError:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {},
-                                       "ctx": {"error": "arrays or objects nested too deeply"}}]) from None
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body",),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": "arrays or objects nested too deeply"},
+                }
+            ]
+        ) from None
     try:
         return adapter.validate_python(data)
     except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        ) from None
 
 
 class OffLoopRoute(APIRoute):
@@ -94,18 +142,29 @@ class OffLoopRoute(APIRoute):
 
 # -- OpenAPI --------------------------------------------------------------------------------------
 
-ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
-    (400, "Invalid JSON, a body that is not UTF-8, a repeated header"), (401, "No or unknown API key"),
-    (403, "A read key on a write, or a cross-origin write"), (413, "Body too large, too many documents or JSON values"),
-    (415, "Not JSON"), (421, "Host not in allowed_hosts"), (422, "A field of the wrong type or out of range (named in 'field')"),
-    (503, "Overloaded, a backend failed, or past request_timeout_s (Retry-After)"))}
+ERRORS = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in (
+        (400, "Invalid JSON, a body that is not UTF-8, a repeated header"),
+        (401, "No or unknown API key"),
+        (403, "A read key on a write, or a cross-origin write"),
+        (413, "Body too large, too many documents or JSON values"),
+        (415, "Not JSON"),
+        (421, "Host not in allowed_hosts"),
+        (422, "A field of the wrong type or out of range (named in 'field')"),
+        (503, "Overloaded, a backend failed, or past request_timeout_s (Retry-After)"),
+    )
+}
 
 
 def with_security(schema: dict[str, Any], public: frozenset[str]) -> dict[str, Any]:
     """The bearer keys as a security scheme: required on every operation but the public ones
     (/healthz takes one optionally: its details need a read key)."""
     schema.setdefault("components", {}).setdefault("securitySchemes", {})[BEARER] = {
-        "type": "http", "scheme": "bearer", "description": "An API key: 'Authorization: Bearer <key>' (read or write scope)."}
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An API key: 'Authorization: Bearer <key>' (read or write scope).",
+    }
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             operation["security"] = [{}, {BEARER: []}] if path in public else [{BEARER: []}]
@@ -132,7 +191,9 @@ def build_api(
 ):
     """The ASGI app for ``service``: FastAPI routes inside the guards. ``static`` holds the web
     page's files by name; ``keys`` maps API-key digests to scopes (see :mod:`qrag.serving.auth`)."""
-    api = FastAPI(title="qrag retriever", version="1", description="Q-RAG multi-step retrieval over sharded chunk indexes.")
+    api = FastAPI(
+        title="qrag retriever", version="1", description="Q-RAG multi-step retrieval over sharded chunk indexes."
+    )
     api.router.route_class = OffLoopRoute
     static = static or {}
     cfg = service.cfg
@@ -158,7 +219,11 @@ def build_api(
     async def validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0]
         if err.get("type") == "json_invalid":
-            return _error(400, "body", f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))} (at character {err['loc'][-1] if len(err['loc']) > 1 else '?'})")
+            return _error(
+                400,
+                "body",
+                f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))} (at character {err['loc'][-1] if len(err['loc']) > 1 else '?'})",
+            )
         field = _field(tuple(err.get("loc", ()))) or "body"
         if err.get("type") == "missing":
             return _error(422, field, f"{field}: required field missing")
@@ -187,15 +252,19 @@ def build_api(
     async def static_file(name: str):
         if name not in static:
             return _error(404, "name", f"no static file {name!r}")
-        suffix = name[name.rfind("."):]
+        suffix = name[name.rfind(".") :]
         return Response(static[name], media_type=STATIC_TYPES.get(suffix, "application/octet-stream"))
 
     # -- API ---------------------------------------------------------------------------------
     # Answers carry exactly the fields the service gave (exclude_unset): the models document them.
     answers = {"response_model_exclude_unset": True, "responses": ERRORS}
 
-    @api.get("/healthz", response_model=Health, summary="Health; with a read key (or on a server without keys) also which model is served",
-             **answers)
+    @api.get(
+        "/healthz",
+        response_model=Health,
+        summary="Health; with a read key (or on a server without keys) also which model is served",
+        **answers,
+    )
     async def healthz(request: Request):
         if keys and KEY_SCOPE not in request.scope:  # strangers learn that it runs, not what
             return {"status": "ok"}
@@ -210,13 +279,28 @@ def build_api(
         job = out.get("job")
         return JSONResponse(out, status_code=202 if job and job["state"] in ("queued", "running") else status)
 
-    @api.post("/v1/corpora", status_code=201, response_model=JobAnswer,
-              summary="Create a corpus (optionally with documents); visible once indexed", **answers)
+    @api.post(
+        "/v1/corpora",
+        status_code=201,
+        response_model=JobAnswer,
+        summary="Create a corpus (optionally with documents); visible once indexed",
+        **answers,
+    )
     async def create_corpus(body: CreateCorpus):
-        out = await service.create(body.name, [d.model_dump() for d in body.documents] if body.documents else None, body.chunk_tokens, body.wait)
+        out = await service.create(
+            body.name,
+            [d.model_dump() for d in body.documents] if body.documents else None,
+            body.chunk_tokens,
+            body.wait,
+        )
         return accepted(out, 201)
 
-    @api.get("/v1/corpora/{name}", response_model=CorpusStats, summary="Corpus stats: documents, chunks, tokens, shards, bytes", **answers)
+    @api.get(
+        "/v1/corpora/{name}",
+        response_model=CorpusStats,
+        summary="Corpus stats: documents, chunks, tokens, shards, bytes",
+        **answers,
+    )
     async def corpus_stats(name: str):
         return await service.corpus_stats(name)
 
@@ -224,39 +308,73 @@ def build_api(
     async def delete_corpus(name: str):
         return await service.delete(name)
 
-    @api.post("/v1/corpora/{name}/documents", response_model=JobAnswer,
-              summary="Append documents (send large uploads in several requests)", **answers)
+    @api.post(
+        "/v1/corpora/{name}/documents",
+        response_model=JobAnswer,
+        summary="Append documents (send large uploads in several requests)",
+        **answers,
+    )
     async def append(name: str, body: AppendDocuments):
         out = await service.append(name, [d.model_dump() for d in body.documents], body.wait)
         return accepted(out)
 
-    @api.post("/v1/corpora/{name}/reindex", status_code=202, response_model=JobAnswer,
-              summary="Re-embed a corpus with the served model (one at a time per corpus)", **answers)
+    @api.post(
+        "/v1/corpora/{name}/reindex",
+        status_code=202,
+        response_model=JobAnswer,
+        summary="Re-embed a corpus with the served model (one at a time per corpus)",
+        **answers,
+    )
     async def reindex(name: str, body: Reindex | None = None):
         return accepted(await service.reindex(name, wait=body.wait if body else False), 200)
 
-    @api.get("/v1/corpora/{name}/jobs", response_model=CorpusJobs, summary="The corpus's recent indexing jobs, newest first", **answers)
+    @api.get(
+        "/v1/corpora/{name}/jobs",
+        response_model=CorpusJobs,
+        summary="The corpus's recent indexing jobs, newest first",
+        **answers,
+    )
     async def corpus_jobs(name: str):
         return await asyncio.to_thread(service.corpus_jobs, name)
 
-    @api.get("/v1/jobs/{job_id}", response_model=Job,
-             summary="Progress of an indexing job (any replica answers; outcomes survive restarts)", **answers)
+    @api.get(
+        "/v1/jobs/{job_id}",
+        response_model=Job,
+        summary="Progress of an indexing job (any replica answers; outcomes survive restarts)",
+        **answers,
+    )
     async def job(job_id: str):
         return await asyncio.to_thread(service.job, job_id)
 
-    @api.post("/v1/retrieve", response_model=RetrieveAnswer, summary="Multi-step retrieval over a corpus or an inline context", **answers)
+    @api.post(
+        "/v1/retrieve",
+        response_model=RetrieveAnswer,
+        summary="Multi-step retrieval over a corpus or an inline context",
+        **answers,
+    )
     async def retrieve(body: RetrieveRequest):
         # The answer as it is (RetrieveAnswer documents it): the hot route skips re-validating
         # and re-encoding the service's own dict through the model.
         return JSONResponse(await service.retrieve(RetrieveParams(**body.model_dump())))
 
     if cfg.cors_origins:
-        api.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["authorization", "content-type"])
+        api.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cfg.cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["authorization", "content-type"],
+        )
     routes = RouteTable(lambda: api.router.routes)
     app = BodyGuard(api, limit=cfg.max_body_bytes, max_documents=cfg.max_documents, routes=routes)
-    app = Guard(app, keys=keys, allowed_hosts=list(cfg.allowed_hosts), cors_origins=list(cfg.cors_origins),
-                timeout_s=cfg.request_timeout_s, retry_after_s=cfg.retry_after_s, routes=routes)
+    app = Guard(
+        app,
+        keys=keys,
+        allowed_hosts=list(cfg.allowed_hosts),
+        cors_origins=list(cfg.cors_origins),
+        timeout_s=cfg.request_timeout_s,
+        retry_after_s=cfg.retry_after_s,
+        routes=routes,
+    )
     app = SecurityHeaders(app)  # on the guards' refusals too
     if on_request is not None:
         app = Observed(app, routes, on_request)

@@ -35,7 +35,9 @@ log = logging.getLogger("qrag.http")
 KEY_SCOPE = "qrag.key_scope"  # the scope (read | write) of the request's valid API key
 
 # Routes anyone may call; every other route, and any path that matches none, needs a key.
-PUBLIC_ROUTES = frozenset({"/", "/static/{name}", "/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+PUBLIC_ROUTES = frozenset(
+    {"/", "/static/{name}", "/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 READ_POSTS = frozenset({"/v1/retrieve"})  # posts that only read
 # Posts that create documents: their document count is taken from the raw body first.
@@ -90,8 +92,11 @@ class RouteTable:
     scope's ``root_path`` as the router does). ``routes`` is read at each request, so routes
     added after the app was built are matched too."""
 
-    def __init__(self, routes: Callable[[], Sequence[BaseRoute]] | Sequence[BaseRoute] | None = None,
-                 public: Iterable[str] = PUBLIC_ROUTES):
+    def __init__(
+        self,
+        routes: Callable[[], Sequence[BaseRoute]] | Sequence[BaseRoute] | None = None,
+        public: Iterable[str] = PUBLIC_ROUTES,
+    ):
         self._routes = routes if callable(routes) else (lambda: routes or ())
         self.public = frozenset(public)
 
@@ -142,7 +147,7 @@ def _host_port(netloc: str, scheme: str) -> tuple[str, int] | None:
         end = netloc.find("]")
         if end < 0:
             return None
-        host, rest = netloc[: end + 1], netloc[end + 1:]
+        host, rest = netloc[: end + 1], netloc[end + 1 :]
         if rest and not rest.startswith(":"):
             return None
         port = rest[1:]
@@ -194,8 +199,17 @@ class Guard:
     reached), JSON-only bodies, and the request deadline; strips client headers that would
     disable the server's timeout. Records the valid key's scope in ``scope[KEY_SCOPE]``."""
 
-    def __init__(self, app, *, keys: dict[str, str], allowed_hosts: list[str], cors_origins: list[str], timeout_s: float,
-                 retry_after_s: int, routes: RouteTable | None = None):
+    def __init__(
+        self,
+        app,
+        *,
+        keys: dict[str, str],
+        allowed_hosts: list[str],
+        cors_origins: list[str],
+        timeout_s: float,
+        retry_after_s: int,
+        routes: RouteTable | None = None,
+    ):
         self.app, self.keys = app, keys
         self.any_host = "*" in allowed_hosts
         self.hosts = {_hostname(h) for h in allowed_hosts}
@@ -227,9 +241,13 @@ class Guard:
         if need is None or method == "OPTIONS":  # (a CORS preflight carries no credentials)
             return None
         if key_scope is None:
-            return error_response(401, "authorization", "send 'Authorization: Bearer <API key>'", {"WWW-Authenticate": "Bearer"})
+            return error_response(
+                401, "authorization", "send 'Authorization: Bearer <API key>'", {"WWW-Authenticate": "Bearer"}
+            )
         if not allows(key_scope, need):
-            return error_response(403, "authorization", f"this API key may {key_scope}; {method} {scope['path'][:200]} needs a {need} key")
+            return error_response(
+                403, "authorization", f"this API key may {key_scope}; {method} {scope['path'][:200]} needs a {need} key"
+            )
         return None
 
     def _refusal(self, scope) -> JSONResponse | None:
@@ -270,9 +288,13 @@ class Guard:
                 await self.app(scope, receive, tracked)
         except TimeoutError:
             if not started:
-                await error_response(503, None, f"the request took longer than {self.timeout_s:g} s (request_timeout_s); an indexing job "
-                                                f"it started goes on (GET /v1/corpora/<name>/jobs)",
-                                     {"Retry-After": str(self.retry_after_s)})(scope, receive, send)
+                await error_response(
+                    503,
+                    None,
+                    f"the request took longer than {self.timeout_s:g} s (request_timeout_s); an indexing job "
+                    f"it started goes on (GET /v1/corpora/<name>/jobs)",
+                    {"Retry-After": str(self.retry_after_s)},
+                )(scope, receive, send)
 
 
 class SecurityHeaders:
@@ -365,7 +387,7 @@ def json_shape(body: bytes | memoryview) -> JsonShape:
     inside, carry = 0, 0
     view = memoryview(body)
     for start in range(0, len(view), _BLOCK):
-        a = np.frombuffer(view[start:start + _BLOCK], np.uint8)
+        a = np.frombuffer(view[start : start + _BLOCK], np.uint8)
         quotes = a == 0x22
         if carry or 0x5C in a:
             runs = _backslash_runs(a, carry)
@@ -394,7 +416,7 @@ def utf8_error(body: bytes) -> int | None:
     for start in range(0, len(view), _BLOCK):
         pending = len(decoder.getstate()[0])  # the bytes of a character cut by the previous block
         try:
-            decoder.decode(view[start:start + _BLOCK], final=start + _BLOCK >= len(view))
+            decoder.decode(view[start : start + _BLOCK], final=start + _BLOCK >= len(view))
         except UnicodeDecodeError as exc:
             return start - pending + exc.start
     return None
@@ -431,10 +453,18 @@ def body_problem(body: bytes, route: str | None, limits: BodyLimits) -> ServiceE
         return ServiceError(400, "body", "invalid JSON: a string is not terminated before the end of the body")
     if limits.documents_over(route, shape):
         n = limits.max_documents
-        return ServiceError(413, "documents", f"more than {n} documents in one request (counted before parsing); send at most {n} per request")
+        return ServiceError(
+            413,
+            "documents",
+            f"more than {n} documents in one request (counted before parsing); send at most {n} per request",
+        )
     if shape.marks > allowed:
-        return ServiceError(413, "body", f"the JSON body holds more than {allowed} keys and values (counted before parsing): "
-                                         f"unknown fields, or values this request does not take")
+        return ServiceError(
+            413,
+            "body",
+            f"the JSON body holds more than {allowed} keys and values (counted before parsing): "
+            f"unknown fields, or values this request does not take",
+        )
     return None
 
 
@@ -472,7 +502,9 @@ class BodyGuard:
             if not declared.strip().isdigit():
                 return await error_response(400, "body", "bad Content-Length header")(scope, receive, send)
             if int(declared) > self.limit:
-                return await error_response(413, "body", f"request body of {int(declared)} bytes; at most {self.limit}")(scope, receive, send)
+                return await error_response(
+                    413, "body", f"request body of {int(declared)} bytes; at most {self.limit}"
+                )(scope, receive, send)
         body = await self._read(receive)
         if body is None:
             return
@@ -495,4 +527,14 @@ class BodyGuard:
         return await self.app(scope, replay, send)
 
 
-__all__ = ["BodyGuard", "Guard", "KEY_SCOPE", "Observed", "RouteTable", "error_response", "json_shape", "needed_scope", "off_loop"]
+__all__ = [
+    "BodyGuard",
+    "Guard",
+    "KEY_SCOPE",
+    "Observed",
+    "RouteTable",
+    "error_response",
+    "json_shape",
+    "needed_scope",
+    "off_loop",
+]

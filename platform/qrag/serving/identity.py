@@ -19,7 +19,9 @@ def encoder_positions(encoder) -> int | None:
     n = getattr(config, "max_position_embeddings", None)
     if not isinstance(n, int) or n <= 0:
         return None
-    if getattr(config, "model_type", "") in _OFFSET_POSITIONS and isinstance(getattr(config, "pad_token_id", None), int):
+    if getattr(config, "model_type", "") in _OFFSET_POSITIONS and isinstance(
+        getattr(config, "pad_token_id", None), int
+    ):
         n -= config.pad_token_id + 1
     return n
 
@@ -51,11 +53,23 @@ class ModelIdentity:
     max_positions: int | None = None  # token positions the encoders embed (bounds chunk_tokens)
 
     def describe(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "source": public_source(self.source), "trained": self.trained,
-                "positions": self.model_cfg.positions, "dim": self.dim, "encoder": public_source(self.model_cfg.encoder)}
+        return {
+            "fingerprint": self.fingerprint,
+            "source": public_source(self.source),
+            "trained": self.trained,
+            "positions": self.model_cfg.positions,
+            "dim": self.dim,
+            "encoder": public_source(self.model_cfg.encoder),
+        }
 
     @classmethod
     def of(cls, model) -> ModelIdentity:
         """The identity of an :class:`~qrag.retrieval.embedder.EmbeddingModel` held in this process."""
-        return cls(model.fingerprint, model.model_cfg, model.dim, model.source.describe(), model.source.trained,
-                   encoder_positions(model.qnet.action_encoder))
+        return cls(
+            model.fingerprint,
+            model.model_cfg,
+            model.dim,
+            model.source.describe(),
+            model.source.trained,
+            encoder_positions(model.qnet.action_encoder),
+        )

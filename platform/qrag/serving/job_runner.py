@@ -63,11 +63,20 @@ class JobRunner:
             if kind == "reindex" and running is not None:
                 raise ServiceError(409, "corpus", f"corpus {corpus!r} is being re-indexed already (job {running.id})")
             if len(mine) >= c.max_jobs_per_corpus:
-                raise ServiceError(429, "corpus", f"{len(mine)} indexing jobs of corpus {corpus!r} are queued or running; at most "
-                                   f"{c.max_jobs_per_corpus} (max_jobs_per_corpus): retry later", {"Retry-After": str(c.retry_after_s)})
+                raise ServiceError(
+                    429,
+                    "corpus",
+                    f"{len(mine)} indexing jobs of corpus {corpus!r} are queued or running; at most "
+                    f"{c.max_jobs_per_corpus} (max_jobs_per_corpus): retry later",
+                    {"Retry-After": str(c.retry_after_s)},
+                )
             if len(active) >= c.max_jobs:
-                raise ServiceError(429, None, f"{len(active)} indexing jobs are queued or running; at most {c.max_jobs} (max_jobs): "
-                                   f"retry later", {"Retry-After": str(c.retry_after_s)})
+                raise ServiceError(
+                    429,
+                    None,
+                    f"{len(active)} indexing jobs are queued or running; at most {c.max_jobs} (max_jobs): retry later",
+                    {"Retry-After": str(c.retry_after_s)},
+                )
             job = Job(new_job_id(), corpus, kind, documents=documents)
             self.board.save(job)
         return job
@@ -86,11 +95,17 @@ class JobRunner:
         if batch is not None:
             job.state, job.chunks_done = "done", job.chunks_total
         else:
-            nothing = ("nothing of it was stored" if job.kind != "reindex" else
-                       f"the corpus keeps its old vectors; POST /v1/corpora/{job.corpus}/reindex goes on from the segments already re-embedded")
+            nothing = (
+                "nothing of it was stored"
+                if job.kind != "reindex"
+                else f"the corpus keeps its old vectors; POST /v1/corpora/{job.corpus}/reindex goes on from the segments already re-embedded"
+            )
             job.state = "failed"
-            job.error = ServiceError(503, None, f"interrupted: the server running this job stopped (restart or crash) "
-                                                f"before it finished; {nothing}").body()["error"]
+            job.error = ServiceError(
+                503,
+                None,
+                f"interrupted: the server running this job stopped (restart or crash) before it finished; {nothing}",
+            ).body()["error"]
         job.finished = time.time()
         self.board.save(job)
         return job
@@ -122,11 +137,17 @@ class JobRunner:
         except OSError as exc:  # disk full, storage gone
             job.state, job.error = "failed", os_error(exc).body()["error"]
         except asyncio.CancelledError:
-            job.state, job.error = "failed", ServiceError(503, None, "cancelled: the server is shutting down").body()["error"]
+            job.state, job.error = (
+                "failed",
+                ServiceError(503, None, "cancelled: the server is shutting down").body()["error"],
+            )
             raise
         except Exception as exc:  # a bug or an unexpected backend failure: still an ending, with a reason
             log.exception("indexing job %s failed", job.id)
-            job.state, job.error = "failed", ServiceError(500, None, f"internal error: {type(exc).__name__}").body()["error"]
+            job.state, job.error = (
+                "failed",
+                ServiceError(500, None, f"internal error: {type(exc).__name__}").body()["error"],
+            )
         finally:
             if job.state == "done":
                 job.chunks_done = job.chunks_total
@@ -160,11 +181,15 @@ class JobRunner:
             if job is not None and self.board.stale(job):
                 job = self._settle(job)
         if job is None:
-            raise ServiceError(404, "job", f"unknown job {job_id!r} (the last {self.cfg.jobs_kept} finished jobs are kept)")
+            raise ServiceError(
+                404, "job", f"unknown job {job_id!r} (the last {self.cfg.jobs_kept} finished jobs are kept)"
+            )
         return job.as_dict()
 
     def corpus_jobs(self, name: str) -> dict[str, Any]:
         jobs = {j.id: j for j in self.board.recent(name, self.cfg.jobs_kept)}
-        jobs.update({j.id: j for j in list(self.jobs.values()) if j.corpus == name})  # (a snapshot: this runs in a thread)
+        jobs.update(
+            {j.id: j for j in list(self.jobs.values()) if j.corpus == name}
+        )  # (a snapshot: this runs in a thread)
         out = [self._settle(j) if self.board.stale(j) and j.id not in self.jobs else j for j in jobs.values()]
         return {"corpus": name, "jobs": [j.as_dict() for j in sorted(out, key=lambda j: j.created, reverse=True)]}

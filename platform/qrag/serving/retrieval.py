@@ -49,16 +49,25 @@ class RetrievalRequests:
         """Range checks of a request (types are checked by the HTTP layer)."""
         c = self.cfg
         if (p.corpus is None) == (p.context is None):
-            raise ServiceError(422, "corpus", "give exactly one of 'corpus' (an indexed corpus) and 'context' (inline text)")
+            raise ServiceError(
+                422, "corpus", "give exactly one of 'corpus' (an indexed corpus) and 'context' (inline text)"
+            )
         if not p.question.strip():
             raise ServiceError(422, "question", "empty question")
         if len(p.question) > c.max_question_chars:
-            raise ServiceError(422, "question", f"question of {len(p.question)} characters; at most {c.max_question_chars}")
-        for name, value, hi in (("max_steps", p.max_steps, c.max_steps), ("beam_width", p.beam_width, c.max_beam_width)):
+            raise ServiceError(
+                422, "question", f"question of {len(p.question)} characters; at most {c.max_question_chars}"
+            )
+        for name, value, hi in (
+            ("max_steps", p.max_steps, c.max_steps),
+            ("beam_width", p.beam_width, c.max_beam_width),
+        ):
             if not 1 <= value <= hi:
                 raise ServiceError(422, name, f"{name} must be between 1 and {hi}, got {value}")
         if not 0 <= p.alternatives <= c.max_alternatives:
-            raise ServiceError(422, "alternatives", f"alternatives must be between 0 and {c.max_alternatives}, got {p.alternatives}")
+            raise ServiceError(
+                422, "alternatives", f"alternatives must be between 0 and {c.max_alternatives}, got {p.alternatives}"
+            )
         if p.stop_threshold is not None:
             try:
                 p.stop_threshold = float(p.stop_threshold)  # a 401-digit integer does not fit a float
@@ -76,17 +85,27 @@ class RetrievalRequests:
             if not p.context.strip():
                 raise ServiceError(422, "context", "empty context")
             if len(p.context) > c.max_context_chars:
-                raise ServiceError(413, "context", f"context of {len(p.context)} characters; at most {c.max_context_chars} "
-                                                   f"(index it as a corpus instead)")
+                raise ServiceError(
+                    413,
+                    "context",
+                    f"context of {len(p.context)} characters; at most {c.max_context_chars} "
+                    f"(index it as a corpus instead)",
+                )
             self.corpora.chunk_budget(p.chunk_tokens)
             long = re.search(r"\S{%d,}" % (c.max_word_chars + 1), p.context)
             if long:
-                raise ServiceError(422, "context", f"context: {long.end() - long.start()} characters without a space at character "
-                                   f"{long.start()}; at most {c.max_word_chars} (max_word_chars)")
+                raise ServiceError(
+                    422,
+                    "context",
+                    f"context: {long.end() - long.start()} characters without a space at character "
+                    f"{long.start()}; at most {c.max_word_chars} (max_word_chars)",
+                )
         elif p.chunk_tokens is not None or p.return_chunks:
             field = "chunk_tokens" if p.chunk_tokens is not None else "return_chunks"
             raise ServiceError(422, field, "only for an inline 'context' (a corpus keeps its own chunking)")
-        return SearchConfig(max_steps=p.max_steps, beam_width=p.beam_width, stop_threshold=p.stop_threshold, alternatives=p.alternatives)
+        return SearchConfig(
+            max_steps=p.max_steps, beam_width=p.beam_width, stop_threshold=p.stop_threshold, alternatives=p.alternatives
+        )
 
     async def retrieve(self, p: RetrieveParams) -> dict[str, Any]:
         # An inline context's checks scan up to max_context_chars: in a thread, off the event loop.
@@ -121,8 +140,13 @@ class RetrievalRequests:
         t = time.perf_counter()
         vectors = await self.corpora.embed_chunks(ids)
         timings.encode += time.perf_counter() - t
-        shard = ShardIndex("context", 0, 1, self.model.model_cfg, self.model.dim, torch.device("cpu"), ShardOptions(faiss="never"))
-        await asyncio.to_thread(shard.add, Segment(0, np.arange(len(chunks)), vectors, ids, [c.doc_id for c in chunks], [c.text for c in chunks]))
+        shard = ShardIndex(
+            "context", 0, 1, self.model.model_cfg, self.model.dim, torch.device("cpu"), ShardOptions(faiss="never")
+        )
+        await asyncio.to_thread(
+            shard.add,
+            Segment(0, np.arange(len(chunks)), vectors, ids, [c.doc_id for c in chunks], [c.text for c in chunks]),
+        )
         backend = InlineBackend(ShardsBackend([shard], len(chunks)))
         run = SearchRun(question, self.tok.layout, search, len(chunks))
         await self.batcher.run(run, backend, backend, timings)  # its own key: nobody shares an inline context
@@ -142,14 +166,28 @@ class RetrievalRequests:
             rec: ChunkRecord = run.records[g]
             return {"chunk_id": int(g), "doc_id": rec.doc_id, "text": rec.text}
 
-        steps = [{
-            "step": i + 1, **chunk(s.chunk), "q": s.q, "position": s.position,
-            "alternatives": [{**chunk(a), "q": q} for a, q in s.alternatives],
-        } for i, s in enumerate(result.steps)]
+        steps = [
+            {
+                "step": i + 1,
+                **chunk(s.chunk),
+                "q": s.q,
+                "position": s.position,
+                "alternatives": [{**chunk(a), "q": q} for a, q in s.alternatives],
+            }
+            for i, s in enumerate(result.steps)
+        ]
         return {
-            "corpus": p.corpus, "question": p.question, "steps": steps, "stopped_early": result.stopped_early,
-            "n_chunks": n_chunks, "timings": timings.as_ms(),
-            "search": {"max_steps": p.max_steps, "beam_width": p.beam_width, "stop_threshold": p.stop_threshold,
-                       "alternatives": p.alternatives},
+            "corpus": p.corpus,
+            "question": p.question,
+            "steps": steps,
+            "stopped_early": result.stopped_early,
+            "n_chunks": n_chunks,
+            "timings": timings.as_ms(),
+            "search": {
+                "max_steps": p.max_steps,
+                "beam_width": p.beam_width,
+                "stop_threshold": p.stop_threshold,
+                "alternatives": p.alternatives,
+            },
             "model": {"fingerprint": self.model.fingerprint, "trained": self.model.trained},
         }

@@ -22,7 +22,10 @@ class ServerTiming:
         async def timed(message):
             if message["type"] == "http.response.start":
                 ms = (time.perf_counter() - t0) * 1000.0
-                message = {**message, "headers": [*message.get("headers", []), (b"server-timing", f"app;dur={ms:.3f}".encode())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"server-timing", f"app;dur={ms:.3f}".encode())],
+                }
             await send(message)
 
         await self.app(scope, receive, timed)

@@ -29,8 +29,16 @@ from qrag.serving.service_config import ServeConfig
 
 
 class RetrievalService:
-    def __init__(self, cfg: ServeConfig, store: CorpusStore, tok: Tokenization, model: ModelIdentity,
-                 encoder: EncoderClient, holders: Sequence[HolderClient], metrics: Metrics | None = None):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        store: CorpusStore,
+        tok: Tokenization,
+        model: ModelIdentity,
+        encoder: EncoderClient,
+        holders: Sequence[HolderClient],
+        metrics: Metrics | None = None,
+    ):
         self.cfg, self.store, self.model = cfg, store, model
         self.corpora = CorpusAdmin(cfg, store, tok, model, encoder, holders, metrics)
         self.batcher = LockstepBatcher(encoder, cfg.state_batch_size)
@@ -62,7 +70,9 @@ class RetrievalService:
     async def corpus_stats(self, name: str) -> dict[str, Any]:
         return await self.corpora.stats(name)
 
-    async def create(self, name: str, documents: Any = None, chunk_tokens: int | None = None, wait: bool = True) -> dict[str, Any]:
+    async def create(
+        self, name: str, documents: Any = None, chunk_tokens: int | None = None, wait: bool = True
+    ) -> dict[str, Any]:
         return await self.corpora.create(name, documents, chunk_tokens, wait)
 
     async def append(self, name: str, documents: Any, wait: bool = True) -> dict[str, Any]:
@@ -84,14 +94,19 @@ class RetrievalService:
     async def health(self) -> dict[str, Any]:
         trained = self.model.trained
         return {
-            "status": "ok", "model": self.model.describe(),
-            "message": "serving a trained checkpoint" if trained else
-                       "serving the UNTRAINED bundled encoder: no checkpoint is configured (set checkpoint in serve/config.yaml or --checkpoint)",
-            "shards": len(self.corpora.holders), "corpora": len(self.store.names()),
+            "status": "ok",
+            "model": self.model.describe(),
+            "message": "serving a trained checkpoint"
+            if trained
+            else "serving the UNTRAINED bundled encoder: no checkpoint is configured (set checkpoint in serve/config.yaml or --checkpoint)",
+            "shards": len(self.corpora.holders),
+            "corpora": len(self.store.names()),
         }
 
 
-def local_holders(cfg: ServeConfig, store: CorpusStore, device: str | torch.device, holders: int | None = None) -> list[LocalHolder]:
+def local_holders(
+    cfg: ServeConfig, store: CorpusStore, device: str | torch.device, holders: int | None = None
+) -> list[LocalHolder]:
     """Shard holders of this process: ``holders`` of them (default ``cfg.shard_holders()``)."""
     n = cfg.shard_holders() if holders is None else holders
     options = cfg.shard_options()
@@ -99,10 +114,22 @@ def local_holders(cfg: ServeConfig, store: CorpusStore, device: str | torch.devi
     return [LocalHolder(ShardHolder(store, s, n, torch.device(device), options, budget)) for s in range(n)]
 
 
-def local_service(cfg: ServeConfig, model: EmbeddingModel, device: str = "cpu", metrics: Metrics | None = None,
-                  holders: int | None = None) -> RetrievalService:
+def local_service(
+    cfg: ServeConfig,
+    model: EmbeddingModel,
+    device: str = "cpu",
+    metrics: Metrics | None = None,
+    holders: int | None = None,
+) -> RetrievalService:
     """The whole service in one process (no Ray): ``holders`` shard holders (default
     ``cfg.shard_holders()``; 1 = every shard in one holder, scored in one pass per step)."""
     store = CorpusStore(cfg.storage)
-    return RetrievalService(replace(cfg), store, model, ModelIdentity.of(model), LocalEncoder(model, cfg.retry_after_s),
-                            local_holders(cfg, store, device, holders), metrics)
+    return RetrievalService(
+        replace(cfg),
+        store,
+        model,
+        ModelIdentity.of(model),
+        LocalEncoder(model, cfg.retry_after_s),
+        local_holders(cfg, store, device, holders),
+        metrics,
+    )

@@ -56,14 +56,22 @@ def parse(argv: list[str], prog: str = "sweep") -> argparse.Namespace:
 def check(args: argparse.Namespace) -> Sweep:
     """The sweep of parsed arguments, checked before anything starts; raises one of
     ``USER_ERRORS`` with a one-line message."""
-    sweep = load_sweep(args.config, args.overrides, name=args.name, trials=args.trials, max_concurrent=args.max_concurrent)
+    sweep = load_sweep(
+        args.config, args.overrides, name=args.name, trials=args.trials, max_concurrent=args.max_concurrent
+    )
     address = args.address or os.environ.get("RAY_ADDRESS") or None
-    sweep.base = resolve_paths(sweep.base, base_directory(args.base_dir, cluster=address is not None and not args.local))
+    sweep.base = resolve_paths(
+        sweep.base, base_directory(args.base_dir, cluster=address is not None and not args.local)
+    )
     if is_uri(sweep.base.out_dir):
-        raise ConfigError(f"out_dir {sweep.base.out_dir} is a URI: a sweep keeps its scheduler state, table and plot in "
-                          "out_dir, so give it a local or shared (e.g. NFS) directory")
+        raise ConfigError(
+            f"out_dir {sweep.base.out_dir} is a URI: a sweep keeps its scheduler state, table and plot in "
+            "out_dir, so give it a local or shared (e.g. NFS) directory"
+        )
     if args.local:  # no tracking without Ray: do not ask for MLflow
-        sweep.base = dataclasses.replace(sweep.base, distributed=dataclasses.replace(sweep.base.distributed, mlflow_uri="none"))
+        sweep.base = dataclasses.replace(
+            sweep.base, distributed=dataclasses.replace(sweep.base.distributed, mlflow_uri="none")
+        )
     preflight(sweep.base)
     check_distributed(first_trial_config(sweep))
     return sweep
@@ -85,9 +93,18 @@ def _identity(sweep: Sweep) -> dict[str, Any]:
     """What must not change when a sweep is resumed: its space, draws, scheduler and the
     training config of its trials (resources may, and where the sweep lives is its identity)."""
     summary = sweep.summary()
-    base = {k: v for k, v in flatten(to_dict(sweep.base)).items() if not k.startswith("distributed.") and k not in ("name", "out_dir")}
-    return {"space": summary["space"], "trials": summary["trials"], "seed": summary["seed"],
-            "scheduler": summary["scheduler"], "training": base}
+    base = {
+        k: v
+        for k, v in flatten(to_dict(sweep.base)).items()
+        if not k.startswith("distributed.") and k not in ("name", "out_dir")
+    }
+    return {
+        "space": summary["space"],
+        "trials": summary["trials"],
+        "seed": summary["seed"],
+        "scheduler": summary["scheduler"],
+        "training": base,
+    }
 
 
 def check_same_sweep(sweep: Sweep, resuming: bool) -> None:
@@ -96,11 +113,15 @@ def check_same_sweep(sweep: Sweep, resuming: bool) -> None:
     now = json.loads(json.dumps(_identity(sweep), default=str))
     if resuming and path.is_file():
         before = json.loads(path.read_text())
-        diffs = [k for k in sorted(set(flatten(before)) | set(flatten(now))) if flatten(before).get(k) != flatten(now).get(k)]
+        diffs = [
+            k for k in sorted(set(flatten(before)) | set(flatten(now))) if flatten(before).get(k) != flatten(now).get(k)
+        ]
         if diffs:
             shown = ", ".join(f"{k}: {flatten(before).get(k)!r} -> {flatten(now).get(k)!r}" for k in diffs[:3])
-            raise ConfigError(f"sweep {sweep.name!r} in {sweep.sweep_dir()} was started with other settings ({shown}); "
-                              "resume it unchanged or choose a new --name")
+            raise ConfigError(
+                f"sweep {sweep.name!r} in {sweep.sweep_dir()} was started with other settings ({shown}); "
+                "resume it unchanged or choose a new --name"
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(now, indent=1))
 
@@ -132,8 +153,14 @@ def connect(sweep: Sweep, address: str | None) -> bool:
     saved = os.environ.get("RAY_GCS_SERVER_PORT")
     os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # the local head's GCS port (read when Ray starts it)
     try:
-        ray.init(address="local", _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", logging_level="WARNING",
-                 num_cpus=max(os.cpu_count() or 1, math.ceil(per_trial * concurrent)), runtime_env=_runtime_env(env))
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",
+            dashboard_host="127.0.0.1",
+            logging_level="WARNING",
+            num_cpus=max(os.cpu_count() or 1, math.ceil(per_trial * concurrent)),
+            runtime_env=_runtime_env(env),
+        )
     finally:
         if saved is None:
             os.environ.pop("RAY_GCS_SERVER_PORT", None)
@@ -163,7 +190,8 @@ def require_state_api(sweep: Sweep) -> None:
             f"Ray's state API does not answer ({type(exc).__name__}: {str(exc)[:200]}): trials that ASHA stops would keep "
             "their resources and later trials would wait for workers until they time out. Install ray[default] (the "
             "dashboard serves the state API) and start the cluster with its dashboard, or set max_concurrent to the "
-            "number of trials") from None
+            "number of trials"
+        ) from None
 
 
 def _free_port() -> int:
@@ -178,7 +206,14 @@ def run_on_ray(sweep: Sweep, address: str | None) -> tuple[list[TrialOutcome] | 
     from ray import tune
 
     from qrag.distributed.sweep.tracking import mark_interrupted, open_parent, record_trials
-    from qrag.distributed.sweep.ray_tune import ASHA_STATE, TrialSetup, make_tuner, outcome_of, stopped_file, stopped_trials
+    from qrag.distributed.sweep.ray_tune import (
+        ASHA_STATE,
+        TrialSetup,
+        make_tuner,
+        outcome_of,
+        stopped_file,
+        stopped_trials,
+    )
 
     resuming = tune.Tuner.can_restore(sweep.tune_dir())
     check_same_sweep(sweep, resuming)
@@ -191,12 +226,18 @@ def run_on_ray(sweep: Sweep, address: str | None) -> tuple[list[TrialOutcome] | 
         try:
             learner_resources(first_trial_config(sweep), cluster)  # one trial must fit
         except ConfigError as exc:
-            raise ConfigError(f"a trial does not fit the Ray cluster: {exc} (the sweep file's resources.* set each trial's "
-                              "distributed.* keys; resources.gpus: 0 trains on CPU)") from None
-        if started:  # a cluster this process started from a bare `ray` may lack the dashboard; a joined one is the admin's
+            raise ConfigError(
+                f"a trial does not fit the Ray cluster: {exc} (the sweep file's resources.* set each trial's "
+                "distributed.* keys; resources.gpus: 0 trains on CPU)"
+            ) from None
+        if (
+            started
+        ):  # a cluster this process started from a bare `ray` may lack the dashboard; a joined one is the admin's
             require_state_api(sweep)
-        _say(f"{'resuming' if resuming else 'starting'} {sweep.total_trials()} trials in {sweep.sweep_dir()} "
-             f"(Ray: {cluster.get('CPU', 0):g} CPUs, {cluster.get('GPU', 0):g} GPUs)")
+        _say(
+            f"{'resuming' if resuming else 'starting'} {sweep.total_trials()} trials in {sweep.sweep_dir()} "
+            f"(Ray: {cluster.get('CPU', 0):g} CPUs, {cluster.get('GPU', 0):g} GPUs)"
+        )
         uri = tracking_uri(sweep.base)
         parent = open_parent(uri, sweep, resuming=resuming) if uri else None
         if parent:
@@ -231,17 +272,29 @@ def finish(sweep: Sweep, outcomes: list[TrialOutcome], uri: str | None, parent: 
     print(report.table, flush=True)
     best = report.best
     summary = {
-        "sweep_dir": sweep.sweep_dir(), "results_csv": str(report.csv), "plot": str(report.png) if report.png else None,
+        "sweep_dir": sweep.sweep_dir(),
+        "results_csv": str(report.csv),
+        "plot": str(report.png) if report.png else None,
         "best_config": str(report.best_yaml) if report.best_yaml else None,
         "trials": {s: sum(o.status == s for o in outcomes) for s in ("completed", "stopped", "error")},
-        "best": None if best is None else {
-            "trial": best.trial_id, "params": best.params, "score": best.score(sweep.mode, sweep.score_scope),
-            "metric": f"{sweep.score_scope} {sweep.metric}", "checkpoint": best.checkpoint, "mlflow_run_id": best.mlflow_run_id},
-        "mlflow_parent_run_id": parent, "tracking_uri": uri,
+        "best": None
+        if best is None
+        else {
+            "trial": best.trial_id,
+            "params": best.params,
+            "score": best.score(sweep.mode, sweep.score_scope),
+            "metric": f"{sweep.score_scope} {sweep.metric}",
+            "checkpoint": best.checkpoint,
+            "mlflow_run_id": best.mlflow_run_id,
+        },
+        "mlflow_parent_run_id": parent,
+        "tracking_uri": uri,
     }
     if report.best_yaml:
-        _say(f"best config {report.best_yaml}: train it with `qrag train --config {report.best_yaml}` "
-             f"or `qrag train --ray --config {report.best_yaml}`")
+        _say(
+            f"best config {report.best_yaml}: train it with `qrag train --config {report.best_yaml}` "
+            f"or `qrag train --ray --config {report.best_yaml}`"
+        )
     print(json.dumps(summary), flush=True)
     return summary
 

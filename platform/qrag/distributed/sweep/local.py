@@ -71,8 +71,11 @@ class LocalSweep:
     def __init__(self, sweep: Sweep):
         self.sweep = sweep
         s = sweep.spec.scheduler
-        self.rule = RungRule(sweep.grace_period, s.reduction_factor, sweep.max_t, sweep.mode, sweep.base.updates) \
-            if s.type == "asha" else None
+        self.rule = (
+            RungRule(sweep.grace_period, s.reduction_factor, sweep.max_t, sweep.mode, sweep.base.updates)
+            if s.type == "asha"
+            else None
+        )
         self.state_path = Path(sweep.sweep_dir()) / "local_state.json"
         self.outcomes: dict[str, TrialOutcome] = {}
         self.partial: dict[str, list[tuple[int, float]]] = {}  # evaluations of the trial in progress
@@ -84,16 +87,22 @@ class LocalSweep:
         if state.get("trials") != trials:
             from qrag.config import ConfigError
 
-            raise ConfigError(f"sweep {self.sweep.name} in {self.state_path.parent} was started with other trials; "
-                              "resume it unchanged or choose a new --name")
+            raise ConfigError(
+                f"sweep {self.sweep.name} in {self.state_path.parent} was started with other trials; "
+                "resume it unchanged or choose a new --name"
+            )
         self.outcomes = {k: TrialOutcome.from_json(v) for k, v in state.get("outcomes", {}).items()}
         self.partial = {k: [tuple(e) for e in v] for k, v in state.get("partial", {}).items()}
         if self.rule is not None:
             self.rule.load(state.get("rungs", {}))
 
     def _save(self, trials: list[dict[str, Any]]) -> None:
-        state = {"trials": trials, "outcomes": {k: o.to_json() for k, o in self.outcomes.items()},
-                 "partial": self.partial, "rungs": self.rule.state() if self.rule else {}}
+        state = {
+            "trials": trials,
+            "outcomes": {k: o.to_json() for k, o in self.outcomes.items()},
+            "partial": self.partial,
+            "rungs": self.rule.state() if self.rule else {},
+        }
         tmp = self.state_path.with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(state, indent=1))
@@ -127,8 +136,11 @@ class LocalSweep:
         resume = latest_checkpoint(run_dir)
         evals = self.partial.setdefault(trial_id, [])
         outcome = TrialOutcome(trial_id, params, "error", 0, evals, run_name=name, run_dir=str(run_dir))
-        print(f"sweep: trial {trial_id} {json.dumps(params)}" + (f" (resuming from {resume})" if resume else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"sweep: trial {trial_id} {json.dumps(params)}" + (f" (resuming from {resume})" if resume else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
         def report(update: int, metrics: dict[str, float]) -> None:
             outcome.updates = update
@@ -139,8 +151,12 @@ class LocalSweep:
                 evals.append((update, value))
             stop = self.rule is not None and self.rule.decide(trial_id, update, value)
             self._save(trials)
-            print(f"sweep: trial {trial_id} update {update} {sweep.metric} {value:.4f}" + ("  -> stopped" if stop else ""),
-                  file=sys.stderr, flush=True)
+            print(
+                f"sweep: trial {trial_id} update {update} {sweep.metric} {value:.4f}"
+                + ("  -> stopped" if stop else ""),
+                file=sys.stderr,
+                flush=True,
+            )
             if stop:
                 raise _Stop
 
@@ -155,6 +171,9 @@ class LocalSweep:
         else:
             outcome.status, outcome.updates = "completed", out["updates"]
             outcome.dev_fact_f1, outcome.checkpoint = out["eval"]["fact_f1"], out["checkpoint"]
-        print(f"sweep: trial {trial_id} {outcome.status} after {outcome.updates} updates ({time.perf_counter() - t0:.0f} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"sweep: trial {trial_id} {outcome.status} after {outcome.updates} updates ({time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         return outcome

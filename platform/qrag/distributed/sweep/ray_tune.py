@@ -77,8 +77,14 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
     trial_id = tune.get_context().get_trial_id()
     name = setup.run_name(trial_id)
     cfg = setup.sweep.trial_config(params, name, setup.mlflow_uri)
-    train_with_ray(cfg, storage_path=setup.sweep.trials_dir(), run_name=name, parent_run_id=setup.parent_run_id,
-                   callbacks=[EvalForwarder()], tracking=setup.mlflow_uri is not None)
+    train_with_ray(
+        cfg,
+        storage_path=setup.sweep.trials_dir(),
+        run_name=name,
+        parent_run_id=setup.parent_run_id,
+        callbacks=[EvalForwarder()],
+        tracking=setup.mlflow_uri is not None,
+    )
 
 
 class ResumableASHA(AsyncHyperBandScheduler):
@@ -160,8 +166,12 @@ def make_tuner(setup: TrialSetup, restore: bool) -> tune.Tuner:
         return tune.Tuner.restore(sweep.tune_dir(), trainable=trainable, resume_unfinished=True, resume_errored=True)
     if spec.scheduler.type == "asha":
         scheduler = ResumableASHA(
-            os.path.join(sweep.sweep_dir(), ASHA_STATE), sweep.base.updates, time_attr="update",
-            grace_period=sweep.grace_period, reduction_factor=spec.scheduler.reduction_factor, max_t=sweep.max_t,
+            os.path.join(sweep.sweep_dir(), ASHA_STATE),
+            sweep.base.updates,
+            time_attr="update",
+            grace_period=sweep.grace_period,
+            reduction_factor=spec.scheduler.reduction_factor,
+            max_t=sweep.max_t,
         )
     else:
         scheduler = FIFOScheduler()
@@ -170,14 +180,18 @@ def make_tuner(setup: TrialSetup, restore: bool) -> tune.Tuner:
         trainable,
         param_space={dim.key: tune_domain(dim) for dim in sweep.dims},
         tune_config=tune.TuneConfig(
-            metric=sweep.metric, mode=sweep.mode, scheduler=scheduler, num_samples=spec.trials,
+            metric=sweep.metric,
+            mode=sweep.mode,
+            scheduler=scheduler,
+            num_samples=spec.trials,
             # The generator enforces the concurrency limit (TuneConfig's would be ignored next to it).
             search_alg=BasicVariantGenerator(random_state=spec.seed, max_concurrent=spec.max_concurrent),
             trial_name_creator=lambda trial: f"{name}-{trial.trial_id}",
             trial_dirname_creator=lambda trial: f"trial-{trial.trial_id}",
         ),
-        run_config=tune.RunConfig(name="tune", storage_path=sweep.sweep_dir(), failure_config=tune.FailureConfig(max_failures=0),
-                                  verbose=1),
+        run_config=tune.RunConfig(
+            name="tune", storage_path=sweep.sweep_dir(), failure_config=tune.FailureConfig(max_failures=0), verbose=1
+        ),
     )
 
 
@@ -203,7 +217,15 @@ def outcome_of(result, setup: TrialSetup, stopped: set[str]) -> TrialOutcome:
             evals.setdefault(int(r["update"]), float(r[sweep.metric]))
     final = [r for r in history if "final/dev_fact_f1" in r]
     run_dir = setup.run_dir(trial_id)
-    status = "error" if result.error is not None else "completed" if final else "stopped" if trial_id in stopped else "interrupted"
+    status = (
+        "error"
+        if result.error is not None
+        else "completed"
+        if final
+        else "stopped"
+        if trial_id in stopped
+        else "interrupted"
+    )
     checkpoint = None
     if final:
         chosen = "best" if sweep.base.keep_best and os.path.isdir(f"{run_dir}/best") else "final"
@@ -218,5 +240,7 @@ def outcome_of(result, setup: TrialSetup, stopped: set[str]) -> TrialOutcome:
         run_name=setup.run_name(trial_id),
         run_dir=run_dir,
         checkpoint=checkpoint,
-        error=None if result.error is None else f"{type(result.error).__name__}: {str(result.error).strip().splitlines()[0] if str(result.error).strip() else ''}",
+        error=None
+        if result.error is None
+        else f"{type(result.error).__name__}: {str(result.error).strip().splitlines()[0] if str(result.error).strip() else ''}",
     )

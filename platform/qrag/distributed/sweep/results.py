@@ -20,7 +20,6 @@ from qrag.config import to_dict
 from qrag.distributed.sweep.spec import Sweep
 
 
-
 @dataclass
 class TrialOutcome:
     trial_id: str
@@ -82,13 +81,21 @@ def table_rows(outcomes: list[TrialOutcome], sweep: Sweep) -> list[dict[str, Any
     rows = []
     for rank, o in enumerate(ranked(outcomes, sweep), 1):
         last = next((v for _, v in reversed(o.evals)), None)
-        rows.append({
-            "rank": rank, "trial": o.trial_id, "status": o.status, "updates": o.updates,
-            **{key: o.params.get(key) for key in sweep.keys},
-            f"{sweep.score_scope}_{metric}": o.score(sweep.mode, sweep.score_scope),
-            f"last_{metric}": last, "evals": len(o.evals), "dev_fact_f1": o.dev_fact_f1,
-            "mlflow_run_id": o.mlflow_run_id or "", "run_dir": o.run_dir,
-        })
+        rows.append(
+            {
+                "rank": rank,
+                "trial": o.trial_id,
+                "status": o.status,
+                "updates": o.updates,
+                **{key: o.params.get(key) for key in sweep.keys},
+                f"{sweep.score_scope}_{metric}": o.score(sweep.mode, sweep.score_scope),
+                f"last_{metric}": last,
+                "evals": len(o.evals),
+                "dev_fact_f1": o.dev_fact_f1,
+                "mlflow_run_id": o.mlflow_run_id or "",
+                "run_dir": o.run_dir,
+            }
+        )
     if sweep.score_scope == "last":  # the two columns would be the same
         for row in rows:
             row.pop(f"last_{metric}")
@@ -132,10 +139,17 @@ def plot(outcomes: list[TrialOutcome], sweep: Sweep, path: Path) -> Path:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     label = f"{sweep.score_scope} {sweep.metric} (validation)"
     for ax, dim in zip(axes.flat, sweep.dims):
-        numeric = all(isinstance(o.params.get(dim.key), (int, float)) and not isinstance(o.params.get(dim.key), bool)
-                      for o in outcomes)
-        categories = [] if numeric else list(dict.fromkeys(_short(v) for v in dim.values)) if dim.kind in ("choice", "grid") \
+        numeric = all(
+            isinstance(o.params.get(dim.key), (int, float)) and not isinstance(o.params.get(dim.key), bool)
+            for o in outcomes
+        )
+        categories = (
+            []
+            if numeric
+            else list(dict.fromkeys(_short(v) for v in dim.values))
+            if dim.kind in ("choice", "grid")
             else sorted({_short(o.params.get(dim.key)) for o in outcomes})
+        )
 
         def x_of(o: TrialOutcome) -> float:
             value = o.params.get(dim.key)
@@ -147,8 +161,16 @@ def plot(outcomes: list[TrialOutcome], sweep: Sweep, path: Path) -> Path:
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, color=color, label=f"{status} ({len(pts)})", zorder=2)
         if best is not None and best.score(sweep.mode, sweep.score_scope) is not None:
-            ax.scatter([x_of(best)], [best.score(sweep.mode, sweep.score_scope)], marker="*", s=220, color="gold",
-                       edgecolors="black", label="best", zorder=3)
+            ax.scatter(
+                [x_of(best)],
+                [best.score(sweep.mode, sweep.score_scope)],
+                marker="*",
+                s=220,
+                color="gold",
+                edgecolors="black",
+                label="best",
+                zorder=3,
+            )
         if numeric and dim.log_scale:
             ax.set_xscale("log")
             # 1-2-5 ticks labelled plainly: a sweep's log range is often less than two decades
@@ -178,8 +200,9 @@ def write_best_config(sweep: Sweep, best: TrialOutcome, path: Path) -> Path:
     score = best.score(sweep.mode, sweep.score_scope)
     header = [
         f"# Best trial of sweep {sweep.name} ({sweep.source}): trial {best.trial_id}, {best.status}, "
-        f"{sweep.score_scope} {sweep.metric} {score:.4f} on the validation split" if score is not None else
-        f"# Best trial of sweep {sweep.name} ({sweep.source}): trial {best.trial_id}, {best.status}",
+        f"{sweep.score_scope} {sweep.metric} {score:.4f} on the validation split"
+        if score is not None
+        else f"# Best trial of sweep {sweep.name} ({sweep.source}): trial {best.trial_id}, {best.status}",
         f"# swept: {json.dumps(best.params)}",
     ]
     if best.mlflow_run_id:

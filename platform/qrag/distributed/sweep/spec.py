@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 
 from qrag.config import (
-    ConfigError, TrainConfig, apply_overrides, describe, from_dict, opt, read_yaml, to_dict,
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    describe,
+    from_dict,
+    opt,
+    read_yaml,
+    to_dict,
 )
 
 KINDS = ("uniform", "loguniform", "randint", "choice", "grid")
@@ -46,37 +53,58 @@ class SchedulerSpec:
     """Early stopping of bad trials (ASHA: asynchronous successive halving)."""
 
     type: str = opt("asha", "asha | none (every trial runs all its updates).")
-    metric: str = opt("eval/fact_f1", "What the scheduler and the best-trial choice compare: eval/fact_f1 | eval/fact_em, "
-                                      "evaluated every eval_every updates on data.val_fraction of train (never on dev).")
+    metric: str = opt(
+        "eval/fact_f1",
+        "What the scheduler and the best-trial choice compare: eval/fact_f1 | eval/fact_em, "
+        "evaluated every eval_every updates on data.val_fraction of train (never on dev).",
+    )
     mode: str = opt("max", "max | min.")
     grace_period: int = opt(0, "Updates a trial runs before it can be stopped (the first rung); 0 = eval_every.")
-    reduction_factor: float = opt(3.0, "At each rung a trial goes on only if it is in the best 1/reduction_factor so far.")
-    max_t: int = opt(0, "Updates of a trial that passes every rung (its training length; rungs are grace_period * "
-                        "reduction_factor^k up to it); 0 = the training config's updates.")
+    reduction_factor: float = opt(
+        3.0, "At each rung a trial goes on only if it is in the best 1/reduction_factor so far."
+    )
+    max_t: int = opt(
+        0,
+        "Updates of a trial that passes every rung (its training length; rungs are grace_period * "
+        "reduction_factor^k up to it); 0 = the training config's updates.",
+    )
 
 
 @dataclass
 class ResourcesSpec:
     """What one trial's training run reserves (written into its distributed.* keys)."""
 
-    gpus: float | None = opt(None, "GPUs of the learner: a fraction lets trials share a GPU (0.25 = four per GPU); "
-                                   "0 = CPU only; null = the training config's distributed.learner_gpu(s).")
+    gpus: float | None = opt(
+        None,
+        "GPUs of the learner: a fraction lets trials share a GPU (0.25 = four per GPU); "
+        "0 = CPU only; null = the training config's distributed.learner_gpu(s).",
+    )
     learner_cpus: float | None = opt(None, "CPUs of the learner (its torch threads); null = the training config's.")
     runners: int | None = opt(None, "EpisodeFeeder actors per trial; null = the training config's.")
     runner_cpus: float | None = opt(None, "CPUs per EpisodeFeeder; null = the training config's.")
-    trial_cpus: float = opt(0.01, "CPUs reserved for the Tune trial process itself: a sliver, it only waits for its Ray Train run "
-                                  "(the learner and runners reserve their own).")
+    trial_cpus: float = opt(
+        0.01,
+        "CPUs reserved for the Tune trial process itself: a sliver, it only waits for its Ray Train run "
+        "(the learner and runners reserve their own).",
+    )
 
 
 @dataclass
 class SweepSpec:
     """A hyperparameter sweep over a training config."""
 
-    name: str = opt("", "Sweep name: <out_dir>/<name>/ holds its trials and results; the MLflow parent run's name. "
-                        "Default: the file name. Starting a sweep with an existing name resumes it.")
+    name: str = opt(
+        "",
+        "Sweep name: <out_dir>/<name>/ holds its trials and results; the MLflow parent run's name. "
+        "Default: the file name. Starting a sweep with an existing name resumes it.",
+    )
     base: str = opt("", "Training preset the trials start from (a path relative to this file).")
-    overrides: dict[str, Any] = opt({}, "Training config keys set on top of the preset, e.g. {updates: 200, learner.top_k: 16}.")
-    space: dict[str, Any] = opt({}, "Dotted training config key -> {uniform|loguniform|randint: [lo, hi]} or {choice|grid: [values]}.")
+    overrides: dict[str, Any] = opt(
+        {}, "Training config keys set on top of the preset, e.g. {updates: 200, learner.top_k: 16}."
+    )
+    space: dict[str, Any] = opt(
+        {}, "Dotted training config key -> {uniform|loguniform|randint: [lo, hi]} or {choice|grid: [values]}."
+    )
     trials: int = opt(1, "Draws from the space; grid dimensions are crossed with them (trials x grid points runs).")
     seed: int = opt(0, "Seed of the random draws.")
     max_concurrent: int = opt(0, "Trials running at once; 0 = as many as the cluster's resources allow.")
@@ -98,8 +126,12 @@ class Dimension:
         if self.kind == "loguniform":
             return True
         numbers = [v for v in self.values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        return self.kind in ("choice", "grid") and len(numbers) == len(self.values) > 1 and min(numbers) > 0 \
+        return (
+            self.kind in ("choice", "grid")
+            and len(numbers) == len(self.values) > 1
+            and min(numbers) > 0
             and max(numbers) / min(numbers) >= 20
+        )
 
     def describe(self) -> str:
         return f"{self.kind}{list(self.values)}"
@@ -133,8 +165,10 @@ def _number(value: Any) -> bool:
 def parse_dimension(key: str, raw: Any) -> Dimension:
     where = f"space.{key}"
     if not isinstance(raw, dict) or len(raw) != 1:
-        raise ConfigError(f"{where}: expected one of {{{' | '.join(KINDS)}: ...}}, got {raw!r} (fixed values go in overrides)")
-    (kind, args), = raw.items()
+        raise ConfigError(
+            f"{where}: expected one of {{{' | '.join(KINDS)}: ...}}, got {raw!r} (fixed values go in overrides)"
+        )
+    ((kind, args),) = raw.items()
     if kind not in KINDS:
         raise ConfigError(f"{where}: unknown kind {kind!r} (choose from {', '.join(KINDS)})")
     if not isinstance(args, list) or not args:
@@ -202,13 +236,17 @@ def check_space(dims: list[Dimension], base: TrainConfig) -> None:
             hint = f" (did you mean {', '.join(close)}?)" if close else " (`qrag train --help` lists the keys)"
             raise ConfigError(f"space.{dim.key}: not a training config key{hint}")
         if dim.key in FIXED_KEYS or dim.key.startswith(FIXED_PREFIXES):
-            raise ConfigError(f"space.{dim.key}: a sweep cannot vary {dim.key} (the sweep sets names, storage and resources, "
-                              "and its scheduler needs the same updates, eval_every and validation split in every trial)")
+            raise ConfigError(
+                f"space.{dim.key}: a sweep cannot vary {dim.key} (the sweep sets names, storage and resources, "
+                "and its scheduler needs the same updates, eval_every and validation split in every trial)"
+            )
         for value in dim.probe_values():
             try:
                 with_values(base, {dim.key: value})
             except ConfigError as exc:
-                raise ConfigError(f"space.{dim.key}: {dim.describe()} gives {value!r}, which the config cannot take: {exc}") from None
+                raise ConfigError(
+                    f"space.{dim.key}: {dim.describe()} gives {value!r}, which the config cannot take: {exc}"
+                ) from None
 
 
 def parse_space(raw: dict[str, Any]) -> list[Dimension]:
@@ -293,8 +331,14 @@ class Sweep:
     def trial_config(self, params: dict[str, Any], run_name: str, mlflow_uri: str | None) -> TrainConfig:
         """The training config of one trial: base + its draws, stored under the sweep."""
         # Trials log their model but do not register it: the sweep registers its best trial's.
-        values = {**self.resource_values(), **params, "name": run_name, "out_dir": self.trials_dir(),
-                  "distributed.mlflow_uri": mlflow_uri or "none", "distributed.mlflow_registered_model": None}
+        values = {
+            **self.resource_values(),
+            **params,
+            "name": run_name,
+            "out_dir": self.trials_dir(),
+            "distributed.mlflow_uri": mlflow_uri or "none",
+            "distributed.mlflow_registered_model": None,
+        }
         return with_values(self.base, values)
 
     def best_config(self, params: dict[str, Any]) -> TrainConfig:
@@ -318,16 +362,30 @@ class Sweep:
     def summary(self) -> dict[str, Any]:
         """The sweep as plain data (``sweep.json``, MLflow params of the parent run)."""
         return {
-            "name": self.name, "source": self.source, "trials": self.spec.trials, "total_trials": self.total_trials(),
-            "seed": self.spec.seed, "max_concurrent": self.spec.max_concurrent,
+            "name": self.name,
+            "source": self.source,
+            "trials": self.spec.trials,
+            "total_trials": self.total_trials(),
+            "seed": self.spec.seed,
+            "max_concurrent": self.spec.max_concurrent,
             "space": {d.key: d.describe() for d in self.dims},
-            "scheduler": {**dataclasses.asdict(self.spec.scheduler), "grace_period": self.grace_period, "max_t": self.max_t},
+            "scheduler": {
+                **dataclasses.asdict(self.spec.scheduler),
+                "grace_period": self.grace_period,
+                "max_t": self.max_t,
+            },
             "resources": dataclasses.asdict(self.spec.resources),
         }
 
 
-def load_sweep(path: str | Path, overrides: list[str] | None = None, *, name: str | None = None,
-               trials: int | None = None, max_concurrent: int | None = None) -> Sweep:
+def load_sweep(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    name: str | None = None,
+    trials: int | None = None,
+    max_concurrent: int | None = None,
+) -> Sweep:
     """Read and check a sweep file; ``overrides`` (``key=value``) apply to the training config.
     Paths in the training config stay as written (``preflight.resolve_paths`` makes them absolute)."""
     path = Path(path)
@@ -369,14 +427,18 @@ def _base_config(spec: SweepSpec, path: Path, overrides: list[str]) -> TrainConf
         raise ConfigError(f"overrides: {exc}") from None
     base = from_dict(TrainConfig, apply_overrides(data, overrides))
     if spec.scheduler.max_t < 0:
-        raise ConfigError(f"scheduler.max_t must be 0 (the training config's updates) or more, got {spec.scheduler.max_t}")
+        raise ConfigError(
+            f"scheduler.max_t must be 0 (the training config's updates) or more, got {spec.scheduler.max_t}"
+        )
     return with_values(base, {"updates": spec.scheduler.max_t}) if spec.scheduler.max_t else base
 
 
 def check_spec(spec: SweepSpec, base: TrainConfig) -> None:
     s, r = spec.scheduler, spec.resources
     if not spec.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise ConfigError(f"name {spec.name!r}: use letters, digits, '-', '_' and '.' (it names a directory and MLflow runs)")
+        raise ConfigError(
+            f"name {spec.name!r}: use letters, digits, '-', '_' and '.' (it names a directory and MLflow runs)"
+        )
     rules = [
         ("trials", spec.trials, spec.trials >= 1, "at least 1"),
         ("max_concurrent", spec.max_concurrent, spec.max_concurrent >= 0, "0 (as many as fit) or more"),
@@ -385,23 +447,41 @@ def check_spec(spec: SweepSpec, base: TrainConfig) -> None:
         ("scheduler.mode", s.mode, s.mode in ("max", "min"), "max | min"),
         ("scheduler.grace_period", s.grace_period, s.grace_period >= 0, "0 (eval_every) or more updates"),
         ("scheduler.reduction_factor", s.reduction_factor, s.reduction_factor > 1, "above 1"),
-        ("resources.gpus", r.gpus, r.gpus is None or 0 <= r.gpus <= 1 or float(r.gpus).is_integer(), "null, 0, a fraction up to 1, or whole GPUs"),
+        (
+            "resources.gpus",
+            r.gpus,
+            r.gpus is None or 0 <= r.gpus <= 1 or float(r.gpus).is_integer(),
+            "null, 0, a fraction up to 1, or whole GPUs",
+        ),
         ("resources.learner_cpus", r.learner_cpus, r.learner_cpus is None or r.learner_cpus > 0, "positive"),
         ("resources.runners", r.runners, r.runners is None or r.runners >= 0, "0 or more"),
         ("resources.runner_cpus", r.runner_cpus, r.runner_cpus is None or r.runner_cpus >= 0, "0 or more"),
-        ("resources.trial_cpus", r.trial_cpus, r.trial_cpus > 0, "positive (Tune needs a resource to place the trial; 0.01 will do)"),
+        (
+            "resources.trial_cpus",
+            r.trial_cpus,
+            r.trial_cpus > 0,
+            "positive (Tune needs a resource to place the trial; 0.01 will do)",
+        ),
     ]
     for key, value, ok, requirement in rules:
         if not ok:
             raise ConfigError(f"{key} must be {requirement}, got {value!r}")
     # Trials are judged by periodic evaluations on a validation part of train, never on dev.
     if base.eval_every <= 0:
-        raise ConfigError("the training config has eval_every=0: the scheduler needs periodic evaluations (set eval_every in overrides)")
+        raise ConfigError(
+            "the training config has eval_every=0: the scheduler needs periodic evaluations (set eval_every in overrides)"
+        )
     if base.data.val_fraction <= 0:
-        raise ConfigError("the training config has data.val_fraction=0: a sweep selects on a validation part of train, "
-                          "never on dev (set data.val_fraction, e.g. 0.1, in overrides)")
+        raise ConfigError(
+            "the training config has data.val_fraction=0: a sweep selects on a validation part of train, "
+            "never on dev (set data.val_fraction, e.g. 0.1, in overrides)"
+        )
     if base.checkpoint_every % base.eval_every:
-        raise ConfigError(f"checkpoint_every ({base.checkpoint_every}) must be a multiple of eval_every ({base.eval_every}): "
-                          "every result a trial reports must carry an evaluation")
+        raise ConfigError(
+            f"checkpoint_every ({base.checkpoint_every}) must be a multiple of eval_every ({base.eval_every}): "
+            "every result a trial reports must carry an evaluation"
+        )
     if s.type == "asha" and (s.grace_period or base.eval_every) > base.updates:
-        raise ConfigError(f"scheduler.grace_period ({s.grace_period or base.eval_every}) is past the last update ({base.updates})")
+        raise ConfigError(
+            f"scheduler.grace_period ({s.grace_period or base.eval_every}) is past the last update ({base.updates})"
+        )

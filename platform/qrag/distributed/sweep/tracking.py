@@ -49,20 +49,33 @@ def open_parent(uri: str, sweep: Sweep, *, resuming: bool) -> str:
     params = sweep_params(sweep)
     if found:
         run = found[0]
-        changed = sorted(k for k in params if k in run.data.params and run.data.params[k] != params[k]
-                         and not k.startswith(("max_concurrent", "resources.")))
+        changed = sorted(
+            k
+            for k in params
+            if k in run.data.params
+            and run.data.params[k] != params[k]
+            and not k.startswith(("max_concurrent", "resources."))
+        )
         if changed:
             shown = ", ".join(f"{k}: {run.data.params[k]} -> {params[k]}" for k in changed[:3])
-            raise ConfigError(f"sweep {sweep.name!r} in {sweep.sweep_dir()} was started with other settings ({shown}); "
-                              "resume it unchanged or choose a new --name")
+            raise ConfigError(
+                f"sweep {sweep.name!r} in {sweep.sweep_dir()} was started with other settings ({shown}); "
+                "resume it unchanged or choose a new --name"
+            )
         run_id = run.info.run_id
         params = {k: v for k, v in params.items() if k not in run.data.params}
         client.update_run(run_id, status="RUNNING")
         client.set_tag(run_id, "qrag.resumed", str(int(run.data.tags.get("qrag.resumed", "0")) + 1))
     else:
-        run_id = client.create_run(exp, run_name=sweep.name, tags={
-            SWEEP_KEY_TAG: key, "qrag.sweep_dir": sweep.sweep_dir(), "qrag.kind": "sweep",
-        }).info.run_id
+        run_id = client.create_run(
+            exp,
+            run_name=sweep.name,
+            tags={
+                SWEEP_KEY_TAG: key,
+                "qrag.sweep_dir": sweep.sweep_dir(),
+                "qrag.kind": "sweep",
+            },
+        ).info.run_id
         client.log_text(run_id, yaml.safe_dump(to_dict(sweep.base), sort_keys=False), "base_config.yaml")
         client.log_text(run_id, Path(sweep.source).read_text(encoding="utf-8"), "sweep.yaml")
     items = [Param(k, v) for k, v in params.items()]
@@ -92,8 +105,12 @@ def record_trials(uri: str, parent_id: str, sweep: Sweep, outcomes: list[TrialOu
         if run is None:
             continue  # the trial failed before its training run opened
         o.mlflow_run_id = run.info.run_id
-        for key, value in (("qrag.sweep", sweep.name), ("qrag.trial_id", o.trial_id), ("qrag.trial_status", o.status),
-                           ("qrag.swept", ",".join(sweep.keys))):
+        for key, value in (
+            ("qrag.sweep", sweep.name),
+            ("qrag.trial_id", o.trial_id),
+            ("qrag.trial_status", o.status),
+            ("qrag.swept", ",".join(sweep.keys)),
+        ):
             client.set_tag(run.info.run_id, key, value)
         if o.status == "stopped":
             client.set_tag(run.info.run_id, "qrag.stopped_early", "true")
@@ -125,8 +142,12 @@ def record_sweep(uri: str, parent_id: str, sweep: Sweep, report: SweepReport, ou
         score = best.score(sweep.mode, sweep.score_scope)
         if score is not None:
             metrics.append(Metric(f"best/{sweep.metric}", float(score), now, 0))
-        tags += [RunTag("qrag.best_trial", best.trial_id), RunTag("qrag.best_run_id", best.mlflow_run_id or ""),
-                 RunTag("qrag.best_checkpoint", best.checkpoint or ""), RunTag("qrag.best_config", str(report.best_yaml))]
+        tags += [
+            RunTag("qrag.best_trial", best.trial_id),
+            RunTag("qrag.best_run_id", best.mlflow_run_id or ""),
+            RunTag("qrag.best_checkpoint", best.checkpoint or ""),
+            RunTag("qrag.best_config", str(report.best_yaml)),
+        ]
         logged = client.get_run(parent_id).data.params
         params = [Param(f"best.{k}", str(v)) for k, v in best.params.items() if f"best.{k}" not in logged]
         d = sweep.base.distributed
