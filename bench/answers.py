@@ -29,7 +29,8 @@ data in .carry/answers/data, the `gguf` wheel in .carry/answers/wheels):
       pip install --no-index --no-deps --target /tmp/site .carry/answers/wheels/gguf-*.whl &&
       PYTHONPATH=/tmp/site python3 bench/reader_parts.py join .carry/reader /tmp/reader &&
       PYTHONPATH=/tmp/site python3 bench/answers.py --stage answer --out-dir bench/results/answers \
-          --reader /tmp/reader/SmolLM2-135M-Instruct.Q4_1.gguf --batch-size 32 --out bench/results/answers/answers.json &&
+          --reader /tmp/reader/SmolLM2-135M-Instruct.Q4_1.gguf --batch-size 32 \
+          --out bench/results/answers/answers.json &&
       cp bench/results/answers/{hotpotqa,musique}.json bench/results/answers/{hotpotqa,musique}.records.jsonl \
          bench/results/answers/report.md bench/results/answers/answers.json $OUT/
 
@@ -206,7 +207,8 @@ def main() -> int:
     ap.add_argument(
         "--checkpoint",
         default="runs/hotpot/final",
-        help="HotpotQA-trained checkpoint, or 'none' (untrained encoder, full-vector cosine; 'none:twin' = half-vector variant)",
+        help="HotpotQA-trained checkpoint, or 'none' (untrained encoder, full-vector cosine; "
+        "'none:twin' = half-vector variant)",
     )
     ap.add_argument("--stage", choices=["retrieve", "answer", "all"], default="all")
     ap.add_argument(
@@ -236,7 +238,8 @@ def main() -> int:
         nargs="*",
         default=[],
         metavar="RESULT.json",
-        help="more eval summaries for the table, e.g. bench/results/answers_baseline/*.retrieval.json (untrained encoder)",
+        help="more eval summaries for the table, e.g. bench/results/answers_baseline/*.retrieval.json "
+        "(untrained encoder)",
     )
     ap.add_argument("overrides", nargs="*", help="config overrides for both datasets, e.g. learner.encode_tokens=65536")
     args = ap.parse_args()

@@ -222,7 +222,8 @@ def main() -> None:
         "faiss_gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0,
         "device": str(dev),
         "settings": {k: getattr(args, k) for k in ("dim", "shards", "k", "selected", "repeats", "ivf_nprobe")},
-        "cublas_note": "faiss-gpu-cu12 1.14.1 with CUDA 12.9's runtime; its cuBLAS calls forwarded to CUDA 13's (bench/cublas12/)",
+        "cublas_note": "faiss-gpu-cu12 1.14.1 with CUDA 12.9's runtime; "
+        "its cuBLAS calls forwarded to CUDA 13's (bench/cublas12/)",
         "rows": rows,
     }
     if args.out:

@@ -26,7 +26,8 @@ from qrag.evaluation.evaluate import evaluate_checkpoint  # noqa: E402
 from qrag.rl.train import TrainingRun  # noqa: E402
 
 PAPER = {
-    "source": "Q-RAG paper, Table 2 (multilingual-e5-large, 560M parameters, ~12 h on one A100, 90K training questions)",
+    "source": "Q-RAG paper, Table 2 "
+    "(multilingual-e5-large, 560M parameters, ~12 h on one A100, 90K training questions)",
     "q_rag": {"fact_f1": 0.93, "fact_em": 0.89},
     "plan_q_rag": {"fact_f1": 0.95, "fact_em": 0.91},
     "multi_step_rag_without_ft": {"fact_f1": 0.73, "fact_em": 0.54},

@@ -3,10 +3,11 @@ of N tokens built from the Gutenberg novels, next to the bare encoder forward on
 
 Writes the books (in name order, the last one cut so the corpus holds about --tokens tokens) as
 one JSONL file of documents of about --doc-tokens tokens (read in parts of --file-part-mb, one
-task each), or with --format text as text files, one document per book; indexes them on a local Ray (loopback; every GPU of the
-machine, one encoder actor per GPU by default), then times the action encoder's forward alone on
-the corpus's own chunk token ids (bench/serve_scale.py bare_forward_tokens_per_s: padded batches
-already on the device, model calls only). Reports, as one JSON line (and --out):
+task each), or with --format text as text files, one document per book; indexes them on a local
+Ray (loopback; every GPU of the machine, one encoder actor per GPU by default), then times the
+action encoder's forward alone on the corpus's own chunk token ids (bench/serve_scale.py
+bare_forward_tokens_per_s: padded batches already on the device, model calls only). Reports, as
+one JSON line (and --out):
 
 * end-to-end tokens/s (files -> chunks -> token ids -> vectors -> committed shard files) and the
   split of the time: read+tokenise (CPU-seconds over the actors), embed (seconds over the encoder

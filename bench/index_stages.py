@@ -15,7 +15,8 @@ the same 10M tokens, then the embedding stage again while the tokeniser processe
 Each row has its wall seconds, tokens/s and this process's CPU seconds (user + system, all threads).
 
 CPU check:  python bench/index_stages.py --tokens 300000 --workers 1
-GPU:        QRAG_COMMIT=<sha> python bench/index_stages.py --corpus .carry/idx/novels --encoder .carry/idx/minilm16 --out $OUT/index_stages.json
+GPU:        QRAG_COMMIT=<sha> python bench/index_stages.py --corpus .carry/idx/novels \\
+                --encoder .carry/idx/minilm16 --out $OUT/index_stages.json
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def main() -> None:
         default=None,
         metavar="N,N,...",
         help="only the tokenising stage, with each of these worker "
-        "counts: gathered into commit groups as the pipeline does (unpacked chunks), and raw (the packed results only), "
+        "counts: gathered into commit groups as the pipeline does (unpacked chunks), "
+        "and raw (the packed results only), "
         "to tell the workers' ceiling from the gathering process's",
     )
     ap.add_argument("--out", default=None)

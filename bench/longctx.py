@@ -157,7 +157,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--eval-only",
         action="store_true",
-        help="no training: choose (--select-lengths) and evaluate the finished run under --runs (trained with --no-eval)",
+        help="no training: choose (--select-lengths) and evaluate the finished run under --runs "
+        "(trained with --no-eval)",
     )
     p.add_argument(
         "--baseline-only",
@@ -374,7 +375,8 @@ def training_selection(task: str, cfg, args: argparse.Namespace, data_info: dict
     )
     if cfg.keep_best and cfg.eval_every > 0:
         checkpoint = (
-            f"checkpoint: the best Fact F1 of the evaluations every {cfg.eval_every} updates on {min(cfg.eval_limit or 10**9, data_info['val_samples'])} "
+            f"checkpoint: the best Fact F1 of the evaluations every {cfg.eval_every} updates on "
+            f"{min(cfg.eval_limit or 10**9, data_info['val_samples'])} "
             f"samples of the validation part of train ({data_info['val_sources']} sources held out by "
             f"{'story' if task != 'niah' else 'sample'}, data.val_fraction={cfg.data.val_fraction})"
         )

@@ -267,7 +267,8 @@ def main(argv: list[str]) -> int:
         }
         result["variants"].append(entry)
         log(
-            f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; long val {long_val}; last {history[-1] if history else {}}"
+            f"{name}: {run.learner.update} updates in {train_s:.0f}s; val {val}; long val {long_val}; "
+            f"last {history[-1] if history else {}}"
         )
         if table_rows:
             result["dev_lengths"] = [{k: r[k] for k in ("model", *ROW_KEYS)} for r in table_rows]

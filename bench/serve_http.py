@@ -13,8 +13,8 @@ against the same service called directly on the same event loop, on the same que
 Each layout of shard holders in `--holders` is served in turn (`per-shard`: one holder per shard,
 as the Serve deployments by default; `1`: every shard in one holder, as `shard_deployments: 1`),
 with each `--state-batch` value (the in-process encoder embeds the states of concurrent requests
-in one forward, up to that many). Reads a corpus built by ``bench/serve_scale.py --storage DIR`` (corpus ``bench``); on a GPU
-machine, after the serve_scale call in the same command:
+in one forward, up to that many). Reads a corpus built by ``bench/serve_scale.py --storage DIR``
+(corpus ``bench``); on a GPU machine, after the serve_scale call in the same command:
 
     PYTHONPATH=platform python bench/serve_http.py --storage /tmp/idx10m --encoder $PWD/.carry/longctx/encoder \\
         --positions relative --shards 4 --out $OUT/serve_http_10m_h100.json

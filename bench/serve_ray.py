@@ -20,7 +20,8 @@ cluster bound to 127.0.0.1) come to the library path, and where does the rest of
 Prints one JSON line and writes `--out`. On a GPU machine, after serve_scale.py in the same call:
     python3 bench/serve_scale.py --corpus BOOKS --checkpoint CKPT --storage /tmp/idx --variants optimized \\
         --batches 1,2,4,8,16,32,64,128 --out $OUT/library.json
-    python3 bench/serve_ray.py --storage /tmp/idx --checkpoint CKPT --library $OUT/library.json --out $OUT/serve_ray.json
+    python3 bench/serve_ray.py --storage /tmp/idx --checkpoint CKPT --library $OUT/library.json \\
+        --out $OUT/serve_ray.json
 CPU check (tiny): build a corpus with serve_scale.py --tokens 30000 --device cpu --storage DIR first, then
     python bench/serve_ray.py --storage DIR --gpus 0 --cpus 2 --queries 10 --clients 1,2 --load-seconds 2
 """
@@ -393,7 +394,8 @@ def run_cluster(
             key = layout if variant == "classic" else f"{layout}@{variant}"
             result["layouts"][key] = row
             print(
-                f"serve_ray.py: {key}: c=1 {row['concurrency_1']} max q/s {row['max_queries_per_s_with_p99_under_limit']}",
+                f"serve_ray.py: {key}: c=1 {row['concurrency_1']} "
+                f"max q/s {row['max_queries_per_s_with_p99_under_limit']}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -124,7 +124,8 @@ def args_parser() -> argparse.ArgumentParser:
         type=int,
         default=32768,
         help="books are cut at line ends into documents of about this many tokens "
-        "(one tokenising job each: 15 processes stay busy on ~40 books only with smaller jobs); 0 = one document per book",
+        "(one tokenising job each: 15 processes stay busy on ~40 books only with smaller jobs); "
+        "0 = one document per book",
     )
     ap.add_argument(
         "--host-threads",
@@ -138,7 +139,8 @@ def args_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.2,
         help="the GIL's switch interval in this process while it feeds the GPU "
-        "(qrag.index.pipeline's default, 0.2 ms: the feeding thread gets the GIL back sooner after each torch op); 0 = Python's 5 ms",
+        "(qrag.index.pipeline's default, 0.2 ms: the feeding thread gets the GIL back sooner after each torch op); "
+        "0 = Python's 5 ms",
     )
     ap.add_argument(
         "--no-chunk-graphs",
@@ -157,8 +159,9 @@ def args_parser() -> argparse.ArgumentParser:
         choices=["thread", "process"],
         default="process",
         help="where the pipeline writes the store: a child "
-        "process (qrag.index.writer_process: this process's GIL is left to gathering and feeding; 2.15M tokens/s against "
-        "1.76-2.11M for the thread, bench/results/index_contention_packed_h100/) or a thread of the GPU-feeding process",
+        "process (qrag.index.writer_process: this process's GIL is left to gathering and feeding; "
+        "2.15M tokens/s against 1.76-2.11M for the thread, bench/results/index_contention_packed_h100/) "
+        "or a thread of the GPU-feeding process",
     )
     ap.add_argument(
         "--no-word-cache",
@@ -171,16 +174,17 @@ def args_parser() -> argparse.ArgumentParser:
         choices=["packed", "objects"],
         default="packed",
         help="how workers hand back a document's chunks: "
-        "a few flat objects (qrag.data.documents.pack_chunks) or, the earlier rounds' way, DocumentChunks and token arrays one by one",
+        "a few flat objects (qrag.data.documents.pack_chunks) or, the earlier rounds' way, "
+        "DocumentChunks and token arrays one by one",
     )
     ap.add_argument(
         "--lanes",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="index with processes per device "
-        "(qrag.index.lanes, as qrag index --lanes: each lane its own tokenising workers, GPU feeding and file writes; this "
-        "process commits in order) or, --no-lanes, in this process feeding every device (default: lanes on GPUs, one "
-        "process on the CPU)",
+        "(qrag.index.lanes, as qrag index --lanes: each lane its own tokenising workers, GPU feeding and file writes; "
+        "this process commits in order) or, --no-lanes, in this process feeding every device (default: lanes on GPUs, "
+        "one process on the CPU)",
     )
     ap.add_argument(
         "--lanes-per-device",
@@ -200,7 +204,8 @@ def args_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="scheduling niceness of the worker processes (e.g. 10: the main process's "
-        "GPU-feeding thread gets a core first when every core is tokenising; default 0, with --lanes qrag.index.lanes.LANE_WORKER_NICE)",
+        "GPU-feeding thread gets a core first when every core is tokenising; default 0, "
+        "with --lanes qrag.index.lanes.LANE_WORKER_NICE)",
     )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--queries", type=int, default=200, help="questions timed at concurrency 1")
@@ -219,7 +224,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--random-weights",
         action="store_true",
-        help="random-init encoder of --encoder's architecture (speed figures need no trained weights: carry only its config and tokenizer)",
+        help="random-init encoder of --encoder's architecture "
+        "(speed figures need no trained weights: carry only its config and tokenizer)",
     )
     ap.add_argument(
         "--plot",
@@ -555,7 +561,8 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
             "lane_startup": st["lane_startup"],
             "commit_seconds": st["commit_seconds"],
             "per_lane": st["per_lane"],
-            "note": "seconds: every lane ready (model loaded, workers up; groups are sent from then) to the last commit; "
+            "note": "seconds: every lane ready (model loaded, workers up; groups are sent from then) "
+            "to the last commit; "
             "startup_seconds: spawn to every lane ready; total_seconds: spawn to the last commit; "
             "per_lane: each lane's pipeline stages (busy seconds, as for the one-process path)",
         },
@@ -826,7 +833,8 @@ def main() -> None:
             "bare_forward_tokens_per_s": round(bare),
             "bare_forward_runs": [round(r) for r in bare_runs],
             "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / (bare * len(index.devices)), 3),
-            "bare_forward_note": "median of --bare-repeats passes, timed on the first device; the share is of the device count times it",
+            "bare_forward_note": "median of --bare-repeats passes, timed on the first device; "
+            "the share is of the device count times it",
             "embed_seconds": round(built["embed_seconds"], 2),
             "store_seconds": round(built["store_seconds"], 2),
             "lanes": args.lanes,
@@ -915,7 +923,8 @@ def main() -> None:
         "one_pass": variants.get("one_pass"),
         "serving_path": serving_path,
         "throughput": {
-            "method": "in-process lockstep batches of B concurrent questions (one state-encoder call and one scoring pass over the shards per step)",
+            "method": "in-process lockstep batches of B concurrent questions "
+            "(one state-encoder call and one scoring pass over the shards per step)",
             "curve": curve,
             "p99_limit_ms": args.p99_ms,
             "max_queries_per_s_with_p99_under_limit": max((c["queries_per_s"] for c in ok), default=None),

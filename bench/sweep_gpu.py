@@ -19,7 +19,8 @@ call under the 10-minute limit, and the same command on the warm machine continu
 Here, afterwards (the plot; needs the same sweep file):
     python bench/sweep_gpu.py --plot bench/results/sweep_hotpot_h100.json
 CPU check (tiny encoder and data, ~1 minute):
-    python bench/sweep_gpu.py --config tune/smoke.yaml --work /tmp/sw --out /tmp/sw/smoke.json model.encoder=DIR data.path=FILE
+    python bench/sweep_gpu.py --config tune/smoke.yaml --work /tmp/sw --out /tmp/sw/smoke.json \\
+        model.encoder=DIR data.path=FILE
 The Ray Tune sweep itself, where Ray 2.60 is installed (4 trials share the GPU; add
 distributed.mlflow_uri=none without mlflow-skinny). SIGINT makes Tune save its state, and the same
 command resumes, so it also fits in calls of 10 minutes:
@@ -49,7 +50,8 @@ PAPER = {
         "learner.lr": 1.5e-5,
         "learner.episodes_per_update": 96,
     },
-    "finding": "Fig. 3 (BabiLong QA2/QA3, multilingual-e5-large): Q-RAG is sensitive to the entropy temperature α and to "
+    "finding": "Fig. 3 (BabiLong QA2/QA3, multilingual-e5-large): "
+    "Q-RAG is sensitive to the entropy temperature α and to "
     "λ of the λ-returns; the defaults α=0.05, λ=0.5, τ=0.02 are used for every benchmark. Table 3: without "
     "target networks (no EMA τ) F1 drops from ~97 to ~79 ± 26 (unstable); without soft-Q to ~95.",
 }

@@ -19,7 +19,8 @@ retrieval p50/p99 with 1 and 2 shards (idle, HTTP end to end) and during trainin
 weights: the run times a random-init model of MiniLM's shape; with room to spare, carry real
 weights and set QRAG_ENCODER instead of --random-encoder), .carry/data (HotpotQA) and a folder
 of Gutenberg books:
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \\
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl \\
       && export PYTHONPATH=/tmp/site && python3 bench/two_gpu.py --check-imports \\
       && QRAG_DATA_DIR=.carry/data HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 python3 bench/two_gpu.py \\
            --random-encoder .carry/minilm16 --corpus .carry/novels --out $OUT/two_gpu.json --ray-logs $OUT/raylogs
@@ -96,7 +97,8 @@ def corpus_and_ray_args(ap: argparse.ArgumentParser, tokens: int, shards: int) -
         "--random-encoder",
         metavar="DIR",
         default=None,
-        help="a folder with an encoder's config.json and tokenizer but no weights (e.g. MiniLM's, ~1 MB): train and serve a "
+        help="a folder with an encoder's config.json and tokenizer but no weights (e.g. MiniLM's, ~1 MB): "
+        "train and serve a "
         "random-init model of that shape (same speed; fits a small upload); sets QRAG_ENCODER for every process",
     )
     ap.add_argument(

@@ -456,7 +456,8 @@ def check_autoscale_limits() -> list[str]:
             have = None
         if have != want:
             problems.append(
-                f"{doc.where}: the head's QRAG_AUTOSCALE_TO {env.get('QRAG_AUTOSCALE_TO')} != the groups at maxReplicas {want}"
+                f"{doc.where}: the head's QRAG_AUTOSCALE_TO {env.get('QRAG_AUTOSCALE_TO')} "
+                f"!= the groups at maxReplicas {want}"
             )
         options = " ".join(yaml.safe_load((INFRA / "cluster.yaml").read_text())["docker"].get("run_options") or [])
         found = re.search(r"QRAG_AUTOSCALE_TO='([^']*)'", options)
@@ -613,11 +614,13 @@ def placement_problems(cfg: Any, cluster: dict) -> list[str]:
         hosts = [w for w in workers if all(w.custom.get(k, 0) >= v for k, v in wanted.items())]
         if not wanted:
             problems.append(
-                "distributed.runner_resources is empty: EpisodeFeeders may land on GPU nodes; pin them to the CPU group's marker"
+                "distributed.runner_resources is empty: EpisodeFeeders may land on GPU nodes; "
+                "pin them to the CPU group's marker"
             )
         if any(w.gpus for w in hosts):
             problems.append(
-                f"EpisodeFeeders may be placed on GPU groups {[w.name for w in hosts if w.gpus]}: give the CPU group a marker resource only it declares"
+                f"EpisodeFeeders may be placed on GPU groups {[w.name for w in hosts if w.gpus]}: "
+                "give the CPU group a marker resource only it declares"
             )
         capacity = sum(w.cpus * w.min for w in hosts if not w.gpus)
         if d.runners * d.runner_cpus > capacity:
@@ -650,7 +653,8 @@ def serve_access_problems(body: dict, c: Any, where: str) -> list[str]:
     ]
     return (
         [
-            f"{where}: pods {', '.join(lacking)} have no QRAG_API_KEYS from a Secret: the app would refuse to start on 0.0.0.0 "
+            f"{where}: pods {', '.join(lacking)} have no QRAG_API_KEYS from a Secret: "
+            "the app would refuse to start on 0.0.0.0 "
             f"without API keys"
         ]
         if lacking
@@ -704,7 +708,8 @@ def deployment_problems(app: dict, c: Any, gpus: int, gpus_max: int, where: str)
     no_gpu = [n for n in needs if gpus_of(n) == 0]
     if no_gpu:
         problems.append(
-            f"{where}: {', '.join(no_gpu)} run on CUDA (encoder_device {c.encoder_device}, shard_device {c.shard_device}) "
+            f"{where}: {', '.join(no_gpu)} run on CUDA "
+            f"(encoder_device {c.encoder_device}, shard_device {c.shard_device}) "
             "but ask Ray for no GPU (deployments: ray_actor_options.num_gpus)"
         )
     if not gpus:
@@ -767,17 +772,20 @@ def check_rayservice() -> list[str]:
         http = serve_cfg.get("http_options") or {}
         if http.get("host") != "0.0.0.0":
             problems.append(
-                f"{doc.where}: http_options.host must be 0.0.0.0 in a pod (the Service reaches the proxy from outside it)"
+                f"{doc.where}: http_options.host must be 0.0.0.0 in a pod "
+                "(the Service reaches the proxy from outside it)"
             )
         if serve_ports != {http.get("port", 8000)}:
             problems.append(
-                f"{doc.where}: the serve container ports {sorted(serve_ports)} differ from http_options.port {http.get('port', 8000)}"
+                f"{doc.where}: the serve container ports {sorted(serve_ports)} "
+                f"differ from http_options.port {http.get('port', 8000)}"
             )
         for app in serve_cfg.get("applications") or []:
             where = f"{doc.where} application {app.get('name')}"
             if app.get("import_path") != reference["import_path"]:
                 problems.append(
-                    f"{where}: import_path {app.get('import_path')} is not serve/config.yaml's {reference['import_path']}"
+                    f"{where}: import_path {app.get('import_path')} "
+                    f"is not serve/config.yaml's {reference['import_path']}"
                 )
             module, _, attr = app.get("import_path", "").partition(":")
             # A module of the checkout (serve.app) or of the installed package (qrag.distributed.serve_app).
@@ -926,7 +934,8 @@ def check_dockerfiles() -> list[str]:
     for var in OFFLINE_VARS:
         if f"{var}=" in env:
             problems.append(
-                f"infra/docker/Dockerfile: ENV {var} switches the hub off for every user of the image (data.hub needs it)"
+                f"infra/docker/Dockerfile: ENV {var} switches the hub off for every user of the image "
+                "(data.hub needs it)"
             )
     base = next(i.args.split()[0] for i in qrag_ins if i.op == "FROM")
     version = ray_image_version(base)
@@ -983,7 +992,8 @@ def check_pins(image: str) -> list[str]:
         faiss = [r for r in items if requirement_name(r).startswith(FAISS_PACKAGES)]
         if len(faiss) > 1 or (faiss and extra == "ray"):
             problems.append(
-                f"pyproject.toml: extra {extra!r} pulls {faiss}: FAISS wheels overwrite each other; keep them in extras of their own"
+                f"pyproject.toml: extra {extra!r} pulls {faiss}: FAISS wheels overwrite each other; "
+                "keep them in extras of their own"
             )
     return problems
 
@@ -1023,7 +1033,8 @@ def check_images_and_versions() -> list[str]:
             name, tag = image_ref(c.get("image", ""))
             if name != IMAGE_NAME or tag not in tags:
                 problems.append(
-                    f"{doc.where}: container {c['name']} runs {c.get('image')}, not the qrag image ({IMAGE_NAME}:{'|'.join(sorted(tags))})"
+                    f"{doc.where}: container {c['name']} runs {c.get('image')}, "
+                    f"not the qrag image ({IMAGE_NAME}:{'|'.join(sorted(tags))})"
                 )
     launcher = yaml.safe_load((INFRA / "cluster.yaml").read_text())
     if launcher["docker"]["image"] != base:
@@ -1062,7 +1073,8 @@ def check_cluster_launcher() -> list[str]:
         t = launched.pop(same[0])
         if (t.get("min_workers", 0), t.get("max_workers")) != (w.min, w.max):
             problems.append(
-                f"infra/cluster.yaml: {same[0]} workers [{t.get('min_workers', 0)}, {t.get('max_workers')}] != group {w.name} [{w.min}, {w.max}]"
+                f"infra/cluster.yaml: {same[0]} workers [{t.get('min_workers', 0)}, {t.get('max_workers')}] "
+                f"!= group {w.name} [{w.min}, {w.max}]"
             )
     for name in launched:
         problems.append(f"infra/cluster.yaml: node type {name} has no worker group in the RayCluster")
@@ -1106,7 +1118,9 @@ def check_runtime_env() -> list[str]:
             f"infra/runtime_env.yaml: pip packages differ from pyproject.toml (missing {missing}, extra {extra})"
         )
     rayignore = [
-        line.strip() for line in (ROOT / ".rayignore").read_text().splitlines() if line.strip() and not line.startswith("#")
+        line.strip()
+        for line in (ROOT / ".rayignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
     ]
     missing = [p for p in rayignore if p not in data.get("excludes", [])]
     if missing:
@@ -1177,7 +1191,8 @@ def check_mlflow_wiring() -> list[str]:
             svc = services.get(host[0])
             if url.scheme != "http" or svc is None or (len(host) > 1 and host[1] != namespace):
                 problems.append(
-                    f"{doc.where}: MLFLOW_TRACKING_URI {uri} is not a Service of infra/mlflow/k8s in namespace {namespace}"
+                    f"{doc.where}: MLFLOW_TRACKING_URI {uri} "
+                    f"is not a Service of infra/mlflow/k8s in namespace {namespace}"
                 )
             elif url.port not in {p["port"] for p in svc.body["spec"]["ports"]}:
                 problems.append(f"{doc.where}: MLFLOW_TRACKING_URI port {url.port} is not a port of Service {svc.name}")

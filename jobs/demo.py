@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
         print(f"{name:<28}{em:>9.3f}{f1:>9.3f}{n:>11}")
     if trained.get("mlflow_run_id"):
         print(
-            f"\nMLflow: run {trained['mlflow_run_id']} in {trained['tracking_uri']}; to browse it (needs `pip install mlflow`):\n"
+            f"\nMLflow: run {trained['mlflow_run_id']} in {trained['tracking_uri']}; "
+            "to browse it (needs `pip install mlflow`):\n"
             f"  mlflow ui --backend-store-uri {trained['tracking_uri']} --host 127.0.0.1 --port 5000"
         )
     print(

@@ -1,7 +1,8 @@
 """Train a Q-RAG retriever on BabiLong (one bAbI task or a mix) on Ray: EpisodeFeeder actors feed a
 Ray Train learner; MLflow tracks the run.
 
-    ray job submit --working-dir . -- python jobs/train_babilong.py --tasks qa3 [key=value ...]   # runs land in ~/ray_results
+    ray job submit --working-dir . -- \
+        python jobs/train_babilong.py --tasks qa3 [key=value ...]   # runs land in ~/ray_results
     python jobs/train_babilong.py --tasks qa1,qa2,qa3 [--config YAML] [key=value ...]   # local Ray on 127.0.0.1
 
 Default preset: configs/babilong-qa3.yaml (relative chunk positions, 2K-token training contexts).

@@ -1,6 +1,7 @@
 """Train a Q-RAG retriever on HotpotQA on Ray (EpisodeFeeder actors + a Ray Train learner, MLflow).
 
-    ray job submit --working-dir . -- python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs land in ~/ray_results
+    ray job submit --working-dir . -- \
+        python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs land in ~/ray_results
     python jobs/train_hotpot.py [--config YAML] [key=value ...]     # starts a local Ray on 127.0.0.1
 
 Default preset: configs/hotpot.yaml. `--help` lists every option and config key. The same job

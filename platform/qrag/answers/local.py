@@ -197,7 +197,8 @@ class LocalAnswerer:
                 answers[i] = Answer(
                     req.id,
                     None,
-                    f"prompt of {len(ids)} tokens + {self.max_tokens} new exceeds the reader's context of {self.max_context}",
+                    f"prompt of {len(ids)} tokens + {self.max_tokens} new "
+                    f"exceeds the reader's context of {self.max_context}",
                 )
                 continue
             encoded.append((i, ids))

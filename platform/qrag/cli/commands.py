@@ -173,7 +173,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-train-questions",
         action="store_true",
-        help="score questions whose source the checkpoint trained on (refused by default; the summary records how many)",
+        help="score questions whose source the checkpoint trained on "
+        "(refused by default; the summary records how many)",
     )
     p.add_argument("--limit", type=int, metavar="N", help="evaluate the first N questions of the split")
     p.add_argument("--steps", type=int, metavar="T", help="retrieval steps (default: the run's search.max_steps)")

@@ -40,7 +40,8 @@ def index_args(p: argparse.ArgumentParser) -> None:
         "--format",
         default="auto",
         choices=["auto", "jsonl", "text", "parquet"],
-        help="jsonl ({id, text} per line), text (a document per file, id = file name), parquet (id, text columns); auto = by suffix",
+        help="jsonl ({id, text} per line), text (a document per file, id = file name), parquet (id, text columns); "
+        "auto = by suffix",
     )
     p.add_argument(
         "--checkpoint",
@@ -62,7 +63,8 @@ def index_args(p: argparse.ArgumentParser) -> None:
         "--path",
         default="auto",
         choices=["auto", "lanes", "ray"],
-        help="auto (default): see the table below; lanes: the lanes (on a node of the cluster under an address); ray: Ray Data",
+        help="auto (default): see the table below; lanes: the lanes (on a node of the cluster under an address); "
+        "ray: Ray Data",
     )
     p.add_argument(
         "--address", metavar="HOST:PORT", help="Ray cluster to index on (default $RAY_ADDRESS; none: this machine)"
@@ -198,8 +200,10 @@ def on_commit(
 def print_progress(stats: dict[str, Any]) -> None:
     """A commit as one line on stderr (a job's log)."""
     print(
-        f"qrag index: {stats['corpus']}: +{stats['documents']} documents, +{stats['chunks']} chunks, {stats['tokens']} tokens "
-        f"in {stats['seconds']:.1f}s ({stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tokens/s), {stats['commits']} commits",
+        f"qrag index: {stats['corpus']}: +{stats['documents']} documents, +{stats['chunks']} chunks, "
+        f"{stats['tokens']} tokens "
+        f"in {stats['seconds']:.1f}s ({stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tokens/s), "
+        f"{stats['commits']} commits",
         file=sys.stderr,
         flush=True,
     )

@@ -54,13 +54,15 @@ def _args(p: argparse.ArgumentParser) -> None:
         "--split",
         default="dev",
         choices=["train", "val", "dev", "all"],
-        help="which split's questions and background (default dev; val = the questions data.val_fraction holds out of train, in validation books: for choosing settings at long lengths)",
+        help="which split's questions and background (default dev; val = the questions data.val_fraction holds out "
+        "of train, in validation books: for choosing settings at long lengths)",
     )
     p.add_argument(
         "--steps",
         default="config",
         metavar="T|config|needles|gold",
-        help="retrieval steps T; config (default) = the config's search.max_steps (4 for BabiLong and RULER, as in the paper); "
+        help="retrieval steps T; config (default) = the config's search.max_steps "
+        "(4 for BabiLong and RULER, as in the paper); "
         "needles = each RULER NIAH task's number of asked needles (no spare picks: the NIAH headline); "
         "gold = each sample group's number of support facts (reads the answer key: a labelled extra)",
     )
@@ -76,8 +78,9 @@ def _args(p: argparse.ArgumentParser) -> None:
         "--answer",
         metavar="BACKEND",
         choices=["none", "local", "openai"],
-        help="also answer each question from its retrieved chunks with a reader LLM (local | openai; answer.* keys) and "
-        "score it by the benchmark's rule (RULER: share of needle values found; BabiLong: the label): ans_em, ans_f1",
+        help="also answer each question from its retrieved chunks with a reader LLM (local | openai; answer.* keys) "
+        "and score it by the benchmark's rule (RULER: share of needle values found; BabiLong: the label): "
+        "ans_em, ans_f1",
     )
     p.add_argument(
         "--allow-train-questions",

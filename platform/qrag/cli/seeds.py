@@ -28,7 +28,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @command(
     "combine-seeds",
-    "combine several training seeds' result files into means with 95-percent intervals (bootstrap over seeds, then questions)",
+    "combine several training seeds' result files into means with 95-percent intervals "
+    "(bootstrap over seeds, then questions)",
 )(_args)
 def cmd_combine_seeds(args: argparse.Namespace) -> int:
     from qrag.evaluation.lengths import format_table, plot_table
@@ -37,7 +38,8 @@ def cmd_combine_seeds(args: argparse.Namespace) -> int:
 
     if len(args.results) < 3:
         print(
-            f"qrag combine-seeds: warning: {len(args.results)} file(s); a headline figure needs at least 3 training seeds",
+            f"qrag combine-seeds: warning: {len(args.results)} file(s); "
+            "a headline figure needs at least 3 training seeds",
             file=sys.stderr,
         )
     combined = combine_files(args.results, replicates=args.replicates)

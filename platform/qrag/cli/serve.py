@@ -33,7 +33,8 @@ def _args(p: argparse.ArgumentParser) -> None:
         "--log-json",
         action="store_true",
         help="structured logs: every deployment logs JSON lines (Serve's "
-        "logging_config encoding JSON; also $QRAG_SERVE_JSON_LOGS=1, or logging_config: {encoding: JSON} in the --config file's application)",
+        "logging_config encoding JSON; also $QRAG_SERVE_JSON_LOGS=1, "
+        "or logging_config: {encoding: JSON} in the --config file's application)",
     )
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help="ServeConfig overrides, e.g. state_batch_size=64 max_steps=8"

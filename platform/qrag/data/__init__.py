@@ -1,4 +1,5 @@
-"""Benchmark sources -> :class:`Sample` lists (one module per benchmark), their token layout and the credit rule for support facts."""
+"""Benchmark sources -> :class:`Sample` lists (one module per benchmark), their token layout and the credit rule
+for support facts."""
 
 from __future__ import annotations
 

@@ -115,7 +115,8 @@ def load_mixed(cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]
                     continue
                 if sample.id in owner:
                     raise DataError(
-                        f"record id {sample.id!r} is in both {owner[sample.id]} and {source.name}: ids must be unique across data.sources"
+                        f"record id {sample.id!r} is in both {owner[sample.id]} and {source.name}: "
+                        "ids must be unique across data.sources"
                     )
                 owner[sample.id] = source.name
                 sample.meta["source"] = source.dataset

@@ -79,7 +79,8 @@ def parse_record(record: Any, where: str, budget: int, count: TokenCounter) -> S
             raise DataError(f"{where}: missing or empty field {key!r}")
     if record.get("answerable", True) is not True:
         raise DataError(
-            f"{where}: 'answerable' is {record.get('answerable')!r}; this loader reads MuSiQue-Ans (answerable questions only)"
+            f"{where}: 'answerable' is {record.get('answerable')!r}; "
+            "this loader reads MuSiQue-Ans (answerable questions only)"
         )
     paragraphs = _paragraphs(record, where)
     support = [j for j, para in enumerate(record["paragraphs"]) if para["is_supporting"]]

@@ -148,7 +148,10 @@ def near_miss(rng: np.random.Generator, key: str, key_type: str) -> str:
         return "".join(chars)
     adjective, noun = key.split("-", 1)
     if rng.random() < 0.5:
-        return f"{ADJECTIVES[(ADJECTIVES.index(adjective) + int(rng.integers(1, len(ADJECTIVES)))) % len(ADJECTIVES)]}-{noun}"
+        return (
+            f"{ADJECTIVES[(ADJECTIVES.index(adjective) + int(rng.integers(1, len(ADJECTIVES)))) % len(ADJECTIVES)]}"
+            f"-{noun}"
+        )
     return f"{adjective}-{NOUNS[(NOUNS.index(noun) + int(rng.integers(1, len(NOUNS)))) % len(NOUNS)]}"
 
 

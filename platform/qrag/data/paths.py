@@ -48,7 +48,8 @@ def no_data_help() -> str:
     hub = "; ".join(f"data.dataset={name} data.hub={spec}" for name, spec in HUB_NAMES.items())
     return (
         "export QRAG_DATA_DIR=<a folder of the benchmark files> (the layout of the repository's ../shared/data), "
-        "or give a file or folder: data.path=<JSON/JSONL, .parquet or a datasets save_to_disk folder> (qrag eval: --data), "
+        "or give a file or folder: data.path=<JSON/JSONL, .parquet or a datasets save_to_disk folder> "
+        "(qrag eval: --data), "
         f"or read the full dataset from the Hugging Face hub with `datasets`: {hub} "
         "(data.hub also takes a local folder of data files or of save_to_disk)"
     )

@@ -161,7 +161,8 @@ def _tokenize(samples: Sequence[Sample], cfg: DataConfig, tokenizer: Any, layout
 
 
 def cache_folder(cfg: DataConfig) -> Path | None:
-    """``data.cache_dir``, else ``$QRAG_DATA_CACHE``, else ``$QRAG_CACHE_DIR/data``, else ``~/.cache/qrag/data``; None = off."""
+    """``data.cache_dir``, else ``$QRAG_DATA_CACHE``, else ``$QRAG_CACHE_DIR/data``, else ``~/.cache/qrag/data``;
+    None = off."""
     chosen = cfg.cache_dir or os.environ.get("QRAG_DATA_CACHE")
     if chosen is None:
         base = os.environ.get("QRAG_CACHE_DIR")

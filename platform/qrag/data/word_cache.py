@@ -24,7 +24,9 @@ from itertools import chain
 from typing import Any
 
 _CONTROL = {c: None for c in [*range(0, 9), 11, 12, *range(14, 32), 127]}  # ASCII controls BERT's clean_text drops
-MAX_WORDS = 200_000  # cached words before the cache starts again (an id-heavy corpus can have millions: this bounds a long-lived server's memory)
+# cached words before the cache starts again (an id-heavy corpus can have millions: this bounds a long-lived
+# server's memory)
+MAX_WORDS = 200_000
 
 
 class _Words(dict):

@@ -247,8 +247,8 @@ def bulk_index(
     on_commit: Callable[[Manifest], None] | None = None,
 ) -> dict[str, Any]:
     """Index ``cfg.inputs`` into corpus ``cfg.corpus`` (created when missing) on the running Ray
-    (started by :func:`ensure_ray` when there is none). Returns the run's figures (:class:`BulkStats`). ``progress`` gets
-    them after every commit; ``on_commit`` gets the manifest (tests interrupt the run there)."""
+    (started by :func:`ensure_ray` when there is none). Returns the run's figures (:class:`BulkStats`).
+    ``progress`` gets them after every commit; ``on_commit`` gets the manifest (tests interrupt the run there)."""
     import ray
     from ray.data import ActorPoolStrategy, DataContext
 
@@ -268,7 +268,8 @@ def bulk_index(
     if manifest is not None:
         if manifest.fingerprint != fingerprint:
             raise CorpusConflict(
-                f"corpus {cfg.corpus!r} was indexed with model {manifest.fingerprint}; {source.describe()} is {fingerprint}"
+                f"corpus {cfg.corpus!r} was indexed with model {manifest.fingerprint}; "
+                f"{source.describe()} is {fingerprint}"
             )
         manifest.check_settings(chunk_tokens=cfg.chunk_tokens, shards=cfg.shards, dtype=cfg.dtype)
         committed = frozenset(store.doc_ids(manifest))
@@ -431,7 +432,8 @@ def _drain(
     commit()
     if pending:  # cannot happen unless a stage dropped rows
         raise StoreError(
-            f"corpus {cfg.corpus!r}: {len(pending)} document(s) incomplete at the end, e.g. {next(iter(pending.values())).where}"
+            f"corpus {cfg.corpus!r}: {len(pending)} document(s) incomplete at the end, "
+            f"e.g. {next(iter(pending.values())).where}"
         )
     return manifest
 

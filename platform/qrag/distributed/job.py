@@ -1,7 +1,8 @@
 """Training jobs: what ``qrag train --ray`` and ``jobs/train_*.py`` run, under ``ray job submit`` or plain ``python``.
 
     qrag train --ray [--config YAML] [key=value ...]                 # starts a local Ray on 127.0.0.1
-    ray job submit --working-dir . -- python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs in ~/ray_results/
+    ray job submit --working-dir . -- \
+        python jobs/train_hotpot.py [--config YAML] [key=value ...]   # runs in ~/ray_results/
 
 Order of work: parse and validate everything on the driver (config, paths, encoder, data) and
 stop with a one-line error (exit code 2) before Ray is touched; then connect to the cluster
@@ -55,7 +56,8 @@ def build_parser(default_config: str, prog: str) -> argparse.ArgumentParser:
         prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=config_keys_epilog(),
-        description="Train a Q-RAG retriever on Ray: EpisodeFeeder actors feed a Ray Train learner; MLflow tracks the run. "
+        description="Train a Q-RAG retriever on Ray: EpisodeFeeder actors feed a Ray Train learner; "
+        "MLflow tracks the run. "
         "Submitting the same run name again resumes it.",
     )
     p.add_argument("--config", default=default_config, metavar="YAML", help=f"config preset (default {default_config})")
@@ -158,7 +160,8 @@ def launch(job: Job) -> dict[str, Any]:
     started = connect(job)
     try:
         job.say(
-            f"Ray {'started locally on 127.0.0.1' if started else 'at ' + job.address}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
+            f"Ray {'started locally on 127.0.0.1' if started else 'at ' + job.address}: "
+            f"{ray.cluster_resources().get('CPU', 0):g} CPUs, "
             f"{ray.cluster_resources().get('GPU', 0):g} GPUs"
         )
         result = train_with_ray(cfg)
@@ -181,7 +184,8 @@ def launch(job: Job) -> dict[str, Any]:
         summary.update(mlflow_run_id=result.mlflow.run_id, tracking_uri=result.mlflow.tracking_uri)
         job.say(
             f"MLflow run {result.mlflow.run_id} in {result.mlflow.tracking_uri}; "
-            f"UI (needs the full `mlflow` package): mlflow ui --backend-store-uri {result.mlflow.tracking_uri} --host 127.0.0.1"
+            "UI (needs the full `mlflow` package): "
+            f"mlflow ui --backend-store-uri {result.mlflow.tracking_uri} --host 127.0.0.1"
         )
     job.say(f"checkpoint {summary['checkpoint']} (evaluate it: qrag eval --checkpoint {summary['checkpoint']})")
     print(json.dumps(summary), flush=True)
@@ -213,7 +217,8 @@ def run(make: Callable[[], Job], prog: str) -> int:
         return 2
     except Exception as exc:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
         print(
-            f"{prog}: training failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            f"{prog}: training failed: {type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
             file=sys.stderr,
         )
         print(

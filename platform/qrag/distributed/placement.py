@@ -50,7 +50,8 @@ def check_resource_map(key: str, resources: Mapping[str, Any]) -> dict[str, floa
             raise ConfigError(f"{key}.{name}: expected a positive amount, got {amount!r}")
         if amount > 1 and not float(amount).is_integer():
             raise ConfigError(
-                f"{key}.{name}: Ray takes fractions only up to 1 (a sliver such as 0.001 pins to a node type), got {amount!r}"
+                f"{key}.{name}: Ray takes fractions only up to 1 (a sliver such as 0.001 pins to a node type), "
+                f"got {amount!r}"
             )
         out[name] = float(amount)
     return out
@@ -118,8 +119,10 @@ def check_cluster_has(cfg: TrainConfig, cluster: Mapping[str, float]) -> None:
                 ", ".join(sorted(k for k in cluster if k not in BUILT_IN and not k.startswith("node:"))) or "none"
             )
             raise ConfigError(
-                f"{key} asks for {amount:g} of {name!r} but the Ray cluster has {have:g} (custom resources it declares: {declared}); "
-                f"start the nodes meant for it with --resources='{{\"{name}\": 1000}}' (infra/ declares qrag_cpu_node on the CPU workers) "
+                f"{key} asks for {amount:g} of {name!r} but the Ray cluster has {have:g} "
+                f"(custom resources it declares: {declared}); "
+                f"start the nodes meant for it with --resources='{{\"{name}\": 1000}}' "
+                "(infra/ declares qrag_cpu_node on the CPU workers) "
                 f"or drop {key}"
             )
 
@@ -143,8 +146,10 @@ def shard_gpu_fraction(shards: int, gpus: int, reserved: float = 0.0) -> float:
     fraction = _floor_step((1.0 - reserved) / per_gpu)
     if fraction * (per_gpu + 1) <= 1.0:
         raise ValueError(
-            f"{shards} shards on {gpus} GPUs with {reserved:g} GPU reserved for the rest: a shard would get {fraction:g} GPU, "
-            f"too little to keep more than {per_gpu} shard(s) off one GPU; reserve at most {1 - per_gpu / (per_gpu + 1):.3f}"
+            f"{shards} shards on {gpus} GPUs with {reserved:g} GPU reserved for the rest: "
+            f"a shard would get {fraction:g} GPU, "
+            f"too little to keep more than {per_gpu} shard(s) off one GPU; "
+            f"reserve at most {1 - per_gpu / (per_gpu + 1):.3f}"
         )
     return fraction
 

@@ -448,7 +448,8 @@ def serve_locally(
         serve.run(build_app(cfg, static_files(static_dir), deployments), name="qrag", route_prefix="/")
         url = f"http://{host}:{port}"
         print(
-            f"qrag serve: {url}/ (page)  {url}/docs (API)  {url}/healthz; model: {cfg.checkpoint or 'untrained ' + cfg.encoder}; "
+            f"qrag serve: {url}/ (page)  {url}/docs (API)  {url}/healthz; "
+            f"model: {cfg.checkpoint or 'untrained ' + cfg.encoder}; "
             f"storage: {cfg.storage}; Ctrl-C stops",
             file=sys.stderr,
         )

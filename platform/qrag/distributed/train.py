@@ -67,7 +67,8 @@ def learner_resources(cfg: TrainConfig, cluster: dict[str, float]) -> tuple[bool
     if need > have + 1e-9:
         raise ConfigError(
             f"the run needs {need:g} CPUs (learner {d.learner_cpus:g} + {d.runners} runners x {d.runner_cpus:g}) "
-            f"but the Ray cluster has {have:g}: lower distributed.runners or distributed.runner_cpus, or give Ray more CPUs "
+            f"but the Ray cluster has {have:g}: lower distributed.runners or distributed.runner_cpus, "
+            "or give Ray more CPUs "
             "(an autoscaling cluster: state its maximum in distributed.autoscale_to or $QRAG_AUTOSCALE_TO)"
         )
     check_cluster_has(cfg, cluster)  # custom resources (qrag.distributed.placement)
@@ -269,7 +270,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             pool.start(run.learner.update)
             _say(
-                f"learner: {d.runners} EpisodeFeeders ready ({sum(i['samples'] for i in pool.infos)} training questions, "
+                f"learner: {d.runners} EpisodeFeeders ready "
+                f"({sum(i['samples'] for i in pool.infos)} training questions, "
                 f"waited {time.perf_counter() - t0:.1f} s), {len(run.dev_tok)} dev questions, device {run.device}, "
                 f"from update {run.learner.update}"
             )

@@ -32,7 +32,8 @@ def _source_dataset(base: DataConfig, data: str) -> str:
     hits = {s.dataset for s in parse_sources(base.sources) if s.path and _same_file(_resolve(s.path), data)}
     if len(hits) != 1:
         raise ConfigError(
-            f"this checkpoint trained on mixed sources ({', '.join(sorted({s.get('dataset', '?') for s in base.sources}))}); "
+            "this checkpoint trained on mixed sources "
+            f"({', '.join(sorted({s.get('dataset', '?') for s in base.sources}))}); "
             f"say which loader reads {data} with --dataset (e.g. --dataset hotpotqa)"
         )
     return hits.pop()

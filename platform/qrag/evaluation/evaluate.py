@@ -79,8 +79,10 @@ PROTOCOL_KEYS = ("fact_em", "fact_f1", "oracle_fact_em", "oracle_fact_f1")
 # the headline first.
 PROTOCOL_NOTES = {
     "fact_em": "all T picks, no oracle: every support fact among them (the headline)",
-    "oracle_fact_f1": "search stopped once the support is complete (oracle stop: the answer key decides; the reference's protocol)",
-    "threshold_fact_f1": "learned stop: search stopped when the best Q falls below a threshold chosen on validation questions (no oracle)",
+    "oracle_fact_f1": "search stopped once the support is complete "
+    "(oracle stop: the answer key decides; the reference's protocol)",
+    "threshold_fact_f1": "learned stop: search stopped when the best Q falls below a threshold "
+    "chosen on validation questions (no oracle)",
     "fact_f1": "all T picks, no stop, no oracle",
 }
 

@@ -3,7 +3,8 @@
 The table (JSON, schema ``qrag.length_sweep/1``) has one row per (model, task, length)::
 
     {"schema": "qrag.length_sweep/1", "created": ..., "device": ..., "git_commit": ..., "git_dirty": ...,
-     "git_diff_sha256": ..., "split": "dev", "dev_draw": {...}, "selected_on": ..., "memory": "cuda_max_allocated" | "rss_peak",
+     "git_diff_sha256": ..., "split": "dev", "dev_draw": {...}, "selected_on": ...,
+     "memory": "cuda_max_allocated" | "rss_peak",
      "rows": [{"model": "Q-RAG", "checkpoint": "runs/qa3/final", "task": "qa3", "length": 1048576,
                "fact_em": 0.97, "fact_f1": 0.98, "num_samples": 100, "steps": 3,
                "seconds_per_question": 0.05, "generate_seconds_per_question": 0.02,
@@ -161,7 +162,8 @@ def sweep_model(
             if val_records:
                 threshold = choose_threshold(traces_from_records(val_records))
                 log(
-                    f"{label:>12} {task:>16}: Q threshold {threshold:.4f} chosen on {len(val_records)} validation questions"
+                    f"{label:>12} {task:>16}: Q threshold {threshold:.4f} "
+                    f"chosen on {len(val_records)} validation questions"
                 )
             else:  # too few training questions for data.val_fraction to hold any out
                 log(f"{label:>12} {task:>16}: no validation questions (data.val_fraction); no learned stop")
@@ -201,7 +203,8 @@ def sweep_model(
             row["per_question"] = per_question(records)
             rows.append(row)
             log(
-                f"{label:>12} {task:>16} {length_label(length):>6}: fact_f1 {row['fact_f1']:.3f} fact_em {row['fact_em']:.3f} "
+                f"{label:>12} {task:>16} {length_label(length):>6}: "
+                f"fact_f1 {row['fact_f1']:.3f} fact_em {row['fact_em']:.3f} "
                 f"n={row['num_samples']} {row['seconds_per_question']:.3f}s/q peak {row['peak_memory_mb']:.0f}MB"
             )
         tokens.clear()  # haystack chunk arrays of this task; the embedding cache goes with them
@@ -313,7 +316,8 @@ def selection_note(cfg: TrainConfig, val_samples: int) -> str:
         return "nothing in this sweep: every row is all T picks, no stop, no threshold"
     return (
         f"learned stop only: a Q threshold per model and task, chosen on {val_samples} validation questions "
-        f"(held out of train by source, data.val_fraction={cfg.data.val_fraction}) at {cfg.data.context_tokens} tokens; "
+        f"(held out of train by source, data.val_fraction={cfg.data.val_fraction}) "
+        f"at {cfg.data.context_tokens} tokens; "
         "the checkpoints were given to the sweep"
     )
 

@@ -220,7 +220,10 @@ def table2(summaries: Sequence[tuple[str, dict[str, Any]]], paper: bool = False,
                 reader = s.get("reader_model") or "no reader (retrieval only)"
                 extra = f", {s['answer_errors']} answer errors" if s.get("answer_errors") else ""
                 if s.get("num_seeds"):
-                    extra += f", mean of {s['num_seeds']} training seeds with 95% intervals ({(s.get('interval') or {}).get('method', 'bootstrap')})"
+                    extra += (
+                        f", mean of {s['num_seeds']} training seeds with 95% intervals "
+                        f"({(s.get('interval') or {}).get('method', 'bootstrap')})"
+                    )
                 rep.notes.append(
                     f"{name}, {column_title(col)}: {s.get('num_samples')} questions ({s.get('split', '?')} split), "
                     f"T = {(s.get('search') or {}).get('max_steps', '?')}, reader {reader}{extra}; "
@@ -305,7 +308,8 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, Series, Inte
         credit = sorted({str(r.get("credit", data.get("credit", "chunk"))) for r in rows if isinstance(r, dict)})
         note = (
             [
-                f"Protocol: {PROTOCOL_NOTES[metric]}; T = {', '.join(map(str, steps)) or '?'}; credit: {', '.join(credit)}.",
+                f"Protocol: {PROTOCOL_NOTES[metric]}; T = {', '.join(map(str, steps)) or '?'}; "
+                f"credit: {', '.join(credit)}.",
                 "",
             ]
             if metric in PROTOCOL_NOTES

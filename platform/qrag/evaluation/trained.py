@@ -51,7 +51,8 @@ class Guard:
         hits = trained_ids(samples, self.trained)
         if hits and not self.allow:
             raise TrainedQuestionsError(
-                f"{len(hits)} of these {len(samples)} questions (e.g. {hits[0]}) come from sources {self.checkpoint} was trained "
+                f"{len(hits)} of these {len(samples)} questions (e.g. {hits[0]}) "
+                f"come from sources {self.checkpoint} was trained "
                 "on; evaluate on held-out data (e.g. --split dev), or pass --allow-train-questions to score them anyway"
             )
         self.hits += len(hits)

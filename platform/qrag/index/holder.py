@@ -276,7 +276,8 @@ class ShardHolder:
     def best_chunks(
         self, corpus: str, uid: str, version: int, states: np.ndarray, selected: list[list[int]], n_total: int, k: int
     ) -> ShardHits:
-        """:meth:`CorpusShards.best_chunks` of corpus version (``corpus``, ``uid``, ``version``), loaded first if need be."""
+        """:meth:`CorpusShards.best_chunks` of corpus version (``corpus``, ``uid``, ``version``), loaded first
+        if need be."""
         return self.ensure(corpus, uid, version).best_chunks(states, selected, n_total, k)
 
     def preload(self, fingerprint: str | None = None) -> list[str]:

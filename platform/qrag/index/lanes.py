@@ -429,7 +429,8 @@ def index_in_lanes(
                     run.wrote(msg[2], msg[3], msg[4])
                 elif kind == "done":
                     finished.add(i)
-                    # When the lane began its first group, from the moment groups went out (perf_counter: one clock for the machine)
+                    # When the lane began its first group, from the moment groups went out
+                    # (perf_counter: one clock for the machine)
                     begun = round(msg[3] - t_ready, 3) if t_ready is not None else None
                     run.stats.per_lane.append(
                         {"lane": i, "device": str(devices[i]), "started_after_ready": begun, **msg[2]}

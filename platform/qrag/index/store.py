@@ -573,7 +573,8 @@ class CorpusStore:
         if not valid_name(name):
             shown = name[:80] if isinstance(name, str) else name
             raise StoreError(
-                f"invalid corpus name {shown!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+                f"invalid corpus name {shown!r}: "
+                "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
         return self.root / name
 

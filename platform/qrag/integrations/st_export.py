@@ -87,7 +87,10 @@ def model_card(
             if k in evaluation
         }
         metrics = "\n".join(f"| {k} | {v} |" for k, v in shown.items())
-        metrics = f"## Evaluation (the run's final, multi-step, from eval.json)\n\n| metric | value |\n| --- | --- |\n{metrics}\n"
+        metrics = (
+            "## Evaluation (the run's final, multi-step, from eval.json)\n\n"
+            f"| metric | value |\n| --- | --- |\n{metrics}\n"
+        )
     return f"""---
 library_name: sentence-transformers
 pipeline_tag: sentence-similarity

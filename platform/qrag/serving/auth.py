@@ -77,7 +77,8 @@ def startup_problem(host: str, table: dict[str, str], allow_unauthenticated: boo
     if table or allow_unauthenticated or is_loopback(host):
         return None
     return (
-        f"refusing to serve on {host} without API keys: anyone who reaches the port could delete or overwrite every corpus. "
+        f"refusing to serve on {host} without API keys: "
+        "anyone who reaches the port could delete or overwrite every corpus. "
         f"Set ${ENV}='<key>:write,<key>:read' (or the api_keys field from a secret), bind 127.0.0.1, "
         f"or set allow_unauthenticated: true"
     )

@@ -222,7 +222,8 @@ def build_api(
             return _error(
                 400,
                 "body",
-                f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))} (at character {err['loc'][-1] if len(err['loc']) > 1 else '?'})",
+                f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))} "
+                f"(at character {err['loc'][-1] if len(err['loc']) > 1 else '?'})",
             )
         field = _field(tuple(err.get("loc", ()))) or "body"
         if err.get("type") == "missing":

@@ -6,7 +6,8 @@ STRIPPED_HEADERS = (b"x-request-timeout-seconds", b"x-request-disconnect-disable
 
 # The web page loads only its own script and style, and may not be framed.
 PAGE_HEADERS = {
-    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; "
     "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "x-frame-options": "DENY",
     "referrer-policy": "no-referrer",

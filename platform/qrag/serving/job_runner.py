@@ -98,7 +98,8 @@ class JobRunner:
             nothing = (
                 "nothing of it was stored"
                 if job.kind != "reindex"
-                else f"the corpus keeps its old vectors; POST /v1/corpora/{job.corpus}/reindex goes on from the segments already re-embedded"
+                else f"the corpus keeps its old vectors; POST /v1/corpora/{job.corpus}/reindex "
+                "goes on from the segments already re-embedded"
             )
             job.state = "failed"
             job.error = ServiceError(

@@ -98,7 +98,8 @@ class RetrievalService:
             "model": self.model.describe(),
             "message": "serving a trained checkpoint"
             if trained
-            else "serving the UNTRAINED bundled encoder: no checkpoint is configured (set checkpoint in serve/config.yaml or --checkpoint)",
+            else "serving the UNTRAINED bundled encoder: no checkpoint is configured "
+            "(set checkpoint in serve/config.yaml or --checkpoint)",
             "shards": len(self.corpora.holders),
             "corpora": len(self.store.names()),
         }

@@ -22,7 +22,8 @@ class ServeConfig:
 
     checkpoint: str | None = opt(
         None,
-        "Checkpoint directory or MLflow URI (runs:/<run>/<path>, models:/<name>/<version>); none = the bundled untrained encoder.",
+        "Checkpoint directory or MLflow URI (runs:/<run>/<path>, models:/<name>/<version>); "
+        "none = the bundled untrained encoder.",
     )
     encoder: str = opt("minilm", "Encoder used when no checkpoint is configured.")
     mlflow_tracking_uri: str | None = opt(
@@ -78,7 +79,8 @@ class ServeConfig:
     approx_above: int = opt(2_000_000, "Chunks per shard above which FAISS uses an approximate (HNSW) index.")
     score_graphs: bool = opt(
         True,
-        "GPU shards: replay each scoring step from a CUDA graph (per batch bucket); false = the same step launched eagerly.",
+        "GPU shards: replay each scoring step from a CUDA graph (per batch bucket); "
+        "false = the same step launched eagerly.",
     )
     retry_after_s: int = opt(1, "Retry-After seconds sent with 503 on overload.")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (413 beyond).")
@@ -90,7 +92,8 @@ class ServeConfig:
     max_alternatives: int = opt(10, "Upper bound of a request's alternatives.")
     max_word_chars: int = opt(
         2000,
-        "Longest run of characters without a space in a document or context (422 beyond): one such run becomes one chunk, copied into every answer that picks it.",
+        "Longest run of characters without a space in a document or context (422 beyond): "
+        "one such run becomes one chunk, copied into every answer that picks it.",
     )
     jobs_kept: int = opt(200, "Finished indexing jobs kept on disk (with their outcome) for GET /v1/jobs/{id}.")
     max_jobs: int = opt(
@@ -100,7 +103,8 @@ class ServeConfig:
     job_workers: int = opt(2, "Indexing jobs one ingress replica runs at once (the others wait, queued).")
     job_wait_s: float = opt(
         30.0,
-        "How long a wait:true request waits for its job; past it the answer is 202 with the job, which goes on (at most 80% of request_timeout_s).",
+        "How long a wait:true request waits for its job; past it the answer is 202 with the job, which goes on "
+        "(at most 80% of request_timeout_s).",
     )
     job_heartbeat_s: float = opt(5.0, "How often a replica rewrites its running jobs' records (progress, liveness).")
     job_stale_s: float = opt(
@@ -109,19 +113,26 @@ class ServeConfig:
     )
     shard_memory_bytes: int | None = opt(
         None,
-        "Memory budget of each index-shard holder for loaded corpora (least recently used ones are evicted; a corpus that cannot fit gets 507); null = shard_memory_fraction of the machine.",
+        "Memory budget of each index-shard holder for loaded corpora "
+        "(least recently used ones are evicted; a corpus that cannot fit gets 507); "
+        "null = shard_memory_fraction of the machine.",
     )
     shard_memory_fraction: float = opt(
         0.5,
-        "With shard_memory_bytes null, the budget is this share of the memory free when a shard holder starts: the host's available memory (within its cgroup limit) for shards on the CPU, the GPU's free memory for shards on a GPU; shared out among the holders of one process. 0 = no limit.",
+        "With shard_memory_bytes null, the budget is this share of the memory free when a shard holder starts: "
+        "the host's available memory (within its cgroup limit) for shards on the CPU, "
+        "the GPU's free memory for shards on a GPU; shared out among the holders of one process. 0 = no limit.",
     )
     api_keys: str | None = opt(
         None,
-        "API keys, 'key:scope,key:scope' with scope read or write (write implies read), added to $QRAG_API_KEYS. Prefer the environment variable or a Kubernetes Secret to this field.",
+        "API keys, 'key:scope,key:scope' with scope read or write (write implies read), added to $QRAG_API_KEYS. "
+        "Prefer the environment variable or a Kubernetes Secret to this field.",
     )
     http_host: str | None = opt(
         None,
-        "The address Serve's HTTP proxies bind (http_options.host; `qrag serve` sets it from --host): without API keys the app starts only when it is loopback, unless allow_unauthenticated. null = unknown, taken as public.",
+        "The address Serve's HTTP proxies bind (http_options.host; `qrag serve` sets it from --host): "
+        "without API keys the app starts only when it is loopback, unless allow_unauthenticated. "
+        "null = unknown, taken as public.",
     )
     allow_unauthenticated: bool = opt(
         False, "Serve without API keys on a non-loopback address (by default the app refuses to start)."

@@ -1,7 +1,8 @@
 """Hyperparameter sweeps: what ``qrag sweep`` and ``tune/sweep.py`` run, on Ray Tune or (``--local``) without Ray.
 
     python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml [key=value ...]   # a local Ray on 127.0.0.1
-    ray job submit --working-dir . -- python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml   # lands in ~/ray_results
+    ray job submit --working-dir . -- \
+        python tune/sweep.py --config tune/hotpot_alpha_lambda_tau.yaml   # lands in ~/ray_results
     python tune/sweep.py --local --config tune/smoke.yaml              # no Ray, no MLflow: trials one by one
 
 Order of work, as for training jobs: read and check the sweep file, the training config and its
@@ -187,7 +188,8 @@ def require_state_api(sweep: Sweep) -> None:
         list_actors(limit=1, raise_on_missing_output=False, timeout=20)
     except Exception as exc:  # noqa: BLE001 - any failure means the cleaner cannot work either
         raise ConfigError(
-            f"Ray's state API does not answer ({type(exc).__name__}: {str(exc)[:200]}): trials that ASHA stops would keep "
+            f"Ray's state API does not answer ({type(exc).__name__}: {str(exc)[:200]}): "
+            "trials that ASHA stops would keep "
             "their resources and later trials would wait for workers until they time out. Install ray[default] (the "
             "dashboard serves the state API) and start the cluster with its dashboard, or set max_concurrent to the "
             "number of trials"

@@ -172,7 +172,8 @@ class LocalSweep:
             outcome.status, outcome.updates = "completed", out["updates"]
             outcome.dev_fact_f1, outcome.checkpoint = out["eval"]["fact_f1"], out["checkpoint"]
         print(
-            f"sweep: trial {trial_id} {outcome.status} after {outcome.updates} updates ({time.perf_counter() - t0:.0f} s)",
+            f"sweep: trial {trial_id} {outcome.status} after {outcome.updates} updates "
+            f"({time.perf_counter() - t0:.0f} s)",
             file=sys.stderr,
             flush=True,
         )

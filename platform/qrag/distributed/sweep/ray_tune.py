@@ -8,9 +8,10 @@
   part of train) and checkpoints. The learner and its EpisodeFeeders get their resources from
   Ray Train, so the trial itself reserves only a sliver of a CPU (``resources.trial_cpus``).
 * **Scheduler.** Ray's ASHA on ``update`` (time) and the sweep metric, with two additions: its
-  rungs are saved in ``<sweep>/asha_state.pkl`` (Tune's public ``TrialScheduler.save``) after every decision (``Tuner.restore`` would
-  otherwise start them empty), and it never stops a trial at its last update, which would cut
-  off the final checkpoint and the trial's MLflow record.
+  rungs are saved in ``<sweep>/asha_state.pkl`` (Tune's public ``TrialScheduler.save``) after
+  every decision (``Tuner.restore`` would otherwise start them empty), and it never stops a
+  trial at its last update, which would cut off the final checkpoint and the trial's MLflow
+  record.
 * **Resume.** The trial's Train run lives at a path that depends on the trial id only; a
   restored trial calls ``train_with_ray`` again, which resumes it from its latest checkpoint in
   the same MLflow run.
@@ -242,5 +243,6 @@ def outcome_of(result, setup: TrialSetup, stopped: set[str]) -> TrialOutcome:
         checkpoint=checkpoint,
         error=None
         if result.error is None
-        else f"{type(result.error).__name__}: {str(result.error).strip().splitlines()[0] if str(result.error).strip() else ''}",
+        else f"{type(result.error).__name__}: "
+        f"{str(result.error).strip().splitlines()[0] if str(result.error).strip() else ''}",
     )

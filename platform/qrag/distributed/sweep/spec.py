@@ -469,7 +469,8 @@ def check_spec(spec: SweepSpec, base: TrainConfig) -> None:
     # Trials are judged by periodic evaluations on a validation part of train, never on dev.
     if base.eval_every <= 0:
         raise ConfigError(
-            "the training config has eval_every=0: the scheduler needs periodic evaluations (set eval_every in overrides)"
+            "the training config has eval_every=0: the scheduler needs periodic evaluations "
+            "(set eval_every in overrides)"
         )
     if base.data.val_fraction <= 0:
         raise ConfigError(
