@@ -8,8 +8,12 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.qrag-installed
 PYTEST_ARGS ?=
+# Test files run on this many pytest-xdist workers, a whole file each (module fixtures are shared
+# within a file; Ray and slow files start first, see tests/conftest.py). 0 = in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install demo test test-fast clean mlflow-server sweep
+.PHONY: install demo test test-fast lint clean mlflow-server sweep
 
 install: $(STAMP)
 
@@ -30,8 +34,13 @@ SWEEP ?= tune/smoke.yaml
 sweep: install
 	$(VENV)/bin/qrag sweep --config $(SWEEP)
 
-test: install mlflow-server
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: install mlflow-server lint
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The formatter and the linter at 120 columns (pyproject.toml's [tool.ruff]); `ruff format .` fixes the first.
+lint: install
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
 
 # The MLflow tracking server in a venv of its own (tests/test_infra_mlflow.py starts it; see
 # infra/mlflow/): qrag needs only mlflow-skinny, which cannot serve, and full mlflow would pull
@@ -52,7 +61,7 @@ $(MLFLOW_SERVER_VENV)/bin/virtualenv: | $(MLFLOW_SERVER)
 	$(MLFLOW_SERVER_VENV)/bin/pip install -q --disable-pip-version-check virtualenv
 
 test-fast: install
-	$(PY) -m pytest -m "not ray and not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not ray and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs mlruns mlflow.db .pytest_cache

@@ -143,3 +143,29 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+# The longest files, longest first (a scheduling hint only: a stale entry costs time, never a result).
+LONGEST_FIRST = (
+    "test_sweep_ray.py",
+    "test_distributed_ray.py",
+    "test_infra_mlflow.py",
+    "test_serve_app.py",
+    "test_mlflow_portable.py",
+    "test_index_lanes.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first, then the other files with a Ray or slow test, then the rest.
+    `make test` hands whole files to its workers (pytest-xdist, --dist loadfile) in this order,
+    so the long files start at once and the short ones fill in behind them instead of one long
+    file starting last and running alone. The order is the same on every worker (xdist needs it)."""
+    heavy = {item.path for item in items if item.get_closest_marker("ray") or item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        if item.path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(item.path.name)
+        return len(LONGEST_FIRST) + (item.path not in heavy)
+
+    items.sort(key=rank)  # stable: collection order within a rank

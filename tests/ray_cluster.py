@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +56,9 @@ def local_ray_cluster(
     env = cluster_env(drop_env)
     extra = [f"--resources={json.dumps(resources)}"] if resources else []
     log = open(tmp / "ray_start.log", "w")
+    # Ray's socket paths must stay under the 107-byte limit of a Unix socket: pytest's tmp_path
+    # under xdist (.../popen-gw0/...) is too deep, so the cluster's temp dir is a short one.
+    ray_tmp = tempfile.mkdtemp(prefix="qrag-ray-", dir="/tmp")
     proc = subprocess.Popen(
         [
             RAY,
@@ -72,7 +77,7 @@ def local_ray_cluster(
             "--num-cpus=3",
             f"--num-gpus={num_gpus}",
             *extra,
-            f"--temp-dir={tmp / 't'}",
+            f"--temp-dir={ray_tmp}",
             "--disable-usage-stats",
         ],
         env=env,
@@ -91,6 +96,7 @@ def local_ray_cluster(
     finally:
         stop_cluster(proc)
         log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _process_group(pgid: int) -> list[int]:

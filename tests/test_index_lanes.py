@@ -115,6 +115,7 @@ def test_a_lanes_tokenising_workers_are_forked_with_its_imports():
     assert ctx is not None and ctx.get_start_method() == "fork"
 
 
+@pytest.mark.slow
 def test_a_lane_failure_keeps_whole_groups_and_resume_finishes(model, tiny_encoder, tmp_path):
     docs = make_documents(24, seed=4)
     bad = list(docs)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,6 +82,7 @@ def test_http_and_library_paths_agree_and_are_timed(tiny_encoder, shared_data, t
         assert loop["concurrency"] == 2 and loop["queries"] == 6 and loop["queries_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_the_two_gpu_benchs_corpus_builder_runs_on_cpu(tiny_encoder, shared_data, tmp_path):
     """`bench/two_gpu.py --build-only` builds its corpus through serve_scale's tokenising workers:
     it sent them an outdated job shape and failed on the 2-GPU machine before anything was timed."""
