@@ -5,7 +5,10 @@ batches written elsewhere commit only in order."""
 from __future__ import annotations
 
 import functools
+import os
+import time
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,13 +239,37 @@ def test_the_serving_bench_indexes_in_lanes(tiny_encoder, shared_data, tmp_path)
     assert [row["lane"] for row in stages["per_lane"]] == [0]
 
 
-def test_a_lane_that_dies_is_an_error_naming_it_not_a_hang(model, tiny_encoder, tmp_path):
+def test_a_lane_that_dies_is_an_error_naming_it_not_a_hang(model, tiny_encoder, tmp_path, monkeypatch):
+    mark = f"lane-test-{os.getpid()}-{time.time_ns()}"
+    monkeypatch.setenv("QRAG_TEST_MARK", mark)  # inherited by the lane and its forked workers
     store = new_corpus(model, tmp_path / "lanes")
     cfg = lane_config(model, tiny_encoder, tmp_path / "lanes")
     cfg.make_model = functools.partial(exit_in_lane, 3)
     with pytest.raises(LaneError, match=r"lane 0 \(cpu\) exited with code 3"):
         index_in_lanes(store, "c", make_documents(4, seed=7), cfg, ["cpu"], commit_chars=1500)
     assert store.read("c").chunks == 0
+    # The dead lane's tokenising workers die with it instead of waiting on its queue forever.
+    deadline = time.time() + 10
+    while (left := processes_marked(mark)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"tokenising workers outlived their lane: {left}"
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds QRAG_TEST_MARK=mark, other than this
+    process and its own children (multiprocessing's resource tracker, which ends with it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes()
+            state, ppid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if f"QRAG_TEST_MARK={mark}".encode() in env.split(b"\0") and state not in "ZX" and int(ppid) != os.getpid():
+            found.append(int(entry))
+    return found
 
 
 def exit_in_lane(code: int, device: str):

@@ -228,7 +228,7 @@ def _lane(i: int, device: str, cfg: LaneConfig, inbox, control, outbox, parent: 
             cfg.workers,
             mp_context=_worker_context(),
             initializer=init_worker,
-            initargs=(cfg.tokenizer_dir, cfg.layout, 64, cfg.worker_nice),
+            initargs=(cfg.tokenizer_dir, cfg.layout, 64, cfg.worker_nice, os.getpid()),  # die with the lane
         )
         workers_up = [pool.submit(int, 0) for _ in range(cfg.workers)]
         if torch.device(device).type == "cuda":

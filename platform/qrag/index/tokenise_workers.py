@@ -16,10 +16,17 @@ from qrag.data.documents import Document, pack_chunks
 _TOKENIZATION = None
 
 
-def init_worker(tokenizer_dir: str, layout, question_tokens: int = 64, nice: int = 0) -> None:
-    """Load the tokenizer once per worker (``layout``: the model's TokenLayout)."""
+def init_worker(
+    tokenizer_dir: str, layout, question_tokens: int = 64, nice: int = 0, parent_pid: int | None = None
+) -> None:
+    """Load the tokenizer once per worker (``layout``: the model's TokenLayout). With
+    ``parent_pid`` (the pool owner's pid) the worker dies with that process (see
+    :func:`die_with_parent`)."""
     global _TOKENIZATION
     import torch
+
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
 
     from qrag.model.encoder import load_tokenizer
     from qrag.retrieval.embedder import Tokenization
@@ -28,6 +35,27 @@ def init_worker(tokenizer_dir: str, layout, question_tokens: int = 64, nice: int
     if nice:  # below the GPU-feeding process: with every core tokenising, it must not wait for a core
         os.nice(nice)
     _TOKENIZATION = Tokenization(load_tokenizer(tokenizer_dir), layout, question_tokens)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent exits (Linux; elsewhere a no-op).
+
+    A forked pool worker holds its own copy of the pool's queues, so it never sees them close:
+    if the pool's owner dies without shutting the pool down (a lane killed by the OOM killer or
+    ending in ``os._exit``), its workers would wait on the queue forever. ``parent_pid`` closes
+    the race in which the parent died before the signal was armed."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not allowed here: the worker lives on as before
+    if os.getppid() != parent_pid:  # the parent was gone before the signal was armed
+        os._exit(1)
 
 
 def tokenization():
