@@ -161,16 +161,7 @@ class CorpusAdmin:
             raise ServiceError(409, "name", f"corpus {name!r} already exists")
         if not docs:
             try:
-                m = await asyncio.to_thread(
-                    self.store.create,
-                    name,
-                    fingerprint=self.model.fingerprint,
-                    model=self.model.model_cfg,
-                    dim=self.model.dim,
-                    chunk_tokens=budget,
-                    shards=self.cfg.shards,
-                    dtype=self.cfg.dtype,
-                )
+                m = await self._store_create(name, budget)
             except CorpusConflict as exc:
                 raise ServiceError(409, "name", str(exc)) from None
             return {"corpus": m.summary(), "job": None}
@@ -183,22 +174,26 @@ class CorpusAdmin:
         self.check_memory(None, name, len(ids), sum(c.tokens for c in chunks))
         vectors = await self._embed_chunks(ids, job)
         try:
-            await asyncio.to_thread(
-                self.store.create,
-                name,
-                fingerprint=self.model.fingerprint,
-                model=self.model.model_cfg,
-                dim=self.model.dim,
-                chunk_tokens=budget,
-                shards=self.cfg.shards,
-                dtype=self.cfg.dtype,
-                first=(docs, chunks, ids, vectors),
-                job=job.id,
-            )
+            await self._store_create(name, budget, first=(docs, chunks, ids, vectors), job=job.id)
         except CorpusConflict as exc:
             raise ServiceError(409, "name", f"{exc} (created by another request meanwhile)") from None
         if self.metrics:
             self.metrics.chunks_indexed(len(ids))
+
+    async def _store_create(self, name: str, budget: int, **first: Any):
+        """A new corpus of the served model and this service's shard layout, off the event loop
+        (``first``: the first batch and its job, when documents come with the create)."""
+        return await asyncio.to_thread(
+            self.store.create,
+            name,
+            fingerprint=self.model.fingerprint,
+            model=self.model.model_cfg,
+            dim=self.model.dim,
+            chunk_tokens=budget,
+            shards=self.cfg.shards,
+            dtype=self.cfg.dtype,
+            **first,
+        )
 
     async def delete(self, name: str) -> dict[str, Any]:
         self.path_of(name)
