@@ -9,11 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.qrag-installed
 PYTEST_ARGS ?=
 # Test files run on this many pytest-xdist workers, a whole file each (module fixtures are shared
-# within a file), in tests/conftest.py's order: the longest first (--no-loadscope-reorder, else
-# xdist starts the files with the most tests first and a one-test sweep runs alone at the end).
-# TEST_WORKERS=0 runs them in this process.
+# within a file). xdist hands out the files with the most tests first; among files of as many
+# tests, tests/conftest.py puts the longest first. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install demo test test-fast lint clean mlflow-server sweep
 

@@ -158,9 +158,10 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     """The longest files first, then the other files with a Ray or slow test, then the rest.
-    `make test` hands whole files to its workers (pytest-xdist, --dist loadfile) in this order,
-    so the long files start at once and the short ones fill in behind them instead of one long
-    file starting last and running alone. The order is the same on every worker (xdist needs it)."""
+    In one process this is the run's order. Under `make test` (pytest-xdist, --dist loadfile)
+    xdist hands out the files with the most tests first and keeps this order among files of as
+    many tests, so of the one- and few-test files the long ones start before the short ones.
+    The order is the same on every worker (xdist needs it)."""
     heavy = {item.path for item in items if item.get_closest_marker("ray") or item.get_closest_marker("slow")}
 
     def rank(item) -> int:
