@@ -180,9 +180,9 @@ class CorpusAdmin:
         if self.metrics:
             self.metrics.chunks_indexed(len(ids))
 
-    async def _store_create(self, name: str, budget: int, **first: Any):
+    async def _store_create(self, name: str, budget: int, **with_documents: Any):
         """A new corpus of the served model and this service's shard layout, off the event loop
-        (``first``: the first batch and its job, when documents come with the create)."""
+        (``with_documents``: ``first`` batch and its ``job``, when documents come with the create)."""
         return await asyncio.to_thread(
             self.store.create,
             name,
@@ -192,7 +192,7 @@ class CorpusAdmin:
             chunk_tokens=budget,
             shards=self.cfg.shards,
             dtype=self.cfg.dtype,
-            **first,
+            **with_documents,
         )
 
     async def delete(self, name: str) -> dict[str, Any]:
