@@ -150,3 +150,18 @@ def test_report_seeds_combines_then_reports(tmp_path, capsys):
     )
     assert main(["report", "--seeds", *files, "--out", str(tmp_path / "rep2")]) == 2
     assert "qrag report: error" in capsys.readouterr().err
+
+
+def test_the_combined_provenance_speaks_for_every_source_not_the_last_file():
+    seeds = [table(s, {"Q-RAG": 0.9}) for s in range(3)]
+    for t in seeds:
+        t["selected_on"] = t["training"]["selected_on"] = "checkpoint: the best on the val split at 1m"
+    untrained = table(9, {"untrained": 0.1})
+    untrained["training"] = {}
+    untrained["selected_on"] = "learned stop only"
+    seeds[1]["git_dirty"] = True
+    out = combine_tables([(f"s{i}", t) for i, t in enumerate([*seeds, untrained])], replicates=100)
+    assert out["selected_on"] == "Q-RAG: checkpoint: the best on the val split at 1m | untrained: learned stop only"
+    assert out["git_commit"] == ["c0", "c1", "c2", "c9"] and out["git_dirty"] is True
+    same = combine_tables([(f"s{i}", t) for i, t in enumerate(seeds)], replicates=100)
+    assert same["selected_on"] == "checkpoint: the best on the val split at 1m"

@@ -142,11 +142,15 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
     base = dict(tables[-1][1])
     for k in ("rows", "training", "machine", "selection"):
         base.pop(k, None)
+    sources = [_source(file, t) for file, t in tables]
     return {
         **base,
+        # The last file's own provenance would speak for every model (e.g. the untrained file's
+        # selection note for the trained seeds): each source's, grouped.
+        **_joint_provenance(sources),
         "kind": "seeds",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "combined_from": [_source(file, t) for file, t in tables],
+        "combined_from": sources,
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "rows": rows,
         "differences": _differences(rows, by_key, replicates),
@@ -205,7 +209,25 @@ def _source(file: str, table: dict[str, Any]) -> dict[str, Any]:
         "git_dirty": table.get("git_dirty"),
         "models": models,
         "training_seed": (training.get("config") or {}).get("seed"),
-        "selected_on": training.get("selected_on") or table.get("selected_on"),
+        "selected_on": table.get("selected_on") or training.get("selected_on"),  # the whole note: the file's own
+    }
+
+
+def _joint_provenance(sources: list[dict[str, Any]]) -> dict[str, Any]:
+    """The combined file's commit, dirty flag and selection note, drawn from every source."""
+    commits = list(dict.fromkeys(s["git_commit"] for s in sources))
+    notes: dict[str, list[str]] = {}
+    for s in sources:
+        if s["selected_on"]:
+            notes.setdefault(s["selected_on"], []).extend(m for m in s["models"] if m)
+    selected_on = " | ".join(
+        f"{', '.join(dict.fromkeys(models)) or 'all'}: {note}" if len(notes) > 1 else note
+        for note, models in notes.items()
+    )
+    return {
+        "git_commit": commits[0] if len(commits) == 1 else commits,
+        "git_dirty": any(bool(s["git_dirty"]) for s in sources),
+        **({"selected_on": selected_on} if selected_on else {}),
     }
 
 
