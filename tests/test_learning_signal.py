@@ -158,6 +158,65 @@ def test_supervised_baseline_learns_the_toy(tmp_path):
     assert after > before + 0.4, (before, after)
 
 
+def test_the_papers_trajectory_sft_learns_the_toy(tmp_path):
+    """learner.objective=sft_trajectory (the paper's description of its SFT row: Beam Retriever's
+    trajectory supervision) trains the same encoders; it too finds held-out toy support."""
+    from conftest import build_tiny_encoder
+    from qrag.model.checkpoint import untrained_qnet
+    from qrag.config import LearnerConfig
+    from qrag.rl.sft import TrajectorySupervisedLearner
+    from qrag.data.tokens import tokenize_samples
+
+    torch.manual_seed(0)
+    encoder = build_tiny_encoder(tmp_path / "enc", hidden=64, layers=0, seed=1)
+    qnet, tokenizer, layout = untrained_qnet(
+        ModelConfig(encoder=str(encoder), positions="relative"), torch.device("cpu")
+    )
+    train, test = toy_samples(128, seed=3), toy_samples(32, seed=4)
+    tok_train = tokenize_samples(train, tokenizer, layout, chunk_tokens=16, question_tokens=24)
+    tok_test = tokenize_samples(test, tokenizer, layout, chunk_tokens=16, question_tokens=24)
+    before = _fact_f1(qnet, layout, test, tok_test)
+    cfg = LearnerConfig(
+        objective="sft_trajectory", lr=3e-3, warmup_updates=2, episodes_per_update=32, micro_batch=16, weight_decay=0.0
+    )
+    learner = TrajectorySupervisedLearner(
+        qnet, layout, EnvConfig(max_steps=4), cfg, total_updates=25, device=torch.device("cpu")
+    )
+    rng = np.random.default_rng(0)
+    losses = [
+        learner.train_update([tok_train[i] for i in rng.choice(len(tok_train), 32, replace=False)]).loss
+        for _ in range(25)
+    ]
+    after = _fact_f1(qnet, layout, test, tok_test)
+    assert losses[-1] < losses[0]
+    assert after > before + 0.3, (before, after)
+
+
+def test_the_two_sft_objectives_differ_where_the_code_says():
+    """Ours: any still-missing fact is right, random order, softmax. The paper's: only the next fact
+    in document order is right, every other chunk (facts to come included) a BCE negative."""
+    from qrag.rl.sft import SupervisedLearner, TrajectorySupervisedLearner
+
+    facts = np.array([2, 5, 9])
+    assert TrajectorySupervisedLearner.fact_order(None, facts).tolist() == [2, 5, 9]
+    available = torch.tensor([[True, True, True, True]])
+    missing = torch.tensor([[False, True, True, False]])  # chunks 1 and 2 are facts still to take
+    following = torch.tensor([[False, True, False, False]])  # chunk 1 comes first in the document
+    assert SupervisedLearner.positives(missing, following).tolist() == missing.tolist()
+    assert TrajectorySupervisedLearner.positives(missing, following).tolist() == following.tolist()
+
+    # The later fact scored as high as the next one: no cost to ours, a cost to the paper's.
+    both_high, later_low = torch.tensor([[-5.0, 5.0, 5.0, -5.0]]), torch.tensor([[-5.0, 5.0, -5.0, -5.0]])
+    ours = [SupervisedLearner.step_loss(x, available, missing).item() for x in (both_high, later_low)]
+    papers = [TrajectorySupervisedLearner.step_loss(x, available, following).item() for x in (both_high, later_low)]
+    assert ours[0] < ours[1]  # ours prefers both facts high
+    assert papers[0] > papers[1] + 1.0  # the paper's pushes the later fact down
+    # A BCE per chunk, averaged over the available ones only.
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(later_low[0, :3], torch.tensor([0.0, 1.0, 0.0]))
+    partly = torch.tensor([[True, True, True, False]])
+    assert TrajectorySupervisedLearner.step_loss(later_low, partly, following).item() == pytest.approx(bce.item())
+
+
 def test_supervised_warm_start_then_pqn(tmp_path):
     """learner.sft_warmup_updates: the first updates are supervised (no rollouts: success 0, the
     SFT loss), PQN follows from the encoders they left with the targets reset to them, and the

@@ -196,10 +196,12 @@ class LearnerConfig:
     lam: float = opt(0.5, "λ of the λ-returns.")
     tau: float = opt(0.02, "EMA rate of the target encoders.")
     top_k: int = opt(32, "The Boltzmann policy considers the top-k available chunks.")
-    objective: Literal["pqn", "sft"] = opt(
+    objective: Literal["pqn", "sft", "sft_trajectory"] = opt(
         "pqn",
         "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q "
-        "(the paper's 'Multi-step RAG w. SFT' baseline).",
+        "(any missing fact is right at each step: a softmax over the chunks); sft_trajectory = the paper's "
+        "'Multi-step RAG w. SFT' as it describes it, Beam Retriever's trajectory supervision (the facts in "
+        "document order, only the next one right: a binary cross-entropy per chunk).",
     )
     sft_warmup_updates: int = opt(
         0,
@@ -207,7 +209,7 @@ class LearnerConfig:
         "then soft PQN with the target encoders reset to the online ones "
         "(a supervised warm start; 0 = the paper's cold start).",
     )
-    sft_temperature: float = opt(0.05, "objective=sft: softmax temperature over the chunks' Q.")
+    sft_temperature: float = opt(0.05, "objective=sft or sft_trajectory: the logits are Q / this temperature.")
     value_top_k: int | None = opt(
         None,
         "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). "

@@ -7,6 +7,14 @@ cross-entropy of a softmax over every available chunk (temperature ``learner.sft
 that puts its mass on the facts still missing. Search, checkpoints and evaluation are the
 Q-RAG ones, so the two rows of the table differ only in how the encoders were trained.
 
+:class:`TrajectorySupervisedLearner` (``learner.objective=sft_trajectory``) is the paper's own
+description of that baseline: Beam Retriever's trajectory supervision, adapted to these encoders.
+The facts are taken in their given (document) order, and at step t only the t-th fact is a
+positive: every other available chunk, the facts still to come included, is a negative of an
+independent binary cross-entropy (a sigmoid per chunk, not a softmax over them). Ours asks for any
+missing fact, in a random order each episode, so it never teaches Q to rank one support fact
+below another.
+
 :class:`WarmStartedPQNLearner` chains the two (``learner.sft_warmup_updates``): supervised updates
 first, then soft PQN from the encoders they left, its target encoders reset to them.
 """
@@ -34,10 +42,7 @@ class SupervisedLearner(SoftPQNLearner):
         flat = [c for s in episodes for c in s.chunks]
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat, grad=True, kind="chunks"), env.n_chunks)
         n_chunks = torch.from_numpy(env.n_chunks).to(dev)
-        orders = []
-        for s in episodes:
-            facts = np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)
-            orders.append(facts[torch.randperm(len(facts), generator=self.generator).numpy()])
+        orders = [self.fact_order(np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)) for s in episodes]
         selected = np.zeros_like(env.selected)
         losses, q_pos = [], []
         for t in range(max(len(o) for o in orders)):
@@ -54,9 +59,13 @@ class SupervisedLearner(SoftPQNLearner):
             ).mean(-1)
             available = torch.from_numpy(env.valid[rows] & ~selected[rows]).to(dev)
             missing = torch.from_numpy(env.gold[rows] & ~selected[rows]).to(dev) & available
-            logits = (q.float() / self.cfg.sft_temperature).masked_fill(~available, float("-inf"))
-            losses.append(torch.logsumexp(logits, 1) - torch.logsumexp(logits.masked_fill(~missing, float("-inf")), 1))
-            q_pos.append(q.detach()[missing])
+            following = torch.zeros_like(available)
+            following[
+                torch.arange(len(rows), device=dev), torch.as_tensor([orders[i][t] for i in rows], device=dev)
+            ] = True
+            positive = self.positives(missing, following & available)
+            losses.append(self.step_loss(q.float() / self.cfg.sft_temperature, available, positive))
+            q_pos.append(q.detach()[positive])
             for i in rows:
                 selected[i, orders[i][t]] = True
         per_step = torch.cat(losses)
@@ -72,6 +81,41 @@ class SupervisedLearner(SoftPQNLearner):
             "transitions": int(len(per_step)),
             "counts": {"transitions": float(len(per_step))},
         }
+
+    def fact_order(self, facts: np.ndarray) -> np.ndarray:
+        """The order the support facts are taken in: a new random one each episode."""
+        return facts[torch.randperm(len(facts), generator=self.generator).numpy()]
+
+    @staticmethod
+    def positives(missing: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """Which chunks are right at this step (rows x chunks): every fact still missing."""
+        return missing
+
+    @staticmethod
+    def step_loss(logits: torch.Tensor, available: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+        """Per row: cross-entropy of a softmax over the available chunks, its mass on the positives."""
+        logits = logits.masked_fill(~available, float("-inf"))
+        return torch.logsumexp(logits, 1) - torch.logsumexp(logits.masked_fill(~positive, float("-inf")), 1)
+
+
+class TrajectorySupervisedLearner(SupervisedLearner):
+    """The paper's "Multi-step RAG w. SFT": Beam Retriever's trajectory supervision (see the module
+    docstring for how it differs from :class:`SupervisedLearner`)."""
+
+    def fact_order(self, facts: np.ndarray) -> np.ndarray:
+        """The given order: support facts as they lie in the context (bAbI's time order)."""
+        return facts
+
+    @staticmethod
+    def positives(missing: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """Only the next fact of the gold trajectory."""
+        return following
+
+    @staticmethod
+    def step_loss(logits: torch.Tensor, available: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+        """Per row: the mean binary cross-entropy of every available chunk (1 for the positive)."""
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, positive.float(), reduction="none")
+        return (bce * available).sum(1) / available.sum(1).clamp(min=1)
 
 
 class WarmStartedPQNLearner(SupervisedLearner):

@@ -35,7 +35,7 @@ from qrag.model.encoder import load_tokenizer, pick_device, resolve_encoder
 from qrag.evaluation.evaluate import EvalResult, evaluate
 from qrag.rl.learner import SoftPQNLearner
 from qrag.retrieval.search import Retriever
-from qrag.rl.sft import SupervisedLearner, WarmStartedPQNLearner
+from qrag.rl.sft import SupervisedLearner, TrajectorySupervisedLearner, WarmStartedPQNLearner
 from qrag.data.tokens import TokenizedSample, TokenLayout, tokenize_samples
 
 Reporter = Callable[[int, dict[str, float]], None]
@@ -104,14 +104,16 @@ def print_reporter(step: int, metrics: dict[str, float]) -> None:
 
 def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
     """The learner ``learner.objective`` (and a supervised warm start) asks for."""
-    if cfg.objective not in ("pqn", "sft"):
-        raise ConfigError(f"learner.objective: expected pqn or sft, got {cfg.objective!r}")
+    if cfg.objective not in ("pqn", "sft", "sft_trajectory"):
+        raise ConfigError(f"learner.objective: expected pqn, sft or sft_trajectory, got {cfg.objective!r}")
     if cfg.sft_warmup_updates < 0 or (cfg.sft_warmup_updates and cfg.objective != "pqn"):
         raise ConfigError(
             "learner.sft_warmup_updates: a count >= 0 of supervised updates before soft PQN (objective=pqn only)"
         )
     if cfg.objective == "sft":
         return SupervisedLearner
+    if cfg.objective == "sft_trajectory":
+        return TrajectorySupervisedLearner
     return WarmStartedPQNLearner if cfg.sft_warmup_updates else SoftPQNLearner
 
 
