@@ -74,11 +74,27 @@ def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
     for key in ("fact_em", "fact_f1", "num_samples", "avg_steps"):
         assert key in summary
     assert summary["num_samples"] == 6 and summary["avg_steps"] == 3
+    # What chose it, from where it lies in its run, and the code that scored it (for combine-seeds).
+    assert summary["selected_on"] == "checkpoint: the run's last (no choice among checkpoints)"
+    assert {"git_commit", "git_dirty", "git_diff_sha256"} <= summary.keys()
     records = (tmp_path / "eval.records.jsonl").read_text().splitlines()
     assert len(records) == 6 and "retrieved" in json.loads(records[0])
     base = run(["eval", "--checkpoint", "none", *common, "--limit", "4", "--device", "cpu"])
     assert base.returncode == 0, base.stderr
     assert json.loads(base.stdout)["num_samples"] == 4
+    assert json.loads(base.stdout)["selected_on"] == "nothing: the untrained encoder"
+
+
+def test_eval_says_what_chose_its_checkpoint():
+    from qrag.config import TrainConfig
+    from qrag.evaluation.evaluate import checkpoint_selection
+
+    cfg = TrainConfig()
+    cfg.data.val_fraction = 0.1
+    assert "validation part of train (data.val_fraction=0.1" in checkpoint_selection("runs/x/best/", cfg)
+    cfg.data.val_fraction = 0.0
+    assert "the dev split" in checkpoint_selection("runs/x/best", cfg)
+    assert "update_0000300, given" in checkpoint_selection("runs/x/checkpoints/update_0000300", cfg)
 
 
 @pytest.mark.parametrize(

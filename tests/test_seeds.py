@@ -121,6 +121,9 @@ def test_eval_summaries_combine_from_their_records(tmp_path):
             "num_samples": 60,
             "search": {"max_steps": 2},
             "train_dataset": "hotpotqa",
+            "selected_on": "checkpoint: keep_best's" if s < 2 else "checkpoint: the run's last",
+            "git_commit": "abc",
+            "git_dirty": s == 1,
         }
         path = tmp_path / f"eval{s}.json"
         path.write_text(json.dumps(summary))
@@ -130,6 +133,11 @@ def test_eval_summaries_combine_from_their_records(tmp_path):
         files.append(str(path))
     out = combine_files(files, replicates=200)
     assert out["num_seeds"] == 3 and out["fact_em_ci"][0] < out["fact_em"] < out["fact_em_ci"][1]
+    # Every seed's selection and state, not the last file's alone.
+    assert (
+        out["selected_on"] == "eval0.json, eval1.json: checkpoint: keep_best's | eval2.json: checkpoint: the run's last"
+    )
+    assert out["git_commit"] == "abc" and out["git_dirty"] is True
     from qrag.evaluation.report import table2
 
     md = "\n".join(table2([("h.json", out)]).markdown)

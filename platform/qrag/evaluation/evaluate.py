@@ -155,6 +155,7 @@ def evaluate_checkpoint(
     from qrag.data.chunking import tokenizer_counter
     from qrag.model.encoder import pick_device
     from qrag.data.tokens import tokenize_samples
+    from qrag.integrations.provenance import git_state
 
     dev = pick_device(device)
     label = None
@@ -194,6 +195,8 @@ def evaluate_checkpoint(
             "similarity": qnet.cfg.similarity,
             "train_dataset": trained_on,
             **({"label": label} if label else {}),
+            "selected_on": checkpoint_selection(checkpoint, None if is_untrained(checkpoint) else run_cfg),
+            **{f"git_{k}": v for k, v in git_state().items()},
         },
     )
     backend = answer or cfg.answer.backend
@@ -202,6 +205,25 @@ def evaluate_checkpoint(
     if out:
         result.write(out)
     return result.summary
+
+
+def checkpoint_selection(checkpoint: str, run_cfg) -> str:
+    """What the evaluated checkpoint was chosen on, from where it lies in its run (``best/``:
+    keep_best's choice on the run's periodic evaluation split; ``final/``: the run's end; a
+    periodic ``update_N``: given, its choice not known here)."""
+    if run_cfg is None:
+        return "nothing: the untrained encoder"
+    name = Path(checkpoint.rstrip("/")).name
+    if name == "best":
+        split = (
+            f"the validation part of train (data.val_fraction={run_cfg.data.val_fraction}, held out by source)"
+            if run_cfg.data.val_fraction
+            else "the dev split (data.val_fraction=0: optimistic)"
+        )
+        return f"checkpoint: keep_best's, the best periodic Fact F1 on {split}; dev: never used for choosing"
+    if name == "final":
+        return "checkpoint: the run's last (no choice among checkpoints)"
+    return f"checkpoint: {name}, given (what chose it is not recorded in it)"
 
 
 class ReaderHook:

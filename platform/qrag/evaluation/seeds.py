@@ -248,6 +248,16 @@ def combine_summaries(
         if c["id"] != cols[0][1]["id"]:
             raise DataError(f"{file}: other questions than {cols[0][0]}: seeds must be scored on the same questions")
     out = {k: v for k, v in summaries[-1][1].items() if k not in METRICS}
+    sources = [
+        {
+            "git_commit": s.get("git_commit"),
+            "git_dirty": s.get("git_dirty"),
+            "models": [Path(file).name],  # one method: a differing note is told per file
+            "selected_on": s.get("selected_on"),
+        }
+        for file, s, _ in summaries
+    ]
+    out.update(_joint_provenance(sources))
     out.update(
         num_seeds=len(summaries),
         num_samples=len(cols[0][1]["id"]),

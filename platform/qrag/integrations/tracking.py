@@ -20,6 +20,7 @@ enough; nothing here imports Ray, and mlflow is imported only when tracking is o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -67,9 +68,31 @@ def client_for(uri: str):
     """An ``MlflowClient`` (mlflow is imported here: tracking-free runs do not need it)."""
     from mlflow import MlflowClient
 
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    # Runs started together on one out_dir (seeds side by side) would each create the new
+    # database's tables and all but one fail ("table ... already exists"): one at a time.
+    with _file_lock(db.with_name(db.name + ".lock")):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # builds (or migrates) the schema
+    return client
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (one run per store at a time)
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _experiment_id(client, name: str, uri: str) -> str:

@@ -1,0 +1,76 @@
+#!/bin/bash
+# HotpotQA dev and MuSiQue out of distribution under the headline protocol (docs/benchmarks.md): SEEDS
+# training seeds of a preset side by side on one GPU, each checkpoint chosen on the validation part of
+# train (the preset's keep_best), dev scored once per seed, the untrained encoder once, then
+# `qrag combine-seeds` (means with 95% intervals over seeds and questions). No Ray, MLflow or FAISS.
+#
+# Here, once (commit first: the results record the commit and whether the tree differed from it):
+#   bash bench/hotpot_seeds.sh pack          # .carry/hotpot: fp16 MiniLM, the QA data, provenance.env (~50 MB)
+# On a GPU machine (one call, carry .carry/hotpot):
+#   OUT=$OUT bash bench/hotpot_seeds.sh run
+# It brings back hotpot_headline.json, musique_headline.json, the untrained summaries and one .tgz with
+# every seed's summary, per-question records and log (a call returns at most 8 files).
+# CPU check with a tiny encoder (minutes): DEVICE=cpu ENCODER=DIR EXTRA="updates=2 eval_every=1
+#   learner.episodes_per_update=8 learner.micro_batch=8" LIMIT=20 OUT=/tmp/hs bash bench/hotpot_seeds.sh run
+set -euo pipefail
+MODE=${1:?usage: bench/hotpot_seeds.sh pack|run}
+CARRY=${CARRY:-.carry/hotpot}
+# configs/hotpot.yaml (the README's HotpotQA row) trains on HotpotQA alone, so MuSiQue is out of
+# distribution; CONFIG=configs/hotpot-mixed.yaml trains on 150 MuSiQue train questions too (not OOD).
+CONFIG=${CONFIG:-configs/hotpot.yaml}
+SEEDS=${SEEDS:-0 1 2}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
+
+if [ "$MODE" = pack ]; then
+  data=$($PY -c 'from qrag.data.paths import data_root; print(data_root())')
+  mkdir -p "$CARRY/data"
+  cp -r "$data/hotpotqa" "$data/musique" "$data/2wikimultihopqa" "$CARRY/data/"
+  $PY - "$CARRY/encoder" <<'EOF'
+import sys
+
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from qrag.model.encoder import resolve_encoder
+
+src = resolve_encoder("minilm")
+AutoModel.from_pretrained(src).to(torch.float16).save_pretrained(sys.argv[1], safe_serialization=True)
+AutoTokenizer.from_pretrained(src).save_pretrained(sys.argv[1])
+EOF
+  $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
+  du -sh "$CARRY"
+  exit 0
+fi
+[ "$MODE" = run ] || { echo "bench/hotpot_seeds.sh: pack or run, not $MODE" >&2; exit 2; }
+
+OUT=${OUT:?set OUT to the folder that comes back}
+WORK=${WORK:-/tmp/hotpot_seeds}
+DEVICE=${DEVICE:-cuda}
+export HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$CARRY/data}
+if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
+mkdir -p "$WORK" "$OUT"
+settings="model.encoder=${ENCODER:-$CARRY/encoder} device=$DEVICE out_dir=$WORK/runs ${EXTRA:-}"
+limit=${LIMIT:+--limit $LIMIT}
+evaluate() {  # checkpoint, name: HotpotQA dev (the preset's T) and MuSiQue dev out of distribution (T = 4)
+  $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
+    --out "$WORK/hotpot_$2.json"
+  $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
+    --no-progress --out "$WORK/musique_$2.json"
+}
+for S in $SEEDS; do
+  (
+    $PY -m qrag train --config "$CONFIG" name="seed$S" seed="$S" data.seed="$S" $settings --no-progress
+    evaluate "$WORK/runs/seed$S/best" "s$S"
+  ) > "$WORK/seed$S.log" 2>&1 &
+done
+evaluate none untrained > "$WORK/untrained.log" 2>&1 &
+failed=0
+for job in $(jobs -p); do wait "$job" || failed=1; done
+tail -n 3 "$WORK"/*.log
+[ "$failed" = 0 ] || { echo "bench/hotpot_seeds.sh: a run failed (logs above)" >&2; exit 1; }
+
+$PY -m qrag combine-seeds "$WORK"/hotpot_s*.json --out "$OUT/hotpot_headline.json"
+$PY -m qrag combine-seeds "$WORK"/musique_s*.json --out "$OUT/musique_headline.json"
+cp "$WORK/hotpot_untrained.json" "$WORK/musique_untrained.json" "$OUT/"
+(cd "$WORK" && tar czf "$OUT/hotpot_seeds_files.tgz" ./*.json ./*.records.jsonl ./*.log)
