@@ -18,14 +18,11 @@ states, for corpora of 1M, 10M and 100M tokens (20K, 200K and 2M chunks of ~50 t
 Each figure is the median of ``--repeats`` timed calls after warm-up, ending with the picks on
 the host (numpy). Agreement: the fraction of states whose exact picks equal torch's.
 
-Measured on an H100 (bench/results/faiss_gpu_h100/): the PyPI build has kernels for compute
-capability 7.0-8.9 only, and its first GPU kernel fails there ("no kernel image is available"), so
-qrag ships no GPU FAISS extra. The script stays for GPUs that build runs on (Volta to Ada) and for a
-FAISS built for Hopper.
-
-The lent GPUs have CUDA 13 only; the faiss-gpu-cu12 wheel needs CUDA 12's runtime (carried, 3 MB)
-and cuBLAS (a 600 MB wheel, not carried): ``bench/cublas12/`` builds a stand-in libcublas.so.12
-that forwards FAISS's eight cuBLAS calls to CUDA 13's. ``bench/faiss_gpu.sh`` sets it all up.
+On an H100, faiss-gpu-cu12 1.14.1 failed at its first GPU kernel (no compute capability 9.0 code;
+bench/results/faiss_gpu_h100/); faiss-gpu 1.15.1 carries sm_90 code. The lent GPUs have CUDA 13
+only; the CUDA 12 wheel needs CUDA 12's runtime (carried, 3 MB) and cuBLAS (a 600 MB wheel, not
+carried): ``bench/cublas12/`` builds a stand-in libcublas.so.12 that forwards FAISS's eight cuBLAS
+calls to CUDA 13's. ``bench/faiss_gpu.sh`` sets it all up, the wheel carried in parts.
 """
 
 from __future__ import annotations
@@ -222,7 +219,7 @@ def main() -> None:
         "faiss_gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0,
         "device": str(dev),
         "settings": {k: getattr(args, k) for k in ("dim", "shards", "k", "selected", "repeats", "ivf_nprobe")},
-        "cublas_note": "faiss-gpu-cu12 1.14.1 with CUDA 12.9's runtime; "
+        "cublas_note": f"faiss {faiss.__version__} with CUDA 12.9's runtime; "
         "its cuBLAS calls forwarded to CUDA 13's (bench/cublas12/)",
         "rows": rows,
     }

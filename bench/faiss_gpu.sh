@@ -1,16 +1,51 @@
 #!/bin/bash
 # FAISS on the GPU against the shards' torch scoring (bench/faiss_gpu.py) on a lent GPU whose image has
-# CUDA 13 only: installs the faiss-gpu-cu12 wheel with CUDA 12's runtime and builds bench/cublas12/'s
-# stand-in libcublas.so.12 (it forwards FAISS's eight cuBLAS calls to CUDA 13's; CUDA 12's cuBLAS is a
-# 600 MB wheel). Carry .carry/faiss, made here with
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
-#     -d .carry/faiss faiss-gpu-cu12==1.14.1.post1 nvidia-cuda-runtime-cu12==12.9.79
-# Run (GPU machine, repository root):  QRAG_COMMIT=<sha> OUT=$OUT bash bench/faiss_gpu.sh
-# Results: $OUT/faiss_gpu.json and $OUT/err.txt; current: bench/results/faiss_gpu_h100/.
+# CUDA 13 only. The wheel is PyPI's faiss-gpu 1.15.1 (CUDA 12; its libfaiss.so holds sm_90 code, which
+# faiss-gpu-cu12 1.14.1 lacked); it runs with CUDA 12's runtime (carried, 3 MB) and bench/cublas12/'s
+# stand-in libcublas.so.12, which forwards the eight cuBLAS calls libfaiss.so makes to CUDA 13's
+# (CUDA 12's cuBLAS is a 600 MB wheel).
+#
+# The wheel (135 MB) is over a call's 64 MiB carry, so it travels in parts:
+#   here:  bash bench/faiss_gpu.sh pack          # .carry/faiss_1, .carry/faiss_2, .carry/faiss_3 (<= 53 MB each)
+#   GPU:   three calls back to back on one warm machine, carrying .carry/faiss_1, then .carry/faiss_2, then
+#          .carry/faiss_3, each running  QRAG_COMMIT=<sha> OUT=$OUT bash bench/faiss_gpu.sh [faiss_gpu.py args]
+# Each call keeps its part in /tmp/faiss_parts; the call that completes the set checks the wheel's
+# SHA-256, installs it and runs the bench. Results: $OUT/faiss_gpu.json and $OUT/err.txt.
 set -e
+MODE=${1:-run}
+if [ "$MODE" = pack ]; then
+  dl=$(mktemp -d)
+  ${PY:-python3} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$dl" faiss-gpu==1.15.1 nvidia-cuda-runtime-cu12==12.9.79
+  wheel=$(cd "$dl" && ls faiss_gpu-*.whl)
+  (cd "$dl" && split -b 50m -d -a 1 "$wheel" "$wheel.part")
+  rm -rf .carry/faiss_1 .carry/faiss_2 .carry/faiss_3
+  n=0
+  for part in "$dl/$wheel".part*; do
+    n=$((n + 1)); mkdir -p ".carry/faiss_$n"; mv "$part" ".carry/faiss_$n/"
+  done
+  mv "$dl"/nvidia_cuda_runtime_cu12-*.whl ".carry/faiss_$n/"
+  for d in .carry/faiss_*; do
+    printf 'wheel=%s\nparts=%s\nsha256=%s\n' "$wheel" "$n" "$(sha256sum "$dl/$wheel" | cut -d' ' -f1)" > "$d/manifest"
+  done
+  rm -rf "$dl"; du -sh .carry/faiss_*
+  exit 0
+fi
+[ "$MODE" = run ] && shift || true  # the rest goes to faiss_gpu.py
 OUT=${OUT:-/tmp/faiss_gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/faiss_site .carry/faiss/*.whl
+mkdir -p "$OUT" /tmp/faiss_parts
+cp .carry/faiss_*/* /tmp/faiss_parts/ 2>/dev/null || true
+. /tmp/faiss_parts/manifest
+have=$(ls /tmp/faiss_parts/"$wheel".part* 2>/dev/null | wc -l)
+if [ "$have" -lt "$parts" ]; then
+  echo "faiss_gpu.sh: $have of $parts parts of $wheel kept in /tmp/faiss_parts; carry the next .carry/faiss_N"
+  exit 0
+fi
+cat /tmp/faiss_parts/"$wheel".part* > "/tmp/faiss_parts/$wheel"
+echo "$sha256  /tmp/faiss_parts/$wheel" | sha256sum -c --quiet
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/faiss_site \
+  "/tmp/faiss_parts/$wheel" /tmp/faiss_parts/nvidia_cuda_runtime_cu12-*.whl
 shim=$(bash bench/cublas12/build.sh /tmp/cublas12)
 cublas13=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')" /usr/local -name 'libcublas.so.13*' 2>/dev/null | head -1)
 echo "CUDA 13 cuBLAS: $cublas13"
