@@ -12,6 +12,20 @@ from qrag.integrations.provenance import write_json as write_result
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pack_encoder(dest: str | Path) -> Path:
+    """The bundled MiniLM in fp16 safetensors with its tokenizer (it loads back as fp32): what a
+    GPU call carries instead of the encoder package."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from qrag.model.encoder import resolve_encoder
+
+    src = resolve_encoder("minilm")
+    AutoModel.from_pretrained(src).to(torch.float16).save_pretrained(dest, safe_serialization=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dest)
+    return Path(dest)
+
+
 def free_port() -> int:
     """A free TCP port on the loopback address (benchmarks bind only there)."""
     with socket.socket() as s:
@@ -19,4 +33,4 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["ROOT", "free_port", "git_commit", "machine_info", "write_result"]
+__all__ = ["ROOT", "free_port", "git_commit", "machine_info", "pack_encoder", "write_result"]

@@ -26,18 +26,8 @@ if [ "$MODE" = pack ]; then
   data=$($PY -c 'from qrag.data.paths import data_root; print(data_root())')
   mkdir -p "$CARRY/data"
   cp -r "$data/hotpotqa" "$data/musique" "$data/2wikimultihopqa" "$CARRY/data/"
-  $PY - "$CARRY/encoder" <<'EOF'
-import sys
-
-import torch
-from transformers import AutoModel, AutoTokenizer
-
-from qrag.model.encoder import resolve_encoder
-
-src = resolve_encoder("minilm")
-AutoModel.from_pretrained(src).to(torch.float16).save_pretrained(sys.argv[1], safe_serialization=True)
-AutoTokenizer.from_pretrained(src).save_pretrained(sys.argv[1])
-EOF
+  PYTHONPATH=$PYTHONPATH:$PWD/bench $PY -c 'import sys; from bench_common import pack_encoder; pack_encoder(sys.argv[1])' \
+    "$CARRY/encoder"
   $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
   du -sh "$CARRY"
   exit 0

@@ -196,19 +196,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def pack_assets(dest: Path) -> dict:
     """The bundled encoder in fp16 (it loads back as fp32) and the data the benchmark reads."""
-    import torch
-    from transformers import AutoModel, AutoTokenizer
-
+    from bench_common import pack_encoder
     from qrag.data.babi import default_dir
     from qrag.data.babilong import default_background
     from qrag.data.haystack import split_files
     from qrag.data.niah import default_essays
-    from qrag.model.encoder import resolve_encoder
 
     dest.mkdir(parents=True, exist_ok=True)
-    src = resolve_encoder("minilm")
-    AutoModel.from_pretrained(src).to(torch.float16).save_pretrained(dest / "encoder", safe_serialization=True)
-    AutoTokenizer.from_pretrained(src).save_pretrained(dest / "encoder")
+    pack_encoder(dest / "encoder")
     for variant in ("en", "en-10k"):
         (dest / "babi" / variant).mkdir(parents=True, exist_ok=True)
         for f in sorted((default_dir() / variant).glob("qa[1-5]_*")):

@@ -155,7 +155,7 @@ def evaluate_checkpoint(
     from qrag.data.chunking import tokenizer_counter
     from qrag.model.encoder import pick_device
     from qrag.data.tokens import tokenize_samples
-    from qrag.integrations.provenance import git_state
+    from qrag.integrations.provenance import git_fields
 
     dev = pick_device(device)
     label = None
@@ -163,7 +163,7 @@ def evaluate_checkpoint(
         if cfg is None:
             raise ValueError("evaluating the untrained encoder needs a config")
         qnet, tokenizer, layout = baseline_qnet(cfg.model, dev, checkpoint)
-        trained_on, label = None, baseline_label(qnet.cfg.similarity)
+        trained_on, label, run_cfg = None, baseline_label(qnet.cfg.similarity), None
     else:
         qnet, tokenizer, layout, run_cfg = load_qnet(checkpoint, dev, with_targets=False)
         if cfg is None:
@@ -195,8 +195,8 @@ def evaluate_checkpoint(
             "similarity": qnet.cfg.similarity,
             "train_dataset": trained_on,
             **({"label": label} if label else {}),
-            "selected_on": checkpoint_selection(checkpoint, None if is_untrained(checkpoint) else run_cfg),
-            **{f"git_{k}": v for k, v in git_state().items()},
+            "selected_on": checkpoint_selection(checkpoint, run_cfg),
+            **git_fields(),
         },
     )
     backend = answer or cfg.answer.backend
@@ -208,9 +208,9 @@ def evaluate_checkpoint(
 
 
 def checkpoint_selection(checkpoint: str, run_cfg) -> str:
-    """What the evaluated checkpoint was chosen on, from where it lies in its run (``best/``:
-    keep_best's choice on the run's periodic evaluation split; ``final/``: the run's end; a
-    periodic ``update_N``: given, its choice not known here)."""
+    """What the evaluated checkpoint (``run_cfg`` None: the untrained encoder) was chosen on, from
+    where it lies in its run (``best/``: keep_best's choice on the run's periodic evaluation split;
+    ``final/``: the run's end; a periodic ``update_N``: given, its choice not known here)."""
     if run_cfg is None:
         return "nothing: the untrained encoder"
     name = Path(checkpoint.rstrip("/")).name

@@ -47,7 +47,7 @@ from qrag.evaluation.evaluate import PROTOCOL_NOTES, protocol_means, score_retri
 from qrag.evaluation.longcontext import CachingRetriever, ChunkTokens, canonical_task, generate, task_dataset
 from qrag.evaluation.memory import memory_kind, peak_mb, reset_peak
 from qrag.metrics import mean
-from qrag.integrations.provenance import git_state, write_json
+from qrag.integrations.provenance import git_fields, write_json
 
 SCHEMA = "qrag.length_sweep/1"
 NEEDLES = "needles"  # steps: each NIAH task's number of asked needles (no spare picks)
@@ -333,14 +333,11 @@ def run_sweep_table(
     from qrag.data.dev_draw import describe
     from qrag.evaluation.longcontext import default_paths
 
-    git = git_state()
     return {
         "schema": SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
-        "git_commit": git["commit"],
-        "git_dirty": git["dirty"],
-        "git_diff_sha256": git["diff_sha256"],
+        **git_fields(),
         "split": split,
         **({"dev_draw": describe()} if split == "dev" else {}),
         **({"selected_on": selected_on} if selected_on else {}),

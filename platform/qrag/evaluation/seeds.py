@@ -214,15 +214,15 @@ def _source(file: str, table: dict[str, Any]) -> dict[str, Any]:
 
 
 def _joint_provenance(sources: list[dict[str, Any]]) -> dict[str, Any]:
-    """The combined file's commit, dirty flag and selection note, drawn from every source."""
+    """The combined file's commit, dirty flag and selection note, drawn from every source (notes
+    that differ are told per model; an eval summary, one method, names none: per file)."""
     commits = list(dict.fromkeys(s["git_commit"] for s in sources))
     notes: dict[str, list[str]] = {}
     for s in sources:
         if s["selected_on"]:
-            notes.setdefault(s["selected_on"], []).extend(m for m in s["models"] if m)
+            notes.setdefault(s["selected_on"], []).extend([m for m in s["models"] if m] or [Path(s["file"]).name])
     selected_on = " | ".join(
-        f"{', '.join(dict.fromkeys(models)) or 'all'}: {note}" if len(notes) > 1 else note
-        for note, models in notes.items()
+        f"{', '.join(dict.fromkeys(names))}: {note}" if len(notes) > 1 else note for note, names in notes.items()
     )
     return {
         "git_commit": commits[0] if len(commits) == 1 else commits,
@@ -248,16 +248,7 @@ def combine_summaries(
         if c["id"] != cols[0][1]["id"]:
             raise DataError(f"{file}: other questions than {cols[0][0]}: seeds must be scored on the same questions")
     out = {k: v for k, v in summaries[-1][1].items() if k not in METRICS}
-    sources = [
-        {
-            "git_commit": s.get("git_commit"),
-            "git_dirty": s.get("git_dirty"),
-            "models": [Path(file).name],  # one method: a differing note is told per file
-            "selected_on": s.get("selected_on"),
-        }
-        for file, s, _ in summaries
-    ]
-    out.update(_joint_provenance(sources))
+    out.update(_joint_provenance([_source(file, s) for file, s, _ in summaries]))
     out.update(
         num_seeds=len(summaries),
         num_samples=len(cols[0][1]["id"]),

@@ -16,7 +16,6 @@ before, never torn or gone.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from qrag.file_lock import file_lock
 from qrag.index.store import make_dir, remove_file, write_atomic
 
 JOB_ID = re.compile(r"[0-9a-f]{16}")
@@ -91,12 +91,8 @@ class JobBoard:
     @contextmanager
     def admission(self) -> Iterator[None]:
         """Serialises admission across processes: count the jobs in flight, then add one."""
-        with open(self.root / "admission.lock", "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        with file_lock(self.root / "admission.lock"):
+            yield
 
     def _path(self, job_id: str, active: bool) -> Path:
         return self.root / ("active" if active else "done") / f"{job_id}.json"

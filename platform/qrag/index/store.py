@@ -31,7 +31,6 @@ readers split lines at newline bytes only.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -52,6 +51,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from qrag.config import ModelConfig, from_dict, to_dict
+from qrag.file_lock import file_lock
 from qrag.data.documents import Document, DocumentChunk, normalize_id
 
 FORMAT_VERSION = 1
@@ -585,16 +585,8 @@ class CorpusStore:
         self.path(name)
         locks = self.root / ".locks"
         locks.mkdir(exist_ok=True)
-        with open(locks / f"{name}.lock", "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        with file_lock(locks / f"{name}.lock", blocking) as held:
+            yield held
 
     def names(self) -> list[str]:
         return sorted(

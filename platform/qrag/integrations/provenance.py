@@ -75,6 +75,11 @@ def git_state() -> dict[str, Any]:
     return {"commit": commit, "dirty": dirty, "diff_sha256": diff}
 
 
+def git_fields() -> dict[str, Any]:
+    """:func:`git_state` as a result file's ``git_commit``, ``git_dirty`` and ``git_diff_sha256``."""
+    return {f"git_{key}": value for key, value in git_state().items()}
+
+
 def env_lines() -> str:
     """The checkout's state as ``KEY=value`` lines for a machine whose copy has no .git."""
     state = git_state()

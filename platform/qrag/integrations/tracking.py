@@ -20,7 +20,6 @@ enough; nothing here imports Ray, and mlflow is imported only when tracking is o
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -33,6 +32,7 @@ from typing import Any
 import yaml
 
 from qrag.config import ConfigError, TrainConfig, flatten, to_dict
+from qrag.file_lock import file_lock
 
 RUN_KEY_TAG = "qrag.run_key"
 PARENT_TAG = "mlflow.parentRunId"
@@ -74,25 +74,10 @@ def client_for(uri: str):
     db.parent.mkdir(parents=True, exist_ok=True)
     # Runs started together on one out_dir (seeds side by side) would each create the new
     # database's tables and all but one fail ("table ... already exists"): one at a time.
-    with _file_lock(db.with_name(db.name + ".lock")):
+    with file_lock(db.with_name(db.name + ".lock")):
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # builds (or migrates) the schema
     return client
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock (one run per store at a time)
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _experiment_id(client, name: str, uri: str) -> str:

@@ -102,18 +102,22 @@ def print_reporter(step: int, metrics: dict[str, float]) -> None:
     )
 
 
+SUPERVISED_LEARNERS: dict[str, type[SoftPQNLearner]] = {
+    "sft": SupervisedLearner,
+    "sft_trajectory": TrajectorySupervisedLearner,
+}
+
+
 def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
     """The learner ``learner.objective`` (and a supervised warm start) asks for."""
-    if cfg.objective not in ("pqn", "sft", "sft_trajectory"):
+    if cfg.objective != "pqn" and cfg.objective not in SUPERVISED_LEARNERS:
         raise ConfigError(f"learner.objective: expected pqn, sft or sft_trajectory, got {cfg.objective!r}")
     if cfg.sft_warmup_updates < 0 or (cfg.sft_warmup_updates and cfg.objective != "pqn"):
         raise ConfigError(
             "learner.sft_warmup_updates: a count >= 0 of supervised updates before soft PQN (objective=pqn only)"
         )
-    if cfg.objective == "sft":
-        return SupervisedLearner
-    if cfg.objective == "sft_trajectory":
-        return TrajectorySupervisedLearner
+    if cfg.objective in SUPERVISED_LEARNERS:
+        return SUPERVISED_LEARNERS[cfg.objective]
     return WarmStartedPQNLearner if cfg.sft_warmup_updates else SoftPQNLearner
 
 
