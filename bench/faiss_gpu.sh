@@ -10,7 +10,9 @@
 #   GPU:   three calls back to back on one warm machine, carrying .carry/faiss_1, then .carry/faiss_2, then
 #          .carry/faiss_3, each running  QRAG_COMMIT=<sha> OUT=$OUT bash bench/faiss_gpu.sh [faiss_gpu.py args]
 # Each call keeps its part in /tmp/faiss_parts; the call that completes the set checks the wheel's
-# SHA-256, installs it and runs the bench. Results: $OUT/faiss_gpu.json and $OUT/err.txt.
+# SHA-256, installs it and runs the benches: bench/ann_gpu.py (the approximate candidate stage with exact
+# re-scoring, arguments in ANN_ARGS; ANN_ARGS=skip: not run), then bench/faiss_gpu.py (position-free
+# FAISS against torch, arguments after `run`). Results: $OUT/ann_gpu.json, $OUT/faiss_gpu.json, $OUT/*err.txt.
 set -e
 MODE=${1:-run}
 if [ "$MODE" = pack ]; then
@@ -52,4 +54,9 @@ echo "CUDA 13 cuBLAS: $cublas13"
 export QRAG_CUBLAS13=$cublas13 LD_LIBRARY_PATH=$shim:/tmp/faiss_site/nvidia/cuda_runtime/lib:$LD_LIBRARY_PATH
 export PYTHONPATH=/tmp/faiss_site:$PWD/platform _FAISS_WHEEL_DISABLE_CUDA_PRELOAD=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-cd bench && python3 faiss_gpu.py --out "$OUT/faiss_gpu.json" "$@" 2>"$OUT/err.txt" || { tail -40 "$OUT/err.txt"; exit 1; }
+cd bench
+if [ "${ANN_ARGS:-}" != skip ]; then
+  # shellcheck disable=SC2086 - ANN_ARGS is a list of arguments
+  python3 ann_gpu.py --out "$OUT/ann_gpu.json" ${ANN_ARGS:-} 2>"$OUT/ann_err.txt" || { tail -40 "$OUT/ann_err.txt"; exit 1; }
+fi
+python3 faiss_gpu.py --out "$OUT/faiss_gpu.json" "$@" 2>"$OUT/err.txt" || { tail -40 "$OUT/err.txt"; exit 1; }

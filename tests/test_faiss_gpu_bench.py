@@ -48,3 +48,19 @@ def test_the_cublas_stand_in_exports_cuda_12s_versioned_names(tmp_path):
         "cublasGemmStridedBatchedEx",
     ):
         assert f"{name}@@libcublas.so.12" in symbols
+
+
+def test_the_candidate_stage_bench_measures_recall_against_exact_scoring(tmp_path):
+    """bench/ann_gpu.py on the CPU: every row's recall is measured against the shards' exact path."""
+    out = tmp_path / "ann.json"
+    run(
+        "ann_gpu.py", "--device", "cpu", "--chunks", "4000", "--dim", "32", "--kinds", "ivf_flat",
+        "--nprobes", "64", "--probes", "8", "--states", "1,4", "--eval-states", "8", "--repeats", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {(r["positions"], r["probes_per_segment"]): r for r in result["rows"]}
+    assert set(rows) == {("relative", 8), ("none", 1)}
+    assert rows[("none", 1)]["recall_at_k"] == 1.0  # 64 of 64 lists searched: exact
+    assert rows[("relative", 8)]["recall_at_k"] >= 0.8
+    assert set(rows[("relative", 8)]["ms"]) == {"1", "4"} and result["commit"]

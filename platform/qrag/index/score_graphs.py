@@ -98,7 +98,7 @@ class ScoreGraphs:
         if size is None:
             return None
         key = (
-            tuple((id(s), s.rows_within(n_total), s.vectors.data_ptr()) for s in shards),
+            tuple((id(s), s.rows_within(n_total), s.vectors.data_ptr(), s.model.positions) for s in shards),
             size,
             width,
             n_total,

@@ -1,12 +1,13 @@
 """Scoring one shard of a corpus: exact (rotated) inner products, FAISS candidates for large
-unrotated shards, the merge of shard top-k lists, and a corpus's shards held together
+unrotated host shards, approximate candidates re-scored exactly for shards beyond a brute-force
+budget (:mod:`qrag.index.ann`), the merge of shard top-k lists, and a corpus's shards held together
 (:func:`score_shards`: all torch shards of one device scored with one device-to-host copy)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from qrag.config import ModelConfig
 from qrag.model.positions import rope_frequencies
 from qrag.retrieval.hits import ChunkRecord, ShardHits, merge_hits
 from qrag.retrieval.scoring import score_chunks
+from qrag.index.ann import AnnSettings, ShardAnn, candidate_rows, probe_queries, rescore
 from qrag.index.shard_faiss import ShardFaiss
 from qrag.index.score_graphs import pack, score_graphs_for, unpack
 from qrag.index.store import (
@@ -115,6 +117,11 @@ class ShardOptions:
     # Score every torch shard of a device in one pass with one device-to-host copy per step
     # (score_shards); False: each shard on its own, several host syncs each (the previous path).
     batched: bool = True
+    # Beyond ann_above chunks a shard (models without positions or with relative ones) takes its
+    # candidates from an approximate index and scores them exactly (qrag.index.ann): auto | always | never.
+    ann: str = "auto"
+    ann_above: int = 4_000_000
+    ann_settings: AnnSettings = field(default_factory=AnnSettings)
 
 
 def selected_matrix(selected: Sequence[Sequence[int]], n_total: int) -> np.ndarray:
@@ -172,6 +179,7 @@ class ShardIndex:
         self.tokens: list[np.ndarray] = []
         self.loaded: dict[int, str] = {}  # batch id -> sha256 of the vectors file loaded
         self.faiss: ShardFaiss | None = None  # made at the first FAISS query, or by restore_faiss
+        self.ann: ShardAnn | None = None  # made at the first query beyond the brute-force budget
         # Where an approximate FAISS index of this shard is saved and loaded (CorpusShards sets it).
         self.faiss_folder: Path | None = None
         self.uid: str | None = None
@@ -191,6 +199,15 @@ class ShardIndex:
         if o == "always":
             return _faiss() is not None
         return self.device.type == "cpu" and _faiss() is not None
+
+    @property
+    def uses_ann(self) -> bool:
+        """Candidates from an approximate index, re-scored exactly (beyond ``ann_above`` rows, or
+        ``ann="always"``); never for absolute positions, nor where the FAISS path above serves."""
+        o = self.options
+        if o.ann == "never" or self.model.positions not in ("none", "relative") or self.uses_faiss:
+            return False
+        return _faiss() is not None and (o.ann == "always" or self.n > o.ann_above)
 
     def nbytes(self) -> int:
         """Memory held: the vector buffer (its capacity) plus the rows' texts and token ids."""
@@ -294,6 +311,8 @@ class ShardIndex:
         if self.uses_faiss:
             q, local = self._faiss_best_chunks(states, mine, n, k)
             pos = None
+        elif self.uses_ann:
+            q, local, pos = self._ann_best_chunks(states, selected, n, n_total, k)
         else:
             q, local, pos = self._exact_best_chunks(states, selected, mine, n, n_total, k)
         return self.hits(q, local, pos)
@@ -430,6 +449,40 @@ class ShardIndex:
         out_q, out_i = best_unselected(dist, local, [set(m) for m in mine], min(k, n), n)
         return out_q / 2.0, out_i  # Q = mean of the twin halves = <s, a> / 2
 
+    def _shard_ann(self) -> ShardAnn:
+        if self.ann is None:
+            with self._lock:
+                if self.ann is None:
+                    self.ann = ShardAnn(_faiss(), self.options.ann_settings, self.device)
+        return self.ann
+
+    def _ann_rows_from(self, start: int) -> np.ndarray:
+        with self._lock:
+            return self.vectors[start : self.n].cpu().numpy()
+
+    def warm_ann(self) -> None:
+        """Build the candidate index now (replica start) rather than at the first query."""
+        if self.uses_ann and self.n > 0:
+            self._shard_ann().catch_up(self.n, self._ann_rows_from)
+
+    def _ann_best_chunks(self, states, selected, n, n_total, k):
+        """Candidates from the approximate index at each probe position, scored exactly."""
+        ann, settings = self._shard_ann(), self.options.ann_settings
+        queries, counts = probe_queries(states, [len(s) for s in selected], self.model, settings.probes)
+        queries = queries.cpu().numpy()
+        per_probe = max(settings.candidates, k + max((len(s) for s in selected), default=0))
+        while True:  # an append between catching up and searching: catch up again
+            ann.catch_up(n, self._ann_rows_from)
+            found = ann.search(queries, per_probe, n)
+            if found is not None:
+                break
+        local = torch.from_numpy(candidate_rows(found, counts, n)).to(self.device)
+        sel = torch.from_numpy(selected_matrix(selected, n_total)).to(self.device)
+        top_q, top_rows, pos = rescore(
+            states, self.vectors, local, sel, self.shard, self.n_shards, n_total, self.model, k
+        )
+        return top_q.cpu().numpy(), top_rows.cpu().numpy(), None if pos is None else pos.cpu().numpy()
+
 
 def best_unselected(
     dist: np.ndarray, local: np.ndarray, banned: Sequence[set[int]], k: int, n: int
@@ -477,7 +530,8 @@ def score_shards(
     out: list[ShardHits | None] = [None] * len(shards)
     by_device: dict[torch.device, list[int]] = {}
     for j, shard in enumerate(shards):
-        if shard.options.batched and not shard.uses_faiss and k > 0 and shard.rows_within(n_total) > 0:
+        exact = not shard.uses_faiss and not shard.uses_ann
+        if shard.options.batched and exact and k > 0 and shard.rows_within(n_total) > 0:
             by_device.setdefault(shard.device, []).append(j)
         else:
             out[j] = shard.best_chunks(states, selected, n_total, k)

@@ -77,6 +77,19 @@ class ServeConfig:
         "auto", "FAISS for shards when positions are off: auto (CPU shards) | always | never."
     )
     approx_above: int = opt(2_000_000, "Chunks per shard above which FAISS uses an approximate (HNSW) index.")
+    ann: Literal["auto", "always", "never"] = opt(
+        "auto",
+        "Candidates from an approximate FAISS index (on the shard's GPU with a GPU FAISS), re-scored exactly "
+        "with positions: auto (shards beyond ann_above chunks) | always | never. Models without positions "
+        "or with relative ones; absolute positions always score exactly.",
+    )
+    ann_above: int = opt(4_000_000, "Chunks per shard beyond which `ann: auto` takes candidates approximately.")
+    ann_index: Literal["ivf_pq", "ivf_flat", "flat"] = opt(
+        "ivf_pq", "The candidate index: ivf_pq (compressed codes) | ivf_flat | flat (exact inner products)."
+    )
+    ann_nprobe: int = opt(32, "Inverted lists searched per probe.")
+    ann_probes: int = opt(8, "Positions per segment between selected chunks that a state is searched at.")
+    ann_candidates: int = opt(64, "Chunks kept per probe for exact re-scoring.")
     score_graphs: bool = opt(
         True,
         "GPU shards: replay each scoring step from a CUDA graph (per batch bucket); "
@@ -168,4 +181,19 @@ class ServeConfig:
         """How this service's shards score (the Ray shard deployments and the in-process service alike)."""
         from qrag.index.shards import ShardOptions  # torch: not for reading a config (`qrag serve --help`)
 
-        return ShardOptions(faiss=self.faiss, approx_above=self.approx_above, graphs=self.score_graphs)
+        from qrag.index.ann import AnnSettings  # noqa: PLC0415
+
+        for key in ("ann_nprobe", "ann_probes", "ann_candidates"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
+        ann = AnnSettings(
+            kind=self.ann_index, nprobe=self.ann_nprobe, probes=self.ann_probes, candidates=self.ann_candidates
+        )
+        return ShardOptions(
+            faiss=self.faiss,
+            approx_above=self.approx_above,
+            graphs=self.score_graphs,
+            ann=self.ann,
+            ann_above=self.ann_above,
+            ann_settings=ann,
+        )

@@ -1,0 +1,200 @@
+"""Approximate candidates for shards beyond a brute-force budget, re-scored exactly.
+
+An inner-product FAISS index (IVF-PQ or IVF-Flat; on the shard's GPU when FAISS has GPUs) holds
+a shard's chunk vectors as stored, unrotated. With RoPE positions, Q = <s, R(p) a> / 2 =
+<R(-p) s, a> / 2 because a rotation's transpose is its inverse: for a fixed position p, the best
+chunks are a plain inner-product search with the state rotated back by p. A state's chunks lie in
+the segments between its selected chunks, segment j at relative positions [jδ, jδ + ℓ], so the
+candidate stage searches with the state rotated back to ``probes`` positions spread over every
+segment and keeps the union of the answers. The candidates are then scored exactly at their true
+positions (:func:`qrag.index.shards.positions_at` and :func:`qrag.retrieval.scoring.score_chunks`,
+the exact path's arithmetic) and each state keeps its best ``k``. Positions off: one probe, the
+state itself. Absolute positions rotate by the chunk index, so no small set of probes covers them:
+those shards stay exact.
+
+What is approximate is only which chunks reach the exact re-scoring: the values and positions
+returned are exact for the chunks returned. ``bench/ann_gpu.py`` measures the recall of the exact
+top-k.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from qrag.config import ModelConfig
+from qrag.index.shard_faiss import ReadWriteLock
+from qrag.model.positions import rotate
+
+KINDS = ("ivf_pq", "ivf_flat", "flat")
+
+
+@dataclass
+class AnnSettings:
+    """The candidate stage of one shard."""
+
+    kind: str = "ivf_pq"  # ivf_pq | ivf_flat | flat (exact inner products: tests and small shards)
+    nlist: int = 0  # inverted lists; 0: about 4 sqrt(rows)
+    nprobe: int = 32  # lists searched per probe
+    pq_bytes: int = 0  # IVF-PQ code bytes per vector; 0: dim / 8
+    probes: int = 8  # positions per segment the state is rotated back to (relative positions)
+    candidates: int = 64  # chunks kept per probe (at least k plus the selected count)
+    train_rows: int = 262_144  # vectors the coarse quantiser and PQ are trained on (a sample)
+    gpu: bool = True  # on the shard's GPU when FAISS was built with GPUs
+
+
+def probe_positions(n_selected: int, model: ModelConfig, probes: int) -> np.ndarray:
+    """The positions one state is searched at: ``probes`` cell centres in each of the
+    ``n_selected + 1`` segments of relative positions (segment j: [jδ, jδ + ℓ]); [0.0] when
+    positions are off."""
+    if model.positions == "none":
+        return np.zeros(1, np.float32)
+    if model.positions != "relative":
+        raise ValueError(f"no candidate stage for positions {model.positions!r} (only none or relative)")
+    cells = (np.arange(probes, dtype=np.float32) + 0.5) / probes * model.relative_ell
+    return (np.arange(n_selected + 1, dtype=np.float32)[:, None] * model.relative_delta + cells).reshape(-1)
+
+
+def probe_queries(
+    states: torch.Tensor, selected_counts: list[int], model: ModelConfig, probes: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Every state rotated back to each of its probe positions: [sum of probes, d] float32, and how
+    many rows belong to each state (in order)."""
+    parts, counts = [], []
+    for r, n_sel in enumerate(selected_counts):
+        pos = torch.from_numpy(probe_positions(n_sel, model, probes)).to(states.device)
+        row = states[r].float().expand(len(pos), -1)
+        parts.append(row if model.positions == "none" else rotate(row, -pos, model.rope_base))
+        counts.append(len(pos))
+    return torch.cat(parts), counts
+
+
+_GPU_RESOURCES: dict[int, Any] = {}
+_GPU_LOCK = threading.Lock()
+
+
+def gpu_resources(faiss: Any, device: int) -> Any:
+    """One StandardGpuResources per GPU per process (each holds a temporary-memory pool)."""
+    with _GPU_LOCK:
+        if device not in _GPU_RESOURCES:
+            _GPU_RESOURCES[device] = faiss.StandardGpuResources()
+        return _GPU_RESOURCES[device]
+
+
+def faiss_has_gpus(faiss: Any) -> bool:
+    return hasattr(faiss, "StandardGpuResources") and getattr(faiss, "get_num_gpus", lambda: 0)() > 0
+
+
+def build_index(faiss: Any, vectors: np.ndarray, settings: AnnSettings, device: torch.device, seed: int = 0) -> Any:
+    """A trained, filled inner-product index over ``vectors`` [n, d] float32."""
+    n, d = vectors.shape
+    if settings.kind not in KINDS:
+        raise ValueError(f"unknown candidate index kind {settings.kind!r} (choose from {', '.join(KINDS)})")
+    if settings.kind == "flat":
+        spec = "Flat"
+    else:
+        nlist = settings.nlist or int(4 * np.sqrt(n))
+        nlist = max(1, min(nlist, n // 39))  # k-means wants ~39 points per centroid
+        code = settings.pq_bytes or d // 8
+        spec = f"IVF{nlist},PQ{code}" if settings.kind == "ivf_pq" else f"IVF{nlist},Flat"
+    index = faiss.index_factory(d, spec, faiss.METRIC_INNER_PRODUCT)
+    if settings.gpu and device.type == "cuda" and faiss_has_gpus(faiss):
+        options = faiss.GpuClonerOptions()
+        options.useFloat16 = True  # IVF-PQ: float16 lookup tables (48-byte codes exceed shared memory in float32)
+        index = faiss.index_cpu_to_gpu(gpu_resources(faiss, device.index or 0), device.index or 0, index, options)
+    if not index.is_trained:
+        rng = np.random.default_rng(seed)
+        sample = vectors if n <= settings.train_rows else vectors[np.sort(rng.choice(n, settings.train_rows, False))]
+        index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+    if hasattr(index, "nprobe"):
+        index.nprobe = settings.nprobe
+    return index
+
+
+class ShardAnn:
+    """The candidate index of one shard's first ``rows`` vectors, built at the first query above the
+    budget and extended by appended rows (IVF lists take new rows without retraining). Searches
+    hold a shared lock, adds an exclusive one."""
+
+    def __init__(self, faiss: Any, settings: AnnSettings, device: torch.device):
+        self.faiss, self.settings, self.device = faiss, settings, device
+        self.index: Any = None
+        self.rows = 0
+        self.build_seconds = 0.0
+        self._rw = ReadWriteLock()
+
+    def catch_up(self, n: int, rows_from: Callable[[int], np.ndarray]) -> None:
+        """Hold at least the first ``n`` rows; ``rows_from(start)`` gives the shard's vectors from
+        row ``start`` to its end (float32, host)."""
+        if self.index is not None and self.rows >= n:
+            return
+        with self._rw.write():
+            if self.rows >= n and self.index is not None:
+                return
+            t0 = time.perf_counter()
+            vectors = rows_from(self.rows)
+            if self.index is None:
+                self.index = build_index(self.faiss, vectors, self.settings, self.device)
+            else:
+                self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+            self.rows += len(vectors)
+            self.build_seconds += time.perf_counter() - t0
+
+    def search(self, queries: np.ndarray, k: int, n: int) -> np.ndarray | None:
+        """Rows of the best ``k`` per query (-1 pads); None when the index holds fewer than ``n``."""
+        with self._rw.read():
+            if self.index is None or self.rows < n:
+                return None
+            _, rows = self.index.search(np.ascontiguousarray(queries, dtype=np.float32), min(k, self.rows))
+            return rows
+
+
+def candidate_rows(found: np.ndarray, counts: list[int], n: int) -> np.ndarray:
+    """Each state's probes' answers as one row [B, width] of local rows below ``n``, duplicates
+    and pads as -1."""
+    width = max(c for c in counts) * found.shape[1]
+    out = np.full((len(counts), width), -1, np.int64)
+    start = 0
+    for r, c in enumerate(counts):
+        rows = found[start : start + c].reshape(-1)
+        rows = np.unique(rows[(rows >= 0) & (rows < n)])
+        out[r, : len(rows)] = rows
+        start += c
+    return out
+
+
+@torch.no_grad()
+def rescore(
+    states: torch.Tensor,
+    vectors: torch.Tensor,
+    local: torch.Tensor,
+    sel: torch.Tensor,
+    shard: int,
+    n_shards: int,
+    n_total: int,
+    model: ModelConfig,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Exact Q of each state's candidate rows ``local`` [B, C] (-1: none) of a shard whose vectors
+    are ``vectors``: its best ``min(k, C)`` values, local rows and positions (None: positions off),
+    the selected chunks (``sel``, :func:`qrag.index.shards.selected_matrix`) and pads at -inf."""
+    from qrag.index.shards import positions_at  # noqa: PLC0415 - shards imports this module
+    from qrag.retrieval.scoring import score_chunks  # noqa: PLC0415
+
+    valid = local >= 0
+    rows = local.clamp(min=0)
+    gpos = shard + n_shards * rows
+    pos = positions_at(model.positions, gpos, sel, n_total, model.relative_delta, model.relative_ell)
+    q = score_chunks(states, vectors[rows], pos, model.rope_base)
+    banned = (gpos[:, :, None] == sel[:, None, :]).any(-1) | ~valid
+    q = q.masked_fill(banned, float("-inf"))
+    top_q, top_c = q.topk(min(k, q.shape[1]), dim=1)
+    top_rows = torch.where(torch.isfinite(top_q), rows.gather(1, top_c), torch.full_like(top_c, -1))
+    return top_q, top_rows, None if pos is None else pos.gather(1, top_c)
