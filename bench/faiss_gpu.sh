@@ -51,6 +51,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 shim=$(bash bench/cublas12/build.sh /tmp/cublas12)
 cublas13=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')" /usr/local -name 'libcublas.so.13*' 2>/dev/null | head -1)
 echo "CUDA 13 cuBLAS: $cublas13"
+# faiss's __init__ preloads cuBLAS 12 and cuRAND 10 from the nvidia.cublas and nvidia.curand wheels'
+# folders: point them at the stand-in and at the image's cuRAND 10 (the same soname in CUDA 13).
+curand=$(find "$(dirname "$cublas13")" /usr/local -name 'libcurand.so.10*' 2>/dev/null | head -1)
+mkdir -p /tmp/faiss_site/nvidia/cublas/lib /tmp/faiss_site/nvidia/curand/lib
+ln -sf "$shim/libcublas.so.12" "$shim/libcublasLt.so.12" /tmp/faiss_site/nvidia/cublas/lib/
+ln -sf "$curand" /tmp/faiss_site/nvidia/curand/lib/libcurand.so.10
 export QRAG_CUBLAS13=$cublas13 LD_LIBRARY_PATH=$shim:/tmp/faiss_site/nvidia/cuda_runtime/lib:$LD_LIBRARY_PATH
 export PYTHONPATH=/tmp/faiss_site:$PWD/platform _FAISS_WHEEL_DISABLE_CUDA_PRELOAD=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -43,8 +43,8 @@ class AnnSettings:
     nlist: int = 0  # inverted lists; 0: about 4 sqrt(rows)
     nprobe: int = 32  # lists searched per probe
     pq_bytes: int = 0  # IVF-PQ code bytes per vector; 0: dim / 8
-    probes: int = 8  # positions per segment the state is rotated back to (relative positions)
-    candidates: int = 64  # chunks kept per probe (at least k plus the selected count)
+    probes: int = 2  # positions per segment the state is rotated back to (relative positions)
+    candidates: int = 256  # chunks kept per probe (at least k plus the selected count)
     train_rows: int = 262_144  # vectors the coarse quantiser and PQ are trained on (a sample)
     gpu: bool = True  # on the shard's GPU when FAISS was built with GPUs
 

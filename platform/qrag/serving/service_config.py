@@ -88,8 +88,8 @@ class ServeConfig:
         "ivf_pq", "The candidate index: ivf_pq (compressed codes) | ivf_flat | flat (exact inner products)."
     )
     ann_nprobe: int = opt(32, "Inverted lists searched per probe.")
-    ann_probes: int = opt(8, "Positions per segment between selected chunks that a state is searched at.")
-    ann_candidates: int = opt(64, "Chunks kept per probe for exact re-scoring.")
+    ann_probes: int = opt(2, "Positions per segment between selected chunks that a state is searched at.")
+    ann_candidates: int = opt(256, "Chunks kept per probe for exact re-scoring.")
     score_graphs: bool = opt(
         True,
         "GPU shards: replay each scoring step from a CUDA graph (per batch bucket); "
