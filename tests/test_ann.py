@@ -153,3 +153,41 @@ def test_serve_config_builds_and_checks_the_candidate_stage():
     assert (options.ann_settings.kind, options.ann_settings.nprobe, options.ann_settings.probes) == ("ivf_flat", 4, 2)
     with pytest.raises(ValueError, match="ann_probes"):
         ServeConfig(ann_probes=0).shard_options()
+
+
+def saved_shard(vectors, folder, sha="sha-1", uid="u") -> ShardIndex:
+    index = ShardIndex("c", 0, 1, ModelConfig(positions="relative"), vectors.shape[1], torch.device("cpu"))
+    index.options = approximate(kind="ivf_flat", nlist=4)
+    index.faiss_folder, index.uid = folder, uid
+    m, empty = len(vectors), np.zeros(0, np.int64)
+    index.add(Segment(1, np.arange(m, dtype=np.int64), vectors, [empty] * m, ["d"] * m, [""] * m), sha)
+    return index
+
+
+def test_a_built_candidate_index_is_saved_and_loaded_by_the_next_replica(tmp_path, monkeypatch):
+    import qrag.index.ann as ann_mod
+
+    rng = np.random.default_rng(4)
+    vectors = rng.standard_normal((400, 16)).astype(np.float32)
+    states = rng.standard_normal((2, 16)).astype(np.float32)
+    first = saved_shard(vectors, tmp_path)
+    first.warm_ann()
+    assert (tmp_path / "ann_000.index").exists() and (tmp_path / "ann_000.json").exists()
+    want = first.best_chunks(states, [[3], []], 400, 5)
+
+    def no_build(*a, **k):
+        raise AssertionError("built again although a saved index matched")
+
+    monkeypatch.setattr(ann_mod, "build_index", no_build)
+    second = saved_shard(vectors, tmp_path)
+    second.restore_ann()
+    assert second.ann.loaded_rows == 400
+    got = second.best_chunks(states, [[3], []], 400, 5)
+    np.testing.assert_array_equal(got.ids, want.ids)
+    append(second, rng.standard_normal((10, 16)).astype(np.float32))  # added on top, not rebuilt
+    second.best_chunks(states[:1], [[]], 410, 5)
+    assert second.ann.rows == 410
+
+    for other in (saved_shard(vectors, tmp_path, sha="re-embedded"), saved_shard(vectors, tmp_path, uid="another")):
+        other.restore_ann()
+        assert other.ann.index is None  # not this shard's vectors: built again at the first query

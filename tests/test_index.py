@@ -386,3 +386,29 @@ def test_shards_spread_over_several_devices_answer_as_one_device(model, indexed,
     assert sorted(given) == [0, 1, 2, 3] and all(given[s] == spread.devices[s % 2] for s in given)
     with pytest.raises(ValueError, match="at least one device"):
         LocalIndex(index.store, model, device=[])
+
+
+def test_the_candidate_stage_index_is_loaded_by_the_next_process_that_opens_the_corpus(tiny_encoder, tmp_path):
+    """Shards beyond ann_above: the candidate index is built at the first query, saved, and loaded at
+    start by the next LocalIndex over the store (no query needed), with the same answers."""
+    pytest.importorskip("faiss")
+    from qrag.index.ann import AnnSettings
+
+    model = load_embedding_model(resolve_source(None, tiny_encoder), "cpu")
+    opts = dict(faiss="never", ann_above=4, ann_settings=AnnSettings(kind="ivf_flat", nlist=2, candidates=64))
+    first = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
+    first.create("c", chunk_tokens=24, shards=2)
+    first.add_documents("c", make_documents(6))
+    cfg = SearchConfig(max_steps=3)
+    want = first.retrieve("c", "the king and the queen", cfg)[0].selected
+    assert first.shards("c").shards[0].uses_ann
+    assert sorted(p.name for p in (tmp_path / "c" / "faiss").iterdir()) == [
+        "ann_000.index",
+        "ann_000.json",
+        "ann_001.index",
+        "ann_001.json",
+    ]
+    again = LocalIndex(CorpusStore(tmp_path), model, options=ShardOptions(**opts))
+    shard = again.shards("c").shards[0]
+    assert shard.ann is not None and shard.ann.loaded_rows == shard.n > 4  # loaded at start
+    assert again.retrieve("c", "the king and the queen", cfg)[0].selected == want

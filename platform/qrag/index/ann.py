@@ -23,12 +23,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from qrag.config import ModelConfig
+from qrag.index.faiss_files import load_index, save_index
 from qrag.index.shard_faiss import ReadWriteLock
 from qrag.model.positions import rotate
 
@@ -91,6 +93,24 @@ def faiss_has_gpus(faiss: Any) -> bool:
     return hasattr(faiss, "StandardGpuResources") and getattr(faiss, "get_num_gpus", lambda: 0)() > 0
 
 
+def build_spec(settings: AnnSettings) -> str:
+    """What a saved candidate index must have been built with to be loaded for ``settings``."""
+    return f"{settings.kind}/nlist={settings.nlist}/pq={settings.pq_bytes}"
+
+
+def on_device(faiss: Any, index: Any, settings: AnnSettings, device: torch.device) -> Any:
+    """``index`` moved to ``device``'s GPU when FAISS has GPUs and ``settings.gpu`` (else as it is)."""
+    if not (settings.gpu and device.type == "cuda" and faiss_has_gpus(faiss)):
+        return index
+    options = faiss.GpuClonerOptions()
+    options.useFloat16 = True  # IVF-PQ: float16 lookup tables (48-byte codes exceed shared memory in float32)
+    return faiss.index_cpu_to_gpu(gpu_resources(faiss, device.index or 0), device.index or 0, index, options)
+
+
+def on_host(faiss: Any, index: Any) -> Any:
+    return faiss.index_gpu_to_cpu(index) if "Gpu" in type(index).__name__ else index
+
+
 def build_index(faiss: Any, vectors: np.ndarray, settings: AnnSettings, device: torch.device, seed: int = 0) -> Any:
     """A trained, filled inner-product index over ``vectors`` [n, d] float32."""
     n, d = vectors.shape
@@ -103,49 +123,98 @@ def build_index(faiss: Any, vectors: np.ndarray, settings: AnnSettings, device: 
         nlist = max(1, min(nlist, n // 39))  # k-means wants ~39 points per centroid
         code = settings.pq_bytes or d // 8
         spec = f"IVF{nlist},PQ{code}" if settings.kind == "ivf_pq" else f"IVF{nlist},Flat"
-    index = faiss.index_factory(d, spec, faiss.METRIC_INNER_PRODUCT)
-    if settings.gpu and device.type == "cuda" and faiss_has_gpus(faiss):
-        options = faiss.GpuClonerOptions()
-        options.useFloat16 = True  # IVF-PQ: float16 lookup tables (48-byte codes exceed shared memory in float32)
-        index = faiss.index_cpu_to_gpu(gpu_resources(faiss, device.index or 0), device.index or 0, index, options)
+    index = on_device(faiss, faiss.index_factory(d, spec, faiss.METRIC_INNER_PRODUCT), settings, device)
     if not index.is_trained:
         rng = np.random.default_rng(seed)
         sample = vectors if n <= settings.train_rows else vectors[np.sort(rng.choice(n, settings.train_rows, False))]
         index.train(np.ascontiguousarray(sample, dtype=np.float32))
     index.add(np.ascontiguousarray(vectors, dtype=np.float32))
-    if hasattr(index, "nprobe"):
-        index.nprobe = settings.nprobe
     return index
 
 
-class ShardAnn:
-    """The candidate index of one shard's first ``rows`` vectors, built at the first query above the
-    budget and extended by appended rows (IVF lists take new rows without retraining). Searches
-    hold a shared lock, adds an exclusive one."""
+# A saved index is written again once the shard has grown by this factor since (appends are added
+# on top of a loaded index, so an older file only costs the rows added after it).
+RESAVE_GROWTH = 1.25
 
-    def __init__(self, faiss: Any, settings: AnnSettings, device: torch.device):
+
+class ShardAnn:
+    """The candidate index of one shard's first ``rows`` vectors: loaded from ``folder`` at start
+    when a saved one matches (:mod:`qrag.index.faiss_files`), else built at the first query above
+    the budget (or at warm-up); appended rows are added (IVF lists take them without retraining).
+    Searches hold a shared lock, adds an exclusive one; a fresh build is saved after it."""
+
+    def __init__(
+        self,
+        faiss: Any,
+        settings: AnnSettings,
+        device: torch.device,
+        *,
+        shard: int = 0,
+        folder: Path | None = None,
+        uid: str = "",
+    ):
         self.faiss, self.settings, self.device = faiss, settings, device
+        self.shard, self.folder, self.uid = shard, folder, uid
         self.index: Any = None
         self.rows = 0
+        self.batches: list[tuple[int, str]] = []
+        self.loaded_rows = 0  # rows of a saved index loaded at start (0: none)
+        self.saved_rows = 0
         self.build_seconds = 0.0
         self._rw = ReadWriteLock()
 
-    def catch_up(self, n: int, rows_from: Callable[[int], np.ndarray]) -> None:
+    def _ready(self, index: Any) -> Any:
+        if hasattr(index, "nprobe"):
+            index.nprobe = self.settings.nprobe
+        return index
+
+    def restore(self, batches: list[tuple[int, str]]) -> None:
+        """Take the saved index when it covers a prefix of ``batches`` (the shard's loaded ones)."""
+        if self.folder is None:
+            return
+        found = load_index(
+            self.faiss, self.folder, self.shard, self.uid, batches, build_spec(self.settings), name="ann"
+        )
+        if found is None:
+            return
+        index, rows, covered = found
+        index = self._ready(on_device(self.faiss, index, self.settings, self.device))
+        with self._rw.write():
+            if self.index is None:
+                self.index, self.rows, self.loaded_rows = index, rows, rows
+                self.saved_rows, self.batches = rows, [tuple(b) for b in batches[:covered]]
+
+    def catch_up(self, n: int, rows_from: Callable[[int], tuple[np.ndarray, list[tuple[int, str]]]]) -> None:
         """Hold at least the first ``n`` rows; ``rows_from(start)`` gives the shard's vectors from
-        row ``start`` to its end (float32, host)."""
+        row ``start`` to its end (float32, host) and the batches they complete."""
         if self.index is not None and self.rows >= n:
             return
         with self._rw.write():
             if self.rows >= n and self.index is not None:
                 return
             t0 = time.perf_counter()
-            vectors = rows_from(self.rows)
+            vectors, batches = rows_from(self.rows)
             if self.index is None:
-                self.index = build_index(self.faiss, vectors, self.settings, self.device)
+                self.index = self._ready(build_index(self.faiss, vectors, self.settings, self.device))
             else:
                 self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
             self.rows += len(vectors)
+            self.batches = batches
             self.build_seconds += time.perf_counter() - t0
+        if self.folder is not None and self.rows >= RESAVE_GROWTH * self.saved_rows:
+            self.save()
+
+    def save(self) -> bool:
+        """Write the index and what it covers (best effort: False when nothing was written)."""
+        with self._rw.read():  # searches go on; an add waits for the copy
+            data = self.faiss.serialize_index(on_host(self.faiss, self.index)).tobytes()
+            rows, batches = self.rows, list(self.batches)
+        saved = save_index(
+            data, rows, self.folder, self.shard, self.uid, batches, build_spec(self.settings), name="ann"
+        )
+        if saved:
+            self.saved_rows = rows
+        return saved
 
     def search(self, queries: np.ndarray, k: int, n: int) -> np.ndarray | None:
         """Rows of the best ``k`` per query (-1 pads); None when the index holds fewer than ``n``."""

@@ -453,17 +453,25 @@ class ShardIndex:
         if self.ann is None:
             with self._lock:
                 if self.ann is None:
-                    self.ann = ShardAnn(_faiss(), self.options.ann_settings, self.device)
+                    self.ann = ShardAnn(
+                        _faiss(),
+                        self.options.ann_settings,
+                        self.device,
+                        shard=self.shard,
+                        folder=self.faiss_folder,
+                        uid=self.uid or "",
+                    )
         return self.ann
 
-    def _ann_rows_from(self, start: int) -> np.ndarray:
-        with self._lock:
-            return self.vectors[start : self.n].cpu().numpy()
+    def restore_ann(self) -> None:
+        """Load the saved candidate index of this shard (what it covers of the loaded rows)."""
+        if self.faiss_folder is not None and self.uses_ann and self.ann is None:
+            self._shard_ann().restore(self._batches())
 
     def warm_ann(self) -> None:
-        """Build the candidate index now (replica start) rather than at the first query."""
+        """Load or build the candidate index now (replica start) rather than at the first query."""
         if self.uses_ann and self.n > 0:
-            self._shard_ann().catch_up(self.n, self._ann_rows_from)
+            self._shard_ann().catch_up(self.n, self._rows_from)
 
     def _ann_best_chunks(self, states, selected, n, n_total, k):
         """Candidates from the approximate index at each probe position, scored exactly."""
@@ -472,7 +480,7 @@ class ShardIndex:
         queries = queries.cpu().numpy()
         per_probe = max(settings.candidates, k + max((len(s) for s in selected), default=0))
         while True:  # an append between catching up and searching: catch up again
-            ann.catch_up(n, self._ann_rows_from)
+            ann.catch_up(n, self._rows_from)
             found = ann.search(queries, per_probe, n)
             if found is not None:
                 break
@@ -626,6 +634,7 @@ class CorpusShards:
                     shard.add(segment, b.shards[slot].vectors.sha256)
                     self.loaded_rows += len(segment.positions)
                 shard.restore_faiss()
+                shard.restore_ann()
                 self.shards[slot] = shard
                 problems.extend(slot_problems)
             self.problems = problems
