@@ -42,22 +42,12 @@ import numpy as np
 import torch
 
 from bench_common import machine_info, write_result
+from faiss_gpu import median_ms
 from qrag.config import ModelConfig
 from qrag.index.ann import AnnSettings
 from qrag.index.shards import ShardIndex, ShardOptions, score_shards
 from qrag.index.store import Segment
 from qrag.retrieval.hits import merge_hits
-
-
-def median_ms(fn, repeats: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1000)
 
 
 def clustered(n: int, centres: torch.Tensor, spread: float, g: torch.Generator) -> torch.Tensor:

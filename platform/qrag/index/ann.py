@@ -7,7 +7,7 @@ chunks are a plain inner-product search with the state rotated back by p. A stat
 the segments between its selected chunks, segment j at relative positions [jδ, jδ + ℓ], so the
 candidate stage searches with the state rotated back to ``probes`` positions spread over every
 segment and keeps the union of the answers. The candidates are then scored exactly at their true
-positions (:func:`qrag.index.shards.positions_at` and :func:`qrag.retrieval.scoring.score_chunks`,
+positions (:func:`qrag.model.positions.positions_at` and :func:`qrag.retrieval.scoring.score_chunks`,
 the exact path's arithmetic) and each state keeps its best ``k``. Positions off: one probe, the
 state itself. Absolute positions rotate by the chunk index, so no small set of probes covers them:
 those shards stay exact.
@@ -32,7 +32,8 @@ import torch
 from qrag.config import ModelConfig
 from qrag.index.faiss_files import load_index, save_index
 from qrag.index.shard_faiss import ReadWriteLock
-from qrag.model.positions import rotate
+from qrag.model.positions import positions_at, rotate
+from qrag.retrieval.scoring import score_chunks
 
 KINDS = ("ivf_pq", "ivf_flat", "flat")
 
@@ -254,9 +255,6 @@ def rescore(
     """Exact Q of each state's candidate rows ``local`` [B, C] (-1: none) of a shard whose vectors
     are ``vectors``: its best ``min(k, C)`` values, local rows and positions (None: positions off),
     the selected chunks (``sel``, :func:`qrag.index.shards.selected_matrix`) and pads at -inf."""
-    from qrag.index.shards import positions_at  # noqa: PLC0415 - shards imports this module
-    from qrag.retrieval.scoring import score_chunks  # noqa: PLC0415
-
     valid = local >= 0
     rows = local.clamp(min=0)
     gpos = shard + n_shards * rows

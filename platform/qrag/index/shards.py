@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from qrag.config import ModelConfig
-from qrag.model.positions import rope_frequencies
+from qrag.model.positions import positions_at, rope_frequencies
 from qrag.retrieval.hits import ChunkRecord, ShardHits, merge_hits
 from qrag.retrieval.scoring import score_chunks
 from qrag.index.ann import AnnSettings, ShardAnn, candidate_rows, probe_queries, rescore
@@ -29,29 +29,6 @@ from qrag.index.store import (
     StoreError,
     shard_rows,
 )
-
-
-def positions_at(
-    mode: str, gpos: torch.Tensor, selected: torch.Tensor, n_total: int, delta: float, ell: float
-) -> torch.Tensor | None:
-    """Positions of the chunks at global indices ``gpos`` [n] for each row of ``selected``
-    [B, k] (sorted global indices; pad with ``n_total``), as :func:`qrag.model.positions.chunk_positions`
-    computes them over the whole context — the same float32 arithmetic, for a subset of columns."""
-    b = selected.shape[0]
-    if mode == "none":
-        return None
-    if mode == "absolute":
-        return gpos.to(torch.float32).expand(b, -1)
-    if mode != "relative":
-        raise ValueError(f"unknown positions mode {mode!r}")
-    m = torch.full((b, 1), n_total, dtype=torch.long, device=gpos.device)
-    bounds = torch.cat([selected.to(torch.long), m], dim=1)  # b_1..b_k, then m
-    idx = gpos.expand(b, -1).contiguous()
-    j = torch.searchsorted(bounds, idx, right=True)  # selected indices <= i
-    prev = torch.where(j > 0, bounds.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(idx))
-    nxt = torch.minimum(bounds.gather(1, j), m)
-    width = (nxt - prev).clamp(min=1).to(torch.float32)
-    return j.to(torch.float32) * delta + ell * (idx - prev).to(torch.float32) / width
 
 
 def relative_scores(
