@@ -91,6 +91,12 @@ class DataConfig:
         "null = $QRAG_DATA_CACHE, else $QRAG_CACHE_DIR/data, else ~/.cache/qrag/data; 'none' = no cache.",
     )
     dev_fraction: float = opt(0.2, "Share of records (by a hash of the record id) held out as the dev split.")
+    supervision: Literal["support", "answer"] = opt(
+        "support",
+        "What training learns from: support (the labelled supporting facts) | answer (only the answer: a "
+        "training question's support becomes the chunks holding its answer, any one a success; questions "
+        "without such a chunk, yes/no included, are left out; val and dev keep their support facts).",
+    )
     val_fraction: float = opt(
         0.0,
         "Share of the train split (by a second hash) held out for periodic evaluation and best-checkpoint selection; "

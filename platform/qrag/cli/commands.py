@@ -90,8 +90,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run = TrainingRun(cfg, resume=args.resume)
+    left_out = f" ({run.left_out} without an answer-bearing chunk left out)" if run.left_out else ""
     print(
-        f"train: {len(run.train_tok)} train / {len(run.dev_tok)} dev questions, device {run.device}, "
+        f"train: {len(run.train_tok)} train{left_out} / {len(run.dev_tok)} dev questions, device {run.device}, "
         f"{cfg.updates} updates x {cfg.learner.episodes_per_update} episodes",
         file=sys.stderr,
     )

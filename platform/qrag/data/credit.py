@@ -5,6 +5,8 @@ by Fact EM/F1 so that training and every table use one definition.
 * ``text``: any chunk whose text equals a support fact's text counts as that fact (the public
   reference's ``GroundTruthReward``). bAbI stories repeat sentences ("Mary went to the kitchen."),
   so under ``chunk`` an identical earlier copy of a support fact earns nothing.
+* ``any``: the support chunks are alternatives, one fact found by picking any of them (training on
+  answer-bearing chunks, :mod:`qrag.data.answer_support`; not a rule for reporting Fact EM).
 
 Support facts with identical text are one fact under ``text`` (selecting one copy finds both).
 Chunks are compared as strings (samples) or token-id arrays (tokenised episodes); with one
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-CREDIT_RULES = ("chunk", "text")
+CREDIT_RULES = ("chunk", "text", "any")
 
 
 def _key(chunk: Any) -> Any:
@@ -30,6 +32,9 @@ def support_classes(chunks: Sequence[Any], support: Sequence[int], rule: str) ->
     if rule not in CREDIT_RULES:
         raise ValueError(f"credit rule {rule!r}: expected one of {', '.join(CREDIT_RULES)}")
     classes = np.full(len(chunks), -1, dtype=np.int64)
+    if rule == "any":
+        classes[sorted(set(int(s) for s in support))] = 0
+        return classes, 1
     if rule == "chunk":
         for k, i in enumerate(sorted(set(int(s) for s in support))):
             classes[i] = k

@@ -29,6 +29,7 @@ import numpy as np
 
 from qrag.config import TrainConfig
 from qrag.data import DataError
+from qrag.data.answer_support import training_part
 from qrag.data.prepared import prepare_split
 from qrag.model.encoder import load_tokenizer
 from qrag.data.tokens import TokenLayout
@@ -86,7 +87,8 @@ class EpisodeFeeder:
                 f"episode feeder {index}: the training split has {len(train)} samples, too few for {count} feeders "
                 f"(distributed.runners)"
             )
-        self.episodes = train.shard(count, index).tokenized()
+        mine = train.shard(count, index)
+        _, self.episodes, _ = training_part(cfg.data.supervision, mine.samples(), mine.tokenized())
         self.stream = ShardStream(len(self.episodes), cfg.seed, index)
         self.served = 0
         self.startup_s = time.perf_counter() - t0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +28,8 @@ from qrag.model.checkpoint import (
     set_numpy_state,
     untrained_qnet,
 )
-from qrag.config import ConfigError, LearnerConfig, SearchConfig, TrainConfig
+from qrag.config import ConfigError, EnvConfig, LearnerConfig, SearchConfig, TrainConfig
+from qrag.data.answer_support import training_part
 from qrag.data.prepared import prepare_split
 from qrag.data.sample import Sample
 from qrag.data.splits import validation_key
@@ -108,6 +110,12 @@ SUPERVISED_LEARNERS: dict[str, type[SoftPQNLearner]] = {
 }
 
 
+def training_env(cfg: TrainConfig) -> EnvConfig:
+    """The environment the learner steps: with ``data.supervision=answer`` a pick of any of a
+    question's answer-bearing chunks is the success (evaluation keeps ``env.credit``)."""
+    return replace(cfg.env, credit="any") if cfg.data.supervision == "answer" else cfg.env
+
+
 def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
     """The learner ``learner.objective`` (and a supervised warm start) asks for."""
     if cfg.objective != "pqn" and cfg.objective not in SUPERVISED_LEARNERS:
@@ -139,6 +147,7 @@ class TrainingRun:
         self.dev_samples: list[Sample] = []
         self.val_samples: list[Sample] = []
         self.train_tok: list[TokenizedSample] = []
+        self.left_out = 0  # training questions data.supervision left out (no answer-bearing chunk)
         self.val_tok: list[TokenizedSample] = []
         self.dev_tok: list[TokenizedSample] = []
         self.best_f1 = float("-inf")
@@ -165,7 +174,7 @@ class TrainingRun:
                 loading.result()
             self.timings["model_and_data_s"] = time.perf_counter() - t0
         self.learner = learner_cls(
-            self.qnet, self.layout, cfg.env, cfg.learner, cfg.updates, self.device, seed=cfg.seed
+            self.qnet, self.layout, training_env(cfg), cfg.learner, cfg.updates, self.device, seed=cfg.seed
         )
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []
@@ -187,7 +196,8 @@ class TrainingRun:
         d = self.cfg.data
         train, val = prepare_split(d, "train", self.tokenizer, self.layout).split_validation(d.val_fraction)
         dev = prepare_split(d, "dev", self.tokenizer, self.layout)
-        self.train_samples, self.train_tok = train.samples(), train.tokenized()
+        part = training_part(d.supervision, train.samples(), train.tokenized())
+        self.train_samples, self.train_tok, self.left_out = part
         self.val_samples, self.val_tok = val.samples(), val.tokenized()
         self.dev_samples, self.dev_tok = dev.samples(), dev.tokenized()
         self.timings["data_s"] = time.perf_counter() - t0
@@ -200,11 +210,8 @@ class TrainingRun:
     ) -> None:
         """Data made outside :meth:`load_data` (e.g. generated haystacks), as (samples, tokenized)
         pairs. A resumed run's epoch order goes on where its checkpoint left it."""
-        (self.train_samples, self.train_tok), (self.val_samples, self.val_tok), (self.dev_samples, self.dev_tok) = (
-            train,
-            val,
-            dev,
-        )
+        (self.val_samples, self.val_tok), (self.dev_samples, self.dev_tok) = val, dev
+        self.train_samples, self.train_tok, self.left_out = training_part(self.cfg.data.supervision, *train)
         self.sampler = EpochSampler(max(1, len(self.train_tok)), self.cfg.seed)
         if self.resumed_sampler:
             self.sampler.load_state(self.resumed_sampler)
