@@ -11,8 +11,8 @@ Per corpus size (``--chunks``, ~50 tokens a chunk: 2M, 20M, 6M = 100M, 1B, 300M 
 - ``exact``: the shards' own path (``ann="never"``; on a GPU the compiled relative scorer replayed
   from CUDA graphs), the reference the recall is measured against;
 - per ``--kinds`` entry (``ivf_pq``, ``ivf_flat``): the same shards with ``ann="always"``: one FAISS
-  index per shard built over the stored vectors (build seconds reported), then per ``--nprobes``
-  value the latency of a retrieval step and the recall of the exact top-``k`` over ``--eval-states``
+  index per shard built over the stored vectors (build seconds reported), then per ``--probes``
+  (positions a segment), ``--candidates`` (chunks a probe) and ``--nprobes`` value the latency of a retrieval step and the recall of the exact top-``k`` over ``--eval-states``
   states, each holding ``--selected`` chunks already (so relative positions have that many + 1
   segments), for positions ``relative`` and ``none``.
 
@@ -96,9 +96,9 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--spread", type=float, default=0.8, help="noise norm around a centre (unit centres)")
     ap.add_argument("--kinds", default="ivf_flat,ivf_pq")
-    ap.add_argument("--nprobes", default="16,32,64")
+    ap.add_argument("--nprobes", default="16,64")
     ap.add_argument("--probes", default="2,8", help="positions per segment (AnnSettings.probes), each measured")
-    ap.add_argument("--candidates", type=int, default=256, help="chunks kept per probe")
+    ap.add_argument("--candidates", default="64,256", help="chunks kept per probe (AnnSettings.candidates), each")
     ap.add_argument("--positions", default="relative,none")
     ap.add_argument("--states", default="1,8", help="state rows per timed call")
     ap.add_argument("--eval-states", type=int, default=128, help="states the recall is measured on")
@@ -181,7 +181,7 @@ def main() -> None:
             if time.perf_counter() - t_start > args.budget_s:
                 result.setdefault("skipped", []).append({"chunks": n, "kind": kind})
                 continue
-            settings = AnnSettings(kind=kind, candidates=args.candidates)
+            settings = AnnSettings(kind=kind)
             options = ShardOptions(ann="always", faiss="never", ann_settings=settings)
             set_mode(shards, modes[0], options)
             for s in shards:
@@ -193,13 +193,14 @@ def main() -> None:
                 s.warm_ann()  # one index per shard over the stored vectors: the same for every positions mode
             build_s = time.perf_counter() - t0
             grid = [
-                (positions, probes, nprobe)
+                (positions, probes, candidates, nprobe)
                 for positions in modes
                 for probes in ([int(x) for x in args.probes.split(",")] if positions != "none" else [1])
+                for candidates in [int(x) for x in args.candidates.split(",")]
                 for nprobe in [int(x) for x in args.nprobes.split(",")]
             ]
-            for positions, probes, nprobe in grid:
-                settings.probes = probes  # read at each search: no rebuild
+            for positions, probes, candidates, nprobe in grid:
+                settings.probes, settings.candidates = probes, candidates  # read at each search: no rebuild
                 set_mode(shards, positions, options)
                 want, exact_ms = exact[positions]
                 set_nprobe(shards, nprobe)
@@ -213,6 +214,7 @@ def main() -> None:
                     "kind": kind,
                     "nprobe": nprobe,
                     "probes_per_segment": probes,
+                    "candidates_per_probe": candidates,
                     "recall_at_k": round(float(np.mean([len(set(a) & set(b)) / args.k for a, b in pairs])), 4),
                     "top1_agreement": round(float(np.mean([a[0] == b[0] for a, b in pairs])), 4),
                     "build_s": round(build_s, 2),

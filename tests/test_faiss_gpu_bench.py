@@ -55,8 +55,8 @@ def test_the_candidate_stage_bench_measures_recall_against_exact_scoring(tmp_pat
     out = tmp_path / "ann.json"
     run(
         "ann_gpu.py", "--device", "cpu", "--chunks", "4000", "--dim", "32", "--kinds", "ivf_flat",
-        "--nprobes", "64", "--probes", "8", "--states", "1,4", "--eval-states", "8", "--repeats", "1",
-        "--out", str(out),
+        "--nprobes", "64", "--probes", "8", "--candidates", "64", "--states", "1,4", "--eval-states", "8",
+        "--repeats", "1", "--out", str(out),
     )  # fmt: skip
     result = json.loads(out.read_text())
     rows = {(r["positions"], r["probes_per_segment"]): r for r in result["rows"]}
