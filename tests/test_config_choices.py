@@ -75,6 +75,7 @@ def test_serve_config_choices_are_checked():
 
 def test_the_choices_match_what_the_code_accepts():
     from qrag.data import LOADERS, _register_optional_loaders
+    from qrag.data.answer_support import SUPERVISIONS
     from qrag.data.credit import CREDIT_RULES
     from qrag.distributed.preflight import MLFLOW_CHECKPOINT_MODES
     from qrag.model.positions import MODES
@@ -86,6 +87,7 @@ def test_the_choices_match_what_the_code_accepts():
     assert hints["model.positions"] == MODES
     assert hints["search.beam_score"] == tuple(BEAM_SCORES)
     assert hints["env.credit"] == CREDIT_RULES
+    assert hints["data.supervision"] == SUPERVISIONS
     assert hints["distributed.mlflow_checkpoint"] == MLFLOW_CHECKPOINT_MODES
 
 

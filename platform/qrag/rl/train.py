@@ -30,6 +30,7 @@ from qrag.model.checkpoint import (
 )
 from qrag.config import ConfigError, EnvConfig, LearnerConfig, SearchConfig, TrainConfig
 from qrag.data.answer_support import training_part
+from qrag.data.credit import ANY
 from qrag.data.prepared import prepare_split
 from qrag.data.sample import Sample
 from qrag.data.splits import validation_key
@@ -113,7 +114,7 @@ SUPERVISED_LEARNERS: dict[str, type[SoftPQNLearner]] = {
 def training_env(cfg: TrainConfig) -> EnvConfig:
     """The environment the learner steps: with ``data.supervision=answer`` a pick of any of a
     question's answer-bearing chunks is the success (evaluation keeps ``env.credit``)."""
-    return replace(cfg.env, credit="any") if cfg.data.supervision == "answer" else cfg.env
+    return replace(cfg.env, credit=ANY) if cfg.data.supervision == "answer" else cfg.env
 
 
 def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
