@@ -12,9 +12,10 @@ Per corpus size (``--chunks``, ~50 tokens a chunk: 2M, 20M, 6M = 100M, 1B, 300M 
   from CUDA graphs), the reference the recall is measured against;
 - per ``--kinds`` entry (``ivf_pq``, ``ivf_flat``): the same shards with ``ann="always"``: one FAISS
   index per shard built over the stored vectors (build seconds reported), then per ``--probes``
-  (positions a segment), ``--candidates`` (chunks a probe) and ``--nprobes`` value the latency of a retrieval step and the recall of the exact top-``k`` over ``--eval-states``
-  states, each holding ``--selected`` chunks already (so relative positions have that many + 1
-  segments), for positions ``relative`` and ``none``.
+  (positions a segment), ``--candidates`` (chunks a probe) and ``--nprobes`` value the latency of a
+  retrieval step and the recall of the exact top-``k`` over ``--eval-states`` states, each holding
+  ``--selected`` chunks already (so relative positions have that many + 1 segments), for positions
+  ``relative`` and ``none``.
 
 Vectors: ``synthetic`` (default) are unit vectors around ``chunks / 1000`` random centres (a state is
 one more point around a random centre), the within-cluster cosine set by ``--spread``; no real
