@@ -9,8 +9,8 @@
 #   here:  bash bench/faiss_gpu.sh pack          # .carry/faiss_1, .carry/faiss_2, .carry/faiss_3 (<= 53 MB each)
 #   GPU:   three calls back to back on one warm machine, carrying .carry/faiss_1, then .carry/faiss_2, then
 #          .carry/faiss_3, each running  QRAG_COMMIT=<sha> OUT=$OUT bash bench/faiss_gpu.sh [faiss_gpu.py args]
-# Each call keeps its part in /tmp/faiss_parts; the call that completes the set checks the wheel's
-# SHA-256, installs it and runs the benches: bench/ann_gpu.py (the approximate candidate stage with exact
+# Each call keeps its part in /tmp/faiss_parts (PARTS); the call carrying the last part (or none, once all are
+# kept) checks the wheel's SHA-256, installs it and runs the benches: bench/ann_gpu.py (the approximate candidate stage with exact
 # re-scoring, arguments in ANN_ARGS; ANN_ARGS=skip: not run), then bench/faiss_gpu.py (position-free
 # FAISS against torch, arguments after `run`). Results: $OUT/ann_gpu.json, $OUT/faiss_gpu.json, $OUT/*err.txt.
 set -e
@@ -36,18 +36,28 @@ if [ "$MODE" = pack ]; then
 fi
 [ "$MODE" = run ] && shift || true  # the rest goes to faiss_gpu.py
 OUT=${OUT:-/tmp/faiss_gpu}
-mkdir -p "$OUT" /tmp/faiss_parts
-cp .carry/faiss_*/* /tmp/faiss_parts/ 2>/dev/null || true
-. /tmp/faiss_parts/manifest
-have=$(ls /tmp/faiss_parts/"$wheel".part* 2>/dev/null | wc -l)
+PARTS=${PARTS:-/tmp/faiss_parts}  # kept between calls while the machine is warm
+mkdir -p "$OUT" "$PARTS"
+cp .carry/faiss_*/* "$PARTS"/ 2>/dev/null || true
+. "$PARTS/manifest"
+have=$(ls "$PARTS/$wheel".part* 2>/dev/null | wc -l)
+# Only the call that carries the last part (or none) runs the benches: on a warm machine that kept every
+# part from before, a call carrying part 1 would otherwise start a run that its time limit cuts off.
+for part in .carry/faiss_*/"$wheel".part*; do
+  [ -e "$part" ] || continue
+  if [ "${part##*.part}" != "$((parts - 1))" ]; then
+    echo "faiss_gpu.sh: kept ${part##*/} ($have of $parts parts in $PARTS); the call carrying the last part runs"
+    exit 0
+  fi
+done
 if [ "$have" -lt "$parts" ]; then
-  echo "faiss_gpu.sh: $have of $parts parts of $wheel kept in /tmp/faiss_parts; carry the next .carry/faiss_N"
+  echo "faiss_gpu.sh: $have of $parts parts of $wheel kept in $PARTS; carry the next .carry/faiss_N"
   exit 0
 fi
-cat /tmp/faiss_parts/"$wheel".part* > "/tmp/faiss_parts/$wheel"
-echo "$sha256  /tmp/faiss_parts/$wheel" | sha256sum -c --quiet
+cat "$PARTS/$wheel".part* > "$PARTS/$wheel"
+echo "$sha256  $PARTS/$wheel" | sha256sum -c --quiet
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/faiss_site \
-  "/tmp/faiss_parts/$wheel" /tmp/faiss_parts/nvidia_cuda_runtime_cu12-*.whl
+  "$PARTS/$wheel" "$PARTS"/nvidia_cuda_runtime_cu12-*.whl
 shim=$(bash bench/cublas12/build.sh /tmp/cublas12)
 cublas13=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')" /usr/local -name 'libcublas.so.13*' 2>/dev/null | head -1)
 echo "CUDA 13 cuBLAS: $cublas13"

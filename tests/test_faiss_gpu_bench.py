@@ -64,3 +64,39 @@ def test_the_candidate_stage_bench_measures_recall_against_exact_scoring(tmp_pat
     assert rows[("none", 1)]["recall_at_k"] == 1.0  # 64 of 64 lists searched: exact
     assert rows[("relative", 8)]["recall_at_k"] >= 0.8
     assert set(rows[("relative", 8)]["ms"]) == {"1", "4"} and result["commit"]
+
+
+def test_only_the_call_carrying_the_last_wheel_part_runs_the_benches(tmp_path):
+    """On a warm machine that kept every part, the calls carrying parts 1 and 2 keep them and stop
+    (they used to start the benches, which their time limits then cut off); the third goes on."""
+    import hashlib
+
+    wheel, data = "faiss_gpu-0-py3-none-any.whl", b"0123456789"
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    manifest = f"wheel={wheel}\nparts=3\nsha256={hashlib.sha256(data).hexdigest()}\n"
+    for i in range(3):
+        (parts / f"{wheel}.part{i}").write_bytes(data[i * 4 : (i + 1) * 4])
+    (parts / "manifest").write_text(manifest)
+
+    def call(n: int) -> subprocess.CompletedProcess:
+        tree = tmp_path / f"tree{n}"
+        carried = tree / ".carry" / f"faiss_{n}"
+        carried.mkdir(parents=True)
+        (carried / f"{wheel}.part{n - 1}").write_bytes((parts / f"{wheel}.part{n - 1}").read_bytes())
+        (carried / "manifest").write_text(manifest)
+        return subprocess.run(
+            ["bash", str(ROOT / "bench" / "faiss_gpu.sh")],
+            cwd=tree,
+            env={"PATH": "/usr/bin:/bin", "PARTS": str(parts), "OUT": str(tmp_path / "out"), "PY": "false"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    for n in (1, 2):
+        done = call(n)
+        assert done.returncode == 0 and "the call carrying the last part runs" in done.stdout
+    last = call(3)  # joins and checks the wheel, then fails installing it here (no real wheel): it went on
+    assert (parts / wheel).read_bytes() == data
+    assert "the call carrying the last part runs" not in last.stdout
