@@ -172,6 +172,7 @@ def test_a_built_candidate_index_is_saved_and_loaded_by_the_next_replica(tmp_pat
     states = rng.standard_normal((2, 16)).astype(np.float32)
     first = saved_shard(vectors, tmp_path)
     first.warm_ann()
+    assert first.ann.wait_saved(30)  # saved by the saver thread, off the request path
     assert (tmp_path / "ann_000.index").exists() and (tmp_path / "ann_000.json").exists()
     want = first.best_chunks(states, [[3], []], 400, 5)
 

@@ -402,6 +402,7 @@ def test_the_candidate_stage_index_is_loaded_by_the_next_process_that_opens_the_
     cfg = SearchConfig(max_steps=3)
     want = first.retrieve("c", "the king and the queen", cfg)[0].selected
     assert first.shards("c").shards[0].uses_ann
+    assert all(s.ann.wait_saved(30) for s in first.shards("c").shards.values())  # the saver threads
     assert sorted(p.name for p in (tmp_path / "c" / "faiss").iterdir()) == [
         "ann_000.index",
         "ann_000.json",

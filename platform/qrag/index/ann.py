@@ -20,8 +20,6 @@ top-k.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,8 @@ import numpy as np
 import torch
 
 from qrag.config import ModelConfig
-from qrag.index.faiss_files import load_index, save_index
-from qrag.index.shard_faiss import ReadWriteLock
+from qrag.index.faiss_files import save_index
+from qrag.index.shard_faiss import ShardFaiss
 from qrag.model.positions import positions_at, rotate
 from qrag.retrieval.scoring import score_chunks
 
@@ -69,13 +67,13 @@ def probe_queries(
 ) -> tuple[torch.Tensor, list[int]]:
     """Every state rotated back to each of its probe positions: [sum of probes, d] float32, and how
     many rows belong to each state (in order)."""
-    parts, counts = [], []
-    for r, n_sel in enumerate(selected_counts):
-        pos = torch.from_numpy(probe_positions(n_sel, model, probes)).to(states.device)
-        row = states[r].float().expand(len(pos), -1)
-        parts.append(row if model.positions == "none" else rotate(row, -pos, model.rope_base))
-        counts.append(len(pos))
-    return torch.cat(parts), counts
+    positions = [probe_positions(n_sel, model, probes) for n_sel in selected_counts]
+    counts = [len(p) for p in positions]
+    rows = states.float().repeat_interleave(torch.tensor(counts, device=states.device), dim=0, output_size=sum(counts))
+    if model.positions == "none":
+        return rows, counts
+    pos = torch.from_numpy(np.concatenate(positions)).to(states.device)  # one copy for every state's probes
+    return rotate(rows, -pos, model.rope_base), counts
 
 
 _GPU_RESOURCES: dict[int, Any] = {}
@@ -94,11 +92,6 @@ def faiss_has_gpus(faiss: Any) -> bool:
     return hasattr(faiss, "StandardGpuResources") and getattr(faiss, "get_num_gpus", lambda: 0)() > 0
 
 
-def build_spec(settings: AnnSettings) -> str:
-    """What a saved candidate index must have been built with to be loaded for ``settings``."""
-    return f"{settings.kind}/nlist={settings.nlist}/pq={settings.pq_bytes}"
-
-
 def on_device(faiss: Any, index: Any, settings: AnnSettings, device: torch.device) -> Any:
     """``index`` moved to ``device``'s GPU when FAISS has GPUs and ``settings.gpu`` (else as it is)."""
     if not (settings.gpu and device.type == "cuda" and faiss_has_gpus(faiss)):
@@ -108,12 +101,8 @@ def on_device(faiss: Any, index: Any, settings: AnnSettings, device: torch.devic
     return faiss.index_cpu_to_gpu(gpu_resources(faiss, device.index or 0), device.index or 0, index, options)
 
 
-def on_host(faiss: Any, index: Any) -> Any:
-    return faiss.index_gpu_to_cpu(index) if "Gpu" in type(index).__name__ else index
-
-
-def build_index(faiss: Any, vectors: np.ndarray, settings: AnnSettings, device: torch.device, seed: int = 0) -> Any:
-    """A trained, filled inner-product index over ``vectors`` [n, d] float32."""
+def build_index(faiss: Any, vectors: np.ndarray, settings: AnnSettings, device: torch.device) -> Any:
+    """An empty inner-product index for ``vectors`` [n, d] float32, trained on (a sample of) them."""
     n, d = vectors.shape
     if settings.kind not in KINDS:
         raise ValueError(f"unknown candidate index kind {settings.kind!r} (choose from {', '.join(KINDS)})")
@@ -126,23 +115,20 @@ def build_index(faiss: Any, vectors: np.ndarray, settings: AnnSettings, device: 
         spec = f"IVF{nlist},PQ{code}" if settings.kind == "ivf_pq" else f"IVF{nlist},Flat"
     index = on_device(faiss, faiss.index_factory(d, spec, faiss.METRIC_INNER_PRODUCT), settings, device)
     if not index.is_trained:
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(0)
         sample = vectors if n <= settings.train_rows else vectors[np.sort(rng.choice(n, settings.train_rows, False))]
         index.train(np.ascontiguousarray(sample, dtype=np.float32))
-    index.add(np.ascontiguousarray(vectors, dtype=np.float32))
     return index
 
 
-# A saved index is written again once the shard has grown by this factor since (appends are added
-# on top of a loaded index, so an older file only costs the rows added after it).
-RESAVE_GROWTH = 1.25
-
-
-class ShardAnn:
+class ShardAnn(ShardFaiss):
     """The candidate index of one shard's first ``rows`` vectors: loaded from ``folder`` at start
-    when a saved one matches (:mod:`qrag.index.faiss_files`), else built at the first query above
-    the budget (or at warm-up); appended rows are added (IVF lists take them without retraining).
-    Searches hold a shared lock, adds an exclusive one; a fresh build is saved after it."""
+    when a saved one matches (:mod:`qrag.index.faiss_files`, files ``ann_NNN``), else built at the
+    first query above the budget (or at warm-up), trained on its first rows; appended rows are
+    added (IVF lists take them without retraining). Locking and saving (off the request path, on
+    the saver thread) are :class:`~qrag.index.shard_faiss.ShardFaiss`'s."""
+
+    FILE_NAME = "ann"
 
     def __init__(
         self,
@@ -154,76 +140,38 @@ class ShardAnn:
         folder: Path | None = None,
         uid: str = "",
     ):
-        self.faiss, self.settings, self.device = faiss, settings, device
-        self.shard, self.folder, self.uid = shard, folder, uid
-        self.index: Any = None
-        self.rows = 0
-        self.batches: list[tuple[int, str]] = []
-        self.loaded_rows = 0  # rows of a saved index loaded at start (0: none)
-        self.saved_rows = 0
-        self.build_seconds = 0.0
-        self._rw = ReadWriteLock()
+        # dim, hnsw_m and ef_search shape HNSW and flat indexes only (_new_index is this class's own)
+        super().__init__(faiss, 0, shard, hnsw_m=0, ef_search=0, folder=folder, uid=uid)
+        self.settings, self.device = settings, device
+
+    def _new_index(self, vectors: np.ndarray, approximate: bool) -> Any:
+        return self._ready(build_index(self.faiss, vectors, self.settings, self.device))
+
+    def _loaded(self, index: Any) -> Any:
+        return self._ready(on_device(self.faiss, index, self.settings, self.device))
 
     def _ready(self, index: Any) -> Any:
         if hasattr(index, "nprobe"):
             index.nprobe = self.settings.nprobe
         return index
 
-    def restore(self, batches: list[tuple[int, str]]) -> None:
-        """Take the saved index when it covers a prefix of ``batches`` (the shard's loaded ones)."""
-        if self.folder is None:
-            return
-        found = load_index(
-            self.faiss, self.folder, self.shard, self.uid, batches, build_spec(self.settings), name="ann"
-        )
-        if found is None:
-            return
-        index, rows, covered = found
-        index = self._ready(on_device(self.faiss, index, self.settings, self.device))
-        with self._rw.write():
-            if self.index is None:
-                self.index, self.rows, self.loaded_rows = index, rows, rows
-                self.saved_rows, self.batches = rows, [tuple(b) for b in batches[:covered]]
+    def _saved_kind(self) -> bool:
+        return True
 
-    def catch_up(self, n: int, rows_from: Callable[[int], tuple[np.ndarray, list[tuple[int, str]]]]) -> None:
-        """Hold at least the first ``n`` rows; ``rows_from(start)`` gives the shard's vectors from
-        row ``start`` to its end (float32, host) and the batches they complete."""
-        if self.index is not None and self.rows >= n:
-            return
-        with self._rw.write():
-            if self.rows >= n and self.index is not None:
-                return
-            t0 = time.perf_counter()
-            vectors, batches = rows_from(self.rows)
-            if self.index is None:
-                self.index = self._ready(build_index(self.faiss, vectors, self.settings, self.device))
-            else:
-                self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
-            self.rows += len(vectors)
-            self.batches = batches
-            self.build_seconds += time.perf_counter() - t0
-        if self.folder is not None and self.rows >= RESAVE_GROWTH * self.saved_rows:
-            self.save()
+    def _build_key(self) -> str:
+        s = self.settings
+        return f"{s.kind}/nlist={s.nlist}/pq={s.pq_bytes}"
 
-    def save(self) -> bool:
-        """Write the index and what it covers (best effort: False when nothing was written)."""
-        with self._rw.read():  # searches go on; an add waits for the copy
-            data = self.faiss.serialize_index(on_host(self.faiss, self.index)).tobytes()
-            rows, batches = self.rows, list(self.batches)
-        saved = save_index(
-            data, rows, self.folder, self.shard, self.uid, batches, build_spec(self.settings), name="ann"
-        )
-        if saved:
-            self.saved_rows = rows
-        return saved
+    def _serialisable(self, index: Any) -> Any:
+        return self.faiss.index_gpu_to_cpu(index) if "Gpu" in type(index).__name__ else index
+
+    def _write(self, data: bytes, rows: int, batches: list[tuple[int, str]]) -> bool:
+        return save_index(data, rows, self.folder, self.shard, self.uid, batches, self._build_key(), self.FILE_NAME)
 
     def search(self, queries: np.ndarray, k: int, n: int) -> np.ndarray | None:
         """Rows of the best ``k`` per query (-1 pads); None when the index holds fewer than ``n``."""
-        with self._rw.read():
-            if self.index is None or self.rows < n:
-                return None
-            _, rows = self.index.search(np.ascontiguousarray(queries, dtype=np.float32), min(k, self.rows))
-            return rows
+        found = super().search(queries, min(k, self.rows), n)
+        return None if found is None else found[1]
 
 
 def candidate_rows(found: np.ndarray, counts: list[int], n: int) -> np.ndarray:

@@ -9,11 +9,11 @@ speed.
 Files: ``<corpus>/faiss/<name>_NNN.index`` (faiss.serialize_index; name ``shard`` for HNSW, ``ann``
 for the candidate stage) and ``<name>_NNN.json``, written after it: the corpus uid, the (batch id,
 vectors sha256) pairs the index covers, in order, its rows, how it was built (HNSW's M, the
-candidate index's kind and sizes) and the index file's sha256. A saved index is used only when all of that matches
-what the shard loaded (a prefix of its batches: rows appended since are added on top); anything
-else (another corpus with the same name, re-embedded vectors, a torn or corrupt file) is ignored
-and the index is built again. The files sit outside ``shard_*/``, so a store's stray-file
-cleaning leaves them, and deleting the corpus removes them.
+candidate index's kind and sizes) and the index file's sha256. A saved index is used only when all
+of that matches what the shard loaded (a prefix of its batches: rows appended since are added on
+top); anything else (another corpus with the same name, re-embedded vectors, a torn or corrupt
+file) is ignored and the index is built again. The files sit outside ``shard_*/``, so a store's
+stray-file cleaning leaves them, and deleting the corpus removes them.
 """
 
 from __future__ import annotations

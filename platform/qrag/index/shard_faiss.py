@@ -65,7 +65,10 @@ class ReadWriteLock:
 class ShardFaiss:
     """The FAISS index of one shard's first ``rows`` vectors (inner product: flat, or HNSW when
     ``approximate``). An HNSW index is saved under ``folder`` (None: never) after it grows and
-    loaded from there at start (:mod:`qrag.index.faiss_files`)."""
+    loaded from there at start (:mod:`qrag.index.faiss_files`). :class:`qrag.index.ann.ShardAnn`
+    keeps another kind of index the same way, through the hooks below."""
+
+    FILE_NAME = "shard"  # saved as <folder>/<FILE_NAME>_NNN.index
 
     def __init__(
         self,
@@ -95,11 +98,11 @@ class ShardFaiss:
         """Take the saved HNSW index when it covers a prefix of ``batches`` (the shard's loaded ones)."""
         if self.folder is None:
             return
-        found = load_index(self.faiss, self.folder, self.shard, self.uid, batches, self.hnsw_m)
+        found = load_index(self.faiss, self.folder, self.shard, self.uid, batches, self._build_key(), self.FILE_NAME)
         if found is None:
             return
         index, rows, covered = found
-        index.hnsw.efSearch = self.ef_search
+        index = self._loaded(index)
         with self._rw.write():
             if self.index is None:
                 self.index, self.rows, self.loaded_rows = index, rows, rows
@@ -114,24 +117,45 @@ class ShardFaiss:
         if self.index is not None and self.rows >= n:
             return  # read without the lock: rechecked under it below when it says otherwise
         with self._rw.write():
-            if self.index is None:
-                if approximate:
-                    self.index = self.faiss.IndexHNSWFlat(self.dim, self.hnsw_m, self.faiss.METRIC_INNER_PRODUCT)
-                    self.index.hnsw.efSearch = self.ef_search
-                else:
-                    self.index = self.faiss.IndexFlatIP(self.dim)
-            if self.rows >= n:
+            if self.index is not None and self.rows >= n:
                 return
             vectors, batches = rows_from(self.rows)
-            self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+            vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+            if self.index is None:
+                self.index = self._new_index(vectors, approximate)
+            self.index.add(vectors)
             self.rows += len(vectors)
             self.batches = batches
-        if self.folder is not None and self.is_hnsw:
+        if self.folder is not None and self._saved_kind():
             self._save_soon()
 
     @property
     def is_hnsw(self) -> bool:
         return isinstance(self.index, self.faiss.IndexHNSWFlat)
+
+    # -- what another kind of index changes (qrag.index.ann.ShardAnn)
+
+    def _new_index(self, vectors: np.ndarray, approximate: bool) -> Any:
+        """An empty index, ready for the first ``vectors`` to be added (trained on them if it must be)."""
+        if approximate:
+            index = self.faiss.IndexHNSWFlat(self.dim, self.hnsw_m, self.faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efSearch = self.ef_search
+            return index
+        return self.faiss.IndexFlatIP(self.dim)
+
+    def _loaded(self, index: Any) -> Any:
+        """A deserialised saved index, set up to search."""
+        index.hnsw.efSearch = self.ef_search
+        return index
+
+    def _saved_kind(self) -> bool:
+        return self.is_hnsw  # flat indexes are a copy of the vectors: rebuilt, never saved
+
+    def _build_key(self) -> int | str:
+        return self.hnsw_m
+
+    def _serialisable(self, index: Any) -> Any:
+        return index
 
     def search(self, states: np.ndarray, k: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Inner products and rows of the best ``k`` per state; None when the index holds fewer
@@ -160,10 +184,13 @@ class ShardFaiss:
                     return
                 self._save_wanted = False  # appends from now on ask for another round
             with self._rw.read():  # searches go on; an add waits for the copy
-                data = self.faiss.serialize_index(self.index).tobytes()
+                data = self.faiss.serialize_index(self._serialisable(self.index)).tobytes()
                 rows, batches = self.rows, list(self.batches)
-            if save_index(data, rows, self.folder, self.shard, self.uid, batches, self.hnsw_m):
+            if self._write(data, rows, batches):
                 self.saves += 1
+
+    def _write(self, data: bytes, rows: int, batches: list[tuple[int, str]]) -> bool:
+        return save_index(data, rows, self.folder, self.shard, self.uid, batches, self._build_key())
 
     def wait_saved(self, timeout: float | None = None) -> bool:
         """Wait until no save is pending or running (tests, shutdown); False on timeout."""

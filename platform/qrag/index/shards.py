@@ -448,7 +448,7 @@ class ShardIndex:
     def warm_ann(self) -> None:
         """Load or build the candidate index now (replica start) rather than at the first query."""
         if self.uses_ann and self.n > 0:
-            self._shard_ann().catch_up(self.n, self._rows_from)
+            self._shard_ann().catch_up(self.n, True, self._rows_from)
 
     def _ann_best_chunks(self, states, selected, n, n_total, k):
         """Candidates from the approximate index at each probe position, scored exactly."""
@@ -457,7 +457,7 @@ class ShardIndex:
         queries = queries.cpu().numpy()
         per_probe = max(settings.candidates, k + max((len(s) for s in selected), default=0))
         while True:  # an append between catching up and searching: catch up again
-            ann.catch_up(n, self._rows_from)
+            ann.catch_up(n, True, self._rows_from)
             found = ann.search(queries, per_probe, n)
             if found is not None:
                 break
