@@ -418,6 +418,20 @@ def run_cluster(
             copy_ray_logs(tmp / "ray", Path(args.ray_logs) / variant)
 
 
+def http_stack() -> dict[str, str | None]:
+    """Versions of what Serve's proxy and replicas run on (None: absent, a slower fallback: h11
+    for httptools, asyncio's own loop for uvloop); a user's ray[serve] install has all four."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in ("ray", "uvicorn", "uvloop", "httptools"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def main() -> None:
     args = args_parser().parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -442,6 +456,7 @@ def main() -> None:
         "checkpoint": args.checkpoint,
         "config": Path(args.config).name,
         "library": library,
+        "http_stack": http_stack(),
         "settings": {
             "layouts": args.layouts,
             "serve_env": args.serve_env,

@@ -150,7 +150,9 @@ def args_parser() -> argparse.ArgumentParser:
 
 
 # What the run imports: Ray Train and Serve (with the dashboard's state API), the Serve app's
-# HTTP stack, the library's model code.
+# HTTP stack, the library's model code. uvloop and httptools come with ray[serve] (uvicorn[standard]):
+# Serve's proxy and replicas use them when present, so a run without them times a slower stack than
+# users get.
 NEEDED = (
     "ray",
     "ray.train.torch",
@@ -162,6 +164,8 @@ NEEDED = (
     "fastapi",
     "starlette",
     "uvicorn",
+    "uvloop",
+    "httptools",
     "pydantic",
     "pyarrow",
     "torch",

@@ -181,6 +181,35 @@ def test_lockstep_batch_equals_one_by_one(model, tmp_path):
             assert [s.q for s in got.steps] == pytest.approx([s.q for s in one.steps], abs=1e-5)
 
 
+def test_searches_parse_the_manifest_only_when_it_changed(model, tmp_path, monkeypatch):
+    """Once a corpus's shards are loaded, a search stats corpus.json and parses it only after a
+    write (parsing it twice a query was most of the library path's 'tokenize' stage on a
+    10M-token corpus); the write's new chunks are searched; a deleted corpus is not found."""
+    store = CorpusStore(tmp_path)
+    index = LocalIndex(store, model)
+    index.create("c", chunk_tokens=24, shards=2)
+    index.add_documents("c", make_documents(3))
+    cfg = SearchConfig(max_steps=2)
+    index.retrieve("c", "the king and the queen", cfg)  # loads the shards
+    parsed = []
+    read = CorpusStore.read
+    monkeypatch.setattr(store, "read", lambda name: parsed.append(name) or read(store, name))
+    for _ in range(3):
+        index.retrieve("c", "the king and the queen", cfg)
+    index.retrieve_many("c", ["a film about war"], cfg)
+    assert parsed == []
+    before = store.read("c").chunks
+    parsed.clear()
+    index.add_documents("c", [Document("late", "The harbour lamp was lit by the singer at last.")])
+    parsed.clear()
+    got, records, _ = index.retrieve("c", "the harbour lamp", SearchConfig(max_steps=before + 1))
+    assert parsed, "the write replaced corpus.json: a search reads it again"
+    assert sorted(got.selected) == list(range(before + 1)) and records[before].doc_id == "late"
+    store.delete("c")
+    with pytest.raises(CorpusNotFound):
+        index.retrieve("c", "the king", cfg)
+
+
 def test_faiss_and_torch_scoring_agree(tiny_encoder, tmp_path):
     model = load_embedding_model(resolve_source(None, tiny_encoder), "cpu")
     store = CorpusStore(tmp_path)

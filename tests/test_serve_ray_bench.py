@@ -4,6 +4,7 @@ spread over GPUs), the Ray environment per variant, and Serve's spans read back.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -97,3 +98,42 @@ def test_spans_are_read_once_each(serve_ray, tmp_path):
     second = serve_ray.new_spans(tmp_path, offsets)
     assert second == {"proxy_http_request": [pytest.approx(30.0)]}
     assert serve_ray.span_summary(first)["proxy_http_request"]["mean_ms"] == pytest.approx(15.0)
+
+
+def test_the_ray_wheel_shrinks_without_jars_and_source_maps_and_its_record_matches(tmp_path):
+    import csv
+    import io
+    import subprocess
+    import zipfile
+
+    wheel = tmp_path / "ray-0-py3-none-any.whl"
+    files = {
+        "ray/__init__.py": b"x = 1\n",
+        "ray/jars/ray_dist.jar": b"j" * 1000,
+        "ray/dashboard/client/build/static/js/main.js": b"js",
+        "ray/dashboard/client/build/static/js/main.js.map": b"m" * 1000,
+    }
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("ray-0.dist-info/RECORD", "".join(f"{n},sha256=x,{len(d)}\n" for n, d in files.items()))
+    subprocess.run([sys.executable, str(ROOT / "bench" / "serve_gpu_wheel.py"), str(wheel)], check=True)
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        record = [r[0] for r in csv.reader(io.StringIO(z.read("ray-0.dist-info/RECORD").decode()))]
+    kept = {"ray/__init__.py", "ray/dashboard/client/build/static/js/main.js"}
+    assert names == kept | {"ray-0.dist-info/RECORD"}
+    assert set(record) == kept
+
+
+def test_the_serve_gpu_call_refuses_to_run_without_ray_installed_by_the_call_before(tmp_path):
+    import subprocess
+
+    got = subprocess.run(
+        ["bash", "bench/serve_gpu.sh", "run"],
+        cwd=ROOT,
+        env={**os.environ, "OUT": str(tmp_path / "out"), "SITE": str(tmp_path / "site")},
+        capture_output=True,
+        text=True,
+    )
+    assert got.returncode == 2 and "run 'wheels' in the call before" in got.stderr

@@ -16,7 +16,7 @@ from qrag.data.tokens import TokenLayout
 from qrag.index.shards import CorpusShards, ShardIndex, ShardOptions, as_devices, score_shards
 from qrag.retrieval.hits import ShardHits
 from qrag.index.pipeline import IndexStats, document_groups, index_groups
-from qrag.index.store import CorpusConflict, CorpusStore, Manifest, StoreError
+from qrag.index.store import CorpusConflict, CorpusStore, Manifest, ManifestCache, StoreError
 from qrag.retrieval.hits import ChunkRecord
 
 
@@ -79,6 +79,7 @@ class LocalIndex:
         self.writer = writer  # "thread" or "process": where a pipelined run writes the store
         self.last_stats: IndexStats | None = None  # stage timings of the last add_documents
         self._open: dict[str, CorpusShards] = {}
+        self._manifests = ManifestCache(store)  # searches stat corpus.json; they parse it only when it changed
 
     def create(self, name: str, chunk_tokens: int, shards: int, dtype: str = "float32") -> Manifest:
         return self.store.create(
@@ -134,8 +135,9 @@ class LocalIndex:
         )
         return manifest
 
-    def shards(self, name: str) -> CorpusShards:
-        m = self.store.read(name)
+    def shards(self, name: str, m: Manifest | None = None) -> CorpusShards:
+        """The corpus's shards in memory, caught up with its manifest ``m`` (default: read now)."""
+        m = m or self._manifests.read(name)
         cs = self._open.get(name)
         if cs is None or cs.uid != m.uid:
             cs = self._open[name] = CorpusShards(self.store, name, range(m.shards), self.devices, self.options)
@@ -147,12 +149,12 @@ class LocalIndex:
     ) -> tuple[Retrieval, dict[int, ChunkRecord], Timings]:
         t0 = time.perf_counter()
         timings = Timings()
-        m = self.store.read(name)
+        m = self._manifests.read(name)
         if m.fingerprint != self.model.fingerprint:
             raise CorpusConflict(
                 f"corpus {name!r} was indexed with model {m.fingerprint}, not {self.model.fingerprint}"
             )
-        cs = self.shards(name)
+        cs = self.shards(name, m)
         q_ids = self.model.tokenize_question(question)
         timings.tokenize = time.perf_counter() - t0
         run = SearchRun(q_ids, self.model.layout, cfg, m.chunks)
@@ -164,8 +166,8 @@ class LocalIndex:
         """Search several questions in lockstep: one state-encoder call and one scoring pass per
         shard per step for all of them (what batching concurrent requests buys)."""
         t0 = time.perf_counter()
-        m = self.store.read(name)
-        cs = self.shards(name)
+        m = self._manifests.read(name)
+        cs = self.shards(name, m)
         runs = [SearchRun(self.model.tokenize_question(q), self.model.layout, cfg, m.chunks) for q in questions]
         search(runs, self.model.embed_states, self._backend(cs, m))
         seconds = (time.perf_counter() - t0) / max(1, len(runs))

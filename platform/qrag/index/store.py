@@ -1146,3 +1146,28 @@ class CorpusStore:
             self._write_manifest(m)
             self._remove_unlisted(m, replaced)
             return m, []
+
+
+class ManifestCache:
+    """A reader's manifests, each re-read only when its corpus.json changed (one stat a call;
+    writers replace the file, so a new inode or mtime means a new manifest). The manifests it
+    returns are shared between calls: readers only, never to be changed."""
+
+    def __init__(self, store: CorpusStore):
+        self.store = store
+        self._cached: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+
+    def read(self, name: str) -> Manifest:
+        try:
+            st = (self.store.path(name) / "corpus.json").stat()
+        except (FileNotFoundError, NotADirectoryError):
+            self._cached.pop(name, None)
+            raise CorpusNotFound(f"unknown corpus {name!r}") from None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        hit = self._cached.get(name)
+        if hit is None or hit[0] != key:
+            hit = self._cached[name] = (key, self.store.read(name))
+        return hit[1]
+
+    def forget(self, name: str) -> None:
+        self._cached.pop(name, None)

@@ -20,7 +20,7 @@ from qrag.data.sample import DataError
 from qrag.index.holder import corpus_bytes_per_holder
 from qrag.index.jobs import Job
 from qrag.index.shards import ShardUnhealthy
-from qrag.index.store import Batch, CorpusChanged, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
+from qrag.index.store import Batch, CorpusChanged, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, ManifestCache, StoreError
 from qrag.retrieval.embedder import Tokenization
 from qrag.serving.backends import EncoderClient, HolderClient
 from qrag.serving.errors import ServiceError, data_error, store_error
@@ -45,7 +45,7 @@ class CorpusAdmin:
         self.encoder, self.holders, self.metrics = encoder, list(holders), metrics
         self.max_chunk_tokens = chunk_token_limit(model.max_positions, tok)
         self.jobs = JobRunner(cfg, store, self._summary_or_none)
-        self._manifests: dict[str, tuple[tuple[int, int], Manifest]] = {}
+        self._manifests = ManifestCache(store)
         self._repairing: dict[str, asyncio.Lock] = {}
 
     def path_of(self, name: str):
@@ -56,21 +56,11 @@ class CorpusAdmin:
 
     def manifest(self, name: str) -> Manifest:
         """The corpus manifest, re-read only when its file changed (one stat per request)."""
-        path = self.path_of(name) / "corpus.json"
+        self.path_of(name)  # an invalid name is the request's fault (422), not the store's
         try:
-            st = path.stat()
-        except (FileNotFoundError, NotADirectoryError):
-            self._manifests.pop(name, None)
-            raise ServiceError(404, "corpus", f"unknown corpus {name!r}") from None
-        key = (st.st_ino, st.st_mtime_ns)
-        cached = self._manifests.get(name)
-        if cached is None or cached[0] != key:
-            try:
-                cached = (key, self.store.read(name))
-            except StoreError as exc:
-                raise store_error(exc, name) from None
-            self._manifests[name] = cached
-        return cached[1]
+            return self._manifests.read(name)
+        except StoreError as exc:
+            raise store_error(exc, name) from None
 
     def _summary_or_none(self, name: str) -> dict[str, Any] | None:
         try:
@@ -201,7 +191,7 @@ class CorpusAdmin:
             await asyncio.to_thread(self.store.delete, name)
         except CorpusNotFound:
             raise ServiceError(404, "corpus", f"unknown corpus {name!r}") from None
-        self._manifests.pop(name, None)
+        self._manifests.forget(name)
         # Free the shards' memory now (replicas not reached drop it at their next sweep).
         await asyncio.gather(*(s.forget(name) for s in self.holders), return_exceptions=True)
         return {"deleted": name}

@@ -1,0 +1,67 @@
+#!/bin/bash
+# Ray Serve through its HTTP proxy against the library path, on one GPU machine (docs/benchmarks.md,
+# "Serving through Ray Serve"): a relative-positions checkpoint trained in the call
+# (configs/babilong-qa1.yaml, UPDATES updates), a TOKENS-token corpus of the carried novels in SHARDS
+# shards with the library path timed on it (bench/serve_scale.py), then serve/config.yaml's app on a
+# local Ray bound to 127.0.0.1 (bench/serve_ray.py: LAYOUTS under each of SERVE_ENV).
+#
+# Here, once (commit first: the results record the commit and whether the tree differed from it):
+#   bash bench/serve_gpu.sh pack      # .whl: Ray's wheel (jars and source maps left out) and the Serve stack
+#                                     # the GPU image lacks, uvloop and httptools included (~53 MB);
+#                                     # .carry/serve: fp16 MiniLM, bAbI and the novels, provenance.env
+# On a GPU machine, two calls back to back (a warm machine keeps /tmp between calls, not the carries):
+#   call 1, carry .whl:               bash bench/serve_gpu.sh wheels
+#   call 2, carry .carry/serve:       OUT=$OUT bash bench/serve_gpu.sh run
+# It brings back library.json, serve_ray.json and the training log.
+set -euo pipefail
+MODE=${1:?usage: bench/serve_gpu.sh pack|wheels|run}
+CARRY=${CARRY:-.carry/serve}
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/site}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
+
+# Ray and what the torch GPU image lacks of ray[serve]'s HTTP stack, for CPython 3.12 on x86-64.
+STACK="ray==2.60.0 fastapi starlette uvicorn uvloop httptools h11 click anyio sniffio annotated-doc \
+annotated-types pydantic pydantic-core typing-inspection prometheus-client grpcio-reflection==1.84.0 \
+jsonschema jsonschema-specifications referencing rpds-py importlib-metadata opentelemetry-api \
+opentelemetry-sdk opentelemetry-semantic-conventions"
+
+if [ "$MODE" = pack ]; then
+  mkdir -p "$WHEELS" "$CARRY/data"
+  # shellcheck disable=SC2086
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 -d "$WHEELS" $STACK
+  $PY bench/serve_gpu_wheel.py "$WHEELS"/ray-*.whl  # 75 MB -> ~44 MB: one call carries at most 64 MiB
+  data=$($PY -c 'from qrag.data.paths import data_root; print(data_root())')
+  mkdir -p "$CARRY/data/babi"
+  cp -r "$data/babi/tasks_1-20_v1-2" "$CARRY/data/babi/"
+  cp -r "$data/gutenberg_novels" "$CARRY/data/"
+  PYTHONPATH=$PYTHONPATH:$PWD/bench $PY -c 'import sys; from bench_common import pack_encoder; pack_encoder(sys.argv[1])' \
+    "$CARRY/minilm"
+  $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
+  du -sh "$WHEELS" "$CARRY"
+  exit 0
+fi
+if [ "$MODE" = wheels ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  PYTHONPATH=$SITE:$PYTHONPATH $PY bench/two_gpu.py --check-imports || true  # names what is still missing
+  exit 0
+fi
+[ "$MODE" = run ] || { echo "bench/serve_gpu.sh: pack, wheels or run, not $MODE" >&2; exit 2; }
+
+OUT=${OUT:?set OUT to the folder that comes back}
+WORK=${WORK:-/tmp/serve_gpu}
+[ -d "$SITE/ray" ] || { echo "bench/serve_gpu.sh: no Ray under $SITE: run 'wheels' in the call before" >&2; exit 2; }
+export PYTHONPATH=$SITE:$PYTHONPATH HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$CARRY/data}
+if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
+mkdir -p "$WORK" "$OUT"
+books=$(find "$QRAG_DATA_DIR/gutenberg_novels" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+$PY -m qrag train --config configs/babilong-qa1.yaml name=qa1 updates="${UPDATES:-20}" eval_every=0 \
+  model.encoder="$CARRY/minilm" device=cuda out_dir="$WORK/runs" --no-progress > "$OUT/train.log" 2>&1
+ckpt="$WORK/runs/qa1/final"
+$PY bench/serve_scale.py --corpus "$books" --checkpoint "$ckpt" --storage "$WORK/idx" --tokens "${TOKENS:-10000000}" \
+  --shards "${SHARDS:-4}" --variants optimized --batches 1,8,32,64,128 --out "$OUT/library.json"
+$PY bench/serve_ray.py --storage "$WORK/idx" --checkpoint "$ckpt" --library "$OUT/library.json" \
+  --layouts "${LAYOUTS:-default}" --serve-env "${SERVE_ENV:-classic,throughput}" --trace-sample "${TRACE:-0}" \
+  --out "$OUT/serve_ray.json" ${SERVE_ARGS:-}
