@@ -13,6 +13,10 @@
 #   call 1, carry .whl:               bash bench/serve_gpu.sh wheels
 #   call 2, carry .carry/serve:       OUT=$OUT bash bench/serve_gpu.sh run
 # It brings back library.json, serve_ray.json and the training log.
+# CPU check (tiny, ~10 minutes): SITE=<a venv's site-packages> CARRY=<packed> DEVICE=cpu UPDATES=1 TOKENS=30000
+#   TRAIN_ARGS="data.context_tokens=512 data.samples_per_task=64 learner.episodes_per_update=16 learner.micro_batch=16"
+#   SCALE_ARGS="--device cpu" SERVE_ARGS="--gpus 0 --cpus 2 --queries 10 --clients 1,2 --load-seconds 2"
+#   OUT=/tmp/sg bash bench/serve_gpu.sh run
 set -euo pipefail
 MODE=${1:?usage: bench/serve_gpu.sh pack|wheels|run}
 CARRY=${CARRY:-.carry/serve}
@@ -58,10 +62,11 @@ if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +
 mkdir -p "$WORK" "$OUT"
 books=$(find "$QRAG_DATA_DIR/gutenberg_novels" -mindepth 1 -maxdepth 1 -type d | head -n 1)
 $PY -m qrag train --config configs/babilong-qa1.yaml name=qa1 updates="${UPDATES:-20}" eval_every=0 \
-  model.encoder="$CARRY/minilm" device=cuda out_dir="$WORK/runs" --no-progress > "$OUT/train.log" 2>&1
+  model.encoder="$CARRY/minilm" device="${DEVICE:-cuda}" out_dir="$WORK/runs" ${TRAIN_ARGS:-} --no-progress \
+  > "$OUT/train.log" 2>&1 || { tail -n 20 "$OUT/train.log"; exit 1; }
 ckpt="$WORK/runs/qa1/final"
 $PY bench/serve_scale.py --corpus "$books" --checkpoint "$ckpt" --storage "$WORK/idx" --tokens "${TOKENS:-10000000}" \
-  --shards "${SHARDS:-4}" --variants optimized --batches 1,8,32,64,128 --out "$OUT/library.json"
+  --shards "${SHARDS:-4}" --variants optimized --batches 1,8,32,64,128 --out "$OUT/library.json" ${SCALE_ARGS:-}
 $PY bench/serve_ray.py --storage "$WORK/idx" --checkpoint "$ckpt" --library "$OUT/library.json" \
   --layouts "${LAYOUTS:-default}" --serve-env "${SERVE_ENV:-classic,throughput}" --trace-sample "${TRACE:-0}" \
   --out "$OUT/serve_ray.json" ${SERVE_ARGS:-}
