@@ -42,14 +42,13 @@ cp .carry/faiss_*/* "$PARTS"/ 2>/dev/null || true
 . "$PARTS/manifest"
 have=$(ls "$PARTS/$wheel".part* 2>/dev/null | wc -l)
 # Only the call that carries the last part (or none) runs the benches: on a warm machine that kept every
-# part from before, a call carrying part 1 would otherwise start a run that its time limit cuts off.
-for part in .carry/faiss_*/"$wheel".part*; do
-  [ -e "$part" ] || continue
-  if [ "${part##*.part}" != "$((parts - 1))" ]; then
-    echo "faiss_gpu.sh: kept ${part##*/} ($have of $parts parts in $PARTS); the call carrying the last part runs"
-    exit 0
-  fi
-done
+# part from before, a call carrying part 1 would otherwise start a run that its time limit cuts off. The
+# device keeps ignored folders that earlier calls carried, so a call may hold earlier parts beside its own.
+carried=$(ls .carry/faiss_*/"$wheel".part* 2>/dev/null | wc -l)
+if [ "$carried" -gt 0 ] && ! ls .carry/faiss_*/"$wheel".part$((parts - 1)) >/dev/null 2>&1; then
+  echo "faiss_gpu.sh: kept the carried part ($have of $parts parts in $PARTS); the call carrying the last part runs"
+  exit 0
+fi
 if [ "$have" -lt "$parts" ]; then
   echo "faiss_gpu.sh: $have of $parts parts of $wheel kept in $PARTS; carry the next .carry/faiss_N"
   exit 0
