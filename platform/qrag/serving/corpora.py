@@ -20,7 +20,16 @@ from qrag.data.sample import DataError
 from qrag.index.holder import corpus_bytes_per_holder
 from qrag.index.jobs import Job
 from qrag.index.shards import ShardUnhealthy
-from qrag.index.store import Batch, CorpusChanged, CorpusConflict, CorpusNotFound, CorpusStore, Manifest, ManifestCache, StoreError
+from qrag.index.store import (
+    Batch,
+    CorpusChanged,
+    CorpusConflict,
+    CorpusNotFound,
+    CorpusStore,
+    Manifest,
+    ManifestCache,
+    StoreError,
+)
 from qrag.retrieval.embedder import Tokenization
 from qrag.serving.backends import EncoderClient, HolderClient
 from qrag.serving.errors import ServiceError, data_error, store_error
