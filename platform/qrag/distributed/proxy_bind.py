@@ -4,8 +4,8 @@
 controller holds the value the proxies were started with (and direct-ingress replicas use too).
 Ray has no public API for it: this reads the controller's ``get_http_config``, the call Serve's
 own replicas make. Anything that goes wrong counts as a public bind, so the app then refuses to
-start without API keys. So does Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY``): its ingress
-replicas serve HTTP themselves on every interface of their node, whatever ``http_options.host`` says.
+start without API keys. Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY``) binds the same host:
+HAProxy's HTTP port and each Ingress replica's own HTTP port both take ``http_options.host``.
 """
 
 from __future__ import annotations
@@ -27,20 +27,9 @@ def _controller():
     return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
 
 
-def replicas_serve_http_themselves() -> bool:
-    """Whether this cluster runs Serve's HAProxy ingress (read in the replica, as Serve reads it)."""
-    try:
-        from ray.serve._private import constants
-    except ImportError:
-        return False
-    return bool(getattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False))
-
-
 async def proxy_bind_host(timeout_s: float = 10.0) -> str:
     """The host Serve's HTTP proxies bind (``http_options.host``), or :data:`PUBLIC` when the
-    controller cannot tell within ``timeout_s`` or the replicas serve HTTP on every interface."""
-    if replicas_serve_http_themselves():
-        return PUBLIC
+    controller cannot tell within ``timeout_s``."""
     try:
         controller = await asyncio.wait_for(asyncio.to_thread(_controller), timeout_s)
         options = await asyncio.wait_for(controller.get_http_config.remote(), timeout_s)
@@ -51,4 +40,4 @@ async def proxy_bind_host(timeout_s: float = 10.0) -> str:
     return host if isinstance(host, str) and host.strip() else PUBLIC
 
 
-__all__ = ["PUBLIC", "proxy_bind_host", "replicas_serve_http_themselves"]
+__all__ = ["PUBLIC", "proxy_bind_host"]

@@ -43,7 +43,7 @@ from qrag.index.store import CorpusNotFound, CorpusStore, SegmentProblem
 from qrag.model.encoder import pick_device
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.retrieval.hits import ShardHits
-from qrag.distributed.proxy_bind import PUBLIC, proxy_bind_host
+from qrag.distributed.proxy_bind import proxy_bind_host
 from qrag.serving.auth import ApiKeyError, key_table, startup_problem
 from qrag.serving.backends import LocalEncoder
 from qrag.serving.errors import ServiceError, overloaded
@@ -436,8 +436,8 @@ def serve_locally(
     ingress: str = "proxy",
 ) -> None:
     """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C.
-    ``ingress``: "proxy" (Serve's HTTP proxy) or "haproxy" (Serve's HAProxy ingress; its replicas
-    bind every interface, so API keys are needed as on a public host)."""
+    ``ingress``: "proxy" (Serve's HTTP proxy) or "haproxy" (Serve's HAProxy ingress: HAProxy on
+    ``port``, each Ingress replica serving HTTP itself behind it; both bind ``host``)."""
     import os
     import signal
     import sys
@@ -451,7 +451,7 @@ def serve_locally(
         keys = key_table(cfg.api_keys)
     except ApiKeyError as exc:
         raise SystemExit(f"qrag serve: {exc}") from None
-    problem = startup_problem(PUBLIC if ingress == "haproxy" else host, keys, cfg.allow_unauthenticated)
+    problem = startup_problem(host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
     if ingress == "haproxy":
