@@ -188,7 +188,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides for training, e.g. learner.lr=3e-5"
     )
-    return p.parse_args(argv)
+    # Intermixed: options may follow the key=value overrides (bench/longctx_seeds.sh appends both).
+    return p.parse_intermixed_args(argv)
 
 
 # -- assets -------------------------------------------------------------------------------------
@@ -225,7 +226,8 @@ def pack_assets(dest: Path) -> dict:
 
 def resolve_paths(args: argparse.Namespace) -> dict[str, str | None]:
     a = Path(args.assets) if args.assets else None
-    essays = args.essays or (str(next((a / "essays").glob("*.json*"))) if a else None)
+    packed_essays = next(iter(sorted((a / "essays").glob("*.json*"))), None) if a else None
+    essays = args.essays or (str(packed_essays) if packed_essays else None)
     return {
         "encoder": args.encoder or (str(a / "encoder") if a else "minilm"),
         "babi": args.babi or (str(a / "babi") if a else None),

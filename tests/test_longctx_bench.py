@@ -97,3 +97,57 @@ def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tin
     # The log is also under --out as it goes (a call killed at its limit still tells how far it got).
     logged = (out / "longctx.log").read_text()
     assert "resumed from" in logged and "select: final" in logged
+
+
+def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encoder, tmp_path):
+    """bench/longctx_seeds.sh on CPU: two seeds of qa1 and the untrained encoder, each seed's
+    checkpoint chosen on val, then one headline with an interval per length."""
+    import os
+    import shutil
+    import subprocess
+    import tarfile
+
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    shutil.copytree(tiny_encoder, assets / "encoder")
+    shutil.copytree(data / "babi", assets / "babi")
+    shutil.copytree(data / "bg", assets / "novels")
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {
+        **os.environ,
+        "PY": sys.executable,
+        "CARRY": str(assets),
+        "ASSETS": str(assets),
+        "WORK": str(work),
+        "OUT": str(out),
+        "DEVICE": "cpu",
+        "TASKS": "qa1",
+        "SEEDS": "0 1",
+        "UPDATES": "4",
+        "EVERY": "2",
+        "LENGTHS": "1k",
+        "SELECT": "1k",
+        "SELECT_QUESTIONS": "2",
+        "QUESTIONS": "2",
+        "OMP_NUM_THREADS": "1",
+        "EXTRA": "--val-questions 0 data.samples_per_task=8 data.dev_samples_per_task=2 data.val_fraction=0.5 "
+        "data.chunk_tokens=32 learner.episodes_per_update=4 learner.micro_batch=4 learner.warmup_updates=1",
+    }
+    script = ["bash", str(ROOT / "bench" / "longctx_seeds.sh")]
+    done = subprocess.run(script + ["train"], cwd=ROOT, env={**env, "STOP_AT": "2"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (work / "runs" / "qa1-seed1" / "checkpoints" / "update_0000002").is_dir()
+    assert not (work / "runs" / "qa1-seed1" / "training.json").exists()  # a slice, not the run's end
+
+    done = subprocess.run(script + ["run"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    headline = json.loads((out / "longctx_qa1_headline.json").read_text())
+    trained = [r for r in headline["rows"] if r["model"] == "Q-RAG"]
+    assert trained and all(r["num_seeds"] == 2 and len(r["fact_em_ci"]) == 2 for r in trained)
+    assert {r["model"] for r in headline["rows"]} == {"Q-RAG", "untrained"}
+    seed1 = json.loads((work / "o" / "qa1-s1" / "longctx_qa1_seed1.json").read_text())
+    assert [s["from"] for s in seed1["training"]["slices"]] == [0, 2]  # resumed the slice, not restarted
+    assert "val" in seed1["training"]["selection"]["split"]
+    with tarfile.open(out / "longctx_seeds_files.tgz") as tgz:
+        names = tgz.getnames()
+    assert {"o/qa1-s0/longctx_qa1_seed0.json", "o/qa1-u/longctx_qa1_untrained.json"} <= set(names)

@@ -1,0 +1,107 @@
+#!/bin/bash
+# BabiLong and RULER NIAH headline rows under the protocol (docs/long-contexts.md, "Re-running the
+# headline rows"): SEEDS training seeds of each task in TASKS, spread over the machine's GPUs (one
+# process per run; several share a GPU), each run's checkpoint chosen on the val split (held-out
+# stories in validation books) at SELECT, dev evaluated once on the frozen draw, the untrained encoder
+# once per task, then `qrag combine-seeds` per task (means with 95% intervals). No Ray, MLflow or FAISS.
+#
+# Here, once (commit first: the results record the commit and whether the tree differed from it):
+#   bash bench/longctx_seeds.sh pack        # .carry/longctx: fp16 MiniLM, bAbI, novels, essays, provenance.env
+# On a GPU machine, carry .carry/longctx; the runs live in $WORK (/tmp), so slices of one schedule
+# go back to back on the same warm machine:
+#   OUT=$OUT TASKS="qa1 qa2 qa4 qa5" bash bench/longctx_seeds.sh run      # train, choose, dev, combine
+#   OUT=$OUT TASKS=niah STOP_AT=300 bash bench/longctx_seeds.sh train     # a slice of a longer schedule
+#   OUT=$OUT TASKS=niah bash bench/longctx_seeds.sh run                    # resumes it, then the rest
+# It brings back longctx_<task>_headline.json per task and longctx_seeds_files.tgz (every seed's and
+# the untrained encoder's result with per-question scores, and the logs; a call returns 8 files).
+# CPU check with a tiny encoder: ASSETS=DIR DEVICE=cpu UPDATES=2 LENGTHS=1k SELECT=1k QUESTIONS=4
+#   EXTRA="learner.episodes_per_update=4 ..." OUT=/tmp/ls bash bench/longctx_seeds.sh run
+set -euo pipefail
+MODE=${1:?usage: bench/longctx_seeds.sh pack|train|run}
+CARRY=${CARRY:-.carry/longctx}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
+
+if [ "$MODE" = pack ]; then
+  $PY bench/longctx.py --pack-assets "$CARRY"
+  $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
+  du -sh "$CARRY"
+  exit 0
+fi
+case "$MODE" in train | run) ;; *) echo "bench/longctx_seeds.sh: pack, train or run, not $MODE" >&2; exit 2 ;; esac
+
+OUT=${OUT:?set OUT to the folder that comes back}
+TASKS=${TASKS:-qa1 qa2 qa4 qa5}
+SEEDS=${SEEDS:-0 1 2}
+WORK=${WORK:-/tmp/longctx_seeds}
+DEVICE=${DEVICE:-cuda}
+UPDATES=${UPDATES:-}
+SELECT=${SELECT:-1m}
+SELECT_QUESTIONS=${SELECT_QUESTIONS:-100}
+export HF_HUB_OFFLINE=1
+if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
+# A warm machine keeps /tmp between calls, not the carried folder: read the assets from a copy there.
+ASSETS=${ASSETS:-$WORK/assets}
+[ -d "$ASSETS" ] || { mkdir -p "$WORK" && cp -r "$CARRY" "$ASSETS"; }
+mkdir -p "$WORK/o" "$OUT"
+
+# Each task's preset settings as docs/long-contexts.md spells them (the bench turns periodic
+# evaluation and checkpoints off unless asked); every periodic checkpoint is a candidate on val.
+task_args() {
+  case "$1" in
+    qa3) echo "--updates ${UPDATES:-600} --train-tokens 4096 data.samples_per_task=9000 data.hard_negatives=64 \
+data.rename_entities=true data.val_fraction=0.2 eval_every=75 keep_best=true checkpoint_every=${EVERY:-100}" ;;
+    niah) echo "--updates ${UPDATES:-300} --train-tokens 2048 data.samples_per_task=1000 data.hard_negatives=8 \
+eval_every=50 keep_best=true checkpoint_every=${EVERY:-50}" ;;
+    qa1 | qa2 | qa4 | qa5) echo "--updates ${UPDATES:-150} --train-tokens 2048 eval_every=50 keep_best=true \
+checkpoint_every=${EVERY:-50}" ;;
+    *) echo "bench/longctx_seeds.sh: unknown task $1 (qa1..qa5, niah)" >&2; return 2 ;;
+  esac
+}
+eval_args="${LENGTHS:+--lengths $LENGTHS} ${QUESTIONS:+--questions $QUESTIONS --niah-questions $QUESTIONS}"
+
+if [ "$DEVICE" = cpu ]; then gpus=1; else gpus=$($PY -c 'import torch; print(max(torch.cuda.device_count(), 1))'); fi
+runs=$(( $(echo $TASKS | wc -w) * $(echo $SEEDS | wc -w) ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) / runs) > 0 ? $(nproc) / runs : 1 ))}
+
+slot=0
+for task in $TASKS; do
+  targs=$(task_args "$task")
+  for S in $SEEDS; do
+    gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
+    (
+      [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
+      base="$PY bench/longctx.py --task $task --assets $ASSETS --device $DEVICE --runs $WORK/runs --seed $S \
+--out $WORK/o/$task-s$S $targs ${EXTRA:-}"
+      # A run cut short (a slice, or a call that ran out of time) goes on from its newest checkpoint.
+      resume=""
+      if compgen -G "$WORK/runs/$task-seed$S/checkpoints/update_*" >/dev/null; then resume=--resume; fi
+      if [ ! -f "$WORK/runs/$task-seed$S/training.json" ]; then
+        if [ "$MODE" = train ] && [ -n "${STOP_AT:-}" ]; then $base $resume --stop-at "$STOP_AT"
+        else $base $resume --no-eval; fi
+      fi
+      [ "$MODE" = train ] || $base --eval-only --select-lengths "$SELECT" --select-questions "$SELECT_QUESTIONS" \
+        --no-baseline $eval_args
+    ) >> "$WORK/$task-s$S.log" 2>&1 &
+  done
+  if [ "$MODE" = run ] && [ ! -f "$WORK/o/$task-u/longctx_${task}_untrained.json" ]; then
+    gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
+    ( [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
+      $PY bench/longctx.py --task "$task" --assets "$ASSETS" --device "$DEVICE" --out "$WORK/o/$task-u" \
+        $(task_args "$task") ${EXTRA:-} --baseline-only $eval_args ) >> "$WORK/$task-u.log" 2>&1 &
+  fi
+done
+failed=0
+for job in $(jobs -p); do wait "$job" || failed=1; done
+tail -n 2 "$WORK"/*.log
+[ "$failed" = 0 ] || { echo "bench/longctx_seeds.sh: a run failed (logs above)" >&2; exit 1; }
+[ "$MODE" = run ] || exit 0
+
+for task in $TASKS; do
+  files=()
+  for S in $SEEDS; do files+=("$WORK/o/$task-s$S/longctx_${task}_seed$S.json"); done
+  $PY -m qrag combine-seeds "${files[@]}" "$WORK/o/$task-u/longctx_${task}_untrained.json" \
+    --out "$OUT/longctx_${task}_headline.json"
+done
+(cd "$WORK" && tar czf "$OUT/longctx_seeds_files.tgz" o/*/longctx_*.json ./*.log)
+ls -l "$OUT"
