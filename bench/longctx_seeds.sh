@@ -10,8 +10,8 @@
 # On a GPU machine, carry .carry/longctx; the runs live in $WORK (/tmp), so slices of one schedule
 # go back to back on the same warm machine:
 #   OUT=$OUT TASKS="qa1 qa2 qa4 qa5" bash bench/longctx_seeds.sh run      # train, choose, dev, combine
-#   OUT=$OUT TASKS=niah STOP_AT=300 bash bench/longctx_seeds.sh train     # a slice of a longer schedule
-#   OUT=$OUT TASKS=niah bash bench/longctx_seeds.sh run                    # resumes it, then the rest
+#   OUT=$OUT TASKS=niah UPDATES=600 STOP_AT=300 bash bench/longctx_seeds.sh train   # a slice of a longer run
+#   OUT=$OUT TASKS=niah UPDATES=600 bash bench/longctx_seeds.sh run       # resumes it, then the rest
 # It brings back longctx_<task>_headline.json per task and longctx_seeds_files.tgz (every seed's and
 # the untrained encoder's result with per-question scores, and the logs; a call returns 8 files).
 # CPU check with a tiny encoder: ASSETS=DIR DEVICE=cpu UPDATES=2 LENGTHS=1k SELECT=1k QUESTIONS=4
@@ -37,7 +37,6 @@ WORK=${WORK:-/tmp/longctx_seeds}
 DEVICE=${DEVICE:-cuda}
 UPDATES=${UPDATES:-}
 SELECT=${SELECT:-1m}
-SELECT_QUESTIONS=${SELECT_QUESTIONS:-100}
 export HF_HUB_OFFLINE=1
 if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
 # A warm machine keeps /tmp between calls, not the carried folder: read the assets from a copy there.
@@ -67,6 +66,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) / runs) > 0 ? $(nproc) /
 slot=0
 for task in $TASKS; do
   targs=$(task_args "$task")
+  # Validation questions per length (NIAH: per task, eight tasks) that choose each seed's checkpoint.
+  if [ "$task" = niah ]; then select_questions=${SELECT_QUESTIONS:-25}; else select_questions=${SELECT_QUESTIONS:-100}; fi
   for S in $SEEDS; do
     gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
     (
@@ -80,8 +81,9 @@ for task in $TASKS; do
         if [ "$MODE" = train ] && [ -n "${STOP_AT:-}" ]; then $base $resume --stop-at "$STOP_AT"
         else $base $resume --no-eval; fi
       fi
-      [ "$MODE" = train ] || $base --eval-only --select-lengths "$SELECT" --select-questions "$SELECT_QUESTIONS" \
-        --no-baseline $eval_args
+      # A seed already chosen and evaluated (by a call that ran out of time later) is not redone.
+      [ "$MODE" = train ] || [ -f "$WORK/o/$task-s$S/longctx_${task}_seed$S.json" ] || $base --eval-only \
+        --select-lengths "$SELECT" --select-questions "$select_questions" --no-baseline $eval_args
     ) >> "$WORK/$task-s$S.log" 2>&1 &
   done
   if [ "$MODE" = run ] && [ ! -f "$WORK/o/$task-u/longctx_${task}_untrained.json" ]; then

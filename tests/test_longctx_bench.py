@@ -151,3 +151,11 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
     with tarfile.open(out / "longctx_seeds_files.tgz") as tgz:
         names = tgz.getnames()
     assert {"o/qa1-s0/longctx_qa1_seed0.json", "o/qa1-u/longctx_qa1_untrained.json"} <= set(names)
+
+    # A later call (the first ran out of time after some seeds finished) redoes none of them.
+    finished = work / "o" / "qa1-s0" / "longctx_qa1_seed0.json"
+    stamp = finished.stat().st_mtime_ns
+    (out / "longctx_qa1_headline.json").unlink()
+    done = subprocess.run(script + ["run"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert finished.stat().st_mtime_ns == stamp and (out / "longctx_qa1_headline.json").is_file()

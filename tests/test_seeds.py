@@ -173,3 +173,15 @@ def test_the_combined_provenance_speaks_for_every_source_not_the_last_file():
     assert out["git_commit"] == ["c0", "c1", "c2", "c9"] and out["git_dirty"] is True
     same = combine_tables([(f"s{i}", t) for i, t in enumerate(seeds)], replicates=100)
     assert same["selected_on"] == "checkpoint: the best on the val split at 1m"
+
+
+def test_error_bars_are_never_negative_when_every_seed_scores_the_same():
+    """Seeds all at 0.4: the mean (summed one way) can sit a hair above its interval's bound (summed
+    another), and matplotlib refuses a negative bar; a combined table at a ceiling must still plot."""
+    from qrag.evaluation.lengths import error_bars
+
+    mean = sum([0.4] * 7 + [0.4] * 3) / 10 * 100  # 39.99999999999999 or 40.00000000000001
+    bars = error_bars([mean, 50.0], [[0.3999999999999999, 0.3999999999999999], [0.45, 0.55]])
+    assert min(bars[0] + bars[1]) >= 0.0
+    assert bars[0][1] == pytest.approx(5.0) and bars[1][1] == pytest.approx(5.0)
+    assert error_bars([mean], [[0.4 + 1e-16, 0.4 - 1e-16]])[1][0] >= 0.0

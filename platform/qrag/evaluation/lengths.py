@@ -432,8 +432,10 @@ def error_bars(values: Sequence[float], intervals: Sequence[Sequence[float] | No
     (0-1, drawn x ``scale``); None when no point has one."""
     if not any(intervals):
         return None
-    below = [v - scale * ci[0] if ci else 0.0 for v, ci in zip(values, intervals)]
-    above = [scale * ci[1] - v if ci else 0.0 for v, ci in zip(values, intervals)]
+    # Clipped at 0: a mean and a bound summed in another order can differ in the last bit (every
+    # seed at 0.4 gives a mean a hair above its interval), and matplotlib refuses a negative bar.
+    below = [max(0.0, v - scale * ci[0]) if ci else 0.0 for v, ci in zip(values, intervals)]
+    above = [max(0.0, scale * ci[1] - v) if ci else 0.0 for v, ci in zip(values, intervals)]
     return [below, above]
 
 
