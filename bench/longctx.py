@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -150,6 +151,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "is <task>-seed<N> under --runs and its result longctx_<task>_seed<N>.json (dev: the frozen draw whatever N)",
     )
     p.add_argument(
+        "--label",
+        default=DEFAULT_LABEL,
+        help="the trained model's name in the rows (a variant of the preset, e.g. 'w/o target' with "
+        "learner.use_target=false); another label than the default also names the run <task>-<label>-seed<N> and "
+        "its result longctx_<task>_<label>_seed<N>.json (label in letters, digits and '-'), so variants' seeds "
+        "combine into one table with qrag combine-seeds",
+    )
+    p.add_argument(
         "--no-eval",
         action="store_true",
         help="train to the end and stop: no selection, no dev evaluation (--eval-only does them)",
@@ -239,8 +248,21 @@ def resolve_paths(args: argparse.Namespace) -> dict[str, str | None]:
 # -- training -----------------------------------------------------------------------------------
 
 
+DEFAULT_LABEL = "Q-RAG"
+
+
+def label_slug(label: str) -> str:
+    """A variant's label as a file and run name part: 'w/o soft-Q' -> 'w-o-soft-q'."""
+    return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-") or "variant"
+
+
+def run_stem(task: str, args: argparse.Namespace) -> str:
+    """<task>, <task>-<label> for a variant: the run folder's and the result file's common part."""
+    return task if args.label == DEFAULT_LABEL else f"{task}-{label_slug(args.label)}"
+
+
 def run_name(task: str, args: argparse.Namespace) -> str:
-    return task if args.seed is None else f"{task}-seed{args.seed}"
+    return run_stem(task, args) if args.seed is None else f"{run_stem(task, args)}-seed{args.seed}"
 
 
 def run_config(task: str, args: argparse.Namespace, paths: dict):
@@ -469,7 +491,7 @@ def evaluate(task: str, checkpoint: str | None, cfg, args: argparse.Namespace, d
     lengths = [parse_length(x) for x in (args.lengths or (NIAH_LENGTHS if is_niah else BABILONG_LENGTHS)).split(",")]
     if is_niah:
         lengths = [n for n in lengths if n <= 2**20]  # RULER: 4K to 1M
-    models = ([("Q-RAG", checkpoint)] if checkpoint else []) + ([] if args.no_baseline else [("untrained", "none")])
+    models = ([(args.label, checkpoint)] if checkpoint else []) + ([] if args.no_baseline else [("untrained", "none")])
 
     def samples(length: int) -> int:
         if is_niah:
@@ -718,7 +740,8 @@ def run_task(task: str, args: argparse.Namespace, paths: dict, device, out_dir: 
                 f"{', '.join(selection['chosen_among'])}",
             )
         checkpoint = training["checkpoint"]
-        name = f"longctx_{task}.json" if args.seed is None else f"longctx_{task}_seed{args.seed}.json"
+        stem = run_stem(task, args).replace("-", "_", 1)
+        name = f"longctx_{stem}.json" if args.seed is None else f"longctx_{stem}_seed{args.seed}.json"
     t0 = time.perf_counter()
     table = evaluate(task, checkpoint, cfg, args, device, log)
     table.update(

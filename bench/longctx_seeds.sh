@@ -12,6 +12,7 @@
 #   OUT=$OUT TASKS="qa1 qa2 qa4 qa5" bash bench/longctx_seeds.sh run      # train, choose, dev, combine
 #   OUT=$OUT TASKS=niah UPDATES=600 STOP_AT=300 bash bench/longctx_seeds.sh train   # a slice of a longer run
 #   OUT=$OUT TASKS=niah UPDATES=600 bash bench/longctx_seeds.sh run       # resumes it, then the rest
+#   OUT=$OUT TASKS=qa3 VARIANTS=table3 UPDATES=200 bash bench/longctx_seeds.sh run   # the paper's Table 3, seeded
 # It brings back longctx_<task>_headline.json per task and longctx_seeds_files.tgz (every seed's and
 # the untrained encoder's result with per-question scores, and the logs; a call returns 8 files).
 # CPU check with a tiny encoder: ASSETS=DIR DEVICE=cpu UPDATES=2 LENGTHS=1k SELECT=1k QUESTIONS=4
@@ -59,38 +60,59 @@ checkpoint_every=${EVERY:-50}" ;;
 }
 eval_args="${LENGTHS:+--lengths $LENGTHS} ${QUESTIONS:+--questions $QUESTIONS --niah-questions $QUESTIONS}"
 
+# VARIANTS: rows beside the preset, each LABEL:key=value,key=value ('_' in a label is a space; LABEL: alone is the
+# preset as it is). "table3" = the paper's Table 3 ablation with both supervised rows.
+if [ "${VARIANTS:-}" = table3 ]; then
+  VARIANTS="Q-RAG: w/o_target:learner.use_target=false w/o_soft-Q:learner.soft_q=false \
+w/o_positions:model.positions=none SFT:learner.objective=sft SFT_trajectory:learner.objective=sft_trajectory"
+fi
+VARIANTS=${VARIANTS:-Q-RAG:}
+slug() {  # as bench/longctx.py names a variant's run and file: 'w/o soft-Q' -> w-o-soft-q; the preset keeps none
+  if [ "$1" = Q-RAG ]; then echo ""; else echo "-$(echo "$1" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')"; fi
+}
+result() {  # task, variant label, seed: the seed's result file
+  local stem="$1$(slug "$2")"
+  echo "$WORK/o/$stem-s$3/longctx_${stem/-/_}_seed$3.json"
+}
+
 if [ "$DEVICE" = cpu ]; then gpus=1; else gpus=$($PY -c 'import torch; print(max(torch.cuda.device_count(), 1))'); fi
-runs=$(( $(echo $TASKS | wc -w) * $(echo $SEEDS | wc -w) ))
+runs=$(( $(echo $TASKS | wc -w) * $(echo $VARIANTS | wc -w) * $(echo $SEEDS | wc -w) ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) / runs) > 0 ? $(nproc) / runs : 1 ))}
 
 slot=0
 for task in $TASKS; do
-  targs=$(task_args "$task")
+  read -r -a targs <<< "$(task_args "$task")"
   # Validation questions per length (NIAH: per task, eight tasks) that choose each seed's checkpoint.
   if [ "$task" = niah ]; then select_questions=${SELECT_QUESTIONS:-25}; else select_questions=${SELECT_QUESTIONS:-100}; fi
-  for S in $SEEDS; do
-    gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
-    (
-      [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
-      base="$PY bench/longctx.py --task $task --assets $ASSETS --device $DEVICE --runs $WORK/runs --seed $S \
---out $WORK/o/$task-s$S $targs ${EXTRA:-}"
-      # A run cut short (a slice, or a call that ran out of time) goes on from its newest checkpoint.
-      resume=""
-      if compgen -G "$WORK/runs/$task-seed$S/checkpoints/update_*" >/dev/null; then resume=--resume; fi
-      if [ ! -f "$WORK/runs/$task-seed$S/training.json" ]; then
-        if [ "$MODE" = train ] && [ -n "${STOP_AT:-}" ]; then $base $resume --stop-at "$STOP_AT"
-        else $base $resume --no-eval; fi
-      fi
-      # A seed already chosen and evaluated (by a call that ran out of time later) is not redone.
-      [ "$MODE" = train ] || [ -f "$WORK/o/$task-s$S/longctx_${task}_seed$S.json" ] || $base --eval-only \
-        --select-lengths "$SELECT" --select-questions "$select_questions" --no-baseline $eval_args
-    ) >> "$WORK/$task-s$S.log" 2>&1 &
+  for variant in $VARIANTS; do
+    label=${variant%%:*}; label=${label//_/ }
+    read -r -a vargs <<< "${variant#*:}"; vargs=(${vargs[@]//,/ })
+    stem=$task$(slug "$label")
+    for S in $SEEDS; do
+      gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
+      (
+        [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
+        run=$WORK/runs/$stem-seed$S
+        base=($PY bench/longctx.py --task "$task" --label "$label" --assets "$ASSETS" --device "$DEVICE" \
+          --runs "$WORK/runs" --seed "$S" --out "$WORK/o/$stem-s$S" "${targs[@]}" ${vargs[@]+"${vargs[@]}"} ${EXTRA:-})
+        # A run cut short (a slice, or a call that ran out of time) goes on from its newest checkpoint.
+        resume=()
+        if compgen -G "$run/checkpoints/update_*" >/dev/null; then resume=(--resume); fi
+        if [ ! -f "$run/training.json" ]; then
+          if [ "$MODE" = train ] && [ -n "${STOP_AT:-}" ]; then "${base[@]}" ${resume[@]+"${resume[@]}"} --stop-at "$STOP_AT"
+          else "${base[@]}" ${resume[@]+"${resume[@]}"} --no-eval; fi
+        fi
+        # A seed already chosen and evaluated (by a call that ran out of time later) is not redone.
+        [ "$MODE" = train ] || [ -f "$(result "$task" "$label" "$S")" ] || "${base[@]}" --eval-only \
+          --select-lengths "$SELECT" --select-questions "$select_questions" --no-baseline $eval_args
+      ) >> "$WORK/$stem-s$S.log" 2>&1 &
+    done
   done
   if [ "$MODE" = run ] && [ ! -f "$WORK/o/$task-u/longctx_${task}_untrained.json" ]; then
     gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
     ( [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
       $PY bench/longctx.py --task "$task" --assets "$ASSETS" --device "$DEVICE" --out "$WORK/o/$task-u" \
-        $(task_args "$task") ${EXTRA:-} --baseline-only $eval_args ) >> "$WORK/$task-u.log" 2>&1 &
+        "${targs[@]}" ${EXTRA:-} --baseline-only $eval_args ) >> "$WORK/$task-u.log" 2>&1 &
   fi
 done
 failed=0
@@ -99,9 +121,13 @@ tail -n 2 "$WORK"/*.log
 [ "$failed" = 0 ] || { echo "bench/longctx_seeds.sh: a run failed (logs above)" >&2; exit 1; }
 [ "$MODE" = run ] || exit 0
 
+# One table per task: every variant's seeds and the untrained encoder, with the differences between them.
 for task in $TASKS; do
   files=()
-  for S in $SEEDS; do files+=("$WORK/o/$task-s$S/longctx_${task}_seed$S.json"); done
+  for variant in $VARIANTS; do
+    label=${variant%%:*}; label=${label//_/ }
+    for S in $SEEDS; do files+=("$(result "$task" "$label" "$S")"); done
+  done
   $PY -m qrag combine-seeds "${files[@]}" "$WORK/o/$task-u/longctx_${task}_untrained.json" \
     --out "$OUT/longctx_${task}_headline.json"
 done
