@@ -8,6 +8,8 @@
 #   bash bench/hotpot_seeds.sh pack          # .carry/hotpot: fp16 MiniLM, the QA data, provenance.env (~50 MB)
 # On a GPU machine (one call, carry .carry/hotpot):
 #   OUT=$OUT bash bench/hotpot_seeds.sh run
+# The paper's Table 3 rows, each with SEEDS seeds, in one headline per dataset with the differences between rows:
+#   OUT=$OUT VARIANTS=table3 bash bench/hotpot_seeds.sh run
 # It brings back hotpot_headline.json, musique_headline.json, the untrained summaries and one .tgz with
 # every seed's summary, per-question records and log (a call returns at most 8 files).
 # CPU check with a tiny encoder (minutes): DEVICE=cpu ENCODER=DIR EXTRA="updates=2 eval_every=1
@@ -42,17 +44,31 @@ if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +
 mkdir -p "$WORK" "$OUT"
 settings="model.encoder=${ENCODER:-$CARRY/encoder} device=$DEVICE out_dir=$WORK/runs ${EXTRA:-}"
 limit=${LIMIT:+--limit $LIMIT}
-evaluate() {  # checkpoint, name: HotpotQA dev (the preset's T) and MuSiQue dev out of distribution (T = 4)
+evaluate() {  # checkpoint, name[, --label L]: HotpotQA dev (the preset's T) and MuSiQue dev out of distribution (T = 4)
   $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
-    --out "$WORK/hotpot_$2.json"
+    --out "$WORK/hotpot_$2.json" "${@:3}"
   $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
-    --no-progress --out "$WORK/musique_$2.json"
+    --no-progress --out "$WORK/musique_$2.json" "${@:3}"
 }
-for S in $SEEDS; do
-  (
-    $PY -m qrag train --config "$CONFIG" name="seed$S" seed="$S" data.seed="$S" $settings --no-progress
-    evaluate "$WORK/runs/seed$S/best" "s$S"
-  ) > "$WORK/seed$S.log" 2>&1 &
+# VARIANTS: rows beside the preset, each LABEL:key=value,key=value ('_' in a label is a space; LABEL: alone is the
+# preset as it is), e.g. "Q-RAG: w/o_target:learner.use_target=false SFT:learner.objective=sft". With several,
+# each headline is a methods file: every row's seeds combined and the difference between every pair of rows.
+if [ "${VARIANTS:-}" = table3 ]; then
+  VARIANTS="Q-RAG: w/o_target:learner.use_target=false w/o_soft-Q:learner.soft_q=false \
+w/o_positions:model.positions=none SFT:learner.objective=sft SFT_trajectory:learner.objective=sft_trajectory"
+fi
+VARIANTS=${VARIANTS:-Q-RAG:}
+for variant in $VARIANTS; do
+  label=${variant%%:*}; label=${label//_/ }
+  vargs=${variant#*:}; vargs=${vargs//,/ }
+  # The preset keeps the names it always had (seed0, hotpot_s0.json); a variant's are prefixed by its label.
+  if [ "$label" = Q-RAG ]; then tag=""; else tag="$(echo "$label" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')-"; fi
+  for S in $SEEDS; do
+    (
+      $PY -m qrag train --config "$CONFIG" name="${tag}seed$S" seed="$S" data.seed="$S" $settings $vargs --no-progress
+      evaluate "$WORK/runs/${tag}seed$S/best" "${tag}s$S" --label "$label"
+    ) > "$WORK/${tag}seed$S.log" 2>&1 &
+  done
 done
 evaluate none untrained > "$WORK/untrained.log" 2>&1 &
 failed=0
@@ -60,7 +76,7 @@ for job in $(jobs -p); do wait "$job" || failed=1; done
 tail -n 3 "$WORK"/*.log
 [ "$failed" = 0 ] || { echo "bench/hotpot_seeds.sh: a run failed (logs above)" >&2; exit 1; }
 
-$PY -m qrag combine-seeds "$WORK"/hotpot_s*.json --out "$OUT/hotpot_headline.json"
-$PY -m qrag combine-seeds "$WORK"/musique_s*.json --out "$OUT/musique_headline.json"
+$PY -m qrag combine-seeds "$WORK"/hotpot_*s[0-9]*.json --out "$OUT/hotpot_headline.json"
+$PY -m qrag combine-seeds "$WORK"/musique_*s[0-9]*.json --out "$OUT/musique_headline.json"
 cp "$WORK/hotpot_untrained.json" "$WORK/musique_untrained.json" "$OUT/"
 (cd "$WORK" && tar czf "$OUT/hotpot_seeds_files.tgz" ./*.json ./*.records.jsonl ./*.log)

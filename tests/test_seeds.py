@@ -185,3 +185,68 @@ def test_error_bars_are_never_negative_when_every_seed_scores_the_same():
     assert min(bars[0] + bars[1]) >= 0.0
     assert bars[0][1] == pytest.approx(5.0) and bars[1][1] == pytest.approx(5.0)
     assert error_bars([mean], [[0.4 + 1e-16, 0.4 - 1e-16]])[1][0] >= 0.0
+
+
+def write_summary(tmp_path, name: str, label: str | None, p: float, seed: int, n: int = 80, ids=None) -> str:
+    """One seed's eval summary (``qrag eval --label``) with its per-question records beside it."""
+    scores = np.random.default_rng(seed).binomial(1, p, size=n).astype(float)
+    summary = {
+        "dataset": "hotpotqa",
+        "split": "dev",
+        "checkpoint": f"runs/{name}/best",
+        "fact_em": float(scores.mean()),
+        "fact_f1": float(scores.mean()),
+        "num_samples": n,
+        "search": {"max_steps": 2},
+        "train_dataset": "hotpotqa",
+        "selected_on": "checkpoint: keep_best's",
+        "git_commit": "abc",
+        "git_dirty": False,
+        **({"label": label} if label else {}),
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(summary))
+    ids = ids or [f"q{i}" for i in range(n)]
+    path.with_suffix(".records.jsonl").write_text(
+        "".join(json.dumps({"id": q, "fact_em": v, "fact_f1": v}) + "\n" for q, v in zip(ids, scores))
+    )
+    return str(path)
+
+
+def test_several_methods_seeds_combine_each_and_are_compared(tmp_path):
+    """Table 3's rows on HotpotQA: each label's seeds combined, then every pair's difference, called
+    only when its interval excludes 0."""
+    files = [write_summary(tmp_path, f"q{s}", None, 0.9, s) for s in range(3)]
+    files += [write_summary(tmp_path, f"t{s}", "w/o target", 0.3, 10 + s) for s in range(3)]
+    files += [write_summary(tmp_path, f"c{s}", "w/o soft-Q", 0.9, 20 + s) for s in range(3)]
+    out = combine_files(files, replicates=300)
+    assert out["kind"] == "methods"
+    methods = {m["label"]: m for m in out["methods"]}
+    assert set(methods) == {"Q-RAG", "w/o target", "w/o soft-Q"}
+    assert all(m["num_seeds"] == 3 for m in methods.values())
+    assert methods["w/o target"]["combined_from"] == files[3:6]
+    calls = {(d["a"], d["b"]): d["called"] for d in out["differences"]}
+    assert calls[("Q-RAG", "w/o target")] == "Q-RAG > w/o target"
+    assert calls[("Q-RAG", "w/o soft-Q")] == "no difference shown"
+    from qrag.evaluation.report import build_report
+
+    path = tmp_path / "table3.json"
+    path.write_text(json.dumps(out))
+    text = build_report([path], tmp_path / "rep").text()
+    assert "w/o target" in text and "Q-RAG > w/o target" in text
+
+    files.append(write_summary(tmp_path, "other", "SFT", 0.9, 30, ids=[f"x{i}" for i in range(80)]))
+    with pytest.raises(DataError, match="other questions"):
+        combine_files(files, replicates=50)
+
+
+def test_eval_label_names_the_method_in_the_summary(tiny_encoder, hotpot_file, tmp_path):
+    from qrag.cli import main
+
+    out = tmp_path / "u.json"
+    args = ["eval", "--checkpoint", "none", "--config", "configs/hotpot.yaml", f"data.path={hotpot_file}",
+            f"model.encoder={tiny_encoder}", "device=cpu", "--limit", "3", "--no-progress", "--out", str(out)]
+    assert main(args + ["--label", "BM25-free baseline"]) == 0
+    assert json.loads(out.read_text())["label"] == "BM25-free baseline"
+    assert main(args) == 0
+    assert json.loads(out.read_text())["label"] == "Multi-step RAG w/o FT"

@@ -182,6 +182,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beam", type=int, metavar="B", help="beam width; 1 = greedy (default 1)")
     p.add_argument("--stop-threshold", type=float, metavar="Q", help="stop when the best Q falls below Q")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument(
+        "--label",
+        metavar="NAME",
+        help="the method's name in the summary, in qrag report's tables and for qrag combine-seeds, which "
+        "combines each name's seeds and compares the names (e.g. 'w/o target'; default: Q-RAG, or the "
+        "untrained baseline's name)",
+    )
     p.add_argument("--out", metavar="FILE.json", help="write the summary here (records go to FILE.records.jsonl)")
     p.add_argument(
         "--answer",
@@ -223,6 +230,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         data=args.data,
         dataset=args.dataset,
         allow_train_questions=args.allow_train_questions,
+        label=args.label,
     )
     print(json.dumps({k: v for k, v in summary.items() if k not in ("search", "answer", "answer_error_ids")}, indent=2))
     return 0

@@ -18,7 +18,8 @@ def _args(p: argparse.ArgumentParser) -> None:
         metavar="RESULT.json",
         help="one file per training seed: length sweeps (qrag sweep-lengths, bench/longctx.py) or eval summaries "
         "(qrag eval --out, with their .records.jsonl); a model found in one file only (e.g. the untrained "
-        "encoder) is one seed",
+        "encoder) is one seed. Eval summaries of several methods (qrag eval --label) give a methods file: each "
+        "method's seeds combined, and every pair's difference in Fact EM with its interval",
     )
     p.add_argument(
         "--out", required=True, metavar="FILE.json", help="the combined file (a length sweep also gets FILE.png)"
@@ -54,14 +55,12 @@ def cmd_combine_seeds(args: argparse.Namespace) -> int:
             )
         print(json.dumps({"combined": str(out), "plot": str(png) if png else None, "rows": len(combined["rows"])}))
     else:
-        print(
-            json.dumps(
-                {
-                    k: v
-                    for k, v in combined.items()
-                    if k in ("fact_em", "fact_em_ci", "fact_f1", "fact_f1_ci", "num_seeds", "num_samples")
-                },
-                indent=2,
+        shown = ("fact_em", "fact_em_ci", "fact_f1", "fact_f1_ci", "num_seeds", "num_samples")
+        for method in combined.get("methods", [combined]):
+            print(json.dumps({"method": method.get("label"), **{k: v for k, v in method.items() if k in shown}}))
+        for d in combined.get("differences", []):
+            print(
+                f"{d['a']} - {d['b']} = {100 * d['difference']:+.1f} "
+                f"[{100 * d['ci'][0]:+.1f}, {100 * d['ci'][1]:+.1f}]: {d['called']}"
             )
-        )
     return 0

@@ -131,6 +131,7 @@ def evaluate_checkpoint(
     data: str | None = None,
     dataset: str | None = None,
     allow_train_questions: bool = False,
+    label: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint directory, or the untrained encoder: ``"none"`` scores with its own
     similarity, the full-vector cosine of the pooled embeddings (the paper's "multi-step RAG w/o
@@ -143,7 +144,8 @@ def evaluate_checkpoint(
     trained on are refused unless ``allow_train_questions`` (:mod:`qrag.evaluation.trained`); the
     summary's ``train_questions`` records the check. ``answer`` (none | local | openai; default
     ``cfg.answer.backend``) also has a reader LLM answer from the retrieved chunks: the summary
-    gains ``ans_em``, ``ans_f1``, ``answer_errors``, ``reader_model``.
+    gains ``ans_em``, ``ans_f1``, ``answer_errors``, ``reader_model``. ``label`` names the method in
+    the summary (a Table 3 row, say; default: the untrained baseline's name, else none).
     """
     from dataclasses import replace
 
@@ -158,12 +160,12 @@ def evaluate_checkpoint(
     from qrag.integrations.provenance import git_fields
 
     dev = pick_device(device)
-    label = None
     if is_untrained(checkpoint):
         if cfg is None:
             raise ValueError("evaluating the untrained encoder needs a config")
         qnet, tokenizer, layout = baseline_qnet(cfg.model, dev, checkpoint)
-        trained_on, label, run_cfg = None, baseline_label(qnet.cfg.similarity), None
+        trained_on, run_cfg = None, None
+        label = label or baseline_label(qnet.cfg.similarity)
     else:
         qnet, tokenizer, layout, run_cfg = load_qnet(checkpoint, dev, with_targets=False)
         if cfg is None:

@@ -133,8 +133,8 @@ def read_result(path: str | Path) -> dict[str, Any]:
 
 
 def result_kind(data: dict[str, Any]) -> str:
-    if data.get("kind") == "early_stopping":
-        return "early_stopping"
+    if data.get("kind") in ("early_stopping", "methods"):
+        return data["kind"]
     if "fact_f1" in data and "dataset" in data:
         return "eval"
     if isinstance(data.get("rows"), list):
@@ -335,11 +335,12 @@ def differences_table(differences: Sequence[dict[str, Any]], name: str) -> list[
     """Each compared pair: the difference, its 95% interval and what it allows one to say."""
     if not differences:
         return []
-    header = ["Task", "Length", "A", "B", "A − B", "95% interval", "called"]
+    # A length sweep's pairs are per task and length; eval summaries' (one split) are not.
+    where = "task" in differences[0]
+    header = (["Task", "Length"] if where else []) + ["A", "B", "A − B", "95% interval", "called"]
     body = [
-        [
-            d["task"],
-            length_label(d["length"]),
+        ([d["task"], length_label(d["length"])] if where else [])
+        + [
             d["a"],
             d["b"],
             f"{d['difference']:+.3f}",
@@ -516,18 +517,26 @@ def build_report(
     """Read result files, write ``report.md`` and PNG plots into ``out_dir``; return the report."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    evals, others = [], []
+    evals, others, comparisons = [], [], []
     for f in files:
         data = read_result(f)
         try:
             kind = result_kind(data)
         except ReportError as exc:
             raise ReportError(f"{f}: {exc}") from None
-        (evals if kind == "eval" else others).append((str(f), kind, data))
+        if kind == "methods":  # several methods' seeds combined: each a row, their differences below
+            evals += [(str(f), "eval", m) for m in data["methods"]]
+            comparisons.append((str(f), data))
+        else:
+            (evals if kind == "eval" else others).append((str(f), kind, data))
     report = Report(markdown=[f"# {title}", ""])
     parts: list[Report] = []
     if evals:
         parts.append(table2([(f, d) for f, _, d in evals], paper=paper, label=label))
+    parts += [
+        Report(markdown=differences_table(d["differences"], f"{d['dataset']} {d['split']}, {Path(f).name}"))
+        for f, d in comparisons
+    ]
     plotting = _pyplot() is not None
     for f, kind, data in others:
         stem = Path(f).name.removesuffix(".json").removesuffix(".early_stopping").removesuffix(".lengths")

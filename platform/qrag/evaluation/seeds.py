@@ -11,7 +11,8 @@ Every metric of a combined row is the mean over all questions of all seeds, with
 ``num_seeds``. The seeds of one row must have been asked the same questions (the frozen dev draw):
 a row whose seeds disagree is an error, not an average over different questions.
 A length sweep's combined table also lists ``differences``: for each task and length, every pair
-of models on Fact EM, called a difference only when its interval excludes 0.
+of models on Fact EM, called a difference only when its interval excludes 0; eval summaries of
+several methods (``qrag eval --label``) combine into a ``methods`` file with the same.
 """
 
 from __future__ import annotations
@@ -234,15 +235,60 @@ def _joint_provenance(sources: list[dict[str, Any]]) -> dict[str, Any]:
 def combine_summaries(
     summaries: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], replicates: int = REPLICATES
 ) -> dict[str, Any]:
-    """One eval summary from several seeds' (file, summary, records) of one method and dataset."""
+    """One eval summary from several seeds' (file, summary, records) of one method and dataset; or,
+    when the files hold several methods (``qrag eval --label``: Table 3's rows), a ``methods`` file:
+    each method combined so, and the difference between every pair on Fact EM with its interval."""
+    from qrag.evaluation.report import method_label
+
     if not summaries:
         raise DataError("combine-seeds: no result files")
-    kinds = {(s.get("label") or "", s.get("dataset"), s.get("split")) for _, s, _ in summaries}
+    kinds = {(s.get("dataset"), s.get("split")) for _, s, _ in summaries}
     if len(kinds) > 1:
         raise DataError(
-            f"combine-seeds: eval summaries of different methods, datasets or splits: {sorted(map(str, kinds))}; "
-            "combine one method on one split at a time"
+            f"combine-seeds: eval summaries of different datasets or splits: {sorted(map(str, kinds))}; "
+            "combine one split of one dataset at a time"
         )
+    groups: dict[str, list[tuple[str, dict[str, Any], list[dict[str, Any]]]]] = {}
+    for item in summaries:
+        groups.setdefault(method_label(item[1]), []).append(item)
+    if len(groups) == 1:
+        return _combine_method(summaries, replicates)
+    methods = {name: _combine_method(group, replicates) for name, group in groups.items()}
+    ids = {name: per_question(group[0][2])["id"] for name, group in groups.items()}
+    first = next(iter(ids))
+    for name, got in ids.items():
+        if got != ids[first]:
+            raise DataError(f"combine-seeds: {name} was scored on other questions than {first}; methods compared "
+                            "with each other must be asked the same questions")
+    scores = {
+        name: [per_question(records)[DIFFERENCE_METRIC] for _, _, records in group] for name, group in groups.items()
+    }
+    names = list(methods)
+    differences = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            iv = difference_interval(scores[a], scores[b], replicates=replicates)
+            differences.append(
+                {"metric": DIFFERENCE_METRIC, "a": a, "b": b, "difference": iv.mean, "ci": [iv.low, iv.high],
+                 "called": called(iv, a, b)}
+            )
+    dataset, split = next(iter(kinds))
+    return {
+        "kind": "methods",
+        "dataset": dataset,
+        "split": split,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **_joint_provenance([_source(file, s) for file, s, _ in summaries]),
+        "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
+        "methods": [{**m, "label": name} for name, m in methods.items()],
+        "differences": differences,
+    }
+
+
+def _combine_method(
+    summaries: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], replicates: int
+) -> dict[str, Any]:
+    """One method's seeds, each scored on the same questions, as one summary with intervals."""
     cols = [(file, per_question(records)) for file, _, records in summaries]
     for file, c in cols[1:]:
         if c["id"] != cols[0][1]["id"]:
