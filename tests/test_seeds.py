@@ -108,29 +108,19 @@ def test_cli_combine_then_report_show_the_intervals(tmp_path, capsys):
 
 
 def test_eval_summaries_combine_from_their_records(tmp_path):
-    files = []
-    for s in range(3):
-        rng = np.random.default_rng(s)
-        scores = rng.binomial(1, 0.7, size=60).astype(float)
-        summary = {
-            "dataset": "hotpotqa",
-            "split": "dev",
-            "checkpoint": f"runs/s{s}/best",
-            "fact_em": float(scores.mean()),
-            "fact_f1": float(scores.mean()),
-            "num_samples": 60,
-            "search": {"max_steps": 2},
-            "train_dataset": "hotpotqa",
-            "selected_on": "checkpoint: keep_best's" if s < 2 else "checkpoint: the run's last",
-            "git_commit": "abc",
-            "git_dirty": s == 1,
-        }
-        path = tmp_path / f"eval{s}.json"
-        path.write_text(json.dumps(summary))
-        path.with_suffix(".records.jsonl").write_text(
-            "".join(json.dumps({"id": f"q{i}", "fact_em": v, "fact_f1": v}) + "\n" for i, v in enumerate(scores))
+    files = [
+        write_summary(
+            tmp_path,
+            f"eval{s}",
+            None,
+            0.7,
+            s,
+            n=60,
+            selected_on="checkpoint: keep_best's" if s < 2 else "checkpoint: the run's last",
+            git_dirty=s == 1,
         )
-        files.append(str(path))
+        for s in range(3)
+    ]
     out = combine_files(files, replicates=200)
     assert out["num_seeds"] == 3 and out["fact_em_ci"][0] < out["fact_em"] < out["fact_em_ci"][1]
     # Every seed's selection and state, not the last file's alone.
@@ -187,7 +177,7 @@ def test_error_bars_are_never_negative_when_every_seed_scores_the_same():
     assert error_bars([mean], [[0.4 + 1e-16, 0.4 - 1e-16]])[1][0] >= 0.0
 
 
-def write_summary(tmp_path, name: str, label: str | None, p: float, seed: int, n: int = 80, ids=None) -> str:
+def write_summary(tmp_path, name: str, label: str | None, p: float, seed: int, n: int = 80, ids=None, **fields) -> str:
     """One seed's eval summary (``qrag eval --label``) with its per-question records beside it."""
     scores = np.random.default_rng(seed).binomial(1, p, size=n).astype(float)
     summary = {
@@ -203,6 +193,7 @@ def write_summary(tmp_path, name: str, label: str | None, p: float, seed: int, n
         "git_commit": "abc",
         "git_dirty": False,
         **({"label": label} if label else {}),
+        **fields,
     }
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(summary))
@@ -244,8 +235,21 @@ def test_eval_label_names_the_method_in_the_summary(tiny_encoder, hotpot_file, t
     from qrag.cli import main
 
     out = tmp_path / "u.json"
-    args = ["eval", "--checkpoint", "none", "--config", "configs/hotpot.yaml", f"data.path={hotpot_file}",
-            f"model.encoder={tiny_encoder}", "device=cpu", "--limit", "3", "--no-progress", "--out", str(out)]
+    args = [
+        "eval",
+        "--checkpoint",
+        "none",
+        "--config",
+        "configs/hotpot.yaml",
+        f"data.path={hotpot_file}",
+        f"model.encoder={tiny_encoder}",
+        "device=cpu",
+        "--limit",
+        "3",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert main(args + ["--label", "BM25-free baseline"]) == 0
     assert json.loads(out.read_text())["label"] == "BM25-free baseline"
     assert main(args) == 0

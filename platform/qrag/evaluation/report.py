@@ -32,6 +32,7 @@ from typing import Any
 from qrag.data.contexts import length_label
 from qrag.evaluation.evaluate import PROTOCOL_NOTES
 from qrag.evaluation.lengths import error_bars
+from qrag.evaluation.methods import method_label
 
 # The paper's Table 2 (HotPotQA, MuSiQue OOD) and its appendix table (MuSiQue in-distribution):
 # (Fact F1, Fact EM, Ans F1, Ans EM); None = not reported. Reader: QwQ-32B for Q-RAG and Beam
@@ -143,20 +144,6 @@ def result_kind(data: dict[str, Any]) -> str:
 
 
 # -- Table 2 -----------------------------------------------------------------------------------------
-
-
-def method_label(summary: dict[str, Any]) -> str:
-    """The row name: the summary's ``label``, else what the paper calls such a run."""
-    if summary.get("label"):
-        return str(summary["label"])
-    if summary.get("checkpoint") in ("none", "none:twin"):
-        # Summaries written before model.similarity existed scored the untrained encoder by the
-        # mean of two half-vector cosines: only "cosine" is the paper's baseline.
-        from qrag.model.checkpoint import baseline_label
-
-        return baseline_label(summary.get("similarity", "twin"))
-    beam = (summary.get("search") or {}).get("beam_width", 1) or 1
-    return "Plan Q-RAG" if beam > 1 else "Q-RAG"
 
 
 def column_key(summary: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 from qrag.data.sample import DataError
 from qrag.evaluation.intervals import LEVEL, REPLICATES, Interval, bootstrap_interval, difference_interval
+from qrag.evaluation.methods import method_label
 
 # Per-question scores a result may carry, each the mean of its questions in the figure.
 METRICS = (
@@ -238,8 +239,6 @@ def combine_summaries(
     """One eval summary from several seeds' (file, summary, records) of one method and dataset; or,
     when the files hold several methods (``qrag eval --label``: Table 3's rows), a ``methods`` file:
     each method combined so, and the difference between every pair on Fact EM with its interval."""
-    from qrag.evaluation.report import method_label
-
     if not summaries:
         raise DataError("combine-seeds: no result files")
     kinds = {(s.get("dataset"), s.get("split")) for _, s, _ in summaries}
@@ -258,8 +257,10 @@ def combine_summaries(
     first = next(iter(ids))
     for name, got in ids.items():
         if got != ids[first]:
-            raise DataError(f"combine-seeds: {name} was scored on other questions than {first}; methods compared "
-                            "with each other must be asked the same questions")
+            raise DataError(
+                f"combine-seeds: {name} was scored on other questions than {first}; methods compared "
+                "with each other must be asked the same questions"
+            )
     scores = {
         name: [per_question(records)[DIFFERENCE_METRIC] for _, _, records in group] for name, group in groups.items()
     }
@@ -269,8 +270,14 @@ def combine_summaries(
         for b in names[i + 1 :]:
             iv = difference_interval(scores[a], scores[b], replicates=replicates)
             differences.append(
-                {"metric": DIFFERENCE_METRIC, "a": a, "b": b, "difference": iv.mean, "ci": [iv.low, iv.high],
-                 "called": called(iv, a, b)}
+                {
+                    "metric": DIFFERENCE_METRIC,
+                    "a": a,
+                    "b": b,
+                    "difference": iv.mean,
+                    "ci": [iv.low, iv.high],
+                    "called": called(iv, a, b),
+                }
             )
     dataset, split = next(iter(kinds))
     return {
