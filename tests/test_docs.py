@@ -26,7 +26,7 @@ SHELL_FENCES = ("bash", "sh", "shell", "console")
 # Scripts the docs run with no arguments that have no argument parser: another test runs them.
 RUN_BY_TESTS = {"infra/validate.py": "tests/test_infra_manifests.py"}
 PYTHONS = re.compile(r"^(?:\S*/)?python(?:3(?:\.\d+)?)?$")
-SEPARATORS = {"&&", "||", ";", "|", "do", "then", "done", "fi"}
+SEPARATORS = {"&&", "||", ";", "|", "&", "do", "then", "done", "fi"}
 
 
 # -- extraction -----------------------------------------------------------------------------------
