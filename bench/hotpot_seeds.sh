@@ -50,19 +50,14 @@ evaluate() {  # checkpoint, name[, --label L]: HotpotQA dev (the preset's T) and
   $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
     --no-progress --out "$WORK/musique_$2.json" "${@:3}"
 }
-# VARIANTS: rows beside the preset, each LABEL:key=value,key=value ('_' in a label is a space; LABEL: alone is the
-# preset as it is), e.g. "Q-RAG: w/o_target:learner.use_target=false SFT:learner.objective=sft". With several,
-# each headline is a methods file: every row's seeds combined and the difference between every pair of rows.
-if [ "${VARIANTS:-}" = table3 ]; then
-  VARIANTS="Q-RAG: w/o_target:learner.use_target=false w/o_soft-Q:learner.soft_q=false \
-w/o_positions:model.positions=none SFT:learner.objective=sft SFT_trajectory:learner.objective=sft_trajectory"
-fi
-VARIANTS=${VARIANTS:-Q-RAG:}
+# VARIANTS (bench/variants.sh): rows beside the preset. With several, each headline is a methods file: every
+# row's seeds combined and the difference between every pair of rows.
+. "$(dirname "$0")/variants.sh"
 for variant in $VARIANTS; do
-  label=${variant%%:*}; label=${label//_/ }
-  vargs=${variant#*:}; vargs=${vargs//,/ }
+  label=$(variant_label "$variant")
+  vargs=$(variant_overrides "$variant")
   # The preset keeps the names it always had (seed0, hotpot_s0.json); a variant's are prefixed by its label.
-  if [ "$label" = Q-RAG ]; then tag=""; else tag="$(echo "$label" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')-"; fi
+  if [ "$label" = Q-RAG ]; then tag=""; else tag="$(label_slug "$label")-"; fi
   for S in $SEEDS; do
     (
       $PY -m qrag train --config "$CONFIG" name="${tag}seed$S" seed="$S" data.seed="$S" $settings $vargs --no-progress

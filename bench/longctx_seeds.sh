@@ -60,15 +60,9 @@ checkpoint_every=${EVERY:-50}" ;;
 }
 eval_args="${LENGTHS:+--lengths $LENGTHS} ${QUESTIONS:+--questions $QUESTIONS --niah-questions $QUESTIONS}"
 
-# VARIANTS: rows beside the preset, each LABEL:key=value,key=value ('_' in a label is a space; LABEL: alone is the
-# preset as it is). "table3" = the paper's Table 3 ablation with both supervised rows.
-if [ "${VARIANTS:-}" = table3 ]; then
-  VARIANTS="Q-RAG: w/o_target:learner.use_target=false w/o_soft-Q:learner.soft_q=false \
-w/o_positions:model.positions=none SFT:learner.objective=sft SFT_trajectory:learner.objective=sft_trajectory"
-fi
-VARIANTS=${VARIANTS:-Q-RAG:}
-slug() {  # as bench/longctx.py names a variant's run and file: 'w/o soft-Q' -> w-o-soft-q; the preset keeps none
-  if [ "$1" = Q-RAG ]; then echo ""; else echo "-$(echo "$1" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')"; fi
+. "$(dirname "$0")/variants.sh"
+slug() {  # a variant's part of a run or file name; the preset keeps none
+  if [ "$1" = Q-RAG ]; then echo ""; else echo "-$(label_slug "$1")"; fi
 }
 result() {  # task, variant label, seed: the seed's result file
   local stem="$1$(slug "$2")"
@@ -85,8 +79,8 @@ for task in $TASKS; do
   # Validation questions per length (NIAH: per task, eight tasks) that choose each seed's checkpoint.
   if [ "$task" = niah ]; then select_questions=${SELECT_QUESTIONS:-25}; else select_questions=${SELECT_QUESTIONS:-100}; fi
   for variant in $VARIANTS; do
-    label=${variant%%:*}; label=${label//_/ }
-    read -r -a vargs <<< "${variant#*:}"; vargs=(${vargs[@]//,/ })
+    label=$(variant_label "$variant")
+    read -r -a vargs <<< "$(variant_overrides "$variant")"
     stem=$task$(slug "$label")
     for S in $SEEDS; do
       gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
@@ -125,8 +119,7 @@ tail -n 2 "$WORK"/*.log
 for task in $TASKS; do
   files=()
   for variant in $VARIANTS; do
-    label=${variant%%:*}; label=${label//_/ }
-    for S in $SEEDS; do files+=("$(result "$task" "$label" "$S")"); done
+    for S in $SEEDS; do files+=("$(result "$task" "$(variant_label "$variant")" "$S")"); done
   done
   $PY -m qrag combine-seeds "${files[@]}" "$WORK/o/$task-u/longctx_${task}_untrained.json" \
     --out "$OUT/longctx_${task}_headline.json"

@@ -50,6 +50,8 @@ from bench_common import free_port  # noqa: E402
 from http_load import closed_loop  # noqa: E402
 from two_gpu import RayHead, cluster_env, copy_ray_logs, gpu_assignment, wait_healthy  # noqa: E402
 
+from qrag.serving.service_config import INGRESS_ENV  # noqa: E402
+
 
 def args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,7 +250,7 @@ def _minus(a: float | None, b: float | None) -> float | None:
 SERVE_ENVS = {
     "classic": {},
     "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"},
-    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "haproxy": INGRESS_ENV["haproxy"],
 }
 
 

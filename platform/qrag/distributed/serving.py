@@ -53,7 +53,7 @@ from qrag.serving.http_api import build_api
 from qrag.serving.identity import ModelIdentity
 from qrag.serving.server_timing import ServerTiming
 from qrag.serving.service import RetrievalService, local_holders
-from qrag.serving.service_config import INGRESSES, ServeConfig
+from qrag.serving.service_config import INGRESS_ENV, INGRESSES, ServeConfig
 from qrag.serving.warm_up import warm_holder
 
 log = logging.getLogger("qrag.serving")
@@ -454,10 +454,9 @@ def serve_locally(
     problem = startup_problem(host, keys, cfg.allow_unauthenticated)
     if problem:  # before Ray starts
         raise SystemExit(f"qrag serve: {problem}")
-    if ingress == "haproxy":
-        if problem := haproxy_problem():
-            raise SystemExit(f"qrag serve: {problem}")
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"  # the local Ray started below inherits it
+    if ingress == "haproxy" and (problem := haproxy_problem()):
+        raise SystemExit(f"qrag serve: {problem}")
+    os.environ.update(INGRESS_ENV[ingress])  # the local Ray started below inherits it
     deployment_overrides(deployments, cfg.shard_deployments)  # unknown deployment names fail before Ray starts
     cfg = dataclasses.replace(cfg, http_host=host)  # what the ingress checks again on each replica
 

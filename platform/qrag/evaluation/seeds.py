@@ -99,22 +99,30 @@ def _differences(
     cells = sorted({(r["task"], r["length"]) for r in rows})
     models = list(dict.fromkeys(r["model"] for r in rows))
     for task, length in cells:
-        present = [m for m in models if (m, task, length) in by_key]
-        for i, a in enumerate(present):
-            for b in present[i + 1 :]:
-                iv = difference_interval(by_key[(a, task, length)], by_key[(b, task, length)], replicates=replicates)
-                out.append(
-                    {
-                        "task": task,
-                        "length": length,
-                        "metric": DIFFERENCE_METRIC,
-                        "a": a,
-                        "b": b,
-                        "difference": iv.mean,
-                        "ci": [iv.low, iv.high],
-                        "called": called(iv, a, b),
-                    }
-                )
+        present = {m: by_key[(m, task, length)] for m in models if (m, task, length) in by_key}
+        out += _pairwise(present, replicates, task=task, length=length)
+    return out
+
+
+def _pairwise(scores: dict[str, list[list[float]]], replicates: int, **where: Any) -> list[dict[str, Any]]:
+    """Every pair of models (in order) on Fact EM: a - b, its interval and what it allows one to say;
+    ``where`` (a length sweep's task and length) leads each entry."""
+    names = list(scores)
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            iv = difference_interval(scores[a], scores[b], replicates=replicates)
+            out.append(
+                {
+                    **where,
+                    "metric": DIFFERENCE_METRIC,
+                    "a": a,
+                    "b": b,
+                    "difference": iv.mean,
+                    "ci": [iv.low, iv.high],
+                    "called": called(iv, a, b),
+                }
+            )
     return out
 
 
@@ -250,35 +258,18 @@ def combine_summaries(
     groups: dict[str, list[tuple[str, dict[str, Any], list[dict[str, Any]]]]] = {}
     for item in summaries:
         groups.setdefault(method_label(item[1]), []).append(item)
-    if len(groups) == 1:
-        return _combine_method(summaries, replicates)
-    methods = {name: _combine_method(group, replicates) for name, group in groups.items()}
-    ids = {name: per_question(group[0][2])["id"] for name, group in groups.items()}
-    first = next(iter(ids))
-    for name, got in ids.items():
-        if got != ids[first]:
+    columns = {name: [per_question(records) for _, _, records in group] for name, group in groups.items()}
+    methods = {name: _combine_method(group, columns[name], replicates) for name, group in groups.items()}
+    if len(methods) == 1:
+        return next(iter(methods.values()))
+    first = next(iter(columns))
+    for name, cols in columns.items():
+        if cols[0]["id"] != columns[first][0]["id"]:
             raise DataError(
                 f"combine-seeds: {name} was scored on other questions than {first}; methods compared "
                 "with each other must be asked the same questions"
             )
-    scores = {
-        name: [per_question(records)[DIFFERENCE_METRIC] for _, _, records in group] for name, group in groups.items()
-    }
-    names = list(methods)
-    differences = []
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            iv = difference_interval(scores[a], scores[b], replicates=replicates)
-            differences.append(
-                {
-                    "metric": DIFFERENCE_METRIC,
-                    "a": a,
-                    "b": b,
-                    "difference": iv.mean,
-                    "ci": [iv.low, iv.high],
-                    "called": called(iv, a, b),
-                }
-            )
+    scores = {name: [c[DIFFERENCE_METRIC] for c in cols] for name, cols in columns.items()}
     dataset, split = next(iter(kinds))
     return {
         "kind": "methods",
@@ -288,15 +279,18 @@ def combine_summaries(
         **_joint_provenance([_source(file, s) for file, s, _ in summaries]),
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "methods": [{**m, "label": name} for name, m in methods.items()],
-        "differences": differences,
+        "differences": _pairwise(scores, replicates),
     }
 
 
 def _combine_method(
-    summaries: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]], replicates: int
+    summaries: Sequence[tuple[str, dict[str, Any], list[dict[str, Any]]]],
+    columns: Sequence[dict[str, list]],
+    replicates: int,
 ) -> dict[str, Any]:
-    """One method's seeds, each scored on the same questions, as one summary with intervals."""
-    cols = [(file, per_question(records)) for file, _, records in summaries]
+    """One method's seeds (with each one's per-question columns), each scored on the same
+    questions, as one summary with intervals."""
+    cols = [(file, c) for (file, _, _), c in zip(summaries, columns)]
     for file, c in cols[1:]:
         if c["id"] != cols[0][1]["id"]:
             raise DataError(f"{file}: other questions than {cols[0][0]}: seeds must be scored on the same questions")

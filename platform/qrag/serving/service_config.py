@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
     from qrag.index.shards import ShardOptions
 
-# `qrag serve --ingress`: Serve's Python HTTP proxy per node, or Serve's HAProxy ingress (HAProxy on the
-# port, each Ingress replica serving HTTP itself behind it).
-INGRESSES = ("proxy", "haproxy")
+# `qrag serve --ingress`, and the Ray environment each one starts Ray with: Serve's Python HTTP proxy per
+# node, or Serve's HAProxy ingress (HAProxy on the port, each Ingress replica serving HTTP itself behind it).
+INGRESS_ENV: dict[str, dict[str, str]] = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+INGRESSES = tuple(INGRESS_ENV)
 
 
 @dataclass
