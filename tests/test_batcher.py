@@ -110,6 +110,19 @@ def test_concurrent_searches_share_rounds_and_keep_their_own_answers(in_process)
     assert enc.calls == [6, 6, 6] and backend.passes == [6, 6, 6] and batcher.rounds == 3
 
 
+def test_a_lone_search_runs_its_rounds_in_one_handoff_and_shared_rounds_hand_back_each():
+    """Alone, a search's steps run back to back in the round thread (each hand-off is a thread
+    switch and an event-loop wake); with others, every round goes back to the event loop."""
+    lone = LockstepBatcher(CountingEncoder(), max_states=64)
+    run = run_of(0, steps=3)
+    asyncio.run(lone.run(run, ScoreByDistance(), "k"))
+    assert len(run.result().steps) == 3 and lone.rounds == 3 and lone.handoffs == 1
+    shared = LockstepBatcher(CountingEncoder(), max_states=64)
+    asyncio.run(search_all(shared, [run_of(q) for q in range(4)], lambda i: ScoreByDistance()))
+    assert shared.rounds == 3 and shared.handoffs == 3
+    assert not lone._driving and not shared._driving
+
+
 def test_a_late_search_joins_the_next_round_and_rows_are_bounded():
     enc, backend = CountingEncoder(in_process=False), ScoreByDistance(in_process=False)
     batcher = LockstepBatcher(enc, max_states=4)

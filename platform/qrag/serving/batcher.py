@@ -73,6 +73,7 @@ class LockstepBatcher:
         self._driver: asyncio.Task | None = None  # kept: the event loop holds tasks weakly
         self.rounds = 0  # rounds run (tests and /metrics read how much was shared)
         self.rows = 0  # state rows embedded over all rounds
+        self.handoffs = 0  # times the rounds went to a worker thread and back
 
     async def run(self, run: SearchRun, backend: Scoring, key: Hashable, timings: Timings | None = None) -> None:
         """Step ``run`` to its end together with every other search of this replica."""
@@ -122,10 +123,8 @@ class LockstepBatcher:
                 if not live:
                     continue
                 if self._in_process(groups):
-                    # One round a hand-off: between rounds the event loop takes the new requests
-                    # (a worker thread running round after round kept the GIL from the requests'
-                    # parsing and answering, and served fewer of them).
-                    self._fail(loop, await asyncio.to_thread(self._round_or_fail, live, groups))
+                    self.handoffs += 1
+                    self._fail(loop, await asyncio.to_thread(self._rounds_in_thread, live, groups))
                 else:
                     self._fail(loop, await self._round_async(live, groups))
         except BaseException as exc:  # cancelled (shutdown), or a bug: never leave a request waiting
@@ -148,6 +147,30 @@ class LockstepBatcher:
                 for s in searches:
                     _settle(loop, s.done, exc)
                 self._active = [s for s in self._active if s not in searches]
+
+    def _rounds_in_thread(self, live: list[_Search], groups: list[_Group]) -> list[tuple[list[_Search], Exception]]:
+        """A round, and the next ones while one search is all the replica has. With others, each
+        round is handed back: between rounds the event loop takes the new requests (a worker thread
+        running round after round kept the GIL from the requests' parsing and answering, and served
+        fewer of them). Alone, a search's steps need no hand-off, each a thread switch and a wake."""
+        while True:
+            failures = self._round_or_fail(live, groups)
+            if failures or (alone := self._next_round_alone()) is None:
+                return failures
+            live, groups = alone
+
+    def _next_round_alone(self) -> tuple[list[_Search], list[_Group]] | None:
+        """Under the lock: the next round of the replica's only search, or None (others wait, or
+        it ended or was abandoned: the driver settles it)."""
+        with self._lock:
+            if self._waiting or len(self._active) != 1 or self._active[0].done.done():
+                return None
+            search = self._active[0]
+            search.beams = search.run.live()
+            if not search.beams:
+                return None
+            live = [search]
+            return live, _groups(live)
 
     def _round_or_fail(self, live: list[_Search], groups: list[_Group]) -> list[tuple[list[_Search], Exception]]:
         try:
