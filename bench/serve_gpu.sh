@@ -6,12 +6,14 @@
 # local Ray bound to 127.0.0.1 (bench/serve_ray.py: LAYOUTS under each of SERVE_ENV).
 #
 # Here, once (commit first: the results record the commit and whether the tree differed from it):
-#   bash bench/serve_gpu.sh pack      # .whl: Ray's wheel (jars and source maps left out) and the Serve stack
-#                                     # the GPU image lacks, uvloop and httptools included (~53 MB);
+#   bash bench/serve_gpu.sh pack      # .whl/ray: Ray's wheel (jars and source maps left out, ~44 MB);
+#                                     # .whl/stack: the Serve stack the GPU image lacks (uvloop, httptools, HAProxy);
 #                                     # .carry/serve: fp16 MiniLM, bAbI and the novels, provenance.env
-# On a GPU machine, two calls back to back (a warm machine keeps /tmp between calls, not the carries):
-#   call 1, carry .whl:               bash bench/serve_gpu.sh wheels
-#   call 2, carry .carry/serve:       OUT=$OUT bash bench/serve_gpu.sh run
+# A call carries at most 64 MiB with the source tree, so on a GPU machine, three calls back to back (a warm
+# machine keeps /tmp between calls, not the carries; each call installs or stages what it carried):
+#   call 1, carry .whl/ray:                            bash bench/serve_gpu.sh wheels
+#   call 2, carry .whl/stack, .carry/serve/data and .carry/serve/provenance.env:  bash bench/serve_gpu.sh wheels
+#   call 3, carry .carry/serve/minilm:                 OUT=$OUT bash bench/serve_gpu.sh run
 # It brings back library.json, serve_ray.json and the training log.
 # CPU check (tiny, ~10 minutes): SITE=<a venv's site-packages> CARRY=<packed> DEVICE=cpu UPDATES=1 TOKENS=30000
 #   TRAIN_ARGS="data.context_tokens=512 data.samples_per_task=64 learner.episodes_per_update=16 learner.micro_batch=16"
@@ -35,11 +37,13 @@ jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-
 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2"
 
 if [ "$MODE" = pack ]; then
-  mkdir -p "$WHEELS" "$CARRY/data"
+  mkdir -p "$WHEELS/ray" "$WHEELS/stack" "$CARRY/data"
   # shellcheck disable=SC2086
   $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 -d "$WHEELS" $STACK
-  $PY bench/serve_gpu_wheel.py "$WHEELS"/ray-*.whl  # 75 MB -> ~44 MB: one call carries at most 64 MiB
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 \
+    -d "$WHEELS/stack" $STACK
+  mv "$WHEELS"/stack/ray-*.whl "$WHEELS/ray/"
+  $PY bench/serve_gpu_wheel.py "$WHEELS"/ray/ray-*.whl  # 75 MB -> ~44 MB: one call carries at most 64 MiB
   data=$($PY -c 'from qrag.data.paths import data_root; print(data_root())')
   # qa1's questions (the checkpoint's training data) and the small collection of novels (its haystacks and the
   # served corpus): what a call can carry beside the encoder.
@@ -55,16 +59,27 @@ if [ "$MODE" = pack ]; then
   du -sh "$WHEELS" "$CARRY"
   exit 0
 fi
+WORK=${WORK:-/tmp/serve_gpu}
+STAGED=$WORK/carry
+# Whatever part of $CARRY this call carried joins the staged copy in /tmp, which later calls read.
+if [ -d "$CARRY" ]; then mkdir -p "$STAGED" && cp -r "$CARRY"/. "$STAGED"/; fi
 if [ "$MODE" = wheels ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  shopt -s nullglob
+  wheels=("$WHEELS"/*.whl "$WHEELS"/*/*.whl)
+  if [ ${#wheels[@]} -gt 0 ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+  fi
   PYTHONPATH=$SITE:$PYTHONPATH $PY bench/two_gpu.py --check-imports || true  # names what is still missing
   exit 0
 fi
 [ "$MODE" = run ] || { echo "bench/serve_gpu.sh: pack, wheels or run, not $MODE" >&2; exit 2; }
 
 OUT=${OUT:?set OUT to the folder that comes back}
-WORK=${WORK:-/tmp/serve_gpu}
 [ -d "$SITE/ray" ] || { echo "bench/serve_gpu.sh: no Ray under $SITE: run 'wheels' in the call before" >&2; exit 2; }
+CARRY=$STAGED
+for part in minilm data; do
+  [ -e "$CARRY/$part" ] || { echo "bench/serve_gpu.sh: no $part staged under $CARRY: carry .carry/serve/$part" >&2; exit 2; }
+done
 export PYTHONPATH=$SITE:$PYTHONPATH HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$CARRY/data}
 if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
 mkdir -p "$WORK" "$OUT"
@@ -76,5 +91,5 @@ ckpt="$WORK/runs/qa1/final"
 $PY bench/serve_scale.py --corpus "$books" --checkpoint "$ckpt" --storage "$WORK/idx" --tokens "${TOKENS:-10000000}" \
   --shards "${SHARDS:-4}" --variants optimized --batches 1,8,32,64,128 --out "$OUT/library.json" ${SCALE_ARGS:-}
 $PY bench/serve_ray.py --storage "$WORK/idx" --checkpoint "$ckpt" --library "$OUT/library.json" \
-  --layouts "${LAYOUTS:-default}" --serve-env "${SERVE_ENV:-classic,throughput}" --trace-sample "${TRACE:-0}" \
+  --layouts "${LAYOUTS:-default}" --serve-env "${SERVE_ENV:-haproxy,classic}" --trace-sample "${TRACE:-0}" \
   --out "$OUT/serve_ray.json" ${SERVE_ARGS:-}

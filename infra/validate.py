@@ -769,6 +769,13 @@ def check_rayservice() -> list[str]:
         serve_ports = {
             p["containerPort"] for c in containers(doc.body) for p in c.get("ports") or [] if p.get("name") == "serve"
         }
+        for c in containers(doc.body):
+            env = {e.get("name"): e.get("value") for e in c.get("env") or []}
+            if env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+                problems.append(
+                    f"{doc.where}: container {c.get('name')} lacks RAY_SERVE_ENABLE_HA_PROXY=1 "
+                    "(Serve's HAProxy ingress, qrag serve's default: every node starts in the same mode)"
+                )
         http = serve_cfg.get("http_options") or {}
         if http.get("host") != "0.0.0.0":
             problems.append(

@@ -266,6 +266,11 @@ RAYSERVICE = "kuberay/serve/rayservice.yaml"
         ),
         (
             RAYSERVICE,
+            lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].pop(),
+            "container ray-head lacks RAY_SERVE_ENABLE_HA_PROXY=1",
+        ),
+        (
+            RAYSERVICE,
             serve_args(lambda a, c: a.update(api_keys="k1:write")),
             "args.api_keys writes keys into the manifest",
         ),

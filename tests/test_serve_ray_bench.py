@@ -133,8 +133,46 @@ def test_the_serve_gpu_call_refuses_to_run_without_ray_installed_by_the_call_bef
     got = subprocess.run(
         ["bash", "bench/serve_gpu.sh", "run"],
         cwd=ROOT,
-        env={**os.environ, "OUT": str(tmp_path / "out"), "SITE": str(tmp_path / "site")},
+        env={
+            **os.environ,
+            "OUT": str(tmp_path / "out"),
+            "SITE": str(tmp_path / "site"),
+            "WORK": str(tmp_path / "work"),
+            "CARRY": str(tmp_path / "none"),
+        },
         capture_output=True,
         text=True,
     )
     assert got.returncode == 2 and "run 'wheels' in the call before" in got.stderr
+
+
+def test_the_serve_gpu_calls_stage_each_carried_part_for_the_run(tmp_path):
+    """The carry does not fit one call: each call's part of .carry/serve joins one staged copy in
+    /tmp, and the run names a part that no call has carried yet."""
+    import subprocess
+
+    def call(mode: str, carry: Path):
+        env = {
+            **os.environ,
+            "OUT": str(tmp_path / "out"),
+            "SITE": str(tmp_path / "site"),
+            "WORK": str(tmp_path / "work"),
+            "CARRY": str(carry),
+            "WHEELS": str(tmp_path / "no_wheels"),
+        }
+        return subprocess.run(["bash", "bench/serve_gpu.sh", mode], cwd=ROOT, env=env, capture_output=True, text=True)
+
+    first, second = tmp_path / "part1", tmp_path / "part2"
+    (first / "data" / "babi").mkdir(parents=True)
+    (first / "provenance.env").write_text("QRAG_COMMIT=abc\n")
+    (second / "minilm").mkdir(parents=True)
+    (second / "minilm" / "config.json").write_text("{}")
+    (tmp_path / "site" / "ray").mkdir(parents=True)  # stands in for what 'wheels' installed
+    assert call("wheels", first).returncode == 0
+    missing = call("run", tmp_path / "nothing_carried")
+    assert missing.returncode == 2 and "no minilm staged" in missing.stderr
+    assert "carry .carry/serve/minilm" in missing.stderr
+    assert call("wheels", second).returncode == 0
+    staged = tmp_path / "work" / "carry"
+    assert (staged / "data" / "babi").is_dir() and (staged / "minilm" / "config.json").is_file()
+    assert (staged / "provenance.env").read_text() == "QRAG_COMMIT=abc\n"

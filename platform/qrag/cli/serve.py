@@ -31,9 +31,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ingress",
         choices=INGRESSES,
-        default=INGRESSES[0],
-        help="HTTP ingress: Serve's Python proxy (default), or Serve's HAProxy ingress (needs qrag[haproxy]: "
-        "HAProxy on --port, each Ingress replica serving HTTP itself behind it)",
+        default=None,
+        help="HTTP ingress: Serve's HAProxy ingress (HAProxy on --port, each Ingress replica serving HTTP "
+        "itself behind it; qrag[ray] installs it on Linux) or Serve's Python proxy. Default: HAProxy "
+        "where it can start (on a running cluster: nodes started with RAY_SERVE_ENABLE_HA_PROXY=1), else the "
+        "proxy, saying why",
     )
     p.add_argument("--static", default=str(REPO_STATIC), help="folder of the web page (default: the one qrag ships)")
     p.add_argument(

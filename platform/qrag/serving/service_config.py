@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 # node, or Serve's HAProxy ingress (HAProxy on the port, each Ingress replica serving HTTP itself behind it).
 INGRESS_ENV: dict[str, dict[str, str]] = {"proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
 INGRESSES = tuple(INGRESS_ENV)
+PREFERRED_INGRESS = "haproxy"  # `qrag serve`'s default where HAProxy can start, else Serve's proxy
 
 
 @dataclass
