@@ -520,15 +520,34 @@ def evaluate(task: str, checkpoint: str | None, cfg, args: argparse.Namespace, d
 
 def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, device, log) -> dict:
     """Score every candidate checkpoint of the run on the val split at ``--select-lengths`` and
-    keep the best mean Fact EM (ties: Fact F1; then the later one). Dev is never looked at."""
+    keep the best mean Fact EM (ties: Fact F1; then the later one). Dev is never looked at.
+
+    Each candidate's score is kept in ``<run_dir>/selection/<candidate>.json`` as soon as it is
+    known, so a call cut short resumes the selection: a later call reuses every score whose key
+    (:func:`selection_key`: the candidate's weights and what the val draw and search were) still
+    matches and scores only the rest."""
     from qrag.evaluation.lengths import parse_length, sweep_model
     from qrag.model.checkpoint import is_checkpoint
 
     lengths = [parse_length(x) for x in args.select_lengths.split(",") if x.strip()]
-    periodic = sorted(p for p in (run_dir / "checkpoints").glob("update_*") if is_checkpoint(p))
+    # A *.partial folder is a save a kill cut short (never renamed into place): no candidate.
+    periodic = sorted(
+        p for p in (run_dir / "checkpoints").glob("update_*") if is_checkpoint(p) and p.suffix != ".partial"
+    )
     candidates = periodic + [p for p in (run_dir / "best", run_dir / "final") if is_checkpoint(p)]
-    scored = []
+    scored, reused = [], []
     for c in candidates:
+        record = run_dir / "selection" / f"{c.name}.json"
+        key = selection_key(task, c, lengths, cfg, args)
+        entry = kept_score(record, key)
+        if entry is not None:
+            reused.append(c.name)
+            scored.append(entry)
+            log(
+                f"select: {c.name}: val Fact EM {entry['val_fact_em']}, F1 {entry['val_fact_f1']} "
+                f"(reused {record}: its weights and settings are unchanged)"
+            )
+            continue
         rows = sweep_model(
             c.name,
             str(c),
@@ -549,6 +568,7 @@ def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, d
                 "rows": [{k: r[k] for k in ROW_KEYS} for r in rows],
             }
         )
+        keep_score(record, key, scored[-1])
         log(f"select: {c.name}: val Fact EM {scored[-1]['val_fact_em']}, F1 {scored[-1]['val_fact_f1']}")
     if not scored:
         raise SystemExit(f"longctx: --select-lengths: no checkpoint under {run_dir}")
@@ -562,7 +582,57 @@ def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, d
         else "val (held-out train samples, never trained on: their own needles, RULER's haystack texts)",
         "candidates": scored,
         "chosen_among": [Path(c["checkpoint"]).name for c in scored],
+        "reused": reused,
     }
+
+
+def weights_stamp(checkpoint: Path) -> dict:
+    """What changes when a checkpoint folder is written again (a re-trained ``final`` or ``best``):
+    its files' count, total size and newest modification time."""
+    stats = [p.stat() for p in sorted(checkpoint.rglob("*")) if p.is_file()]
+    return {
+        "files": len(stats),
+        "bytes": sum(st.st_size for st in stats),
+        "mtime_ns": max((st.st_mtime_ns for st in stats), default=0),
+    }
+
+
+def selection_key(task: str, checkpoint: Path, lengths: list[int], cfg, args: argparse.Namespace) -> dict:
+    """Everything a candidate's val score depends on: its weights, the lengths, questions per
+    length, search budget and tasks, and the data, search and credit settings the draw and the
+    search read. A stored score is reused only under an equal key."""
+    from qrag.config import to_dict
+
+    steps = steps_for(task)
+    key = {
+        "weights": weights_stamp(checkpoint),
+        "lengths": lengths,
+        "questions": args.select_questions,
+        "steps": cfg.search.max_steps if steps is None else steps,
+        "tasks": task_list(task),
+        "data": to_dict(cfg.data),
+        "search": to_dict(cfg.search),
+        "credit": cfg.env.credit,
+    }
+    return json.loads(json.dumps(key))  # as it reads back from the file
+
+
+def kept_score(record: Path, key: dict) -> dict | None:
+    """The scored entry an earlier call kept for this key, or None (none, another key, or a file
+    cut short by a kill)."""
+    try:
+        kept = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return kept.get("entry") if isinstance(kept, dict) and kept.get("key") == key else None
+
+
+def keep_score(record: Path, key: dict, entry: dict) -> None:
+    # Written whole, then renamed: a call killed while writing leaves no half file to misread.
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial = record.with_suffix(".json.tmp")
+    partial.write_text(json.dumps({"key": key, "entry": entry}, indent=1) + "\n")
+    partial.replace(record)
 
 
 def measure_generation(args: argparse.Namespace, paths: dict) -> dict:

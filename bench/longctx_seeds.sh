@@ -7,18 +7,28 @@
 #
 # Here, once (commit first: the results record the commit and whether the tree differed from it):
 #   bash bench/longctx_seeds.sh pack        # .carry/longctx: fp16 MiniLM, bAbI, novels, essays, provenance.env
-# On a GPU machine, carry .carry/longctx; the runs live in $WORK (/tmp), so slices of one schedule
-# go back to back on the same warm machine:
-#   OUT=$OUT TASKS="qa1 qa2 qa4 qa5" bash bench/longctx_seeds.sh run      # train, choose, dev, combine
+# On a GPU machine: a call carries at most 64 MiB with the source tree, less than .carry/longctx, so
+# its parts go in two calls on one warm machine. Each call merges what it carried into $ASSETS
+# ($WORK/assets: a warm machine keeps /tmp between calls, not necessarily the carried folders):
+#   call 1, carry .carry/longctx/babi, .carry/longctx/essays, .carry/longctx/novels and
+#           .carry/longctx/provenance.env:   bash bench/longctx_seeds.sh stage
+#   call 2, carry .carry/longctx/encoder:    OUT=$OUT timeout 560 bash bench/longctx_seeds.sh run
+# `timeout` below the call's 600 s: on its SIGTERM the script stops the runs, packs what exists (results,
+# logs, each run's training.json and the selection scores kept so far) into $OUT/longctx_seeds_partial.tgz,
+# which comes back, and exits 124. A later call on the same warm machine (carrying nothing more) resumes:
+# training from the newest checkpoint, selection from the kept scores, finished seeds not redone.
+# The runs live in $WORK (/tmp), so slices of one schedule go back to back on the same warm machine:
+#   OUT=$OUT TASKS="qa1 qa2 qa4 qa5" timeout 560 bash bench/longctx_seeds.sh run   # train, choose, dev, combine
 #   OUT=$OUT TASKS=niah UPDATES=600 STOP_AT=300 bash bench/longctx_seeds.sh train   # a slice of a longer run
-#   OUT=$OUT TASKS=niah UPDATES=600 bash bench/longctx_seeds.sh run       # resumes it, then the rest
-#   OUT=$OUT TASKS=qa3 VARIANTS=table3 UPDATES=200 bash bench/longctx_seeds.sh run   # the paper's Table 3, seeded
+#   OUT=$OUT TASKS=niah UPDATES=600 timeout 560 bash bench/longctx_seeds.sh run     # resumes it, then the rest
+#   OUT=$OUT TASKS=qa3 VARIANTS=table3 UPDATES=200 timeout 560 bash bench/longctx_seeds.sh run   # Table 3, seeded
 # It brings back longctx_<task>_headline.json per task and longctx_seeds_files.tgz (every seed's and
 # the untrained encoder's result with per-question scores, and the logs; a call returns 8 files).
-# CPU check with a tiny encoder: ASSETS=DIR DEVICE=cpu UPDATES=2 LENGTHS=1k SELECT=1k QUESTIONS=4
+# CPU check with a tiny encoder (DIR holds encoder/, babi/, novels/; it is read in place):
+#   CARRY=DIR ASSETS=DIR DEVICE=cpu UPDATES=2 LENGTHS=1k SELECT=1k QUESTIONS=4
 #   EXTRA="learner.episodes_per_update=4 ..." OUT=/tmp/ls bash bench/longctx_seeds.sh run
 set -euo pipefail
-MODE=${1:?usage: bench/longctx_seeds.sh pack|train|run}
+MODE=${1:?usage: bench/longctx_seeds.sh pack|stage|train|run}
 CARRY=${CARRY:-.carry/longctx}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
@@ -26,24 +36,65 @@ export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
 if [ "$MODE" = pack ]; then
   $PY bench/longctx.py --pack-assets "$CARRY"
   $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
-  du -sh "$CARRY"
+  du -sh "$CARRY" "$CARRY"/*  # each part's size: what a call can carry beside the source tree
   exit 0
 fi
-case "$MODE" in train | run) ;; *) echo "bench/longctx_seeds.sh: pack, train or run, not $MODE" >&2; exit 2 ;; esac
+case "$MODE" in
+  stage | train | run) ;;
+  *) echo "bench/longctx_seeds.sh: pack, stage, train or run, not $MODE" >&2; exit 2 ;;
+esac
+
+WORK=${WORK:-/tmp/longctx_seeds}
+ASSETS=${ASSETS:-$WORK/assets}
+# Whatever part of $CARRY this call carried joins $ASSETS, which later calls read (a warm machine
+# keeps /tmp between calls, not the carried folders).
+if [ -d "$CARRY" ] && ! [ "$CARRY" -ef "$ASSETS" ]; then mkdir -p "$ASSETS" && cp -r "$CARRY"/. "$ASSETS"/; fi
+if [ "$MODE" = stage ]; then
+  [ -d "$CARRY" ] || { echo "bench/longctx_seeds.sh: stage: $CARRY was not carried" >&2; exit 2; }
+  echo "bench/longctx_seeds.sh: staged $CARRY into $ASSETS, which holds:"
+  du -sh "$ASSETS"/*
+  exit 0
+fi
 
 OUT=${OUT:?set OUT to the folder that comes back}
 TASKS=${TASKS:-qa1 qa2 qa4 qa5}
 SEEDS=${SEEDS:-0 1 2}
-WORK=${WORK:-/tmp/longctx_seeds}
 DEVICE=${DEVICE:-cuda}
 UPDATES=${UPDATES:-}
 SELECT=${SELECT:-1m}
 export HF_HUB_OFFLINE=1
-if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
-# A warm machine keeps /tmp between calls, not the carried folder: read the assets from a copy there.
-ASSETS=${ASSETS:-$WORK/assets}
-[ -d "$ASSETS" ] || { mkdir -p "$WORK" && cp -r "$CARRY" "$ASSETS"; }
+parts=encoder
+for task in $TASKS; do if [ "$task" = niah ]; then parts+=" essays"; else parts+=" babi novels"; fi; done
+for part in $parts; do
+  [ -e "$ASSETS/$part" ] || { echo "bench/longctx_seeds.sh: no $part under $ASSETS: carry $CARRY/$part" >&2; exit 2; }
+done
+if [ -f "$ASSETS/provenance.env" ]; then set -a; . "$ASSETS/provenance.env"; set +a; fi
 mkdir -p "$WORK/o" "$OUT"
+
+# A call's time limit (`timeout` sends SIGTERM; Ctrl-C SIGINT) stops the runs and brings back what
+# exists as one file (a call returns 8); a later call on the same machine resumes from $WORK.
+stop_tree() {  # a process and all under it; held first, so that it starts nothing new meanwhile
+  local kid kids
+  kill -STOP "$1" 2>/dev/null || return 0
+  kids=$(pgrep -P "$1" || true)
+  kill -TERM "$1" 2>/dev/null || true
+  kill -CONT "$1" 2>/dev/null || true
+  for kid in $kids; do stop_tree "$kid"; done
+}
+on_stop() {
+  trap '' TERM INT  # `timeout` signals the whole process group as well: one bundle
+  local job
+  for job in $(jobs -p); do stop_tree "$job"; done
+  (
+    cd "$WORK" && shopt -s nullglob
+    files=(o/*/longctx_*.json ./*.log runs/*/training.json runs/*/selection/*.json)
+    tar czf "$OUT/longctx_seeds_partial.tgz" -T /dev/null ${files[@]+"${files[@]}"}
+  ) || true
+  echo "bench/longctx_seeds.sh: stopped by a signal; what exists is in $OUT/longctx_seeds_partial.tgz" \
+    "(results, logs, training.json and kept selection scores); a later call on this machine resumes"
+  exit 124
+}
+trap on_stop TERM INT
 
 # Each task's preset settings as docs/long-contexts.md spells them (the bench turns periodic
 # evaluation and checkpoints off unless asked); every periodic checkpoint is a candidate on val.
@@ -89,9 +140,10 @@ for task in $TASKS; do
         run=$WORK/runs/$stem-seed$S
         base=($PY bench/longctx.py --task "$task" --label "$label" --assets "$ASSETS" --device "$DEVICE" \
           --runs "$WORK/runs" --seed "$S" --out "$WORK/o/$stem-s$S" "${targs[@]}" ${vargs[@]+"${vargs[@]}"} ${EXTRA:-})
-        # A run cut short (a slice, or a call that ran out of time) goes on from its newest checkpoint.
+        # A run cut short (a slice, or a call that ran out of time) goes on from its newest checkpoint
+        # (a save cut short is left as update_*.partial: not one).
         resume=()
-        if compgen -G "$run/checkpoints/update_*" >/dev/null; then resume=(--resume); fi
+        if compgen -G "$run/checkpoints/update_*[0-9]" >/dev/null; then resume=(--resume); fi
         if [ ! -f "$run/training.json" ]; then
           if [ "$MODE" = train ] && [ -n "${STOP_AT:-}" ]; then "${base[@]}" ${resume[@]+"${resume[@]}"} --stop-at "$STOP_AT"
           else "${base[@]}" ${resume[@]+"${resume[@]}"} --no-eval; fi

@@ -158,6 +158,38 @@ def test_caching_retriever_is_exact_and_reuses_book_chunks(data, model):
     assert caching.cached > 0 and caching.hits > 0  # the 800-sentence book wraps: chunks repeat
 
 
+def test_niah_val_draw_builds_only_the_contexts_it_keeps(model, monkeypatch):
+    """The NIAH val split is train samples held out by their id: the draw yields what building
+    every train sample and filtering yields, but assembles only the contexts it keeps (at 1M
+    tokens each skipped one would cost a whole context)."""
+    from itertools import islice
+
+    from qrag.data import niah
+    from qrag.data.splits import in_validation
+    from qrag.evaluation.lengths import generate_split
+
+    _, tokenizer, _ = model
+    measure = Measure.from_tokenizer(tokenizer)
+    cfg = DataConfig(dataset="niah", chunk_tokens=32, val_fraction=0.2)
+    task, length, n = "niah_single_1", 1024, 3
+    everything = generate(task, "train", length, 200, measure, cfg)
+    expected = [g.sample for g in islice((g for g in everything if in_validation(g.sample.id, 0.2)), n)]
+    assert int(expected[-1].id.rsplit("-", 1)[1]) >= n  # the draw passes over train samples
+
+    real, built = niah.assemble, []
+
+    def counting(hay, window, texts, rng):
+        built.append(len(texts))
+        return real(hay, window, texts, rng)
+
+    monkeypatch.setattr(niah, "assemble", counting)
+    drawn = [g.sample for g in generate_split(task, "val", length, n, measure, cfg)]
+    assert [(s.id, s.question, s.support, s.chunks) for s in drawn] == [
+        (s.id, s.question, s.support, s.chunks) for s in expected
+    ]
+    assert len(built) == n
+
+
 def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monkeypatch):
     from qrag.cli import main
 

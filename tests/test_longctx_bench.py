@@ -1,10 +1,13 @@
 """bench/longctx.py end to end on CPU with a tiny encoder: a run cut into two slices (the second
 resumes the first's checkpoint), the reported checkpoint chosen on the val split at a long
-length among the periodic, keep_best and final ones, then dev evaluated once."""
+length among the periodic, keep_best and final ones (resumable: each score is kept), then dev
+evaluated once; bench/longctx_seeds.sh's seeds, carries staged over calls, and a call stopped by
+its time limit."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -99,26 +102,80 @@ def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tin
     assert "resumed from" in logged and "select: final" in logged
 
 
-def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encoder, tmp_path):
-    """bench/longctx_seeds.sh on CPU: a seed of qa1 for the preset and for one variant (an ablation
-    row; one seed each keeps the test short, tests/test_seeds.py combines several), and the untrained
-    encoder, each run's checkpoint chosen on val, then one table with the differences between models."""
-    import os
-    import shutil
-    import subprocess
-    import tarfile
+def test_selection_keeps_each_candidates_score_and_resumes(longctx, tmp_path, monkeypatch):
+    """A call cut short while choosing leaves each scored candidate under <run>/selection/; the
+    next call scores only the rest. A re-trained checkpoint, or other selection settings, are
+    scored again."""
+    import argparse
 
-    assets = tmp_path / "assets"
-    assets.mkdir()
-    shutil.copytree(tiny_encoder, assets / "encoder")
-    shutil.copytree(data / "babi", assets / "babi")
-    shutil.copytree(data / "bg", assets / "novels")
-    out, work = tmp_path / "out", tmp_path / "work"
-    env = {
+    from qrag.config import TrainConfig
+    from qrag.evaluation import lengths
+
+    run = tmp_path / "run"
+    names = ["checkpoints/update_0000002", "best", "final"]
+    for name in names:
+        (run / name).mkdir(parents=True)
+        (run / name / "qrag.json").write_text("{}")
+        (run / name / "weights.safetensors").write_bytes(b"0123")
+    (run / "checkpoints" / "update_0000004.partial").mkdir()  # a save cut short by a kill: no candidate
+    (run / "checkpoints" / "update_0000004.partial" / "qrag.json").write_text("{}")
+    scores = {"update_0000002": 0.5, "best": 1.0, "final": 0.75}
+    swept: list[str] = []
+
+    def sweep(label, checkpoint, cfg, tasks, lens, samples, **kw):
+        swept.append(label)
+        row = {k: 0 for k in longctx.ROW_KEYS}
+        return [{**row, "length": n, "fact_em": scores[label], "fact_f1": scores[label]} for n in lens]
+
+    monkeypatch.setattr(lengths, "sweep_model", sweep)
+    logged: list[str] = []
+    cfg = TrainConfig()
+
+    def select(questions: int = 2) -> dict:
+        swept.clear()
+        args = argparse.Namespace(select_lengths="1k", select_questions=questions)
+        return longctx.select_checkpoint("qa1", run, cfg, args, None, logged.append)
+
+    first = select()
+    assert swept == ["update_0000002", "best", "final"] and first["reused"] == []
+    assert first["checkpoint"] == str(run / "best")
+    assert sorted(p.name for p in (run / "selection").iterdir()) == ["best.json", "final.json", "update_0000002.json"]
+
+    again = select()
+    assert swept == [] and again["reused"] == ["update_0000002", "best", "final"]
+    assert again["candidates"] == first["candidates"] and again["checkpoint"] == first["checkpoint"]
+    assert sum("reused" in line for line in logged) == 3
+
+    # final written again (same size, later): only it is scored again, and its new score counts.
+    stamp = (run / "final" / "weights.safetensors").stat().st_mtime_ns
+    os.utime(run / "final" / "weights.safetensors", ns=(stamp + 10**9, stamp + 10**9))
+    scores["final"] = 2.0
+    assert select()["checkpoint"] == str(run / "final") and swept == ["final"]
+
+    assert select(questions=3)["reused"] == [] and swept == ["update_0000002", "best", "final"]
+    (run / "selection" / "best.json").write_text('{"key": ')  # cut short by a kill while written
+    assert select(questions=3)["reused"] == ["update_0000002", "final"] and swept == ["best"]
+
+
+SEEDS_SCRIPT = ["bash", str(ROOT / "bench" / "longctx_seeds.sh")]
+
+
+def tiny_assets(folder: Path, tiny_encoder: str, data: Path, parts: tuple[str, ...] = ("encoder", "babi", "novels")):
+    """A --pack-assets folder (the parts named) from the tiny encoder and write_qa1_data's files."""
+    import shutil
+
+    sources = {"encoder": Path(tiny_encoder), "babi": data / "babi", "novels": data / "bg"}
+    folder.mkdir(parents=True)
+    for part in parts:
+        shutil.copytree(sources[part], folder / part)
+    return folder
+
+
+def seeds_env(work: Path, out: Path) -> dict[str, str]:
+    """bench/longctx_seeds.sh's settings for a tiny qa1 run on CPU: one seed of the preset and of a variant."""
+    return {
         **os.environ,
         "PY": sys.executable,
-        "CARRY": str(assets),
-        "ASSETS": str(assets),
         "WORK": str(work),
         "OUT": str(out),
         "DEVICE": "cpu",
@@ -135,7 +192,19 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
         "EXTRA": "--val-questions 0 data.samples_per_task=8 data.dev_samples_per_task=2 data.val_fraction=0.5 "
         "data.chunk_tokens=32 learner.episodes_per_update=4 learner.micro_batch=4 learner.warmup_updates=1",
     }
-    script = ["bash", str(ROOT / "bench" / "longctx_seeds.sh")]
+
+
+def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encoder, tmp_path):
+    """bench/longctx_seeds.sh on CPU: a seed of qa1 for the preset and for one variant (an ablation
+    row; one seed each keeps the test short, tests/test_seeds.py combines several), and the untrained
+    encoder, each run's checkpoint chosen on val, then one table with the differences between models."""
+    import subprocess
+    import tarfile
+
+    assets = tiny_assets(tmp_path / "assets", tiny_encoder, data)
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**seeds_env(work, out), "CARRY": str(assets), "ASSETS": str(assets)}
+    script = SEEDS_SCRIPT
     done = subprocess.run(script + ["train"], cwd=ROOT, env={**env, "STOP_AT": "2"}, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (work / "runs" / "qa1-seed1" / "checkpoints" / "update_0000002").is_dir()
@@ -165,3 +234,75 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
     done = subprocess.run(script + ["run"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert finished.stat().st_mtime_ns == stamp and (out / "longctx_qa1_headline.json").is_file()
+
+
+def processes_of(work: Path) -> list[int]:
+    """Ids of the live processes whose command line names ``work`` (the script's runs do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(work).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_the_seeds_script_stages_carries_and_packs_what_exists_when_stopped(data, tiny_encoder, tmp_path):
+    """A carry split over calls: `stage` merges one part into $WORK/assets, `run` merges the rest
+    (and refuses to start while a part is missing). SIGTERM (what `timeout` sends at a call's
+    limit) stops the runs and brings back what exists as $OUT/longctx_seeds_partial.tgz, exit 124."""
+    import signal
+    import subprocess
+    import tarfile
+    import time
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**seeds_env(work, out), "UPDATES": "100000"}  # runs that cannot end before they are stopped
+    first = tiny_assets(tmp_path / "carry1", tiny_encoder, data, ("babi", "novels"))
+    (first / "provenance.env").write_text("QRAG_COMMIT=0123456789abcdef0123456789abcdef01234567\nQRAG_DIRTY=0\n")
+    done = subprocess.run(SEEDS_SCRIPT + ["stage"], cwd=ROOT, env={**env, "CARRY": str(first)}, capture_output=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in (work / "assets").iterdir()) == ["babi", "novels", "provenance.env"]
+    done = subprocess.run(
+        SEEDS_SCRIPT + ["run"], cwd=ROOT, env={**env, "CARRY": str(tmp_path / "none")}, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "no encoder under" in done.stderr
+
+    # What an earlier call left, which the bundle brings back beside this call's logs.
+    earlier = ["o/qa1-s7/longctx_qa1_seed7.json", "runs/qa1-seed7/training.json", "runs/qa1-seed7/selection/final.json"]
+    for name in earlier:
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text("{}")
+    second = tiny_assets(tmp_path / "carry2", tiny_encoder, data, ("encoder",))
+    script = subprocess.Popen(
+        SEEDS_SCRIPT + ["run"],
+        cwd=ROOT,
+        env={**env, "CARRY": str(second)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(processes_of(work)) < 3 and script.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(processes_of(work)) == 3, "the two seeds' runs and the untrained one did not start"
+        script.send_signal(signal.SIGTERM)  # to the script alone: it must stop its runs itself
+        printed, _ = script.communicate(timeout=60)
+        assert script.returncode == 124, printed
+        assert "longctx_seeds_partial.tgz" in printed
+        deadline = time.monotonic() + 5
+        while processes_of(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_of(work), "runs left running"
+    finally:
+        for pid in processes_of(work):
+            os.kill(pid, signal.SIGKILL)
+        if script.poll() is None:
+            script.kill()
+    assert (work / "assets" / "encoder").is_dir()  # the second part, merged by run
+    with tarfile.open(out / "longctx_seeds_partial.tgz") as tgz:
+        names = set(tgz.getnames())
+    assert {"./qa1-s1.log", "./qa1-w-o-target-s1.log", "./qa1-u.log", *earlier} <= names

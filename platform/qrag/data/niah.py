@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,11 +248,15 @@ def generate_niah(
     essays: str | Path | None = None,
     near_misses: int = 0,
     val_fraction: float = 0.0,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[Generated]:
     """``n`` samples of one RULER NIAH task at ``length`` tokens, one at a time. ``near_misses``:
     that many extra distractor needles per sample whose keys are near misses of an asked key
     (:func:`near_miss`; training hard negatives, recorded in ``meta['near_misses']``), except in the
-    samples ``val_fraction`` holds out of train (validation contexts are never training contexts)."""
+    samples ``val_fraction`` holds out of train (validation contexts are never training contexts).
+    ``skip``: samples whose id it accepts are left out before anything of them is built (a
+    validation draw keeps a few samples of many; each sample's draws are its own, so leaving one
+    out changes no other)."""
     name, spec = task_spec(task)
     if length <= 0:
         raise DataError(f"niah: context length must be positive, got {length}")
@@ -260,6 +264,8 @@ def generate_niah(
     n_keys = max(spec.keys, spec.queries)
     for i in range(n):
         sample_id = f"niah-{name}-{split}-{length}-{i}"
+        if skip is not None and skip(sample_id):
+            continue
         misses = 0 if in_validation(sample_id, val_fraction) else near_misses
         rng = rng_for("niah", seed, name, split, length, i)
         keys = draw_keys(rng, spec.key_type, n_keys, asked=True)

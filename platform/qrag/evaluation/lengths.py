@@ -248,8 +248,14 @@ def generate_split(task: str, split: str, length: int, n: int, measure: Measure,
     if split != "val" or task_dataset(task) == "babilong":
         yield from generate(task, split, length, n, measure, data)
         return
+
+    # A NIAH sample's validation key is its own id, so the train samples val leaves out are
+    # skipped before their contexts are built; the filter below still decides what is kept.
+    def train_side(sample_id: str) -> bool:
+        return not in_validation(sample_id, data.val_fraction)
+
     taken = 0
-    for g in generate(task, "train", length, int(n / data.val_fraction * 3) + 100, measure, data):
+    for g in generate(task, "train", length, int(n / data.val_fraction * 3) + 100, measure, data, skip=train_side):
         if in_validation(validation_key(g.sample), data.val_fraction):
             yield g
             taken += 1

@@ -15,7 +15,7 @@ Both are exact shortcuts: results equal tokenising and embedding every chunk of 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,12 +49,21 @@ def canonical_task(task: str) -> str:
     return task_spec(task)[0]
 
 
-def generate(task: str, split: str, length: int, n: int, measure: Measure, data: DataConfig) -> Iterator[Generated]:
-    """``n`` samples of one task at one length, one at a time."""
+def generate(
+    task: str,
+    split: str,
+    length: int,
+    n: int,
+    measure: Measure,
+    data: DataConfig,
+    skip: Callable[[str], bool] | None = None,
+) -> Iterator[Generated]:
+    """``n`` samples of one task at one length, one at a time, less those whose sample id ``skip``
+    accepts (NIAH never builds them; BabiLong builds them, then leaves them out)."""
     if task_dataset(task) == "babilong":
         from qrag.data.babilong import generate_babilong
 
-        return generate_babilong(
+        built = generate_babilong(
             task,
             split,
             length,
@@ -66,6 +75,7 @@ def generate(task: str, split: str, length: int, n: int, measure: Measure, data:
             background=data.path if data.dataset == "babilong" else None,
             val_fraction=data.val_fraction,
         )
+        return built if skip is None else (g for g in built if not skip(g.sample.id))
     from qrag.data.niah import generate_niah
 
     return generate_niah(
@@ -77,6 +87,7 @@ def generate(task: str, split: str, length: int, n: int, measure: Measure, data:
         seed=data.seed,
         budget=data.chunk_tokens,
         essays=data.path if data.dataset == "niah" else None,
+        skip=skip,
     )
 
 
