@@ -19,6 +19,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No Arrow data cache under ~/.cache from test runs; tests/test_data_cache.py sets its own folder.
 os.environ.setdefault("QRAG_DATA_CACHE", "none")
+# Every Ray the tests start stays on 127.0.0.1 (qrag.distributed.loopback): set before Ray is imported, so
+# the clusters the tests start with `ray start` and the drivers that join them agree on the node's address.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed: int = 0, arch: str = "bert") -> Path:

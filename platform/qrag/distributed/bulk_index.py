@@ -45,6 +45,7 @@ from qrag.data.documents import Document, DocumentChunk
 from qrag.data.records import expand_inputs, plan_parts, read_records
 from qrag.data.sample import DataError
 from qrag.index.bulk import USER_ERRORS, BulkIndexConfig, cluster_path
+from qrag.distributed.loopback import keep_ray_on_loopback
 from qrag.index.store import CorpusConflict, CorpusNotFound, CorpusStore, Manifest, StoreError
 from qrag.model.encoder import host_settings_while_feeding
 from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity
@@ -238,6 +239,7 @@ def ensure_ray(address: str | None = None) -> None:
     if address:
         ray.init(address=address, configure_logging=False)
     else:
+        keep_ray_on_loopback()
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
 
 

@@ -27,6 +27,7 @@ from qrag.config import ConfigError, TrainConfig, load_config
 from qrag.data import DataError
 from qrag.model.encoder import ModelPathError
 from qrag.distributed.options import add_cluster_arguments
+from qrag.distributed.loopback import keep_ray_on_loopback
 from qrag.distributed.preflight import base_directory, preflight, resolve_paths, worker_env
 from qrag.distributed.train import cpu_need, finished_updates, storage_run_dir, train_with_ray
 from qrag.integrations.tracking import tracking_uri
@@ -133,6 +134,7 @@ def connect(job: Job, ship_code: bool = True) -> bool:
     if job.address:
         join_cluster(job.address, job.env, ship_code)
         return False
+    keep_ray_on_loopback()
     ray.init(
         # The dashboard (when installed) serves the state API that Ray Train's clean-up actor polls.
         address="local",

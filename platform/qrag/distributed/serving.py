@@ -52,6 +52,7 @@ from qrag.serving.errors import ServiceError, overloaded
 from qrag.serving.http_api import build_api
 from qrag.serving.identity import ModelIdentity
 from qrag.serving.server_timing import ServerTiming
+from qrag.distributed.loopback import keep_ray_on_loopback
 from qrag.serving.service import RetrievalService, local_holders
 from qrag.serving.service_config import INGRESS_ENV, INGRESSES, PREFERRED_INGRESS, ServeConfig
 from qrag.serving.warm_up import warm_holder
@@ -487,6 +488,7 @@ def serve_locally(
     if os.environ.get("RAY_ADDRESS"):  # a running cluster, e.g. `ray start --head --node-ip-address=127.0.0.1`
         ray.init(configure_logging=False)
     else:  # a fresh local Ray, whatever else runs on this machine
+        keep_ray_on_loopback()
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": host, "port": port, "request_timeout_s": cfg.request_timeout_s + 10})

@@ -30,6 +30,7 @@ from qrag.distributed.job import USER_ERRORS
 from qrag.distributed.options import SWEEP_DESCRIPTION, add_sweep_arguments
 from qrag.distributed.preflight import base_directory, check_distributed, preflight, resolve_paths, worker_env
 from qrag.distributed.sweep.results import TrialOutcome, write_report
+from qrag.distributed.loopback import keep_ray_on_loopback
 from qrag.distributed.sweep.spec import Sweep, load_sweep
 from qrag.integrations.tracking import is_uri, tracking_uri
 from qrag.distributed.train import cpu_need, learner_resources
@@ -154,6 +155,7 @@ def connect(sweep: Sweep, address: str | None) -> bool:
     saved = os.environ.get("RAY_GCS_SERVER_PORT")
     os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # the local head's GCS port (read when Ray starts it)
     try:
+        keep_ray_on_loopback()
         ray.init(
             address="local",
             _node_ip_address="127.0.0.1",
