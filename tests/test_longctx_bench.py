@@ -172,17 +172,12 @@ def tiny_assets(folder: Path, tiny_encoder: str, data: Path, parts: tuple[str, .
 
 
 def reader_parts(folder: Path) -> None:
-    """SmolLM2's GGUF cut in two as `READER=local ... pack` cuts it (reader-1, reader-2 with its
-    wheels: none here, where gguf and accelerate are installed)."""
-    from qrag.answers.local import smollm2_gguf
+    """SmolLM2's GGUF in parts under folder/reader, as `READER=local ... pack` writes them (here in
+    three, and without wheels: gguf and accelerate are installed)."""
+    import subprocess
 
-    gguf = smollm2_gguf()
-    data = gguf.read_bytes()
-    cut = len(data) // 3  # anywhere: the script must join the halves whatever their sizes
-    (folder / "reader-1").mkdir()
-    (folder / "reader-2" / "wheels").mkdir(parents=True)
-    (folder / "reader-1" / f"{gguf.name}.1").write_bytes(data[:cut])
-    (folder / "reader-2" / f"{gguf.name}.2").write_bytes(data[cut:])
+    split = [sys.executable, str(ROOT / "bench" / "reader_parts.py"), "split", "--out", str(folder / "reader")]
+    subprocess.run([*split, "--part-mib", "40"], check=True, capture_output=True)
 
 
 def seeds_env(work: Path, out: Path) -> dict[str, str]:
@@ -226,7 +221,7 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
 
     # With a reader: SmolLM2's GGUF joined from the two carried parts answers every dev question.
     done = subprocess.run(script + ["run"], cwd=ROOT, env={**env, "READER": "local"}, capture_output=True, text=True)
-    assert done.returncode == 2 and "no reader-1 under" in done.stderr
+    assert done.returncode == 2 and "no reader under" in done.stderr
     reader_parts(assets)
     done = subprocess.run(script + ["run"], cwd=ROOT, env={**env, "READER": "local"}, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
