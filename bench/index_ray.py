@@ -61,8 +61,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info, write_result  # noqa: E402
 from qrag.data.sample import DataError  # noqa: E402
-from qrag.distributed.bulk_index import ensure_ray, index_on_cluster, node_gpus  # noqa: E402
-from qrag.index.bulk import PATHS, BulkIndexConfig, cluster_path  # noqa: E402
+from qrag.distributed.bulk_index import ensure_ray, index_on_cluster  # noqa: E402
+from qrag.index.bulk import PATHS, BulkIndexConfig  # noqa: E402
 from qrag.retrieval.embedder import load_embedding_model, resolve_source, source_identity  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 
@@ -356,14 +356,10 @@ def main() -> int:
             tokenize_actors=args.tokenize_actors,
             file_part_bytes=max(1, int(args.file_part_mb * 2**20)),
         )
-        node = node_gpus()
-        picked = cluster_path(cfg, node)
         t = time.perf_counter()
-        stats = index_on_cluster(cfg, None)
+        stats = index_on_cluster(cfg, None)  # picks the path as `qrag index --address` does
         driver_seconds = time.perf_counter() - t
-        if stats.get("path") != picked:
-            raise SystemExit(f"index_ray: cluster_path picked {picked}, index_on_cluster ran {stats.get('path')}")
-        ran = cfg.with_defaults(picked)  # the settings the path ran with
+        ran = cfg.with_defaults(stats["path"])  # the settings the path ran with
         store = CorpusStore(storage)
         bytes_on_disk = store.disk_bytes("bench")
         ray.shutdown()  # the path's GPUs are free again for the bare forward
@@ -377,7 +373,6 @@ def main() -> int:
         summary["indexing"]["driver_seconds"] = round(driver_seconds, 3)  # the bench's wait for index_on_cluster
         settings = {
             "gpus": gpus,
-            "node_gpus": node,
             "encode_batch": ran.encode_batch,
             "encode_tokens": ran.encode_tokens,
             "commit_chunks": ran.commit_chunks,

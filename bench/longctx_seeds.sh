@@ -95,10 +95,9 @@ if [ "$READER" = local ] && [ "$MODE" = run ]; then
   # The GGUF joined again (its hash checked), its wheels installed beside the image's packages, and dequantised
   # once into the shared cache before the runs start (each run's reader then loads the cached directory).
   gguf=$($PY bench/reader_parts.py join "$ASSETS/reader" "$WORK/reader")
-  if ! $PY -c 'import gguf, accelerate' 2>/dev/null; then
+  export PYTHONPATH=$PYTHONPATH:$WORK/site  # an earlier call's install is found again
+  $PY -c 'import gguf, accelerate' 2>/dev/null ||
     $PY -m pip install -q --no-index --no-deps --target "$WORK/site" "$ASSETS"/reader/*/wheels/*.whl
-    export PYTHONPATH=$PYTHONPATH:$WORK/site
-  fi
   export QRAG_CACHE_DIR=$WORK/cache
   $PY -c 'import sys; from pathlib import Path; from qrag.answers.local import prepare_gguf; print(prepare_gguf(Path(sys.argv[1])))' "$gguf"
   answer_args=(--answer local "answer.local_model=$gguf")
