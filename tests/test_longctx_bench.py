@@ -214,8 +214,18 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**seeds_env(work, out), "CARRY": str(assets), "ASSETS": str(assets)}
     script = SEEDS_SCRIPT
-    done = subprocess.run(script + ["train"], cwd=ROOT, env={**env, "STOP_AT": "2"}, capture_output=True, text=True)
+    # PER_GPU=1: the two runs one after the other (a Python that notes when each run starts and ends).
+    spans = tmp_path / "spans"
+    timed_python = tmp_path / "timed_python"
+    timed_python.write_text(
+        f'#!/bin/bash\necho "start $$ $(date +%s%N)" >> {spans}\n{sys.executable} "$@"; rc=$?\n'
+        f'echo "end $$ $(date +%s%N)" >> {spans}\nexit $rc\n'
+    )
+    timed_python.chmod(0o755)
+    sliced = {**env, "STOP_AT": "2", "PER_GPU": "1", "PY": str(timed_python)}
+    done = subprocess.run(script + ["train"], cwd=ROOT, env=sliced, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert most_at_once(spans.read_text()) == 1
     assert (work / "runs" / "qa1-seed1" / "checkpoints" / "update_0000002").is_dir()
     assert not (work / "runs" / "qa1-seed1" / "training.json").exists()  # a slice, not the run's end
 
@@ -248,6 +258,16 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
     done = subprocess.run(script + ["run"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert finished.stat().st_mtime_ns == stamp and (out / "longctx_qa1_headline.json").is_file()
+
+
+def most_at_once(spans: str) -> int:
+    """The most processes live at one time, from 'start PID NS' / 'end PID NS' lines."""
+    events = sorted((int(ns), 1 if kind == "start" else -1) for kind, _, ns in (line.split() for line in spans.splitlines()))
+    live = most = 0
+    for _, change in events:
+        live += change
+        most = max(most, live)
+    return most
 
 
 def processes_of(work: Path) -> list[int]:
