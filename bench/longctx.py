@@ -334,13 +334,23 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
     elif resume is not None:
         log(f"{task}: resumed from {resume} at update {run.learner.update} of {cfg.updates}")
     start_update = run.learner.update
-    out = run.run(source=source, report=lambda step, m: None, stop_at=args.stop_at)
+
+    def checkpointed(path: Path, metrics: dict[str, float]) -> None:
+        # A call killed at its time limit (SIGTERM from `timeout`) never reaches the record below, and
+        # a later call resumes from its last periodic checkpoint: record the slice up to each one. What
+        # a killed slice trains after its last checkpoint is lost work, so the time counted is the time
+        # up to the checkpoint, the time that produced the updates kept.
+        if Path(path) == run.checkpoint_dir(run.learner.update):  # not best/ nor final/: nothing resumes them
+            record_slice(run.run_dir, start_update, run.learner.update, time.perf_counter() - t0, data_s)
+
+    out = run.run(source=source, report=lambda step, m: None, on_checkpoint=checkpointed, stop_at=args.stop_at)
     slices = record_slice(run.run_dir, start_update, out["updates"], time.perf_counter() - t0, data_s)
     if out.get("stopped"):
         return {"stopped_at": out["updates"], "checkpoint": out["checkpoint"], "slices": slices}, cfg
     # Over every slice of the run (one slice when it was not cut).
     train_s = sum(sl["seconds"] for sl in slices)
     data_s = sum(sl["data_seconds"] for sl in slices)
+    trained, loop_s = slice_speed(slices)
     history = run.history
     last = [h for h in history if "train/return" in h][-5:]
     # The periodic evaluations on the val split at the training length (what keep_best chose from).
@@ -358,9 +368,10 @@ def train(task: str, args: argparse.Namespace, paths: dict, device, log) -> tupl
         **({"slices": slices} if len(slices) > 1 else {}),
         # Measured over the whole loop: the probe's first updates run full-length episodes on cold
         # kernels, so its per-update time (kept as probe_seconds_per_update) overstates the cost.
-        "seconds_per_update": round((train_s - data_s) / max(1, out["updates"]), 3),
+        # Only the slices' own updates and times count (see slice_speed); None when none is known.
+        "seconds_per_update": round(loop_s / trained, 3) if trained else None,
         **({"probe_seconds_per_update": round(per_update, 3)} if per_update is not None else {}),
-        "episodes_per_s": round(cfg.learner.episodes_per_update * out["updates"] / max(1e-9, train_s - data_s), 1),
+        "episodes_per_s": round(cfg.learner.episodes_per_update * trained / loop_s, 1) if trained else None,
         "episodes_per_update": cfg.learner.episodes_per_update,
         "train_return_last": sum(h["train/return"] for h in last) / max(1, len(last)),
         "dev_fact_f1": out["eval"]["fact_f1"],
@@ -425,8 +436,26 @@ def record_slice(run_dir: Path, first: int, last: int, seconds: float, data_seco
         }
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(slices, indent=1) + "\n")
+    # Written during training too (each periodic checkpoint): a kill mid-write keeps the old file whole.
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(slices, indent=1) + "\n")
+    tmp.replace(path)
     return slices
+
+
+def slice_speed(slices: list[dict]) -> tuple[int, float]:
+    """(updates trained, training seconds) over the slices that trained any update with known
+    time: a slice's seconds less its data seconds. A resumed slice with nothing left to train (or a
+    killed slice never recorded) must not pass its data loading off as the run's training time."""
+    timed = [
+        sl
+        for sl in slices
+        if sl["to"] > sl["from"] and sl.get("seconds") is not None and sl.get("data_seconds") is not None
+    ]
+    seconds = sum(sl["seconds"] - sl["data_seconds"] for sl in timed)
+    if seconds <= 0:
+        return 0, 0.0
+    return sum(sl["to"] - sl["from"] for sl in timed), seconds
 
 
 def split_items(items: list, val_fraction: float) -> tuple[list, list]:
