@@ -42,17 +42,21 @@ for b in range(first, first + 1000):
 """
 
 
-def check_whole(store: CorpusStore) -> tuple[int, set[str]]:
-    """The corpus as a reader sees it: every listed file intact; (version, document ids)."""
+def check_whole(store: CorpusStore) -> tuple[int, list[int]]:
+    """The corpus as a reader sees it: every listed file intact, every stored append whole and
+    stored once, the version moved once per append; (version, the writer's batch numbers, in order)."""
     m = store.read("c")
     ids = store.doc_ids(m)
     assert len(ids) == len(set(ids)) == m.documents == sum(b.documents for b in m.batches)
     assert m.chunks == sum(b.chunks for b in m.batches) == len(m.batches) * DOCS_PER_BATCH * CHUNKS_PER_DOC
+    assert m.version == len(m.batches)  # created at 0, then nothing but appends
     for batch in m.batches:
         for shard in range(m.shards):
             segment, problem = store.read_segment(m, shard, batch)
             assert problem is None, problem
-    return m.version, set(ids)
+    numbers = [int(i.split("-")[0][1:]) for i in ids[::DOCS_PER_BATCH]]  # ids "b<batch>-d<k>"
+    assert ids == [f"b{b}-d{k}" for b in numbers for k in range(DOCS_PER_BATCH)], "an append stored in part"
+    return m.version, numbers
 
 
 def test_sigkill_during_appends_never_loses_an_acknowledged_write(tmp_path):
@@ -61,6 +65,7 @@ def test_sigkill_during_appends_never_loses_an_acknowledged_write(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "platform")}
     rng = random.Random(13)
     acked: list[int] = []
+    in_flight: set[int] = set()  # per kill, the batch after its last acknowledged one
     version, next_batch, mid_write = 0, 1, 0
     for _ in range(KILLS):
         proc = subprocess.Popen(
@@ -80,22 +85,36 @@ def test_sigkill_during_appends_never_loses_an_acknowledged_write(tmp_path):
             text=True,
         )
         first = proc.stdout.readline()  # the first append is through: from now on, kill anywhere
-        assert first.startswith("ACK"), proc.stderr.read()
+        if not first.startswith("ACK"):
+            proc.wait(timeout=30)
+            raise AssertionError(proc.stderr.read())
         time.sleep(rng.uniform(0.0, 0.25))
         os.kill(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
-        batches = [int(line.split()[1]) for line in [first, *out.splitlines()] if line.startswith("ACK")]
+        proc.wait(timeout=30)
+        # The rest through the same file object: readline() may have buffered later ACK lines
+        # (a parent that reads late finds several in the pipe), which communicate() would drop,
+        # as it reads the descriptor itself.
+        out = first + proc.stdout.read()
+        proc.stdout.close()
+        proc.stderr.close()
+        batches = [int(line.split()[1]) for line in out.splitlines()]
+        # The writer acknowledges its batches in order: a gap would be an ACK this test lost.
+        assert batches == list(range(next_batch, next_batch + len(batches))), out
         acked += batches
+        in_flight.add(batches[-1] + 1)
         leftovers = list(tmp_path.glob(f"c/*/.*{TMP_SUFFIX}")) + list(tmp_path.glob(f"c/.*{TMP_SUFFIX}"))
         mid_write += bool(leftovers)
 
         reopened = CorpusStore(tmp_path)  # what a restarted server does first
         assert not list(tmp_path.glob(f"c/**/.*{TMP_SUFFIX}")) and not list(tmp_path.glob(f"c/.*{TMP_SUFFIX}"))
-        new_version, ids = check_whole(reopened)
-        # The previous version plus the acknowledged appends, or that plus the one in flight.
+        new_version, stored = check_whole(reopened)
+        # The previous version plus the acknowledged appends, or that plus the one in flight
+        # (killed after its commit, before its ACK was written).
         assert new_version - version in (len(batches), len(batches) + 1), (version, new_version, batches)
-        for b in acked:
-            assert all(f"b{b}-d{k}" in ids for k in range(DOCS_PER_BATCH)), f"acknowledged batch {b} lost"
+        lost = sorted(set(acked) - set(stored))
+        assert not lost, f"acknowledged batches {lost} lost"
+        # Every stored append is one the writer issued: acknowledged, or in flight at a kill.
+        assert set(stored) <= set(acked) | in_flight, sorted(set(stored) - set(acked) - in_flight)
         version = new_version
         next_batch = max(acked) + 2  # the in-flight batch, if it landed, keeps its number
     assert len(acked) >= KILLS
