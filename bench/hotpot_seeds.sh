@@ -8,8 +8,13 @@
 #   bash bench/hotpot_seeds.sh pack          # .carry/hotpot: fp16 MiniLM, the QA data, provenance.env (~50 MB)
 # On a GPU machine (one call, carry .carry/hotpot):
 #   OUT=$OUT bash bench/hotpot_seeds.sh run
-# The paper's Table 3 rows, each with SEEDS seeds, in one headline per dataset with the differences between rows:
-#   OUT=$OUT VARIANTS=table3 bash bench/hotpot_seeds.sh run
+# The paper's Table 3 rows, each with SEEDS seeds, in one headline per dataset with the differences between rows
+# (w/o positions is left out: the preset has none), more than one call's work; `timeout` below the call's 600 s:
+#   OUT=$OUT VARIANTS=table3 timeout 560 bash bench/hotpot_seeds.sh run
+# On its SIGTERM the script stops the runs and packs what exists into $OUT/hotpot_seeds_partial.tgz (exit 124);
+# the same command in a later call on the same warm machine (carrying .carry/hotpot again) resumes: training from
+# each run's newest checkpoint (every EVERY updates), finished evaluations not redone. At most PER_GPU runs share
+# the GPU at once (default 12), the rest start as they end.
 # It brings back hotpot_headline.json, musique_headline.json, the untrained summaries and one .tgz with
 # every seed's summary, per-question records and log (a call returns at most 8 files).
 # CPU check with a tiny encoder (minutes): DEVICE=cpu ENCODER=DIR EXTRA="updates=2 eval_every=1
@@ -41,33 +46,45 @@ WORK=${WORK:-/tmp/hotpot_seeds}
 DEVICE=${DEVICE:-cuda}
 export HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$CARRY/data}
 if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
-mkdir -p "$WORK" "$OUT"
-settings="model.encoder=${ENCODER:-$CARRY/encoder} device=$DEVICE out_dir=$WORK/runs ${EXTRA:-}"
+mkdir -p "$WORK/done" "$OUT"
+settings="model.encoder=${ENCODER:-$CARRY/encoder} device=$DEVICE out_dir=$WORK/runs checkpoint_every=${EVERY:-50} ${EXTRA:-}"
 limit=${LIMIT:+--limit $LIMIT}
 evaluate() {  # checkpoint, name[, --label L]: HotpotQA dev (the preset's T) and MuSiQue dev out of distribution (T = 4)
   $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
     --out "$WORK/hotpot_$2.json" "${@:3}"
   $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
     --no-progress --out "$WORK/musique_$2.json" "${@:3}"
+  touch "$WORK/done/$2"  # both written whole: a later call skips them
 }
+. "$(dirname "$0")/seeds_jobs.sh"
+trap 'stop_and_pack bench/hotpot_seeds.sh "$OUT/hotpot_seeds_partial.tgz" "./*.json ./*.records.jsonl ./*.log runs/*/training.json"' TERM INT
 # VARIANTS (bench/variants.sh): rows beside the preset. With several, each headline is a methods file: every
 # row's seeds combined and the difference between every pair of rows.
 . "$(dirname "$0")/variants.sh"
+if [ "$VARIANTS" = "$TABLE3_VARIANTS" ]; then VARIANTS=${VARIANTS//w\/o_positions:model.positions=none/}; fi
+max_running=${PER_GPU:-12}
 for variant in $VARIANTS; do
   label=$(variant_label "$variant")
   vargs=$(variant_overrides "$variant")
   # The preset keeps the names it always had (seed0, hotpot_s0.json); a variant's are prefixed by its label.
   if [ "$label" = Q-RAG ]; then tag=""; else tag="$(label_slug "$label")-"; fi
   for S in $SEEDS; do
+    [ -f "$WORK/done/${tag}s$S" ] && continue
+    make_room
     (
-      $PY -m qrag train --config "$CONFIG" name="${tag}seed$S" seed="$S" data.seed="$S" $settings $vargs --no-progress
-      evaluate "$WORK/runs/${tag}seed$S/best" "${tag}s$S" --label "$label"
-    ) > "$WORK/${tag}seed$S.log" 2>&1 &
+      run=$WORK/runs/${tag}seed$S
+      if [ ! -d "$run/final" ]; then
+        # A run a call's time limit cut short goes on from its newest checkpoint (a save cut short is not one).
+        latest=$(compgen -G "$run/checkpoints/update_*[0-9]" | sort | tail -n 1 || true)
+        $PY -m qrag train --config "$CONFIG" name="${tag}seed$S" seed="$S" data.seed="$S" $settings $vargs \
+          --no-progress ${latest:+--resume "$latest"}
+      fi
+      evaluate "$run/best" "${tag}s$S" --label "$label"
+    ) >> "$WORK/${tag}seed$S.log" 2>&1 &
   done
 done
-evaluate none untrained > "$WORK/untrained.log" 2>&1 &
-failed=0
-for job in $(jobs -p); do wait "$job" || failed=1; done
+if [ ! -f "$WORK/done/untrained" ]; then make_room; evaluate none untrained >> "$WORK/untrained.log" 2>&1 & fi
+wait_all
 tail -n 3 "$WORK"/*.log
 [ "$failed" = 0 ] || { echo "bench/hotpot_seeds.sh: a run failed (logs above)" >&2; exit 1; }
 

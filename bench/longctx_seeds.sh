@@ -104,30 +104,9 @@ if [ "$READER" = local ] && [ "$MODE" = run ]; then
   answer_args=(--answer local "answer.local_model=$gguf")
 fi
 
-# A call's time limit (`timeout` sends SIGTERM; Ctrl-C SIGINT) stops the runs and brings back what
-# exists as one file (a call returns 8); a later call on the same machine resumes from $WORK.
-stop_tree() {  # a process and all under it; held first, so that it starts nothing new meanwhile
-  local kid kids
-  kill -STOP "$1" 2>/dev/null || return 0
-  kids=$(pgrep -P "$1" || true)
-  kill -TERM "$1" 2>/dev/null || true
-  kill -CONT "$1" 2>/dev/null || true
-  for kid in $kids; do stop_tree "$kid"; done
-}
-on_stop() {
-  trap '' TERM INT  # `timeout` signals the whole process group as well: one bundle
-  local job
-  for job in $(jobs -p); do stop_tree "$job"; done
-  (
-    cd "$WORK" && shopt -s nullglob
-    files=(o/*/longctx_*.json ./*.log runs/*/training.json runs/*/selection/*.json)
-    tar czf "$OUT/longctx_seeds_partial.tgz" -T /dev/null ${files[@]+"${files[@]}"}
-  ) || true
-  echo "bench/longctx_seeds.sh: stopped by a signal; what exists is in $OUT/longctx_seeds_partial.tgz" \
-    "(results, logs, training.json and kept selection scores); a later call on this machine resumes"
-  exit 124
-}
-trap on_stop TERM INT
+. "$(dirname "$0")/seeds_jobs.sh"
+# Results, logs, training.json and the selection scores kept so far.
+trap 'stop_and_pack bench/longctx_seeds.sh "$OUT/longctx_seeds_partial.tgz" "o/*/longctx_*.json ./*.log runs/*/training.json runs/*/selection/*.json"' TERM INT
 
 # Each task's preset settings as docs/long-contexts.md spells them (the bench turns periodic
 # evaluation and checkpoints off unless asked); every periodic checkpoint is a candidate on val.
@@ -161,10 +140,6 @@ runs=$(( $(echo $TASKS | wc -w) * $(echo $VARIANTS | wc -w) * $(echo $SEEDS | wc
 max_running=$(( ${PER_GPU:-12} * gpus ))
 running=$(( runs < max_running ? runs : max_running ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) / running) > 0 ? $(nproc) / running : 1 ))}
-failed=0
-make_room() {  # wait until fewer than max_running runs are live
-  while [ "$(jobs -rp | wc -l)" -ge "$max_running" ]; do wait -n || failed=1; done
-}
 
 slot=0
 for task in $TASKS; do
@@ -207,7 +182,7 @@ for task in $TASKS; do
       >> "$WORK/$task-u.log" 2>&1 &
   fi
 done
-for job in $(jobs -p); do wait "$job" || failed=1; done
+wait_all
 tail -n 2 "$WORK"/*.log
 [ "$failed" = 0 ] || { echo "bench/longctx_seeds.sh: a run failed (logs above)" >&2; exit 1; }
 [ "$MODE" = run ] || exit 0

@@ -1,0 +1,105 @@
+"""bench/hotpot_seeds.sh on CPU with a tiny encoder: a call's time limit (SIGTERM) stops every run and
+brings back what exists; the same command in a later call resumes each run from its newest checkpoint
+and does not redo finished evaluations."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ["bash", str(ROOT / "bench" / "hotpot_seeds.sh"), "run"]
+
+
+def processes_of(work: Path) -> list[int]:
+    """Ids of the live processes whose command line names ``work`` (every run's does)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(work).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def logged_updates(log: str) -> list[list[int]]:
+    """The updates each `qrag train` of a run's log reported, one list per call."""
+    calls: list[list[int]] = []
+    for line in log.splitlines():
+        if line.startswith("train: "):
+            calls.append([])
+        elif line.startswith('{"update": ') and calls:
+            calls[-1].append(int(line.split(",")[0].split(":")[1]))
+    return calls
+
+
+def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny_encoder, tmp_path):
+    carry, work, out = tmp_path / "carry", tmp_path / "work", tmp_path / "out"
+    carry.mkdir()
+    (carry / "data").symlink_to(shared_data)
+    env = {
+        **os.environ,
+        "PY": sys.executable,
+        "DEVICE": "cpu",
+        "CARRY": str(carry),
+        "ENCODER": tiny_encoder,
+        "WORK": str(work),
+        "OUT": str(out),
+        "SEEDS": "0",
+        "VARIANTS": "Q-RAG: SFT:learner.objective=sft",
+        "EVERY": "2",
+        "LIMIT": "8",
+        "OMP_NUM_THREADS": "1",
+        "EXTRA": "updates=30 eval_every=2 eval_limit=8 learner.episodes_per_update=8 learner.micro_batch=8 "
+        "data.chunk_tokens=48",
+    }
+    runs = [work / "runs" / "seed0", work / "runs" / "sft-seed0"]
+    script = subprocess.Popen(
+        SCRIPT, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while (
+            not all((run / "checkpoints" / "update_0000002").is_dir() for run in runs)
+            and script.poll() is None
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        assert script.poll() is None, script.communicate()[0]
+        script.send_signal(signal.SIGTERM)  # to the script alone, as `timeout` does: it stops its runs itself
+        printed, _ = script.communicate(timeout=60)
+        assert script.returncode == 124, printed
+        deadline = time.monotonic() + 5
+        while processes_of(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_of(work), "runs left running"
+    finally:
+        for pid in processes_of(work):
+            os.kill(pid, signal.SIGKILL)
+        if script.poll() is None:
+            script.kill()
+    with tarfile.open(out / "hotpot_seeds_partial.tgz") as tgz:
+        assert {"./seed0.log", "./sft-seed0.log", "./untrained.log"} <= set(tgz.getnames())
+    assert not (runs[0] / "final").exists()  # stopped before the end of its schedule
+
+    done = subprocess.run(SCRIPT, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for run in runs:
+        first, second = logged_updates((work / f"{run.name}.log").read_text())
+        assert first and second and second[0] > 2 and second[-1] == 30, (first, second)  # went on, not from 0
+    assert {"hotpot_headline.json", "musique_headline.json"} <= {p.name for p in out.iterdir()}
+
+    # A third call finds every evaluation done: nothing trained or evaluated again, the tables written again.
+    finished = {p.name: p.stat().st_mtime_ns for p in (work / "done").iterdir()}
+    assert set(finished) == {"s0", "sft-s0", "untrained"}
+    (out / "hotpot_headline.json").unlink()
+    done = subprocess.run(SCRIPT, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (work / "done").iterdir()} == finished
+    assert (out / "hotpot_headline.json").is_file()
