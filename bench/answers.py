@@ -18,7 +18,7 @@ Two stages, on one machine or two (no Ray, MLflow or FAISS needed):
     PYTHONPATH=platform python bench/answers.py --checkpoint runs/hotpot/final            # one machine
     PYTHONPATH=platform python bench/answers.py --checkpoint none --limit 8               # CPU smoke test
 
-On the device machine (the reader's 94 MiB GGUF travels in two parts, see bench/reader_parts.py;
+On the device machine (the reader's 94 MiB GGUF travels in two parts, see bench/carry_parts.py;
 data in .carry/answers/data, the `gguf` wheel in .carry/answers/wheels):
 
     call 1, carry [.carry/answers, .carry/reader/a]  (runs/hotpot/final already on the machine)
@@ -27,7 +27,7 @@ data in .carry/answers/data, the `gguf` wheel in .carry/answers/wheels):
     copy the returned files to bench/results/answers/ here (they travel with the working tree), then
     call 2, at once on the same warm machine, carry [.carry/reader/b, .carry/answers/wheels]
       pip install --no-index --no-deps --target /tmp/site .carry/answers/wheels/gguf-*.whl &&
-      PYTHONPATH=/tmp/site python3 bench/reader_parts.py join .carry/reader /tmp/reader &&
+      PYTHONPATH=/tmp/site python3 bench/carry_parts.py join .carry/reader /tmp/reader &&
       PYTHONPATH=/tmp/site python3 bench/answers.py --stage answer --out-dir bench/results/answers \
           --reader /tmp/reader/SmolLM2-135M-Instruct.Q4_1.gguf --batch-size 32 \
           --out bench/results/answers/answers.json &&

@@ -12,15 +12,15 @@ from qrag.integrations.provenance import write_json as write_result
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def pack_encoder(dest: str | Path) -> Path:
-    """The bundled MiniLM in fp16 safetensors with its tokenizer (it loads back as fp32): what a
-    GPU call carries instead of the encoder package."""
+def pack_encoder(dest: str | Path, encoder: str = "minilm") -> Path:
+    """An encoder (the bundled MiniLM, ``mpnet`` or any directory) in fp16 safetensors with its
+    tokenizer (it loads back as fp32): what a GPU call carries instead of the encoder package."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
     from qrag.model.encoder import resolve_encoder
 
-    src = resolve_encoder("minilm")
+    src = resolve_encoder(encoder)
     AutoModel.from_pretrained(src).to(torch.float16).save_pretrained(dest, safe_serialization=True)
     AutoTokenizer.from_pretrained(src).save_pretrained(dest)
     return Path(dest)

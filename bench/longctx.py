@@ -187,6 +187,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-baseline", action="store_true", help="skip the untrained encoder")
     p.add_argument("--pack-assets", metavar="DIR", help="write the fp16 encoder and a data subset to DIR, then exit")
     p.add_argument(
+        "--pack-encoder", default="minilm", help="with --pack-assets: the encoder (minilm, mpnet, a directory)"
+    )
+    p.add_argument(
         "--generation-only",
         action="store_true",
         help="only time generating + tokenising one BabiLong sample per length (CPU; peak RSS), then exit",
@@ -204,8 +207,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # -- assets -------------------------------------------------------------------------------------
 
 
-def pack_assets(dest: Path) -> dict:
-    """The bundled encoder in fp16 (it loads back as fp32) and the data the benchmark reads."""
+def pack_assets(dest: Path, encoder: str = "minilm") -> dict:
+    """The encoder in fp16 (it loads back as fp32) and the data the benchmark reads."""
     from bench_common import pack_encoder
     from qrag.data.babi import default_dir
     from qrag.data.babilong import default_background
@@ -213,7 +216,7 @@ def pack_assets(dest: Path) -> dict:
     from qrag.data.niah import default_essays
 
     dest.mkdir(parents=True, exist_ok=True)
-    pack_encoder(dest / "encoder")
+    pack_encoder(dest / "encoder", encoder)
     for variant in ("en", "en-10k"):
         (dest / "babi" / variant).mkdir(parents=True, exist_ok=True)
         for f in sorted((default_dir() / variant).glob("qa[1-5]_*")):
@@ -746,7 +749,7 @@ def main(argv: list[str]) -> int:
 
     out_dir = Path(args.out)
     if args.pack_assets:
-        print(json.dumps(pack_assets(Path(args.pack_assets))))
+        print(json.dumps(pack_assets(Path(args.pack_assets), args.pack_encoder)))
         return 0
     if args.merge:
         table = merge_tables([read_table(p) for p in args.merge])

