@@ -137,6 +137,18 @@ def shared_data() -> Path:
     return d
 
 
+def processes_of(work: Path) -> list[int]:
+    """Ids of the live processes whose command line names ``work`` (a benchmark script's runs do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(work).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` TCP ports free on 127.0.0.1 right now (for servers a test starts)."""
     socks = [socket.socket() for _ in range(n)]

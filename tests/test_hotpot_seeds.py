@@ -12,20 +12,10 @@ import tarfile
 import time
 from pathlib import Path
 
+from conftest import processes_of
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ["bash", str(ROOT / "bench" / "hotpot_seeds.sh"), "run"]
-
-
-def processes_of(work: Path) -> list[int]:
-    """Ids of the live processes whose command line names ``work`` (every run's does)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(work).encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:  # gone meanwhile
-            pass
-    return found
 
 
 def logged_updates(log: str) -> list[list[int]]:

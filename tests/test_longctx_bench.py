@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import processes_of
 from test_longctx_data import write_qa1_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,18 +270,6 @@ def most_at_once(spans: str) -> int:
         live += change
         most = max(most, live)
     return most
-
-
-def processes_of(work: Path) -> list[int]:
-    """Ids of the live processes whose command line names ``work`` (the script's runs do)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(work).encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:  # gone meanwhile
-            pass
-    return found
 
 
 def test_the_seeds_script_stages_carries_and_packs_what_exists_when_stopped(data, tiny_encoder, tmp_path):
