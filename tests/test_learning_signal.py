@@ -18,6 +18,7 @@ bonus below the scale of a rare return (second test).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -171,29 +172,176 @@ def test_supervised_baselines_learn_the_toy(tmp_path, objective, gain):
     assert after > before + gain, (before, after)
 
 
-def test_the_two_sft_objectives_differ_where_the_code_says():
+def _sft_learner(encoder: str, **overrides):
+    """A supervised (or warm-started) learner on the tiny encoder, as ``qrag train`` would build it."""
+    from qrag.config import LearnerConfig
+    from qrag.model.checkpoint import untrained_qnet
+    from qrag.rl.train import learner_class
+
+    cfg = LearnerConfig(**{"objective": "sft", **overrides})
+    qnet, _, layout = untrained_qnet(ModelConfig(encoder=encoder, positions="relative"), torch.device("cpu"))
+    return learner_class(cfg)(qnet, layout, EnvConfig(max_steps=4), cfg, total_updates=1, device=torch.device("cpu"))
+
+
+# One step's input: chunks 1 and 2 are facts still to take, chunk 1 the next in the given order.
+AVAILABLE = torch.tensor([[True, True, True, True]])
+MISSING = torch.tensor([[False, True, True, False]])
+FOLLOWING = torch.tensor([[False, True, False, False]])
+
+
+def test_the_two_sft_objectives_differ_where_the_code_says(tiny_encoder):
     """Ours: any still-missing fact is right, random order, softmax. The paper's: only the next fact
     in document order is right, every other chunk (facts to come included) a BCE negative."""
-    from qrag.rl.sft import SupervisedLearner, TrajectorySupervisedLearner
+    from qrag.rl.sft import OURS, PAPERS
 
-    facts = np.array([2, 5, 9])
-    assert TrajectorySupervisedLearner.fact_order(None, facts).tolist() == [2, 5, 9]
-    available = torch.tensor([[True, True, True, True]])
-    missing = torch.tensor([[False, True, True, False]])  # chunks 1 and 2 are facts still to take
-    following = torch.tensor([[False, True, False, False]])  # chunk 1 comes first in the document
-    assert SupervisedLearner.positives(missing, following).tolist() == missing.tolist()
-    assert TrajectorySupervisedLearner.positives(missing, following).tolist() == following.tolist()
+    ours, papers = _sft_learner(tiny_encoder), _sft_learner(tiny_encoder, objective="sft_trajectory")
+    assert (type(ours).__name__, ours.choices) == ("SupervisedLearner", OURS)
+    assert (type(papers).__name__, papers.choices) == ("TrajectorySupervisedLearner", PAPERS)
+    facts = np.array([2, 5, 9, 11, 14, 17, 20, 23])
+    assert papers.fact_order(facts).tolist() == facts.tolist()
+    shuffled = ours.fact_order(facts)
+    assert sorted(shuffled.tolist()) == facts.tolist() and shuffled.tolist() != facts.tolist()
+    assert ours.positives(MISSING, FOLLOWING).tolist() == MISSING.tolist()
+    assert papers.positives(MISSING, FOLLOWING).tolist() == FOLLOWING.tolist()
 
     # The later fact scored as high as the next one: no cost to ours, a cost to the paper's.
     both_high, later_low = torch.tensor([[-5.0, 5.0, 5.0, -5.0]]), torch.tensor([[-5.0, 5.0, -5.0, -5.0]])
-    ours = [SupervisedLearner.step_loss(x, available, missing).item() for x in (both_high, later_low)]
-    papers = [TrajectorySupervisedLearner.step_loss(x, available, following).item() for x in (both_high, later_low)]
-    assert ours[0] < ours[1]  # ours prefers both facts high
-    assert papers[0] > papers[1] + 1.0  # the paper's pushes the later fact down
+    our_losses = [ours.step_loss(x, AVAILABLE, MISSING).item() for x in (both_high, later_low)]
+    paper_losses = [papers.step_loss(x, AVAILABLE, FOLLOWING).item() for x in (both_high, later_low)]
+    assert our_losses[0] < our_losses[1]  # ours prefers both facts high
+    assert paper_losses[0] > paper_losses[1] + 1.0  # the paper's pushes the later fact down
     # A BCE per chunk, averaged over the available ones only.
     bce = torch.nn.functional.binary_cross_entropy_with_logits(later_low[0, :3], torch.tensor([0.0, 1.0, 0.0]))
     partly = torch.tensor([[True, True, True, False]])
-    assert TrajectorySupervisedLearner.step_loss(later_low, partly, following).item() == pytest.approx(bce.item())
+    assert papers.step_loss(later_low, partly, FOLLOWING).item() == pytest.approx(bce.item())
+
+
+def _aspects(learner) -> tuple[list[int], list[list[bool]], float]:
+    """What each learner.sft_* switch decides, on fixed inputs: the order of eight facts, the
+    positives of one step, the loss of fixed logits with two positives (the generator is fresh)."""
+    logits = torch.tensor([[0.3, 2.0, -1.0, 0.5, 1.5]])
+    available = torch.tensor([[True, True, True, True, False]])
+    positive = torch.tensor([[False, True, True, False, False]])
+    return (
+        learner.fact_order(np.arange(8) * 3).tolist(),
+        learner.positives(MISSING, FOLLOWING).tolist(),
+        learner.step_loss(logits, available, positive).item(),
+    )
+
+
+@pytest.mark.parametrize("objective", ["sft", "sft_trajectory"])
+@pytest.mark.parametrize("aspect,switch", [(0, "sft_order"), (1, "sft_positives"), (2, "sft_loss")])
+def test_each_sft_switch_changes_only_its_part(tiny_encoder, objective, aspect, switch):
+    """learner.sft_order, sft_positives and sft_loss: one flipped away from the objective's own choice
+    changes what it names (the order, the positives, the loss) and nothing else; set to the
+    objective's own choice it changes nothing."""
+    from qrag.rl.sft import OURS, PAPERS
+
+    own = {"sft": OURS, "sft_trajectory": PAPERS}[objective]
+    field = {"sft_order": "order", "sft_positives": "positives", "sft_loss": "loss"}[switch]
+    other = {"sft": PAPERS, "sft_trajectory": OURS}[objective]
+    base = _aspects(_sft_learner(tiny_encoder, objective=objective))
+    flipped_learner = _sft_learner(tiny_encoder, objective=objective, **{switch: getattr(other, field)})
+    assert flipped_learner.choices == dataclasses.replace(own, **{field: getattr(other, field)})
+    flipped = _aspects(flipped_learner)
+    for i in range(3):
+        assert (flipped[i] != base[i]) == (i == aspect), (switch, i, base[i], flipped[i])
+    same = _aspects(_sft_learner(tiny_encoder, objective=objective, **{switch: getattr(own, field)}))
+    assert same == base
+
+
+class _OldOurs:
+    """The two learners before the switches existed, as they were written (the comparison below)."""
+
+    def fact_order(self, facts):
+        return facts[torch.randperm(len(facts), generator=self.generator).numpy()]
+
+    @staticmethod
+    def positives(missing, following):
+        return missing
+
+    @staticmethod
+    def step_loss(logits, available, positive):
+        logits = logits.masked_fill(~available, float("-inf"))
+        return torch.logsumexp(logits, 1) - torch.logsumexp(logits.masked_fill(~positive, float("-inf")), 1)
+
+
+class _OldTrajectory(_OldOurs):
+    def fact_order(self, facts):
+        return facts
+
+    @staticmethod
+    def positives(missing, following):
+        return following
+
+    @staticmethod
+    def step_loss(logits, available, positive):
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, positive.float(), reduction="none")
+        return (bce * available).sum(1) / available.sum(1).clamp(min=1)
+
+
+@pytest.mark.parametrize(
+    "overrides,old",
+    [
+        ({"objective": "sft"}, _OldOurs),
+        ({"objective": "sft_trajectory"}, _OldTrajectory),
+        # The paper's choices set one by one on ours are the paper's objective, and the reverse.
+        ({"objective": "sft", "sft_order": "given", "sft_positives": "next", "sft_loss": "bce"}, _OldTrajectory),
+        (
+            {"objective": "sft_trajectory", "sft_order": "random", "sft_positives": "missing", "sft_loss": "softmax"},
+            _OldOurs,
+        ),
+    ],
+)
+def test_sft_objectives_without_switches_are_the_old_learners(tiny_encoder, overrides, old):
+    """A whole supervised micro-batch (loss and gradients) equals the old learner's on the same
+    episodes and weights: the switches left null change nothing."""
+    from qrag.data.tokens import tokenize_samples
+    from qrag.model.encoder import load_tokenizer
+    from qrag.rl.sft import SupervisedLearner
+
+    new = _sft_learner(tiny_encoder, **overrides)
+    reference = type("Old", (old, SupervisedLearner), {})(
+        new.qnet, new.layout, new.env_cfg, new.cfg, total_updates=1, device=torch.device("cpu")
+    )
+    tok = tokenize_samples(
+        toy_samples(6, seed=5), load_tokenizer(tiny_encoder), new.layout, chunk_tokens=16, question_tokens=24
+    )
+    new.qnet.eval()  # no dropout: the two passes see the same network
+    results = []
+    for learner in (new, reference):
+        learner.qnet.zero_grad(set_to_none=True)
+        out = learner._rollout_and_backward(tok, alpha=0.0)
+        grads = [p.grad.clone() for p in learner.qnet.online_parameters() if p.grad is not None]
+        results.append((out["loss_sum"], out["transitions"], grads))
+    (loss_new, n_new, g_new), (loss_old, n_old, g_old) = results
+    assert (loss_new, n_new) == (pytest.approx(loss_old, rel=1e-6), n_old)
+    assert len(g_new) == len(g_old) > 0
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(g_new, g_old))
+
+
+@pytest.mark.parametrize("switch,value", [("sft_order", "given"), ("sft_positives", "next"), ("sft_loss", "bce")])
+def test_sft_switches_are_checked(switch, value):
+    """A bad value fails at load and in learner_class (a config built in code), naming the key; a
+    switch under objective=pqn with no supervised warm start would do nothing, so it is refused."""
+    from qrag.config import ConfigError, LearnerConfig
+    from qrag.rl.sft import OURS, SWITCHES, WarmStartedPQNLearner, sft_choices
+    from qrag.rl.train import TrainingRun, learner_class
+
+    with pytest.raises(ConfigError, match=rf"learner\.{switch}: unknown value 'typo'"):
+        load_config(None, ["learner.objective=sft", f"learner.{switch}=typo"])
+    with pytest.raises(ConfigError, match=rf"learner\.{switch}: expected .* got 'typo'"):
+        learner_class(LearnerConfig(objective="sft_trajectory", **{switch: "typo"}))
+    with pytest.raises(ConfigError, match=rf"learner\.{switch}: only read by supervised updates"):
+        learner_class(LearnerConfig(**{switch: value}))
+    with pytest.raises(ConfigError, match=rf"learner\.{switch}"):
+        TrainingRun(load_config(None, [f"learner.{switch}={value}"]), load_data=False)  # before any model loads
+    # The warm start's supervised updates read it.
+    warm = LearnerConfig(sft_warmup_updates=5, **{switch: value})
+    assert learner_class(warm) is WarmStartedPQNLearner
+    field = {name: attr for attr, name in SWITCHES.items()}[switch]
+    assert sft_choices(warm, WarmStartedPQNLearner.own) == dataclasses.replace(OURS, **{field: value})
+    assert load_config(None, [f"learner.{switch}=null"]).learner.__dict__[switch] is None
 
 
 def test_supervised_warm_start_then_pqn(tmp_path):

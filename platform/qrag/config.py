@@ -211,7 +211,8 @@ class LearnerConfig:
         "pqn = soft PQN (Q-RAG); sft = supervised teacher forcing on the support facts, same encoders and Q "
         "(any missing fact is right at each step: a softmax over the chunks); sft_trajectory = the paper's "
         "'Multi-step RAG w. SFT' as it describes it, Beam Retriever's trajectory supervision (the facts in "
-        "document order, only the next one right: a binary cross-entropy per chunk).",
+        "document order, only the next one right: a binary cross-entropy per chunk); learner.sft_order, "
+        "sft_positives and sft_loss switch each of the three differences alone.",
     )
     sft_warmup_updates: int = opt(
         0,
@@ -220,6 +221,24 @@ class LearnerConfig:
         "(a supervised warm start; 0 = the paper's cold start).",
     )
     sft_temperature: float = opt(0.05, "objective=sft or sft_trajectory: the logits are Q / this temperature.")
+    # The three places where sft and sft_trajectory differ, one switch each (null = the objective's own
+    # choice), so that each difference can be measured alone; they also apply to sft_warmup_updates.
+    sft_order: Literal["random", "given"] | None = opt(
+        None,
+        "Supervised updates: the order the support facts are taken in, random (a new one each episode) or given "
+        "(document order); null = the objective's own (sft: random, sft_trajectory: given).",
+    )
+    sft_positives: Literal["missing", "next"] | None = opt(
+        None,
+        "Supervised updates: which chunks are right at a step, missing (every support fact not yet taken) or next "
+        "(only the next fact of the order); null = the objective's own (sft: missing, sft_trajectory: next).",
+    )
+    sft_loss: Literal["softmax", "bce"] | None = opt(
+        None,
+        "Supervised updates: softmax (cross-entropy of one softmax over the available chunks) or bce (a binary "
+        "cross-entropy per chunk, averaged over the available ones); null = the objective's own "
+        "(sft: softmax, sft_trajectory: bce).",
+    )
     value_top_k: int | None = opt(
         None,
         "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). "

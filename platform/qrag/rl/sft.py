@@ -1,31 +1,40 @@
 """Multi-step RAG w. SFT (paper Table 3's supervised baseline): the same two encoders and the same
 Q(s, a) = <E_s(s), R(pos) E_a(a)>, trained by teacher forcing on the support facts instead of RL.
+Search, checkpoints and evaluation are the Q-RAG ones, so the rows differ only in how the encoders
+were trained.
 
-Per episode the support facts are taken in a random order; at step t the state holds the
-question and the facts taken so far (document order, as in the MDP), and the loss is the
-cross-entropy of a softmax over every available chunk (temperature ``learner.sft_temperature``)
-that puts its mass on the facts still missing. Search, checkpoints and evaluation are the
-Q-RAG ones, so the two rows of the table differ only in how the encoders were trained.
+At step t the state holds the question and the facts taken so far (document order, as in the MDP).
+Three choices make the loss, each a ``learner.sft_*`` switch (null = the objective's own):
 
-:class:`TrajectorySupervisedLearner` (``learner.objective=sft_trajectory``) is the paper's own
-description of that baseline: Beam Retriever's trajectory supervision, adapted to these encoders.
-The facts are taken in their given (document) order, and at step t only the t-th fact is a
-positive: every other available chunk, the facts still to come included, is a negative of an
-independent binary cross-entropy (a sigmoid per chunk, not a softmax over them). Ours asks for any
-missing fact, in a random order each episode, so it never teaches Q to rank one support fact
-below another.
+* ``sft_order``: the support facts taken in a new ``random`` order each episode, or the ``given``
+  (document) order;
+* ``sft_positives``: every fact still ``missing`` is right, or only the ``next`` fact of the order;
+* ``sft_loss``: the cross-entropy of one ``softmax`` over the available chunks (its mass on the
+  positives), or a ``bce`` per available chunk, averaged (the facts still to come are negatives too
+  when only the next one is right). Logits are Q / ``learner.sft_temperature``.
 
-:class:`WarmStartedPQNLearner` chains the two (``learner.sft_warmup_updates``): supervised updates
+``learner.objective=sft`` (ours, :class:`SupervisedLearner`) is random, missing, softmax: it never
+teaches Q to rank one support fact below another. ``sft_trajectory``
+(:class:`TrajectorySupervisedLearner`) is given, next, bce: the paper's description of the row,
+Beam Retriever's trajectory supervision adapted to these encoders.
+
+:class:`WarmStartedPQNLearner` chains ours and PQN (``learner.sft_warmup_updates``): supervised updates
 first, then soft PQN from the encoders they left, its target encoders reset to them.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
+from qrag.config import ConfigError, LearnerConfig
+from qrag.config import choices as literal_choices
 from qrag.model.encoder import pad_rows
 from qrag.rl.env import RetrievalEnv
 from qrag.rl.learner import SoftPQNLearner
@@ -33,8 +42,42 @@ from qrag.model.qnet import QNetwork
 from qrag.data.tokens import TokenizedSample
 
 
+@dataclass(frozen=True)
+class SftChoices:
+    """The three choices that make a supervised loss (the module docstring says what each means)."""
+
+    order: Literal["random", "given"]
+    positives: Literal["missing", "next"]
+    loss: Literal["softmax", "bce"]
+
+
+OURS = SftChoices("random", "missing", "softmax")  # learner.objective=sft (and the PQN warm start)
+PAPERS = SftChoices("given", "next", "bce")  # learner.objective=sft_trajectory
+SWITCHES = {"order": "sft_order", "positives": "sft_positives", "loss": "sft_loss"}  # SftChoices -> LearnerConfig
+
+
+def sft_choices(cfg: LearnerConfig, own: SftChoices) -> SftChoices:
+    """``own`` (the objective's choices) with every ``learner.sft_*`` switch that is set in its place."""
+    hints = typing.get_type_hints(LearnerConfig)
+    picked = {}
+    for attr, name in SWITCHES.items():
+        value, allowed = getattr(cfg, name), literal_choices(hints[name])
+        if value is not None and value not in allowed:  # from_dict checks it at load; a cfg built in code is not
+            raise ConfigError(
+                f"learner.{name}: expected {' or '.join(allowed)} (null = the objective's own), got {value!r}"
+            )
+        picked[attr] = getattr(own, attr) if value is None else value
+    return SftChoices(**picked)
+
+
 class SupervisedLearner(SoftPQNLearner):
     """Drop-in for :class:`SoftPQNLearner` (same schedule, optimiser, checkpoints)."""
+
+    own: ClassVar[SftChoices] = OURS  # what the learner.sft_* switches left null stand for
+
+    @cached_property
+    def choices(self) -> SftChoices:
+        return sft_choices(self.cfg, self.own)
 
     def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict:
         qnet, dev, layout = self.qnet, self.device, self.layout
@@ -83,39 +126,31 @@ class SupervisedLearner(SoftPQNLearner):
         }
 
     def fact_order(self, facts: np.ndarray) -> np.ndarray:
-        """The order the support facts are taken in: a new random one each episode."""
+        """The order the support facts are taken in: random (a new one each episode) or given (as they
+        lie in the context: bAbI's time order)."""
+        if self.choices.order == "given":
+            return facts
         return facts[torch.randperm(len(facts), generator=self.generator).numpy()]
 
-    @staticmethod
-    def positives(missing: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
-        """Which chunks are right at this step (rows x chunks): every fact still missing."""
-        return missing
+    def positives(self, missing: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """Which chunks are right at this step (rows x chunks): every fact still missing, or the next one only."""
+        return following if self.choices.positives == "next" else missing
 
-    @staticmethod
-    def step_loss(logits: torch.Tensor, available: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-        """Per row: cross-entropy of a softmax over the available chunks, its mass on the positives."""
+    def step_loss(self, logits: torch.Tensor, available: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+        """Per row: the cross-entropy of a softmax over the available chunks with its mass on the
+        positives, or the mean binary cross-entropy of every available chunk (1 for a positive)."""
+        if self.choices.loss == "bce":
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, positive.float(), reduction="none")
+            return (bce * available).sum(1) / available.sum(1).clamp(min=1)
         logits = logits.masked_fill(~available, float("-inf"))
         return torch.logsumexp(logits, 1) - torch.logsumexp(logits.masked_fill(~positive, float("-inf")), 1)
 
 
 class TrajectorySupervisedLearner(SupervisedLearner):
-    """The paper's "Multi-step RAG w. SFT": Beam Retriever's trajectory supervision (see the module
-    docstring for how it differs from :class:`SupervisedLearner`)."""
+    """The paper's "Multi-step RAG w. SFT" (``learner.objective=sft_trajectory``): the same learner
+    whose switches default to Beam Retriever's trajectory supervision."""
 
-    def fact_order(self, facts: np.ndarray) -> np.ndarray:
-        """The given order: support facts as they lie in the context (bAbI's time order)."""
-        return facts
-
-    @staticmethod
-    def positives(missing: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
-        """Only the next fact of the gold trajectory."""
-        return following
-
-    @staticmethod
-    def step_loss(logits: torch.Tensor, available: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-        """Per row: the mean binary cross-entropy of every available chunk (1 for the positive)."""
-        bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, positive.float(), reduction="none")
-        return (bce * available).sum(1) / available.sum(1).clamp(min=1)
+    own: ClassVar[SftChoices] = PAPERS
 
 
 class WarmStartedPQNLearner(SupervisedLearner):

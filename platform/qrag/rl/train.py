@@ -38,7 +38,14 @@ from qrag.model.encoder import load_tokenizer, pick_device, resolve_encoder
 from qrag.evaluation.evaluate import EvalResult, evaluate
 from qrag.rl.learner import SoftPQNLearner
 from qrag.retrieval.search import Retriever
-from qrag.rl.sft import SupervisedLearner, TrajectorySupervisedLearner, WarmStartedPQNLearner
+from qrag.rl.sft import (
+    OURS,
+    SWITCHES,
+    SupervisedLearner,
+    TrajectorySupervisedLearner,
+    WarmStartedPQNLearner,
+    sft_choices,
+)
 from qrag.data.tokens import TokenizedSample, TokenLayout, tokenize_samples
 
 Reporter = Callable[[int, dict[str, float]], None]
@@ -125,6 +132,14 @@ def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
         raise ConfigError(
             "learner.sft_warmup_updates: a count >= 0 of supervised updates before soft PQN (objective=pqn only)"
         )
+    sft_choices(cfg, OURS)  # a bad learner.sft_* value fails here, naming its key
+    if cfg.objective == "pqn" and not cfg.sft_warmup_updates:
+        for name in SWITCHES.values():
+            if getattr(cfg, name) is not None:  # no supervised update would read it
+                raise ConfigError(
+                    f"learner.{name}: only read by supervised updates (objective=sft or sft_trajectory, "
+                    "or objective=pqn with sft_warmup_updates > 0)"
+                )
     if cfg.objective in SUPERVISED_LEARNERS:
         return SUPERVISED_LEARNERS[cfg.objective]
     return WarmStartedPQNLearner if cfg.sft_warmup_updates else SoftPQNLearner
