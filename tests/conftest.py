@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,29 @@ def processes_of(work: Path) -> list[int]:
         except OSError:  # gone meanwhile
             pass
     return found
+
+
+def stop_like_timeout(script: subprocess.Popen, work: Path) -> str:
+    """SIGTERM to a benchmark script alone (what `timeout` sends at a call's limit): it must stop every run
+    it started (their command lines name ``work``) and exit 124. Returns what it printed."""
+    try:
+        script.send_signal(signal.SIGTERM)
+        printed, _ = script.communicate(timeout=60)
+        assert script.returncode == 124, printed
+        deadline = time.monotonic() + 5
+        while processes_of(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_of(work), "runs left running"
+        return printed
+    finally:
+        kill_leftovers(script, work)
+
+
+def kill_leftovers(script: subprocess.Popen, work: Path) -> None:
+    for pid in processes_of(work):
+        os.kill(pid, signal.SIGKILL)
+    if script.poll() is None:
+        script.kill()
 
 
 def free_ports(n: int) -> list[int]:

@@ -5,14 +5,13 @@ and does not redo finished evaluations."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
 
-from conftest import processes_of
+from conftest import stop_like_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ["bash", str(ROOT / "bench" / "hotpot_seeds.sh"), "run"]
@@ -62,18 +61,8 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
         ):
             time.sleep(0.1)
         assert script.poll() is None, script.communicate()[0]
-        script.send_signal(signal.SIGTERM)  # to the script alone, as `timeout` does: it stops its runs itself
-        printed, _ = script.communicate(timeout=60)
-        assert script.returncode == 124, printed
-        deadline = time.monotonic() + 5
-        while processes_of(work) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not processes_of(work), "runs left running"
     finally:
-        for pid in processes_of(work):
-            os.kill(pid, signal.SIGKILL)
-        if script.poll() is None:
-            script.kill()
+        stop_like_timeout(script, work)
     with tarfile.open(out / "hotpot_seeds_partial.tgz") as tgz:
         assert {"./seed0.log", "./sft-seed0.log", "./untrained.log"} <= set(tgz.getnames())
     assert not (runs[0] / "final").exists()  # stopped before the end of its schedule

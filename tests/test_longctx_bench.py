@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_of
+from conftest import processes_of, stop_like_timeout
 from test_longctx_data import write_qa1_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,7 +276,6 @@ def test_the_seeds_script_stages_carries_and_packs_what_exists_when_stopped(data
     """A carry split over calls: `stage` merges one part into $WORK/assets, `run` merges the rest
     (and refuses to start while a part is missing). SIGTERM (what `timeout` sends at a call's
     limit) stops the runs and brings back what exists as $OUT/longctx_seeds_partial.tgz, exit 124."""
-    import signal
     import subprocess
     import tarfile
     import time
@@ -313,19 +312,9 @@ def test_the_seeds_script_stages_carries_and_packs_what_exists_when_stopped(data
         while len(processes_of(work)) < 3 and script.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(processes_of(work)) == 3, "the two seeds' runs and the untrained one did not start"
-        script.send_signal(signal.SIGTERM)  # to the script alone: it must stop its runs itself
-        printed, _ = script.communicate(timeout=60)
-        assert script.returncode == 124, printed
-        assert "longctx_seeds_partial.tgz" in printed
-        deadline = time.monotonic() + 5
-        while processes_of(work) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not processes_of(work), "runs left running"
     finally:
-        for pid in processes_of(work):
-            os.kill(pid, signal.SIGKILL)
-        if script.poll() is None:
-            script.kill()
+        printed = stop_like_timeout(script, work)
+    assert "longctx_seeds_partial.tgz" in printed
     assert (work / "assets" / "encoder").is_dir()  # the second part, merged by run
     with tarfile.open(out / "longctx_seeds_partial.tgz") as tgz:
         names = set(tgz.getnames())
