@@ -15,7 +15,8 @@
 # the same command in a later call on the same warm machine (carrying .carry/hotpot again) resumes: training from
 # each run's newest checkpoint (every EVERY updates), finished evaluations not redone. At most PER_GPU runs share
 # the GPU at once (default 12), the rest start as they end.
-# It brings back hotpot_headline.json, musique_headline.json, the untrained summaries and one .tgz with
+# It brings back hotpot_headline.json, musique_headline.json, val_headline.json (HotpotQA val, the part of train each
+# run held out: where rows are compared to choose a preset's objective), the untrained summaries and one .tgz with
 # every seed's summary, per-question records and log (a call returns at most 8 files).
 # CPU check with a tiny encoder (minutes): DEVICE=cpu ENCODER=DIR EXTRA="updates=2 eval_every=1
 #   learner.episodes_per_update=8 learner.micro_batch=8" LIMIT=20 OUT=/tmp/hs bash bench/hotpot_seeds.sh run
@@ -49,19 +50,25 @@ if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +
 mkdir -p "$WORK/done" "$OUT"
 settings="model.encoder=${ENCODER:-$CARRY/encoder} device=$DEVICE out_dir=$WORK/runs checkpoint_every=${EVERY:-50} ${EXTRA:-}"
 limit=${LIMIT:+--limit $LIMIT}
-evaluate() {  # checkpoint, name[, --label L]: HotpotQA dev (the preset's T) and MuSiQue dev out of distribution (T = 4)
+evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset's T), MuSiQue dev out of distribution (T = 4)
+  # val (the part of train each run held out) per question: what a preset's objective is chosen on.
+  $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --split val $limit --no-progress \
+    --out "$WORK/val_$2.json" "${@:3}"
   $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
     --out "$WORK/hotpot_$2.json" "${@:3}"
   $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
     --no-progress --out "$WORK/musique_$2.json" "${@:3}"
-  touch "$WORK/done/$2"  # both written whole: a later call skips them
+  touch "$WORK/done/$2"  # all three written whole: a later call skips them
 }
 . "$(dirname "$0")/seeds_jobs.sh"
 trap 'stop_and_pack bench/hotpot_seeds.sh "$OUT/hotpot_seeds_partial.tgz" "./*.json ./*.records.jsonl ./*.log runs/*/training.json"' TERM INT
 # VARIANTS (bench/variants.sh): rows beside the preset. With several, each headline is a methods file: every
 # row's seeds combined and the difference between every pair of rows.
+# Alone, the preset is named by its objective, as Table 3 names its rows (SFT for configs/hotpot.yaml).
+VARIANTS=${VARIANTS:-$($PY -c 'import sys; from qrag.config import load_config; from qrag.evaluation.methods import OBJECTIVE_NAMES
+print(OBJECTIVE_NAMES[load_config(sys.argv[1]).learner.objective].replace(" ", "_") + ":")' "$CONFIG")}
 . "$(dirname "$0")/variants.sh"
-if [ "$VARIANTS" = "$TABLE3_VARIANTS" ]; then VARIANTS=${VARIANTS//w\/o_positions:model.positions=none/}; fi
+if [ "$VARIANTS" = "$TABLE3_VARIANTS" ]; then VARIANTS=$(for v in $VARIANTS; do [ "${v%%:*}" = w/o_positions ] || echo "$v"; done); fi
 max_running=${PER_GPU:-12}
 for variant in $VARIANTS; do
   label=$(variant_label "$variant")
@@ -90,5 +97,6 @@ tail -n 3 "$WORK"/*.log
 
 $PY -m qrag combine-seeds "$WORK"/hotpot_*s[0-9]*.json --out "$OUT/hotpot_headline.json"
 $PY -m qrag combine-seeds "$WORK"/musique_*s[0-9]*.json --out "$OUT/musique_headline.json"
+$PY -m qrag combine-seeds "$WORK"/val_*s[0-9]*.json --out "$OUT/val_headline.json"
 cp "$WORK/hotpot_untrained.json" "$WORK/musique_untrained.json" "$OUT/"
 (cd "$WORK" && tar czf "$OUT/hotpot_seeds_files.tgz" ./*.json ./*.records.jsonl ./*.log)

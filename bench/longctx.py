@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_common import machine_info  # noqa: E402
 from qrag.data.dev_draw import QUESTIONS, QUESTIONS_LONG  # noqa: E402
+from qrag.index.store import write_atomic  # noqa: E402
 from qrag.integrations.provenance import git_state  # noqa: E402
 
 PRESETS = {
@@ -440,9 +441,7 @@ def record_slice(run_dir: Path, first: int, last: int, seconds: float, data_seco
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     # Written during training too (each periodic checkpoint): a kill mid-write keeps the old file whole.
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(slices, indent=1) + "\n")
-    tmp.replace(path)
+    write_atomic(path, (json.dumps(slices, indent=1) + "\n").encode(), durable=False)
     return slices
 
 

@@ -4,6 +4,9 @@ wall time in encoder passes, and the time from process start to the first finish
     PYTHONPATH=platform python bench/train_speed.py --config configs/hotpot.yaml --updates 30 \
         --out bench/results/train_speed.json [key=value ...]
 
+It times the soft PQN learner (the paper's Q-RAG) whatever the preset trains; ``learner.objective=sft``
+on the command line times the supervised one.
+
 The first ``--timed`` updates after warm-up synchronise the GPU around every encoder call to
 split wall time into encoder vs the rest; the throughput figures come from untimed updates.
 """
@@ -37,7 +40,7 @@ def main() -> int:
     args = ap.parse_args()
 
     total = args.warmup + args.updates + args.timed
-    cfg = load_config(args.config, [*args.overrides, f"updates={max(total, 1)}"])
+    cfg = load_config(args.config, ["learner.objective=pqn", *args.overrides, f"updates={max(total, 1)}"])
     t0 = time.perf_counter()
     run = TrainingRun(cfg)
     setup_s = time.perf_counter() - t0

@@ -412,6 +412,7 @@ def train(args, head: RayHead, out_dir: Path, name: str, use_gpu: bool) -> dict:
         "distributed.mlflow_uri=none",
         f"distributed.learner_gpu={'true' if use_gpu else 'false'}",
         f"distributed.learner_gpus={args.learner_gpus}",
+        "learner.objective=pqn",  # the paper's learner, as the other training-speed figures
         *args.overrides,
     ]
     t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 # preset. VARIANTS is a list of LABEL:key=value,key=value ('_' in a label is a space; LABEL: alone is the
 # preset as it is); "table3" is the paper's Table 3 ablation with both supervised rows; "sft3" separates
 # those two: ours, the paper's, and ours with each one of the paper's three choices (qrag/rl/sft.py).
-TABLE3_VARIANTS="Q-RAG: w/o_target:learner.use_target=false w/o_soft-Q:learner.soft_q=false \
-w/o_positions:model.positions=none SFT:learner.objective=sft SFT_trajectory:learner.objective=sft_trajectory"
+TABLE3_VARIANTS="Q-RAG:learner.objective=pqn w/o_target:learner.objective=pqn,learner.use_target=false \
+w/o_soft-Q:learner.objective=pqn,learner.soft_q=false w/o_positions:learner.objective=pqn,model.positions=none SFT:learner.objective=sft SFT_trajectory:learner.objective=sft_trajectory"
 SFT3_VARIANTS="SFT:learner.objective=sft SFT_trajectory:learner.objective=sft_trajectory \
 SFT_given_order:learner.objective=sft,learner.sft_order=given \
 SFT_next_fact:learner.objective=sft,learner.sft_positives=next \

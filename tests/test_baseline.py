@@ -79,3 +79,13 @@ def test_eval_of_none_records_the_paper_baseline(tiny_cfg):
     assert "half-vector" in method_label(extra)
     # summaries written before the option existed were the half-vector variant
     assert "half-vector" in method_label({"checkpoint": "none", "dataset": "hotpotqa"})
+
+
+def test_a_run_is_named_by_its_objective():
+    from qrag.evaluation.methods import method_label
+
+    assert method_label({"checkpoint": "runs/a/best", "objective": "sft"}) == "SFT"
+    assert method_label({"objective": "sft_trajectory", "search": {"beam_width": 1}}) == "SFT trajectory"
+    assert method_label({"objective": "sft", "search": {"beam_width": 4}}) == "Plan SFT"
+    assert method_label({"checkpoint": "runs/a/best"}) == "Q-RAG"  # written before objectives were recorded
+    assert method_label({"objective": "sft", "label": "ours"}) == "ours"

@@ -43,6 +43,7 @@ def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
             "--no-progress",
             "learner.micro_batch=4",
             "eval_limit=5",
+            "data.val_fraction=0.2",
         ]
     )  # overrides after an option too
     assert out.returncode == 0, out.stderr
@@ -73,12 +74,27 @@ def test_train_then_eval_end_to_end(tiny_encoder, hotpot_file, tmp_path):
     summary = json.loads(res.read_text())
     for key in ("fact_em", "fact_f1", "num_samples", "avg_steps"):
         assert key in summary
-    assert summary["num_samples"] == 6 and summary["avg_steps"] == 3
+    assert summary["num_samples"] == 6 and summary["avg_steps"] == 3 and summary["objective"] == "pqn"
     # What chose it, from where it lies in its run, and the code that scored it (for combine-seeds).
     assert summary["selected_on"] == "checkpoint: the run's last (no choice among checkpoints)"
     assert {"git_commit", "git_dirty", "git_diff_sha256"} <= summary.keys()
     records = (tmp_path / "eval.records.jsonl").read_text().splitlines()
     assert len(records) == 6 and "retrieved" in json.loads(records[0])
+    # --split val: exactly the questions training held out (data.val_fraction, the run's own), none trained on.
+    from qrag.data.splits import in_split, in_validation
+
+    held_out = {
+        r["_id"]
+        for r in json.loads(open(hotpot_file).read())
+        if in_split(r["_id"], "train", 0.2) and in_validation(r["_id"], 0.2)
+    }
+    val = run(
+        ["eval", "--checkpoint", str(ck), "--split", "val", "--device", "cpu", "--out", str(tmp_path / "val.json")]
+    )
+    assert val.returncode == 0, val.stderr
+    assert json.loads((tmp_path / "val.json").read_text())["split"] == "val"
+    val_ids = {json.loads(line)["id"] for line in (tmp_path / "val.records.jsonl").read_text().splitlines()}
+    assert held_out and val_ids == held_out
     base = run(["eval", "--checkpoint", "none", *common, "--limit", "4", "--device", "cpu"])
     assert base.returncode == 0, base.stderr
     assert json.loads(base.stdout)["num_samples"] == 4
@@ -104,6 +120,7 @@ def test_eval_says_what_chose_its_checkpoint():
         (["train", "data.path=/nonexistent/file.json", "updates=1"], "/nonexistent/file.json: no such file"),
         (["train", "model.encoder=/nonexistent/model", "updates=1"], "encoder directory not found: /nonexistent/model"),
         (["eval", "--checkpoint", "/nonexistent/ck"], "checkpoint directory not found"),
+        (["eval", "--checkpoint", "none", "--split", "val", "data.val_fraction=0"], "data.val_fraction is 0"),
     ],
 )
 def test_errors_are_one_clear_line(args, message):

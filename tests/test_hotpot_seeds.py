@@ -4,6 +4,7 @@ and does not redo finished evaluations."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
         "WORK": str(work),
         "OUT": str(out),
         "SEEDS": "0",
-        "VARIANTS": "Q-RAG: SFT:learner.objective=sft",
+        "VARIANTS": "Q-RAG:learner.objective=pqn SFT:",  # the preset trains SFT
         "EVERY": "2",
         "LIMIT": "8",
         "OMP_NUM_THREADS": "1",
@@ -72,7 +73,9 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
     for run in runs:
         first, second = logged_updates((work / f"{run.name}.log").read_text())
         assert first and second and second[0] > 2 and second[-1] == 30, (first, second)  # went on, not from 0
-    assert {"hotpot_headline.json", "musique_headline.json"} <= {p.name for p in out.iterdir()}
+    assert {"hotpot_headline.json", "musique_headline.json", "val_headline.json"} <= {p.name for p in out.iterdir()}
+    val = json.loads((out / "val_headline.json").read_text())
+    assert {m["label"] for m in val["methods"]} == {"Q-RAG", "SFT"} and val["differences"]
 
     # A third call finds every evaluation done: nothing trained or evaluated again, the tables written again.
     finished = {p.name: p.stat().st_mtime_ns for p in (work / "done").iterdir()}

@@ -169,7 +169,11 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         "(the run's own path, hub and sources are not carried over; its shipped file unless --data)",
     )
     p.add_argument(
-        "--split", default="dev", choices=["train", "dev", "all"], help="which split of the data (default dev)"
+        "--split",
+        default="dev",
+        choices=["train", "dev", "val", "all"],
+        help="which split of the data (default dev); val: the validation part of train that training held out "
+        "(data.val_fraction), where checkpoints, settings and objectives are chosen",
     )
     p.add_argument(
         "--allow-train-questions",

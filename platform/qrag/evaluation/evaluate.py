@@ -153,7 +153,6 @@ def evaluate_checkpoint(
     from qrag.evaluation.trained import Guard
     from qrag.model.checkpoint import baseline_label, baseline_qnet, is_untrained, load_qnet
     from qrag.config import apply_overrides, from_dict, TrainConfig
-    from qrag.data import load_samples
     from qrag.data.chunking import tokenizer_counter
     from qrag.model.encoder import pick_device
     from qrag.data.tokens import tokenize_samples
@@ -172,7 +171,7 @@ def evaluate_checkpoint(
             cfg = from_dict(TrainConfig, apply_overrides(to_dict(run_cfg), overrides or []))
         trained_on = run_cfg.data.dataset
     cfg = replace(cfg, data=eval_data_config(cfg.data, data, dataset))
-    samples = load_samples(cfg.data, split, tokenizer_counter(tokenizer))
+    samples = split_samples(cfg.data, split, tokenizer_counter(tokenizer))
     if limit is not None:
         samples = samples[:limit]
     guard = Guard(checkpoint, allow_train_questions)
@@ -196,6 +195,7 @@ def evaluate_checkpoint(
             "positions": qnet.cfg.positions,
             "similarity": qnet.cfg.similarity,
             "train_dataset": trained_on,
+            "objective": run_cfg.learner.objective if run_cfg else None,
             **({"label": label} if label else {}),
             "selected_on": checkpoint_selection(checkpoint, run_cfg),
             **git_fields(),
@@ -207,6 +207,26 @@ def evaluate_checkpoint(
     if out:
         result.write(out)
     return result.summary
+
+
+def split_samples(data_cfg, split: str, count) -> list:
+    """``split`` (train | dev | all) of the data, or ``val``: the validation part of train that a
+    run trained with this data held out (``data.val_fraction``, drawn by source as training draws it),
+    the split that a choice among checkpoints, settings or objectives is made on."""
+    from qrag.data import load_samples
+    from qrag.data.sample import DataError
+    from qrag.data.splits import split_validation
+
+    if split != "val":
+        return load_samples(data_cfg, split, count)
+    if not data_cfg.val_fraction:
+        raise DataError("split val: data.val_fraction is 0, so no validation part of train is held out")
+    val = split_validation(load_samples(data_cfg, "train", count), data_cfg.val_fraction)[1]
+    if not val:
+        raise DataError(
+            f"split val: no train record falls in the validation part (data.val_fraction={data_cfg.val_fraction})"
+        )
+    return val
 
 
 def checkpoint_selection(checkpoint: str, run_cfg) -> str:

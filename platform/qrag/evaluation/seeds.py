@@ -100,11 +100,11 @@ def _differences(
     models = list(dict.fromkeys(r["model"] for r in rows))
     for task, length in cells:
         present = {m: by_key[(m, task, length)] for m in models if (m, task, length) in by_key}
-        out += _pairwise(present, replicates, task=task, length=length)
+        out += pairwise_differences(present, replicates, task=task, length=length)
     return out
 
 
-def _pairwise(scores: dict[str, list[list[float]]], replicates: int, **where: Any) -> list[dict[str, Any]]:
+def pairwise_differences(scores: dict[str, list[list[float]]], replicates: int, **where: Any) -> list[dict[str, Any]]:
     """Every pair of models (in order) on Fact EM: a - b, its interval and what it allows one to say;
     ``where`` (a length sweep's task and length) leads each entry."""
     names = list(scores)
@@ -279,7 +279,7 @@ def combine_summaries(
         **_joint_provenance([_source(file, s) for file, s, _ in summaries]),
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "methods": [{**m, "label": name} for name, m in methods.items()],
-        "differences": _pairwise(scores, replicates),
+        "differences": pairwise_differences(scores, replicates),
     }
 
 
