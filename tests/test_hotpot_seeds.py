@@ -85,3 +85,22 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
     assert done.returncode == 0, done.stdout + done.stderr
     assert {p.name: p.stat().st_mtime_ns for p in (work / "done").iterdir()} == finished
     assert (out / "hotpot_headline.json").is_file()
+
+
+def test_stage_merges_a_carry_and_run_names_what_was_not_carried(shared_data, tmp_path):
+    """A carry split over calls: `stage` merges this call's part into $WORK/assets; a later `run` that finds no
+    encoder there (none carried, none staged, no ENCODER) stops with a line that names it."""
+    carry, work = tmp_path / "carry", tmp_path / "work"
+    carry.mkdir()
+    (carry / "data").symlink_to(shared_data)
+    (carry / "provenance.env").write_text("QRAG_COMMIT=0123abc\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ENCODER", "QRAG_DATA_DIR")}
+    env.update({"PY": sys.executable, "CARRY": str(carry), "WORK": str(work), "OUT": str(tmp_path / "out")})
+    script = ["bash", str(ROOT / "bench" / "hotpot_seeds.sh")]
+    staged = subprocess.run(script + ["stage"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert staged.returncode == 0 and "staged" in staged.stdout, staged.stdout + staged.stderr
+    assert (work / "assets" / "data" / "hotpotqa").is_dir() and (work / "assets" / "provenance.env").is_file()
+    later = {**env, "CARRY": str(tmp_path / "not-carried")}
+    done = subprocess.run(script + ["run"], cwd=ROOT, env=later, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"no encoder under {work / 'assets'}" in done.stderr and "Traceback" not in done.stderr
