@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qrag.evaluation.seeds import pairwise_differences
-from qrag.evaluation.intervals import bootstrap_interval
+from qrag.evaluation.intervals import REPLICATES, bootstrap_interval
 
 LOG_NAME = re.compile(r"^(?P<tag>.*?)seed(?P<seed>\d+)\.log$")
 
@@ -77,7 +77,7 @@ def summarise(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         "split": "validation part of train (keep_best's periodic evaluations, read from the training logs)",
         "interval": "95%, bootstrap over training seeds only (the logs keep no per-question scores)",
         "methods": table,
-        "differences": pairwise_differences(by_seed, 2000),
+        "differences": pairwise_differences(by_seed, REPLICATES),
     }
 
 
