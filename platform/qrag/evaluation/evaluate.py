@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qrag.config import SearchConfig, to_dict
+from qrag.config import DataConfig, SearchConfig, to_dict
+from qrag.data.chunking import TokenCounter
 from qrag.data.sample import Sample
 from qrag.data.credit import fact_picks, support_classes
 from qrag.evaluation.early_stopping import Trace
@@ -209,7 +210,7 @@ def evaluate_checkpoint(
     return result.summary
 
 
-def split_samples(data_cfg, split: str, count) -> list:
+def split_samples(data_cfg: DataConfig, split: str, count: TokenCounter) -> list[Sample]:
     """``split`` (train | dev | all) of the data, or ``val``: the validation part of train that a
     run trained with this data held out (``data.val_fraction``, drawn by source as training draws it),
     the split that a choice among checkpoints, settings or objectives is made on."""
