@@ -270,6 +270,11 @@ def test_train_then_sweep_lengths_end_to_end(data, tiny_encoder, tmp_path, monke
         assert r["oracle_fact_em"] == r["fact_em"] and r["oracle_fact_f1"] >= r["fact_f1"] - 1e-9
         assert r["credit"] == "chunk"
         assert "threshold" in r and 0.0 <= r["threshold_fact_f1"] <= 1.0 and r["threshold_steps"] <= 4
+        # the stop's own score on the validation questions it was chosen on, beside the oracle's there
+        assert 0.0 <= r["threshold_val_fact_f1"] <= 1.0 and 0.0 <= r["oracle_val_fact_f1"] <= 1.0
+        assert r["threshold_val_questions"] == 2  # --val-samples
+    for model, task in {(r["model"], r["task"]) for r in rows}:  # a property of the val split, not of a length
+        assert len({r["threshold_val_fact_f1"] for r in rows if (r["model"], r["task"]) == (model, task)}) == 1
         assert r["peak_memory_mb"] > 0 and r["seconds_per_question"] > 0
         assert abs(r["context_tokens"] - r["length"]) <= 0.02 * r["length"]
     assert {r["positions"] for r in rows if r["model"] == "untrained"} == {"none"}

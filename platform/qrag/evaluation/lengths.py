@@ -156,11 +156,20 @@ def sweep_model(
 
     rows = []
     for task in [canonical_task(t) for t in tasks]:
-        threshold = None
+        threshold, on_val = None, {}
         if val_samples > 0:
             val_records, _ = run(task, "val", cfg.data.context_tokens, val_samples)
             if val_records:
-                threshold = choose_threshold(traces_from_records(val_records))
+                val_traces = traces_from_records(val_records)
+                threshold = choose_threshold(val_traces)
+                # The stop's score where it was chosen (optimistic, alike for every model): with the oracle's
+                # there, what a model's learned stop can be compared on without touching dev.
+                stopped_val = analyse_threshold(val_traces, threshold)
+                on_val = {
+                    "threshold_val_fact_f1": stopped_val["fact_f1"],
+                    "oracle_val_fact_f1": protocol_means(val_records)["oracle_fact_f1"],
+                    "threshold_val_questions": len(val_records),
+                }
                 log(
                     f"{label:>12} {task:>16}: Q threshold {threshold:.4f} "
                     f"chosen on {len(val_records)} validation questions"
@@ -199,6 +208,7 @@ def sweep_model(
                     threshold_fact_em=stopped["fact_em"],
                     threshold_fact_f1=stopped["fact_f1"],
                     threshold_steps=stopped["episode_len"],
+                    **on_val,
                 )
             row["per_question"] = per_question(records)
             rows.append(row)
