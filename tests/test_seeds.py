@@ -254,3 +254,17 @@ def test_eval_label_names_the_method_in_the_summary(tiny_encoder, hotpot_file, t
     assert json.loads(out.read_text())["label"] == "BM25-free baseline"
     assert main(args) == 0
     assert json.loads(out.read_text())["label"] == "Multi-step RAG w/o FT"
+
+
+def test_each_seeds_own_stop_is_kept_per_seed_not_taken_from_the_first(tmp_path):
+    """A seed's threshold and its stop's val score are its own: the combined row lists them by seed."""
+    tables = [table(s, {"Q-RAG": 0.9}) for s in range(3)]
+    for s, t in enumerate(tables):
+        for r in t["rows"]:
+            r.update(threshold=0.1 * s, threshold_val_fact_f1=0.8 + 0.01 * s, oracle_val_fact_f1=0.9 - 0.01 * s)
+    out = combine_files([write(tmp_path, f"s{s}.json", t) for s, t in enumerate(tables)], replicates=50)
+    r = out["rows"][0]
+    assert r["threshold_val_fact_f1_by_seed"] == pytest.approx([0.8, 0.81, 0.82])
+    assert r["oracle_val_fact_f1_by_seed"] == pytest.approx([0.9, 0.89, 0.88])
+    assert r["threshold_by_seed"] == pytest.approx([0.0, 0.1, 0.2])
+    assert "oracle_val_fact_f1" not in r and "threshold_val_fact_f1" not in r  # no one seed speaks for all

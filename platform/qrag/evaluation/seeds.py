@@ -39,6 +39,9 @@ METRICS = (
     "ans_f1",
 )
 DIFFERENCE_METRIC = "fact_em"
+# A seed's own values that no mean over seeds and questions stands for: its learned stop's threshold and
+# that stop's score on the val questions it was chosen on (beside the oracle stop's there).
+PER_SEED = ("threshold", "threshold_val_fact_f1", "oracle_val_fact_f1", "threshold_val_questions")
 METHOD = (
     "two-stage percentile bootstrap: training seeds with replacement, then each drawn seed's questions "
     "with replacement; the figure is the mean over all questions of all seeds"
@@ -80,8 +83,14 @@ def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates
     out = {
         k: v
         for k, v in first.items()
-        if k not in METRICS and not k.startswith("threshold") and k not in ("per_question", "checkpoint")
+        if k not in METRICS
+        and k not in PER_SEED
+        and not k.startswith("threshold")
+        and k not in ("per_question", "checkpoint")
     }
+    for k in PER_SEED:  # each seed's stop was chosen on val on its own: one value per seed
+        if all(k in r for _, r in rows):
+            out[f"{k}_by_seed"] = [r[k] for _, r in rows]
     for k in ("context_tokens", "chunks", "distinct_background_tokens", "seconds_per_question"):
         if all(isinstance(r.get(k), (int, float)) for _, r in rows):
             out[k] = sum(r[k] for _, r in rows) / len(rows)
