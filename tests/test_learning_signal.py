@@ -403,3 +403,85 @@ def test_warm_start_needs_the_pqn_objective(tmp_path):
     cfg = load_config(None, ["learner.objective=sft", "learner.sft_warmup_updates=5"])
     with pytest.raises(ConfigError, match="sft_warmup_updates"):
         TrainingRun(cfg, load_data=False)  # before any model is loaded
+
+
+def test_sft_stop_teaches_the_state_after_the_last_fact(tiny_encoder):
+    """learner.sft_stop: the stop option (logit 0) is right exactly where no chunk is; each episode gets one
+    more supervised step, the state after its last fact; the switch is refused where nothing would read it."""
+    from qrag.config import ConfigError, LearnerConfig
+    from qrag.data.tokens import tokenize_samples
+    from qrag.model.encoder import load_tokenizer
+    from qrag.rl.train import learner_class
+
+    plain, stopping = _sft_learner(tiny_encoder), _sft_learner(tiny_encoder, sft_stop=True)
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5]])
+    after_last = torch.zeros_like(AVAILABLE)
+    # Where a fact is missing: the stop option is one more negative in the softmax.
+    with_stop = torch.logsumexp(torch.cat([logits, torch.zeros(1, 1)], 1), 1) - torch.logsumexp(logits[:, 1:3], 1)
+    assert stopping.step_loss(logits, AVAILABLE, MISSING).item() == pytest.approx(with_stop.item())
+    # After the last fact: the stop option is the one right answer, so every Q is pushed below 0.
+    lowered = logits - 5.0
+    assert stopping.step_loss(lowered, AVAILABLE, after_last) < stopping.step_loss(logits, AVAILABLE, after_last)
+    assert stopping.step_loss(logits, AVAILABLE, after_last).item() == pytest.approx(
+        torch.logsumexp(torch.cat([logits, torch.zeros(1, 1)], 1), 1).item()
+    )
+    assert plain.step_loss(logits, AVAILABLE, MISSING).item() != pytest.approx(with_stop.item())
+
+    tok = tokenize_samples(
+        toy_samples(4, seed=5), load_tokenizer(tiny_encoder), plain.layout, chunk_tokens=16, question_tokens=24
+    )
+    facts = sum(len(s.support) for s in tok)
+    assert plain._rollout_and_backward(tok, alpha=0.0)["transitions"] == facts
+    assert stopping._rollout_and_backward(tok, alpha=0.0)["transitions"] == facts + len(tok)
+    with pytest.raises(ConfigError, match=r"learner\.sft_stop: only read by supervised updates"):
+        learner_class(LearnerConfig(sft_stop=True))
+
+
+def test_sft_stop_makes_the_learned_stop_work(tmp_path):
+    """Trained with the stop option, Q stays above its level 0 while a fact is missing and falls below it
+    once the last one is taken, so a threshold chosen on validation questions stops where the facts end
+    (toy questions of two or three facts, T = 4)."""
+    from conftest import build_tiny_encoder
+    from qrag.config import LearnerConfig
+    from qrag.data.tokens import tokenize_samples
+    from qrag.evaluation.early_stopping import learned_stop
+    from qrag.evaluation.evaluate import evaluate
+    from qrag.model.checkpoint import untrained_qnet
+    from qrag.retrieval.search import Retriever
+    from qrag.rl.train import learner_class
+
+    def mixed(n: int, seed: int):
+        return toy_samples(n // 2, seed, facts=2) + toy_samples(n - n // 2, seed + 100, facts=3)
+
+    torch.manual_seed(0)
+    encoder = build_tiny_encoder(tmp_path / "enc", hidden=64, layers=0, seed=1)
+    qnet, tokenizer, layout = untrained_qnet(
+        ModelConfig(encoder=str(encoder), positions="relative"), torch.device("cpu")
+    )
+    parts = {"train": mixed(128, 3), "val": mixed(32, 6), "test": mixed(32, 4)}
+    tok = {k: tokenize_samples(v, tokenizer, layout, chunk_tokens=16, question_tokens=24) for k, v in parts.items()}
+    cfg = LearnerConfig(
+        objective="sft",
+        sft_stop=True,
+        lr=3e-3,
+        warmup_updates=2,
+        episodes_per_update=32,
+        micro_batch=16,
+        weight_decay=0.0,
+    )
+    learner = learner_class(cfg)(
+        qnet, layout, EnvConfig(max_steps=4), cfg, total_updates=30, device=torch.device("cpu")
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        learner.train_update([tok["train"][i] for i in rng.choice(len(tok["train"]), 32, replace=False)])
+    retriever, search = Retriever(qnet, layout, torch.device("cpu")), SearchConfig(max_steps=4)
+    on_val = evaluate(retriever, parts["val"], tok["val"], search).records
+    result = evaluate(retriever, parts["test"], tok["test"], search)
+    # Questions whose first picks are exactly their facts: Q above 0 for those picks, below 0 for the next.
+    clean = [r for r in result.records if set(r["retrieved"][: len(r["gold"])]) == set(r["gold"])]
+    assert len(clean) >= 0.8 * len(result.records)
+    levels = [min(r["q_values"][: len(r["gold"])]) > 0 > r["q_values"][len(r["gold"])] for r in clean]
+    assert np.mean(levels) >= 0.9, [r["q_values"] for r in clean]
+    stop = learned_stop(on_val, result.records)
+    assert stop["fact_f1"] > result.summary["oracle_fact_f1"] - 0.05, (stop, result.summary["oracle_fact_f1"])

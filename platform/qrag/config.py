@@ -239,6 +239,12 @@ class LearnerConfig:
         "cross-entropy per chunk, averaged over the available ones); null = the objective's own "
         "(sft: softmax, sft_trajectory: bce).",
     )
+    sft_stop: bool = opt(
+        False,
+        "Supervised updates: also teach the state after the last support fact, where nothing is right, so that a "
+        "threshold on Q can stop the search (softmax: a stop option with logit 0 joins every step's softmax and is "
+        "the one right answer there; bce: that state's chunks are all negatives). False: that state is never taught.",
+    )
     value_top_k: int | None = opt(
         None,
         "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). "

@@ -18,6 +18,11 @@ teaches Q to rank one support fact below another. ``sft_trajectory``
 (:class:`TrajectorySupervisedLearner`) is given, next, bce: the paper's description of the row,
 Beam Retriever's trajectory supervision adapted to these encoders.
 
+Neither teaches the state after the last fact, and a softmax leaves the level of Q free, so a threshold
+on Q (the learned stop) has nothing to stand on; ``learner.sft_stop`` adds that state as one more step,
+with a stop option of logit 0 that is right there and wrong everywhere else (under ``bce``: that state's
+chunks all negatives).
+
 :class:`WarmStartedPQNLearner` chains ours and PQN (``learner.sft_warmup_updates``): supervised updates
 first, then soft PQN from the encoders they left, its target encoders reset to them.
 """
@@ -88,8 +93,10 @@ class SupervisedLearner(SoftPQNLearner):
         orders = [self.fact_order(np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)) for s in episodes]
         selected = np.zeros_like(env.selected)
         losses, q_pos = [], []
-        for t in range(max(len(o) for o in orders)):
-            rows = np.array([i for i, o in enumerate(orders) if len(o) > t], dtype=np.int64)
+        # With learner.sft_stop, each episode has one more step: the state after its last fact.
+        last = 1 if self.cfg.sft_stop else 0
+        for t in range(max(len(o) for o in orders) + last):
+            rows = np.array([i for i, o in enumerate(orders) if len(o) + last > t], dtype=np.int64)
             rows_t = torch.from_numpy(rows).to(dev)
             seqs = [
                 layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])])
@@ -103,14 +110,16 @@ class SupervisedLearner(SoftPQNLearner):
             available = torch.from_numpy(env.valid[rows] & ~selected[rows]).to(dev)
             missing = torch.from_numpy(env.gold[rows] & ~selected[rows]).to(dev) & available
             following = torch.zeros_like(available)
+            going_on = [k for k, i in enumerate(rows) if len(orders[i]) > t]  # the rest are past their last fact
             following[
-                torch.arange(len(rows), device=dev), torch.as_tensor([orders[i][t] for i in rows], device=dev)
+                torch.as_tensor(going_on, dtype=torch.long, device=dev),
+                torch.as_tensor([orders[rows[k]][t] for k in going_on], dtype=torch.long, device=dev),
             ] = True
             positive = self.positives(missing, following & available)
             losses.append(self.step_loss(q.float() / self.cfg.sft_temperature, available, positive))
             q_pos.append(q.detach()[positive])
-            for i in rows:
-                selected[i, orders[i][t]] = True
+            for k in going_on:
+                selected[rows[k], orders[rows[k]][t]] = True
         per_step = torch.cat(losses)
         loss_sum = per_step.sum()  # train_update divides by the update's count of steps
         self._backward(loss_sum)
@@ -142,6 +151,14 @@ class SupervisedLearner(SoftPQNLearner):
         if self.choices.loss == "bce":
             bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, positive.float(), reduction="none")
             return (bce * available).sum(1) / available.sum(1).clamp(min=1)
+        if self.cfg.sft_stop:
+            # The stop option: logit 0, right exactly where no chunk is (the state after the last fact). A softmax
+            # alone leaves Q's level free; against a fixed option, Q must rise above it while a fact is missing
+            # and fall below it once none is.
+            stop = ~positive.any(1, keepdim=True)
+            logits = torch.cat([logits, torch.zeros_like(logits[:, :1])], 1)
+            available = torch.cat([available, torch.ones_like(stop)], 1)
+            positive = torch.cat([positive, stop], 1)
         logits = logits.masked_fill(~available, float("-inf"))
         return torch.logsumexp(logits, 1) - torch.logsumexp(logits.masked_fill(~positive, float("-inf")), 1)
 

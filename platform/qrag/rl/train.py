@@ -134,8 +134,8 @@ def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
         )
     sft_choices(cfg, OURS)  # a bad learner.sft_* value fails here, naming its key
     if cfg.objective == "pqn" and not cfg.sft_warmup_updates:
-        for name in SWITCHES.values():
-            if getattr(cfg, name) is not None:  # no supervised update would read it
+        for name in (*SWITCHES.values(), "sft_stop"):
+            if getattr(cfg, name) not in (None, False):  # no supervised update would read it
                 raise ConfigError(
                     f"learner.{name}: only read by supervised updates (objective=sft or sft_trajectory, "
                     "or objective=pqn with sft_warmup_updates > 0)"
