@@ -11,7 +11,7 @@ from typing import Any
 
 from qrag.config import DataConfig, SearchConfig, to_dict
 from qrag.data.chunking import TokenCounter
-from qrag.data.sample import Sample
+from qrag.data.sample import DataError, Sample
 from qrag.data.credit import fact_picks, support_classes
 from qrag.evaluation.early_stopping import Trace
 from qrag.metrics import fact_em, fact_f1, mean
@@ -215,7 +215,6 @@ def split_samples(data_cfg: DataConfig, split: str, count: TokenCounter) -> list
     run trained with this data held out (``data.val_fraction``, drawn by source as training draws it),
     the split that a choice among checkpoints, settings or objectives is made on."""
     from qrag.data import load_samples
-    from qrag.data.sample import DataError
     from qrag.data.splits import split_validation
 
     if split != "val":

@@ -80,14 +80,8 @@ def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates
             )
     first = rows[0][1]
     # Per-seed values (a checkpoint, its own stop threshold) are not a combined row's: lists below.
-    out = {
-        k: v
-        for k, v in first.items()
-        if k not in METRICS
-        and k not in PER_SEED
-        and not k.startswith("threshold")
-        and k not in ("per_question", "checkpoint")
-    }
+    not_copied = {*METRICS, *PER_SEED, "per_question", "checkpoint"}
+    out = {k: v for k, v in first.items() if k not in not_copied and not k.startswith("threshold")}
     for k in PER_SEED:  # each seed's stop was chosen on val on its own: one value per seed
         if all(k in r for _, r in rows):
             out[f"{k}_by_seed"] = [r[k] for _, r in rows]

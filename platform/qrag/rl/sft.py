@@ -59,6 +59,8 @@ class SftChoices:
 OURS = SftChoices("random", "missing", "softmax")  # learner.objective=sft (and the PQN warm start)
 PAPERS = SftChoices("given", "next", "bce")  # learner.objective=sft_trajectory
 SWITCHES = {"order": "sft_order", "positives": "sft_positives", "loss": "sft_loss"}  # SftChoices -> LearnerConfig
+# Every learner key that only a supervised update reads (null or false: not set).
+SUPERVISED_ONLY = (*SWITCHES.values(), "sft_stop")
 
 
 def sft_choices(cfg: LearnerConfig, own: SftChoices) -> SftChoices:

@@ -40,7 +40,7 @@ from qrag.rl.learner import SoftPQNLearner
 from qrag.retrieval.search import Retriever
 from qrag.rl.sft import (
     OURS,
-    SWITCHES,
+    SUPERVISED_ONLY,
     SupervisedLearner,
     TrajectorySupervisedLearner,
     WarmStartedPQNLearner,
@@ -134,7 +134,7 @@ def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
         )
     sft_choices(cfg, OURS)  # a bad learner.sft_* value fails here, naming its key
     if cfg.objective == "pqn" and not cfg.sft_warmup_updates:
-        for name in (*SWITCHES.values(), "sft_stop"):
+        for name in SUPERVISED_ONLY:
             if getattr(cfg, name) not in (None, False):  # no supervised update would read it
                 raise ConfigError(
                     f"learner.{name}: only read by supervised updates (objective=sft or sft_trajectory, "
