@@ -205,15 +205,44 @@ class EncodeStats:
         self.by_kind.clear()
 
 
-def _bucket(lengths: np.ndarray, max_tokens: int, multiple: int = 8) -> list[np.ndarray]:
-    """Indices grouped into batches of similar length, each at most ``max_tokens`` padded tokens."""
+# A batch is also closed before it reaches max_tokens once it holds max_tokens // BUCKET_MIN_SHARE
+# padded tokens and the next sequence (longest first) is narrower than BUCKET_SPLIT_RATIO x its
+# longest. Without that, an encode call of fewer padded tokens than max_tokens (a small training
+# micro-batch) is one batch padded to its longest sequence. The ratio keeps a row's padding under a
+# third of its width; the floor keeps the split from scattering the work into small forwards, each
+# a round of kernel launches on a GPU that a forward of few tokens cannot hide behind its compute.
+BUCKET_SPLIT_RATIO = 0.75
+BUCKET_MIN_SHARE = 8
+
+
+def _bucket(
+    lengths: np.ndarray,
+    max_tokens: int,
+    multiple: int = 8,
+    *,
+    ratio: float = BUCKET_SPLIT_RATIO,
+    min_tokens: int | None = None,
+) -> list[np.ndarray]:
+    """Indices grouped into batches of similar length, longest first, each at most ``max_tokens``
+    padded tokens (a longer sequence alone). Widths are lengths rounded up to ``multiple``. A batch
+    is also closed once it holds ``min_tokens`` padded tokens (default ``max_tokens //
+    BUCKET_MIN_SHARE``) and the next width is below ``ratio`` x its own; ``ratio=0`` turns that off.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if min_tokens is None:
+        min_tokens = max_tokens // BUCKET_MIN_SHARE
     order = np.argsort(-lengths, kind="stable")
-    batches, start = [], 0
-    while start < len(order):
-        longest = int(-(-lengths[order[start]] // multiple) * multiple)
-        size = max(1, max_tokens // max(longest, 1))
-        batches.append(order[start : start + size])
-        start += size
+    neg_widths = (lengths[order] // -multiple) * multiple  # minus the rounded-up widths: ascending
+    batches, start, n = [], 0, len(order)
+    while start < n:
+        longest = max(int(-neg_widths[start]), 1)
+        end = min(n, start + max(1, max_tokens // longest))
+        # Close at the first sequence narrower than ratio x longest, but not before the batch holds
+        # min_tokens (widths are sorted: every later sequence is narrower too).
+        narrower = int(np.searchsorted(neg_widths, -ratio * longest, side="right"))
+        end = min(end, max(narrower, start + max(1, -(-min_tokens // longest))))
+        batches.append(order[start:end])
+        start = end
     return batches
 
 
@@ -231,7 +260,8 @@ def encode(
     """Mean-pooled embeddings of token sequences, in input order: [len(seqs), d] float32.
 
     Sequences are sorted by length and packed into batches of at most ``max_tokens`` padded
-    tokens, so padding stays small and memory stays bounded whatever the number of sequences.
+    tokens, so memory stays bounded whatever the number of sequences; a batch is cut earlier where
+    the next sequence would be padded far (``_bucket``), so padding stays small in small calls too.
     """
     n = len(seqs)
     dim = model.config.hidden_size
