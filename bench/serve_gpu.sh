@@ -14,7 +14,9 @@
 #   call 1, carry .whl/ray:                            bash bench/serve_gpu.sh wheels
 #   call 2, carry .whl/stack, .carry/serve/data and .carry/serve/provenance.env:  bash bench/serve_gpu.sh wheels
 #   call 3, carry .carry/serve/minilm:                 OUT=$OUT bash bench/serve_gpu.sh run
-# It brings back library.json, serve_ray.json and the training log.
+# It brings back library.json, serve_ray.json and the training log. PARTS (default train,library,serve) splits
+# the run over calls on one warm machine; STORAGE (default $WORK/idx) holds the corpus; GPU_COUNTS (e.g. 1,2)
+# measures the layouts on a cluster of each many GPUs in turn (bench/serve_ray.py --gpu-counts).
 # CPU check (tiny, ~10 minutes): SITE=<a venv's site-packages> CARRY=<packed> DEVICE=cpu UPDATES=1 TOKENS=30000
 #   TRAIN_ARGS="data.context_tokens=512 data.samples_per_task=64 learner.episodes_per_update=16 learner.micro_batch=16"
 #   SCALE_ARGS="--device cpu" SERVE_ARGS="--gpus 0 --cpus 2 --queries 10 --clients 1,2 --load-seconds 2"
@@ -83,13 +85,26 @@ done
 export PYTHONPATH=$SITE:$PYTHONPATH HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$CARRY/data}
 if [ -f "$CARRY/provenance.env" ]; then set -a; . "$CARRY/provenance.env"; set +a; fi
 mkdir -p "$WORK" "$OUT"
-books=$(find "$QRAG_DATA_DIR/gutenberg_novels" -mindepth 1 -maxdepth 1 -type d | head -n 1)
-$PY -m qrag train --config configs/babilong-qa1.yaml name=qa1 updates="${UPDATES:-20}" eval_every=0 \
-  model.encoder="$CARRY/minilm" device="${DEVICE:-cuda}" out_dir="$WORK/runs" ${TRAIN_ARGS:-} --no-progress \
-  > "$OUT/train.log" 2>&1 || { tail -n 20 "$OUT/train.log"; exit 1; }
+# PARTS: train, library (index the corpus, time the library path), serve; a call can run some of them and a
+# later call on the same warm machine the rest (each part reads what the earlier ones left in $WORK).
+PARTS=",${PARTS:-train,library,serve},"
+STORAGE=${STORAGE:-$WORK/idx}
 ckpt="$WORK/runs/qa1/final"
-$PY bench/serve_scale.py --corpus "$books" --checkpoint "$ckpt" --storage "$WORK/idx" --tokens "${TOKENS:-10000000}" \
-  --shards "${SHARDS:-4}" --variants optimized --batches 1,8,32,64,128 --out "$OUT/library.json" ${SCALE_ARGS:-}
-$PY bench/serve_ray.py --storage "$WORK/idx" --checkpoint "$ckpt" --library "$OUT/library.json" \
-  --layouts "${LAYOUTS:-default}" --serve-env "${SERVE_ENV:-haproxy,classic}" --trace-sample "${TRACE:-0}" \
-  --out "$OUT/serve_ray.json" ${SERVE_ARGS:-}
+if [[ $PARTS == *,train,* ]]; then
+  $PY -m qrag train --config configs/babilong-qa1.yaml name=qa1 updates="${UPDATES:-20}" eval_every=0 \
+    model.encoder="$CARRY/minilm" device="${DEVICE:-cuda}" out_dir="$WORK/runs" ${TRAIN_ARGS:-} --no-progress \
+    > "$OUT/train.log" 2>&1 || { tail -n 20 "$OUT/train.log"; exit 1; }
+fi
+[ -d "$ckpt" ] || { echo "bench/serve_gpu.sh: no checkpoint at $ckpt: run the train part first" >&2; exit 2; }
+if [[ $PARTS == *,library,* ]]; then
+  books=$(find "$QRAG_DATA_DIR/gutenberg_novels" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+  $PY bench/serve_scale.py --corpus "$books" --checkpoint "$ckpt" --storage "$STORAGE" --tokens "${TOKENS:-10000000}" \
+    --shards "${SHARDS:-4}" --variants optimized --batches 1,8,32,64,128 --out "$STORAGE/library.json" ${SCALE_ARGS:-}
+  cp "$STORAGE/library.json" "$OUT/library.json"
+fi
+if [[ $PARTS == *,serve,* ]]; then
+  # shellcheck disable=SC2086
+  $PY bench/serve_ray.py --storage "$STORAGE" --checkpoint "$ckpt" --library "$STORAGE/library.json" \
+    --layouts "${LAYOUTS:-default}" --serve-env "${SERVE_ENV:-haproxy,classic}" --trace-sample "${TRACE:-0}" \
+    ${GPU_COUNTS:+--gpu-counts "$GPU_COUNTS"} --out "$OUT/serve_ray.json" ${SERVE_ARGS:-}
+fi

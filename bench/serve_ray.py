@@ -87,6 +87,12 @@ def args_parser() -> argparse.ArgumentParser:
         help="share of requests Serve traces (its spans, read back per layout); 0 = off",
     )
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for Ray (default: all torch sees); 0 = a CPU check")
+    ap.add_argument(
+        "--gpu-counts",
+        default=None,
+        help="comma-separated GPU counts, a cluster each on the machine's first N GPUs, every layout on each, "
+        "e.g. 1,2: one GPU against two in the same call (scaling: q/s of the most over the fewest); default: --gpus",
+    )
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="logical CPUs for Ray")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--queries", type=int, default=300, help="requests at concurrency 1")
@@ -112,25 +118,26 @@ def app_config(path: str) -> dict:
     return yaml.safe_load(Path(path).read_text())["applications"][0]
 
 
-def layout_app(app: dict, layout: str, args) -> tuple[dict, list[dict]]:
-    """(ServeConfig args, deployments) of one layout."""
+def layout_app(app: dict, layout: str, args, gpus: int) -> tuple[dict, list[dict]]:
+    """(ServeConfig args, deployments) of one layout on a cluster of ``gpus`` GPUs."""
     conf = dict(app["args"])
     conf.update(storage=str(Path(args.storage).resolve()), checkpoint=args.checkpoint, http_host="127.0.0.1")
     deployments = {d["name"]: dict(d) for d in app["deployments"]}
     kind, _, value = layout.partition("=")
     if kind == "replicas":
         deployments["Ingress"]["num_replicas"] = int(value)
+        # A whole GPU each: the app's default (1 / replicas_per_gpu) would pack two onto one GPU.
+        deployments["Ingress"]["ray_actor_options"] = {"num_cpus": 0, "num_gpus": 1 if gpus else 0}
     elif kind == "per_gpu":
         n = int(value)
-        deployments["Ingress"]["num_replicas"] = n * max(1, args.gpus)
+        deployments["Ingress"]["num_replicas"] = n * max(1, gpus)
         deployments["Ingress"]["ray_actor_options"] = {
             "num_cpus": 0,
-            "num_gpus": round(1.0 / n, 4) if args.gpus else 0.0,
+            "num_gpus": round(1.0 / n, 4) if gpus else 0.0,
         }
     elif kind == "shards":
         d = int(value)
         conf["shard_deployments"] = d
-        gpus = args.gpus > 0
         # 0.4 + 0.6: the Ingress fits beside one shard, and no two shards share a GPU.
         deployments["Ingress"]["ray_actor_options"] = {"num_cpus": 0, "num_gpus": 0.4 if gpus else 0.0}
         for i in range(d):
@@ -141,7 +148,7 @@ def layout_app(app: dict, layout: str, args) -> tuple[dict, list[dict]]:
             }
     elif kind != "default":
         raise SystemExit(f"serve_ray.py: unknown layout {layout!r} (default, replicas=N, per_gpu=N, shards=D)")
-    if not args.gpus:
+    if not gpus:
         conf.update(encoder_device="cpu", shard_device="cpu")
     return conf, list(deployments.values())
 
@@ -372,15 +379,27 @@ def ratios(library: dict | None, serve_row: dict) -> dict | None:
 
 
 def run_cluster(
-    args, variant: str, tmp: Path, app: dict, bodies: list[dict], library: dict | None, result: dict
+    args,
+    variant: str,
+    gpus: int,
+    tmp: Path,
+    app: dict,
+    bodies: list[dict],
+    library: dict | None,
+    result: dict,
 ) -> None:
-    """One Ray cluster with ``variant``'s environment: every layout deployed and measured in turn,
-    each written to ``result`` (and --out) as soon as it is measured."""
+    """One Ray cluster with ``variant``'s environment on the first ``gpus`` GPUs: every layout
+    deployed and measured in turn, each written to ``result`` (and --out) as soon as it is measured."""
     tmp.mkdir(parents=True, exist_ok=True)
     metrics_port = free_port()
     extra = serve_env(variant, args.trace_sample)
     os.environ.update(extra)  # the driver's environment reaches the cluster started below
-    head = RayHead(tmp, args.gpus, args.cpus, cluster_env(), dashboard=False, metrics_port=metrics_port)
+    env = cluster_env()
+    if gpus < args.gpus:  # the cluster's GPUs are the first ones the machine has, not any Ray picks
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(args.gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:gpus])
+    head = RayHead(tmp, gpus, args.cpus, env, dashboard=False, metrics_port=metrics_port)
     span_offsets: dict[str, int] = {}
     try:
         import ray
@@ -390,18 +409,19 @@ def run_cluster(
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
-            conf, deployments = layout_app(app, layout, args)
+            conf, deployments = layout_app(app, layout, args, gpus)
             t0 = time.perf_counter()
             url = deploy(conf, deployments, port)
             row = {
                 "serve_env": variant,
+                "gpus": gpus,
                 "env": extra,
                 "deploy_seconds": round(time.perf_counter() - t0, 1),
                 "deployments": deployments,
                 **measure(url, bodies, args, f"http://127.0.0.1:{metrics_port}/metrics"),
             }
             row["against_library"] = ratios(library, row)
-            key = layout if variant == "classic" else f"{layout}@{variant}"
+            key = layout_key(layout, variant, gpus, len(args.gpu_counts) > 1)
             result["layouts"][key] = row
             print(
                 f"serve_ray.py: {key}: c=1 {row['concurrency_1']} "
@@ -428,6 +448,38 @@ def run_cluster(
             copy_ray_logs(tmp / "ray", Path(args.ray_logs) / variant)
 
 
+def layout_key(layout: str, variant: str, gpus: int, several_counts: bool) -> str:
+    """A result's name: the layout, then the environment (unless classic), then the GPU count
+    (when the call measured several)."""
+    key = layout if variant == "classic" else f"{layout}@{variant}"
+    return f"{key}@{gpus}gpu" if several_counts else key
+
+
+def scaling(result: dict, counts: list[int]) -> dict:
+    """Each layout's throughput on the most GPUs over the fewest, both measured in this call: the
+    best q/s whose p99 stays under the limit, and the peak of the curve."""
+    if len(counts) < 2:
+        return {}
+    few, many = min(counts), max(counts)
+    out = {}
+    for key, row in result["layouts"].items():
+        if not key.endswith(f"@{few}gpu"):
+            continue
+        base = key[: -len(f"@{few}gpu")]
+        other = result["layouts"].get(f"{base}@{many}gpu")
+        if other is None:
+            continue
+        pair = {}
+        for name, pick in (
+            ("best_qps_p99_under_limit", lambda r: r["max_queries_per_s_with_p99_under_limit"]),
+            ("peak_qps", lambda r: max((c["queries_per_s"] or 0 for c in r["curve"]), default=None)),
+        ):
+            a, b = pick(row), pick(other)
+            pair[name] = {f"{few}gpu": a, f"{many}gpu": b, "ratio": round(b / a, 3) if a and b else None}
+        out[base] = pair
+    return out
+
+
 def http_stack() -> dict[str, str | None]:
     """Versions of what Serve's proxy and replicas run on (None: absent, a slower fallback: h11
     for httptools, asyncio's own loop for uvloop); a user's ray[serve] install has all four."""
@@ -449,6 +501,9 @@ def main() -> None:
         import torch
 
         args.gpus = torch.cuda.device_count()
+    args.gpu_counts = [int(n) for n in args.gpu_counts.split(",")] if args.gpu_counts else [args.gpus]
+    if any(n < 0 or n > args.gpus for n in args.gpu_counts):
+        raise SystemExit(f"serve_ray.py: --gpu-counts {args.gpu_counts} beyond the machine's {args.gpus} GPUs")
     from bench_common import machine_info, write_result
 
     tmp = Path(tempfile.mkdtemp(prefix="qrag_serve_ray_"))
@@ -462,6 +517,7 @@ def main() -> None:
         "bench": "serve_ray",
         **machine_info(),
         "gpus": args.gpus,
+        "gpu_counts": args.gpu_counts,
         "steps": args.steps,
         "checkpoint": args.checkpoint,
         "config": Path(args.config).name,
@@ -480,7 +536,9 @@ def main() -> None:
     }
     try:
         for variant in [x.strip() for x in args.serve_env.split(",") if x.strip()]:
-            run_cluster(args, variant, tmp / variant, app, bodies, library, result)
+            for gpus in args.gpu_counts:
+                run_cluster(args, variant, gpus, tmp / f"{variant}_{gpus}gpu", app, bodies, library, result)
+                result["scaling"] = scaling(result, args.gpu_counts)
         result["complete"] = True
     finally:
         if args.out:

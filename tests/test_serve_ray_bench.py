@@ -23,7 +23,7 @@ def serve_ray():
 
 def plan(serve_ray, layout: str, gpus: int):
     args = serve_ray.args_parser().parse_args(["--storage", "/tmp/unused", "--gpus", str(gpus)])
-    return serve_ray.layout_app(serve_ray.app_config(args.config), layout, args)
+    return serve_ray.layout_app(serve_ray.app_config(args.config), layout, args, gpus)
 
 
 def test_the_default_layout_is_the_shipped_config(serve_ray):
@@ -49,6 +49,50 @@ def test_replicas_share_each_gpu(serve_ray, gpus):
     assert ingress["num_replicas"] == 3 * gpus and ingress["ray_actor_options"]["num_gpus"] == pytest.approx(
         1 / 3, abs=1e-3
     )
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_replicas_take_a_whole_gpu_each(serve_ray, gpus):
+    """replicas=N spreads N copies over N GPUs: the app's default share (1 / replicas_per_gpu)
+    would let Ray pack two of them onto one GPU and leave another idle."""
+    _, deployments = plan(serve_ray, f"replicas={gpus}", gpus=gpus)
+    ingress = next(d for d in deployments if d["name"] == "Ingress")
+    assert ingress["num_replicas"] == gpus and ingress["ray_actor_options"]["num_gpus"] == 1
+    _, deployments = plan(serve_ray, "replicas=2", gpus=0)
+    assert next(d for d in deployments if d["name"] == "Ingress")["ray_actor_options"]["num_gpus"] == 0
+
+
+def test_one_gpu_against_two_is_a_ratio_of_the_same_layout(serve_ray):
+    def row(best, peaks):
+        return {
+            "max_queries_per_s_with_p99_under_limit": best,
+            "curve": [{"queries_per_s": q} for q in peaks],
+        }
+
+    keys = [serve_ray.layout_key("default", "haproxy", n, True) for n in (1, 2)]
+    assert keys == ["default@haproxy@1gpu", "default@haproxy@2gpu"]
+    assert serve_ray.layout_key("default", "classic", 1, False) == "default"
+    result = {
+        "layouts": {
+            keys[0]: row(500.0, [80.0, 550.0]),
+            keys[1]: row(950.0, [85.0, 1100.0]),
+            "shards=2@haproxy@2gpu": row(300.0, [310.0]),  # measured on two only: no ratio
+            "default@classic@1gpu": row(None, [90.0]),  # nothing under the p99 limit
+            "default@classic@2gpu": row(200.0, [210.0]),
+        }
+    }
+    got = serve_ray.scaling(result, [1, 2])
+    assert set(got) == {"default@haproxy", "default@classic"}
+    assert got["default@haproxy"]["best_qps_p99_under_limit"] == {"1gpu": 500.0, "2gpu": 950.0, "ratio": 1.9}
+    assert got["default@haproxy"]["peak_qps"]["ratio"] == 2.0
+    assert got["default@classic"]["best_qps_p99_under_limit"]["ratio"] is None
+    assert serve_ray.scaling(result, [1]) == {}
+
+
+def test_gpu_counts_beyond_the_machine_are_refused(serve_ray, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["serve_ray.py", "--storage", "/tmp/unused", "--gpus", "1", "--gpu-counts", "1,2"])
+    with pytest.raises(SystemExit, match="beyond the machine's 1 GPUs"):
+        serve_ray.main()
 
 
 def test_shard_deployments_take_a_gpu_each_beside_the_ingress(serve_ray):
@@ -176,3 +220,24 @@ def test_the_serve_gpu_calls_stage_each_carried_part_for_the_run(tmp_path):
     staged = tmp_path / "work" / "carry"
     assert (staged / "data" / "babi").is_dir() and (staged / "minilm" / "config.json").is_file()
     assert (staged / "provenance.env").read_text() == "QRAG_COMMIT=abc\n"
+
+
+def test_a_serve_gpu_call_can_run_later_parts_only_after_the_train_part(tmp_path):
+    """PARTS splits the run over calls on one warm machine; a part that needs the checkpoint
+    names the part that makes it."""
+    import subprocess
+
+    carried = tmp_path / "carry"
+    (carried / "data" / "gutenberg_novels").mkdir(parents=True)
+    (carried / "minilm").mkdir(parents=True)
+    (tmp_path / "site" / "ray").mkdir(parents=True)
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "SITE": str(tmp_path / "site"),
+        "WORK": str(tmp_path / "work"),
+        "CARRY": str(carried),
+        "PARTS": "serve",
+    }
+    got = subprocess.run(["bash", "bench/serve_gpu.sh", "run"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert got.returncode == 2 and "run the train part first" in got.stderr
