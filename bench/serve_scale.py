@@ -96,6 +96,12 @@ def args_parser() -> argparse.ArgumentParser:
         help="passes of the bare forward timed after indexing (the median is reported)",
     )
     ap.add_argument(
+        "--bare-tokens",
+        type=int,
+        default=50_000_000,
+        help="the bare forward runs on the corpus's first chunks up to this many tokens (all of a smaller corpus)",
+    )
+    ap.add_argument(
         "--variants",
         default="baseline,per_shard,one_pass,optimized",
         help="query paths timed (the serving path is 'optimized'; the others are earlier rounds' paths)",
@@ -495,17 +501,55 @@ def lane_documents(files: list[Path], args) -> Iterator[Document]:
         yield Document(doc_id, text)
 
 
-def stored_token_ids(store: CorpusStore, name: str) -> list[np.ndarray]:
-    """Every chunk's token ids from the corpus's files (the bare forward's input after a lane run)."""
+def stored_token_ids(store: CorpusStore, name: str, limit_tokens: int | None = None) -> list[np.ndarray]:
+    """The chunks' token ids from the corpus's files (the bare forward's input after a lane run), in
+    corpus order: every chunk, or the committed batches up to about ``limit_tokens`` tokens."""
     m = store.read(name)
     rows: dict[int, np.ndarray] = {}
+    tokens = 0
     for batch in m.batches:
         for s in range(m.shards):
             seg, problem = store.read_segment(m, s, batch)
             if problem is not None:
                 raise RuntimeError(str(problem))
             rows.update(zip(seg.positions.tolist(), seg.tokens))
+            tokens += sum(len(t) for t in seg.tokens)
+        if limit_tokens is not None and tokens >= limit_tokens:
+            break
     return [rows[p] for p in sorted(rows)]
+
+
+def bare_sample(ids: list[np.ndarray], limit_tokens: int) -> list[np.ndarray]:
+    """The first chunks up to ``limit_tokens`` tokens: a rate needs no more, and padding a billion
+    tokens' batches on the device would cost more GPU memory and time than the indexing."""
+    total = 0
+    for i, seq in enumerate(ids):
+        total += len(seq)
+        if total >= limit_tokens:
+            return ids[: i + 1]
+    return ids
+
+
+class CommitProgress:
+    """Commits so far on stderr every ``every_s`` seconds: a run stopped by its call's time limit
+    still says how far and how fast it got."""
+
+    def __init__(self, chunk_tokens: int, every_s: float = 15.0):
+        self.chunk_tokens, self.every_s = chunk_tokens, every_s
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, manifest) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        tokens = manifest.chunks * self.chunk_tokens
+        print(
+            f"serve_scale: {manifest.chunks} chunks (~{tokens / 1e6:.0f}M tokens) committed in {now - self.t0:.0f} s "
+            f"(~{tokens / (now - self.t0) / 1e6:.2f}M tokens/s with start-up)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tokenizer_dir: str, source) -> dict:
@@ -531,7 +575,15 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
         block_chars=max(1, args.doc_tokens) * CHARS_PER_TOKEN,
     )
     commit_chars = commit_chars_for(args.commit_chunks, args.chunk_tokens)
-    _, stats = index_in_lanes(index.store, name, lane_documents(files, args), cfg, devices, commit_chars=commit_chars)
+    _, stats = index_in_lanes(
+        index.store,
+        name,
+        lane_documents(files, args),
+        cfg,
+        devices,
+        commit_chars=commit_chars,
+        on_commit=CommitProgress(args.chunk_tokens),
+    )
     m = index.store.read(name)
     st = stats.summary()
     embed_s = max((row["embed_seconds"] for row in stats.per_lane), default=0.0)
@@ -548,7 +600,7 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
         "indexing_tokens_per_s": stats.encoder_tokens / stats.seconds,
         "embed_only_tokens_per_s": stats.encoder_tokens / max(embed_s * len(index.devices), 1e-9),
         "bytes_on_disk": index.store.disk_bytes(name),
-        "ids": stored_token_ids(index.store, name),
+        "ids": stored_token_ids(index.store, name, args.bare_tokens),
         "stages": {
             "pipelined": True,
             "lanes": len(devices),
@@ -801,7 +853,7 @@ def main() -> None:
         built = index_corpus_in_lanes(index, model, files, args, tokenizer_dir, source)
     else:
         built = index_corpus(index, model, files, args, tokenizer_dir)
-    ids = built.pop("ids")
+    ids = bare_sample(built.pop("ids"), args.bare_tokens)
     bare_runs = bare_forward_tokens_per_s(model, ids, args.encode_tokens, args.bare_repeats)
     bare = float(np.median(bare_runs))
     head = {
@@ -832,6 +884,7 @@ def main() -> None:
             "embed_only_tokens_per_s": round(built["embed_only_tokens_per_s"]),
             "bare_forward_tokens_per_s": round(bare),
             "bare_forward_runs": [round(r) for r in bare_runs],
+            "bare_forward_tokens": int(sum(len(t) for t in ids)),
             "end_to_end_share_of_bare": round(built["indexing_tokens_per_s"] / (bare * len(index.devices)), 3),
             "bare_forward_note": "median of --bare-repeats passes, timed on the first device; "
             "the share is of the device count times it",

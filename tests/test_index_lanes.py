@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 import json
 from pathlib import Path
@@ -225,6 +226,8 @@ def test_the_serving_bench_indexes_in_lanes(tiny_encoder, shared_data, tmp_path)
         "cpu",
         "--bare-repeats",
         "1",
+        "--bare-tokens",
+        "2000",
         "--commit-chunks",
         "40",
         "--doc-tokens",
@@ -237,6 +240,10 @@ def test_the_serving_bench_indexes_in_lanes(tiny_encoder, shared_data, tmp_path)
     assert stages["lanes"] == 1 and stages["workers_per_lane"] == 1 and stages["commits"] >= 2
     assert result["corpus"]["encoder_tokens"] > 3000 and result["indexing"]["tokens_per_s"] > 0
     assert [row["lane"] for row in stages["per_lane"]] == [0]
+    # The bare forward's rate comes from the first committed chunks, not the whole corpus (at 1B tokens
+    # reading every chunk back and padding it on the device would outlast the indexing).
+    bare = result["indexing"]["bare_forward_tokens"]
+    assert 2000 <= bare < result["corpus"]["encoder_tokens"] - 1000
 
 
 def test_a_lane_that_dies_is_an_error_naming_it_not_a_hang(model, tiny_encoder, tmp_path, monkeypatch):
@@ -571,3 +578,18 @@ def test_each_lanes_first_group_is_smaller_so_its_device_starts_sooner():
         8
     }  # one small group per lane, then full ones
     assert [d.id for _, group in sent for d in group] == [d.id for d in docs]  # every document once, in order
+
+
+def test_the_serving_bench_reports_commits_while_it_indexes(capsys):
+    """A run stopped by its call's time limit still says how far and how fast it got."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import serve_scale
+
+    progress = serve_scale.CommitProgress(chunk_tokens=64, every_s=0.0)
+    progress(SimpleNamespace(chunks=1_000_000))
+    assert "1000000 chunks (~64M tokens) committed" in capsys.readouterr().err
+    quiet = serve_scale.CommitProgress(chunk_tokens=64, every_s=3600.0)
+    quiet(SimpleNamespace(chunks=5))
+    assert capsys.readouterr().err == ""
