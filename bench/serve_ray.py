@@ -11,6 +11,8 @@ cluster bound to 127.0.0.1) come to the library path, and where does the rest of
      * `replicas=N`  N Ingress replicas, a GPU each (more GPUs: more copies of the corpus);
      * `shards=D`    D Shard deployments, one per GPU (the Ingress beside Shard0), for corpora
                      beyond one GPU.
+   With ``--gpu-counts 1,2`` every layout runs on a cluster of the first GPU, then of the first
+   two (one GPU against two in one call; ``scaling`` in the result is the throughput ratio).
 3. Per layout: `--queries` requests one after another (concurrency 1), then a closed-loop curve
    over `--clients` (each level `--load-seconds`), and a breakdown of one request at
    concurrency 1 and at `--breakdown-clients`: what the client saw, Serve's own proxy and

@@ -48,7 +48,7 @@ from qrag.data.documents import Document, unpack_chunks  # noqa: E402
 from qrag.data.haystack import book_files, read_document  # noqa: E402 - the books BabiLong reads, read alike
 from qrag.data.sample import DataError  # noqa: E402
 from qrag.retrieval.embedder import EmbeddingModel, load_embedding_model, resolve_source  # noqa: E402
-from qrag.model.encoder import _bucket, autocast_for, resolve_encoder  # noqa: E402
+from qrag.model.encoder import _bucket, autocast_for, resolve_encoder, split_ratio_for  # noqa: E402
 from qrag.index import tokenise_workers  # noqa: E402
 from qrag.index.lanes import CHARS_PER_TOKEN, LANE_COMMIT_CHUNKS, LANE_WORKER_NICE, commit_chars_for, lanes_on  # noqa: E402
 from qrag.index.local import LocalIndex  # noqa: E402
@@ -642,7 +642,7 @@ def bare_forward_tokens_per_s(model, ids: list[np.ndarray], encode_tokens: int, 
     dev = model.device
     lengths = np.fromiter((len(s) for s in ids), dtype=np.int64, count=len(ids))
     batches = []
-    for idx in _bucket(lengths, encode_tokens):
+    for idx in _bucket(lengths, encode_tokens, ratio=split_ratio_for(dev)):
         width = int(-(-lengths[idx].max() // 8) * 8)
         arr = np.full((len(idx), width), model.layout.pad_id, dtype=np.int64)
         for row, j in enumerate(idx):

@@ -5,7 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from qrag.model.encoder import BUCKET_MIN_SHARE, BUCKET_SPLIT_RATIO, _bucket, encode, load_encoder, load_tokenizer
+from qrag.model.encoder import (
+    BUCKET_MIN_SHARE,
+    BUCKET_SPLIT_RATIO,
+    EncodeStats,
+    _bucket,
+    encode,
+    load_encoder,
+    load_tokenizer,
+    split_ratio_for,
+)
 
 CPU = torch.device("cpu")
 MULTIPLE = 8
@@ -116,3 +125,33 @@ def test_split_batches_give_each_sequence_its_own_vector_in_input_order(tiny_enc
         alone = torch.cat([encode(model, [s], pad_id=pad_id, device=CPU) for s in seqs])
     assert got.shape == alone.shape
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_the_cut_is_on_for_the_cpu_and_off_for_gpus():
+    """A GPU runs a small micro-batch's forward in launch time: there the cut halved training's
+    episodes/s (bench/results/encode_buckets_gpu_h200.json) while it tripled the CPU's."""
+    assert split_ratio_for(CPU) == BUCKET_SPLIT_RATIO > 0
+    assert split_ratio_for(torch.device("cuda", 0)) == 0.0
+    assert split_ratio_for(torch.device("mps")) == 0.0
+
+
+def test_encode_batches_by_its_devices_rule(tiny_encoder, monkeypatch):
+    import qrag.model.encoder as encoder_module
+
+    model = load_encoder(tiny_encoder).eval()
+    pad_id = load_tokenizer(tiny_encoder).pad_token_id
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(1000, 2000, size=n).astype(np.int64) for n in rng.integers(2, 64, size=40)]
+    lengths = np.array([len(s) for s in seqs])
+
+    def padded_by_encode() -> int:
+        stats = EncodeStats()
+        with torch.no_grad():
+            encode(model, seqs, pad_id=pad_id, device=CPU, max_tokens=640, stats=stats)
+        return stats.padded_tokens
+
+    cut = sum(padded(lengths, b) for b in _bucket(lengths, 640))
+    old = sum(padded(lengths, b) for b in old_rule(lengths, 640))
+    assert cut < old and padded_by_encode() == cut
+    monkeypatch.setattr(encoder_module, "split_ratio_for", lambda device: 0.0)  # as on a GPU
+    assert padded_by_encode() == old

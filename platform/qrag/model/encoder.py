@@ -215,6 +215,14 @@ BUCKET_SPLIT_RATIO = 0.75
 BUCKET_MIN_SHARE = 8
 
 
+def split_ratio_for(device: torch.device) -> float:
+    """The padding cut's ratio on ``device``: on the CPU a padded token costs as much as a real
+    one, so the cut pays; a GPU runs a small training micro-batch's forward in launch time, where
+    several narrower batches cost more than one padded batch (bench/results/encode_buckets_*), so
+    there it is off (0)."""
+    return BUCKET_SPLIT_RATIO if device.type == "cpu" else 0.0
+
+
 def _bucket(
     lengths: np.ndarray,
     max_tokens: int,
@@ -260,8 +268,9 @@ def encode(
     """Mean-pooled embeddings of token sequences, in input order: [len(seqs), d] float32.
 
     Sequences are sorted by length and packed into batches of at most ``max_tokens`` padded
-    tokens, so memory stays bounded whatever the number of sequences; a batch is cut earlier where
-    the next sequence would be padded far (``_bucket``), so padding stays small in small calls too.
+    tokens, so memory stays bounded whatever the number of sequences; on the CPU a batch is cut
+    earlier where the next sequence would be padded far (``_bucket``, ``split_ratio_for``), so
+    padding stays small in small calls too.
     """
     n = len(seqs)
     dim = model.config.hidden_size
@@ -280,7 +289,7 @@ def encode(
     flat = np.concatenate([np.asarray(s).reshape(-1) for s in seqs]).astype(np.int64, copy=False)
     grad_ctx = nullcontext() if grad else torch.no_grad()
     with grad_ctx, autocast_for(device):
-        for idx in _bucket(lengths, max_tokens):
+        for idx in _bucket(lengths, max_tokens, ratio=split_ratio_for(device)):
             width = int(-(-lengths[idx].max() // 8) * 8)
             mask = np.arange(width)[None, :] < lengths[idx][:, None]
             ids = np.full((len(idx), width), pad_id, dtype=np.int64)
