@@ -35,12 +35,24 @@ def main() -> int:
     ap.add_argument("--updates", type=int, default=30, help="untimed updates measured after warm-up")
     ap.add_argument("--warmup", type=int, default=3, help="updates excluded from the throughput figures")
     ap.add_argument("--timed", type=int, default=5, help="updates with per-call encoder timing")
+    ap.add_argument(
+        "--split-ratio",
+        type=float,
+        default=None,
+        help="encode()'s padding cut on this run's device (qrag.model.encoder.split_ratio_for): 0 = off, "
+        "0.75 = the CPU's; default: the device's own rule",
+    )
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
     total = args.warmup + args.updates + args.timed
     cfg = load_config(args.config, ["learner.objective=pqn", *args.overrides, f"updates={max(total, 1)}"])
+    if args.split_ratio is not None:
+        import qrag.model.encoder as encoder_module
+
+        ratio = args.split_ratio
+        encoder_module.split_ratio_for = lambda device: ratio
     t0 = time.perf_counter()
     run = TrainingRun(cfg)
     setup_s = time.perf_counter() - t0
@@ -78,6 +90,7 @@ def main() -> int:
         "overrides": args.overrides,
         "episodes_per_update": cfg.learner.episodes_per_update,
         "micro_batch": cfg.learner.micro_batch,
+        "split_ratio": args.split_ratio,
         "episodes_per_s": episodes / wall,
         "encoder_tokens_per_s": tokens / wall,
         "padding_overhead": padded / max(tokens, 1) - 1,

@@ -155,3 +155,39 @@ def test_encode_batches_by_its_devices_rule(tiny_encoder, monkeypatch):
     assert cut < old and padded_by_encode() == cut
     monkeypatch.setattr(encoder_module, "split_ratio_for", lambda device: 0.0)  # as on a GPU
     assert padded_by_encode() == old
+
+
+def test_the_training_bench_measures_the_cut_both_ways(tiny_encoder, tmp_path):
+    """`bench/train_speed.py --split-ratio`: the same episodes with the cut off and on, so another
+    machine or encoder can be measured with the documented command."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import make_hotpot_records
+
+    root = Path(__file__).resolve().parents[1]
+    records = make_hotpot_records(40, paragraphs=10)
+    for record in records:  # paragraphs of 10 to 190 words, as HotpotQA's vary
+        for k, (_, sentences) in enumerate(record["context"]):
+            sentences[1] += " and more" * (5 + 20 * k)
+    hotpot_file = tmp_path / "varied.json"
+    hotpot_file.write_text(json.dumps(records))
+
+    def speed(ratio: str) -> dict:
+        out = tmp_path / f"speed_{ratio}.json"
+        argv = ["--config", "configs/hotpot.yaml", "--updates", "1", "--warmup", "0", "--timed", "0"]
+        argv += ["--split-ratio", ratio, "--out", str(out), f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}"]
+        argv += ["learner.objective=sft", "learner.episodes_per_update=16", "learner.micro_batch=16", "device=cpu"]
+        env = {**os.environ, "PYTHONPATH": str(root / "platform")}
+        done = subprocess.run(
+            [sys.executable, "bench/train_speed.py", *argv], cwd=root, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(out.read_text())
+
+    off, on = speed("0"), speed("0.75")
+    assert off["split_ratio"] == 0.0 and on["split_ratio"] == 0.75
+    assert on["padding_overhead"] < off["padding_overhead"]

@@ -217,9 +217,9 @@ BUCKET_MIN_SHARE = 8
 
 def split_ratio_for(device: torch.device) -> float:
     """The padding cut's ratio on ``device``: on the CPU a padded token costs as much as a real
-    one, so the cut pays; a GPU runs a small training micro-batch's forward in launch time, where
-    several narrower batches cost more than one padded batch (bench/results/encode_buckets_*), so
-    there it is off (0)."""
+    one, so the cut pays; on a GPU a training micro-batch's forward of a few thousand tokens costs
+    its per-op dispatch more than its math, so several narrower batches are slower than one
+    padded batch and the cut is off (0). Measured both ways: docs/benchmarks.md."""
     return BUCKET_SPLIT_RATIO if device.type == "cpu" else 0.0
 
 
