@@ -447,7 +447,7 @@ def run_cluster(
         for k in extra:
             os.environ.pop(k, None)
         if args.ray_logs:
-            copy_ray_logs(tmp / "ray", Path(args.ray_logs) / variant)
+            copy_ray_logs(tmp / "ray", Path(args.ray_logs) / tmp.name)  # a folder per cluster
 
 
 def layout_key(layout: str, variant: str, gpus: int, several_counts: bool) -> str:
