@@ -534,8 +534,8 @@ class CommitProgress:
     """Commits so far on stderr every ``every_s`` seconds: a run stopped by its call's time limit
     still says how far and how fast it got."""
 
-    def __init__(self, chunk_tokens: int, every_s: float = 15.0):
-        self.chunk_tokens, self.every_s = chunk_tokens, every_s
+    def __init__(self, every_s: float = 15.0):
+        self.every_s = every_s
         self.t0 = self.last = time.perf_counter()
 
     def __call__(self, manifest) -> None:
@@ -543,7 +543,7 @@ class CommitProgress:
         if now - self.last < self.every_s:
             return
         self.last = now
-        tokens = manifest.chunks * self.chunk_tokens
+        tokens = manifest.tokens
         print(
             f"serve_scale: {manifest.chunks} chunks (~{tokens / 1e6:.0f}M tokens) committed in {now - self.t0:.0f} s "
             f"(~{tokens / (now - self.t0) / 1e6:.2f}M tokens/s with start-up)",
@@ -582,7 +582,7 @@ def index_corpus_in_lanes(index: LocalIndex, model, files: list[Path], args, tok
         cfg,
         devices,
         commit_chars=commit_chars,
-        on_commit=CommitProgress(args.chunk_tokens),
+        on_commit=CommitProgress(),
     )
     m = index.store.read(name)
     st = stats.summary()

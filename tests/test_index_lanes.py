@@ -587,9 +587,9 @@ def test_the_serving_bench_reports_commits_while_it_indexes(capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import serve_scale
 
-    progress = serve_scale.CommitProgress(chunk_tokens=64, every_s=0.0)
-    progress(SimpleNamespace(chunks=1_000_000))
+    progress = serve_scale.CommitProgress(every_s=0.0)
+    progress(SimpleNamespace(chunks=1_000_000, tokens=64_000_000))
     assert "1000000 chunks (~64M tokens) committed" in capsys.readouterr().err
-    quiet = serve_scale.CommitProgress(chunk_tokens=64, every_s=3600.0)
-    quiet(SimpleNamespace(chunks=5))
+    quiet = serve_scale.CommitProgress(every_s=3600.0)
+    quiet(SimpleNamespace(chunks=5, tokens=320))
     assert capsys.readouterr().err == ""

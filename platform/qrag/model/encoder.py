@@ -210,7 +210,7 @@ class EncodeStats:
 # longest. Without that, an encode call of fewer padded tokens than max_tokens (a small training
 # micro-batch) is one batch padded to its longest sequence. The ratio keeps a row's padding under a
 # third of its width; the floor keeps the split from scattering the work into small forwards, each
-# a round of kernel launches on a GPU that a forward of few tokens cannot hide behind its compute.
+# paying the model's per-op overhead. Which devices cut at all: split_ratio_for.
 BUCKET_SPLIT_RATIO = 0.75
 BUCKET_MIN_SHARE = 8
 
