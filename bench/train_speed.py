@@ -9,6 +9,7 @@ on the command line times the supervised one.
 
 The first ``--timed`` updates after warm-up synchronise the GPU around every encoder call to
 split wall time into encoder vs the rest; the throughput figures come from untimed updates.
+``--profile N`` runs N more under torch.profiler: how busy the GPU was, and the operators that cost most.
 """
 
 from __future__ import annotations
@@ -42,12 +43,20 @@ def main() -> int:
         help="encode()'s padding cut on this run's device (qrag.model.encoder.split_ratio_for): 0 = off, "
         "0.75 = the CPU's; default: the device's own rule",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="updates run under torch.profiler after the others: GPU busy share, kernels per update, "
+        "the top host and GPU operators (bench/step_profile.py)",
+    )
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
     total = args.warmup + args.updates + args.timed
-    cfg = load_config(args.config, ["learner.objective=pqn", *args.overrides, f"updates={max(total, 1)}"])
+    schedule = total + max(args.profile, 0)
+    cfg = load_config(args.config, ["learner.objective=pqn", *args.overrides, f"updates={max(schedule, 1)}"])
     if args.split_ratio is not None:
         import qrag.model.encoder as encoder_module
 
@@ -84,6 +93,12 @@ def main() -> int:
     for kind, sec in learner.stats.by_kind.items():  # the last timed update
         by_kind[kind] = sec
     timed_wall = sum(r[1] for r in timed)
+    profiled = None
+    if args.profile > 0:
+        from step_profile import profile_updates
+
+        learner.stats.timed = False  # the per-call syncs would distort the profile
+        profiled = profile_updates(lambda: learner.train_update(source.next_batch()), args.profile, run.device)
     result = {
         "benchmark": "train_speed",
         "config": args.config,
@@ -103,6 +118,7 @@ def main() -> int:
         "import_s": t0 - PROCESS_START,
         "first_update_s_from_process_start": first_update_s,
         "train_return_last": rows[-1][2].episode_return,
+        "profile": profiled,
         "measured_updates": len(steady),
         **machine_info(),
     }
