@@ -5,7 +5,9 @@ batches written elsewhere commit only in order."""
 from __future__ import annotations
 
 import functools
+import math
 import os
+import random
 import sys
 import time
 import json
@@ -16,9 +18,11 @@ import pytest
 
 from qrag.data.documents import Document
 from qrag.data.sample import DataError
+from qrag.config import ModelConfig
+from qrag.index import lanes
 from qrag.index.lanes import LaneConfig, LaneError, char_groups, index_in_lanes
 from qrag.index.local import LocalIndex
-from qrag.index.store import CorpusConflict, CorpusStore, StoreError
+from qrag.index.store import Batch, CorpusConflict, CorpusStore, FileRef, SegmentFiles, StoreError
 from qrag.index.tokenise_workers import blocks_of
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from test_index import corpus_rows, make_documents
@@ -199,6 +203,86 @@ def test_batches_written_elsewhere_commit_only_in_order(model, tmp_path):
         store.commit_written(m, second)
     reference = one_process_corpus(model, tmp_path / "one", docs)
     assert_same_corpus(reference, store)
+
+
+def fake_batch(batch_id: int, first: int, chunks: int) -> Batch:
+    """A written batch's manifest entry (its files are not needed to commit it)."""
+    ref = FileRef(f"shard_000/batch_{batch_id:06d}.jsonl", "0" * 64)
+    return Batch(batch_id, first, chunks, 1, chunks * 8, ref, (SegmentFiles(chunks, "fp", ref, ref),))
+
+
+def test_a_long_load_rewrites_the_manifest_a_logarithmic_number_of_times(tmp_path, monkeypatch):
+    """A commit rewrites the whole manifest: one per group made a load's manifest writes grow with
+    the square of its groups (at a billion tokens, thousands of rewrites of a manifest of thousands
+    of batches). The caller commits the first groups one by one, then several at a time, each commit
+    at most 1/COMMIT_SHARE of what the run committed before it (what a crash can lose): the
+    manifest is written O(log n) times, every batch's entry O(1) times, and the run ends committed."""
+    share, n = lanes.COMMIT_SHARE, 600
+    store = CorpusStore(tmp_path)
+    store.create("c", fingerprint="fp", model=ModelConfig(), dim=4, chunk_tokens=8, shards=1)
+    writes: list[tuple[int, int]] = []  # (batches before, after) per manifest write
+    real_write = store._write_manifest
+
+    def counted(m):
+        before = writes[-1][1] if writes else 0
+        real_write(m)
+        writes.append((before, len(m.batches)))
+
+    monkeypatch.setattr(store, "_write_manifest", counted)
+    order = list(range(n))  # groups come back written out of order, as from several lanes
+    rng = random.Random(0)
+    for i in range(0, n, 5):
+        order[i : i + 5] = rng.sample(order[i : i + 5], len(order[i : i + 5]))
+    seen = []
+    with store.hold("c") as m:
+        run = lanes._Run(store, m, ["cpu", "cpu"], lambda man: seen.append(man.chunks))
+        for k in order:
+            run.wrote(k, fake_batch(k + 1, 3 * k, 3), 30)
+        assert len(store.read("c").batches) < n  # the last groups wait for enough of them
+        run.flush()
+    assert [b.id for b in store.read("c").batches] == list(range(1, n + 1)) and store.read("c").chunks == 3 * n
+    assert run.stats.commits == len(writes) == len(seen) and seen == sorted(seen) and seen[-1] == 3 * n
+    assert (run.stats.chunks, run.stats.encoder_tokens) == (3 * n, 30 * n)
+    assert writes[: share + 1] == [(i, i + 1) for i in range(share + 1)]  # the first groups commit one by one
+    for before, after in writes:  # what a crash loses: one group, or 1/share of those committed
+        assert after - before <= max(1, math.ceil(before / share)), (before, after)
+    assert len(writes) <= (share + 1) * (1 + math.log(n)) < n / 3  # one per group: n
+    assert sum(after for _, after in writes) <= 2 * (share + 1) * n  # batch entries written; one per group: ~n^2/2
+
+
+def test_lanes_commit_the_run_end_and_the_groups_before_a_failure_when_commits_hold_several(
+    model, tiny_encoder, tmp_path, monkeypatch
+):
+    """With commits of several groups (COMMIT_SHARE 1: each commit as large as the run so far),
+    the groups left waiting are committed when the run ends, and when it fails."""
+    monkeypatch.setattr(lanes, "COMMIT_SHARE", 1)
+    docs = make_documents(24, seed=3)
+    store = new_corpus(model, tmp_path / "lanes")
+    cfg = lane_config(model, tiny_encoder, tmp_path / "lanes")
+    seen = []
+    _, stats = index_in_lanes(
+        store, "c", docs, cfg, ["cpu", "cpu"], commit_chars=700, on_commit=lambda man: seen.append(man.chunks)
+    )
+    batches = store.read("c").batches
+    assert stats.commits == len(seen) < len(batches) and seen[-1] == stats.chunks == store.read("c").chunks
+    assert_same_corpus(one_process_corpus(model, tmp_path / "one", docs), store)
+    _, _, listed, on_disk = snapshot(store)
+    assert sorted(listed) == [p for p in on_disk if p != "corpus.json"]  # no stray files
+
+    store = new_corpus(model, tmp_path / "failed")
+    with pytest.raises(CorpusConflict, match="doc-2"):  # the input fails after every group but the last
+        index_in_lanes(
+            store,
+            "c",
+            [*docs, docs[2]],
+            lane_config(model, tiny_encoder, tmp_path / "failed"),
+            ["cpu", "cpu"],
+            commit_chars=700,
+        )
+    whole = list(char_groups(docs, 700, first_groups=2, first_chars=700 // lanes.FIRST_GROUP_SHRINK))
+    if sum(len(d.text) for d in whole[-1]) < 700:
+        whole.pop()  # the group the duplicate would have closed
+    assert store.doc_ids(store.read("c")) == [d.id for g in whole for d in g]  # every whole group committed
 
 
 def test_the_serving_bench_indexes_in_lanes(tiny_encoder, shared_data, tmp_path):
@@ -496,6 +580,7 @@ def test_qrag_index_help_names_the_defaults_each_path_takes():
     for dest in ("encode_batch", "encode_tokens", "commit_chunks"):
         assert f"default {PATH_DEFAULTS['lanes'][dest]} in lanes" in helps[dest]
         assert f"{PATH_DEFAULTS['ray'][dest]} on Ray Data" in helps[dest]
+    assert f"1/{lanes.COMMIT_SHARE} of the groups the run committed" in helps["commit_chunks"]  # what a crash loses
     cfg = index_config(p.parse_args(["--corpus", "c", "--input", "x.jsonl"]))
     for path, defaults in PATH_DEFAULTS.items():
         settled = cfg.with_defaults(path)

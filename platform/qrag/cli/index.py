@@ -78,7 +78,8 @@ def index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--commit-chunks",
         type=int,
-        help="chunks per committed group (a crash loses at most one group; "
+        help="chunks per group of whole documents, the unit of a commit (a crash loses at most one group, or in "
+        "lanes, whose commits hold several groups as the run grows, 1/16 of the groups the run committed; "
         "default 4096 in lanes, where a group is a lane's unit of work, 65536 on Ray Data)",
     )
     progress_option(p)  # without a terminal and without --progress: a line per commit instead of the bar

@@ -59,7 +59,9 @@ class BulkIndexConfig:
     # Both paths; None: the path's default (PATH_DEFAULTS)
     encode_batch: int | None = None  # chunks per encoder call
     encode_tokens: int | None = None  # padded tokens per forward pass
-    commit_chunks: int | None = None  # chunks per committed group (whole documents; a crash loses at most one)
+    # chunks per group (whole documents); a crash loses at most one group, or with the lanes up to
+    # 1/COMMIT_SHARE of the groups the run committed (qrag.index.lanes: later commits hold several groups)
+    commit_chunks: int | None = None
     # The lanes
     lanes: str | None = None  # devices on this machine: "cuda:0,cuda:1", "gpus" or "cpu"; None: every GPU, else cpu
     lanes_per_device: int | None = None  # None: qrag.index.lanes.lanes_on's default

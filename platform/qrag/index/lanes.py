@@ -12,7 +12,8 @@ order by the caller.
       Group.pending; tokenising, feeding and writing overlap); k's chunk count to the caller once tokenised
       write its files once the caller has said where they start (CorpusStore.write_batch_files)
     caller: first positions handed out in group order as the counts come in; written groups
-            committed in group order (CorpusStore.commit_written), one manifest write each
+            committed in group order (CorpusStore.commit_written), one by one at first, then
+            several per manifest write as the run grows (COMMIT_SHARE)
 
 Why: one process feeding two GPUs was no faster than one GPU (gathering tokenised chunks, feeding
 and handing over the writes share one GIL), and one process did not keep even one GPU busy. A lane
@@ -22,13 +23,15 @@ manifest entries with the caller. This is the default path of ``qrag index``
 
 The corpus is the one a single process makes from the same documents (same chunks, positions,
 vectors); only the batch boundaries differ (they depend on characters here, not on chunk counts).
-A crash or failure keeps every group committed before it; ``resume=True`` skips the documents the
-corpus holds, so a rerun embeds only the rest. Files a lane wrote for a group that was never
-committed are strays, removed by the next writer.
+A crash keeps every group committed before it: at most one group, or 1/COMMIT_SHARE of the groups
+the run committed, is lost; a failure commits every group written before it. ``resume=True`` skips
+the documents the corpus holds, so a rerun embeds only the rest. Files a lane wrote for a group
+that was never committed are strays, removed by the next writer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -64,6 +67,12 @@ LANE_COMMIT_CHUNKS = 4096
 LANE_CHUNK_BATCH = 8192
 LANE_ENCODE_TOKENS = 131072
 LANE_WORKER_NICE = 5
+# A commit rewrites the whole manifest (every batch's entry), so committing each group alone made a
+# load's manifest writes grow with the square of its groups. A commit waits until the groups written
+# since the last one number at least 1/COMMIT_SHARE of those the run has committed: the first groups
+# commit one by one, later commits grow geometrically, every batch's entry is written about
+# COMMIT_SHARE times in all (linear in the corpus), and a crash loses at most that share of the run.
+COMMIT_SHARE = 16
 # Each lane's first group is this many times smaller: a group is one slice on the device, queued
 # once all of it is tokenised, and the lanes start together, so full-sized first groups kept the
 # GPU idle at the start of a run while the first full groups were tokenised.
@@ -314,6 +323,7 @@ class _Run:
         self.store, self.m, self.on_commit = store, m, on_commit
         self.counts: dict[int, tuple[int, int]] = {}  # group -> (chunks, its lane)
         self.written: dict[int, tuple[Batch, int]] = {}  # group -> (its written batch, encoder tokens)
+        self.ready: list[tuple[Batch, int]] = []  # written groups next in order, not committed yet
         self.next_start = 0  # the next group to be told where it starts
         self.next_commit = 0
         self.first = m.chunks
@@ -333,21 +343,32 @@ class _Run:
             self.next_start += 1
 
     def wrote(self, k: int, batch: Batch, encoder_tokens: int) -> None:
+        """Group ``k``'s files are written: commit it, in group order, once enough are ready (COMMIT_SHARE)."""
         self.written[k] = (batch, encoder_tokens)
         while self.next_commit in self.written:
-            batch, enc = self.written.pop(self.next_commit)
-            t0 = time.perf_counter()
-            self.store.commit_written(self.m, batch)
-            self.stats.commit_seconds += time.perf_counter() - t0
-            self.stats.commits += 1
+            self.ready.append(self.written.pop(self.next_commit))
+            self.next_commit += 1
+            if len(self.ready) * COMMIT_SHARE >= self.next_commit - len(self.ready):
+                self.flush()
+
+    def flush(self) -> None:
+        """Commit the written groups that are next in order, in one manifest write (at the end of a
+        run, and after a failure: the groups before it are whole)."""
+        if not self.ready:
+            return
+        t0 = time.perf_counter()
+        self.store.commit_written(self.m, *(batch for batch, _ in self.ready))
+        self.stats.commit_seconds += time.perf_counter() - t0
+        self.stats.commits += 1
+        for batch, enc in self.ready:
             self.stats.documents += batch.documents
             self.stats.chunks += batch.chunks
             self.stats.tokens += batch.tokens
             self.stats.encoder_tokens += enc
-            self.next_commit += 1
-            self.last_commit = time.perf_counter()
-            if self.on_commit is not None:
-                self.on_commit(self.m)
+        self.ready.clear()
+        self.last_commit = time.perf_counter()
+        if self.on_commit is not None:
+            self.on_commit(self.m)
 
 
 def index_in_lanes(
@@ -449,8 +470,16 @@ def index_in_lanes(
                             )
                         )
                     _stop(stop, inboxes, controls)
+            # The run's last groups; after a failure, the whole groups written before it.
+            if failure:
+                with contextlib.suppress(Exception):  # the failure is the error to raise
+                    run.flush()
+            else:
+                run.flush()
         except BaseException:
             _stop(stop, inboxes, controls)
+            with contextlib.suppress(Exception):  # the error to raise is the one that got here
+                run.flush()
             _end(procs)
             raise
         _end(procs)

@@ -894,9 +894,12 @@ class CorpusStore:
                 tmp.unlink(missing_ok=True)
             yield m
 
-    def commit_written(self, m: Manifest, batch: Batch) -> Manifest:
-        """Commit one written batch (the caller holds :meth:`hold`): ``m`` updated and durable."""
-        self.add_written(m, batch)
+    def commit_written(self, m: Manifest, *batches: Batch) -> Manifest:
+        """Commit written batches, in order, in one manifest write (the caller holds :meth:`hold`):
+        ``m`` updated and durable. A manifest write rewrites every batch's entry, so a bulk load
+        commits several at once as its corpus grows (:mod:`qrag.index.lanes`)."""
+        for batch in batches:
+            self.add_written(m, batch)
         self._write_manifest(m)
         return m
 
