@@ -143,18 +143,24 @@ def test_a_lane_failure_keeps_whole_groups_and_resume_finishes(model, tiny_encod
     assert sorted(listed) == [p for p in on_disk if p != "corpus.json"]  # the failed run's files are gone
 
 
-def test_a_duplicate_input_document_commits_the_groups_before_it(model, tiny_encoder, tmp_path):
-    docs = make_documents(12, seed=5)
-    store = new_corpus(model, tmp_path / "lanes")
+def index_with_a_duplicate_at_the_end(model, tiny_encoder, root, docs, commit_chars: int) -> CorpusStore:
+    """Index ``docs`` and then ``docs[2]`` again in lanes: the run fails on the duplicate."""
+    store = new_corpus(model, root)
     with pytest.raises(CorpusConflict, match="doc-2"):
         index_in_lanes(
             store,
             "c",
             [*docs, docs[2]],
-            lane_config(model, tiny_encoder, tmp_path / "lanes"),
+            lane_config(model, tiny_encoder, root),
             ["cpu", "cpu"],
-            commit_chars=1500,
+            commit_chars=commit_chars,
         )
+    return store
+
+
+def test_a_duplicate_input_document_commits_the_groups_before_it(model, tiny_encoder, tmp_path):
+    docs = make_documents(12, seed=5)
+    store = index_with_a_duplicate_at_the_end(model, tiny_encoder, tmp_path / "lanes", docs, commit_chars=1500)
     held = store.doc_ids(store.read("c"))
     # Every whole group before the duplicate committed (the documents of the group it would have
     # closed are not: as for a failing document, whole groups only).
@@ -269,16 +275,8 @@ def test_lanes_commit_the_run_end_and_the_groups_before_a_failure_when_commits_h
     _, _, listed, on_disk = snapshot(store)
     assert sorted(listed) == [p for p in on_disk if p != "corpus.json"]  # no stray files
 
-    store = new_corpus(model, tmp_path / "failed")
-    with pytest.raises(CorpusConflict, match="doc-2"):  # the input fails after every group but the last
-        index_in_lanes(
-            store,
-            "c",
-            [*docs, docs[2]],
-            lane_config(model, tiny_encoder, tmp_path / "failed"),
-            ["cpu", "cpu"],
-            commit_chars=700,
-        )
+    # The input fails after every group but the last.
+    store = index_with_a_duplicate_at_the_end(model, tiny_encoder, tmp_path / "failed", docs, commit_chars=700)
     whole = list(char_groups(docs, 700, first_groups=2, first_chars=700 // lanes.FIRST_GROUP_SHRINK))
     if sum(len(d.text) for d in whole[-1]) < 700:
         whole.pop()  # the group the duplicate would have closed
