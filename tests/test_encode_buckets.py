@@ -159,7 +159,7 @@ def test_encode_batches_by_its_devices_rule(tiny_encoder, monkeypatch):
 
 def test_the_training_bench_measures_the_cut_both_ways(tiny_encoder, tmp_path):
     """`bench/train_speed.py --split-ratio`: the same episodes with the cut off and on, so another
-    machine or encoder can be measured with the documented command."""
+    machine or encoder can be measured with the documented command; `--profile` beside it."""
     import json
     import os
     import subprocess
@@ -178,7 +178,7 @@ def test_the_training_bench_measures_the_cut_both_ways(tiny_encoder, tmp_path):
 
     def speed(ratio: str) -> dict:
         out = tmp_path / f"speed_{ratio}.json"
-        argv = ["--config", "configs/hotpot.yaml", "--updates", "1", "--warmup", "0", "--timed", "0"]
+        argv = ["--config", "configs/hotpot.yaml", "--updates", "1", "--warmup", "0", "--timed", "0", "--profile", "1"]
         argv += ["--split-ratio", ratio, "--out", str(out), f"model.encoder={tiny_encoder}", f"data.path={hotpot_file}"]
         argv += ["learner.objective=sft", "learner.episodes_per_update=16", "learner.micro_batch=16", "device=cpu"]
         env = {**os.environ, "PYTHONPATH": str(root / "platform")}
@@ -191,3 +191,10 @@ def test_the_training_bench_measures_the_cut_both_ways(tiny_encoder, tmp_path):
     off, on = speed("0"), speed("0.75")
     assert off["split_ratio"] == 0.0 and on["split_ratio"] == 0.75
     assert on["padding_overhead"] < off["padding_overhead"]
+    # --profile: one more update under torch.profiler (bench/step_profile.py), reduced to its breakdown
+    prof = on["profile"]
+    assert prof["updates"] == 1 and prof["wall_s_per_update"] > 0
+    assert prof["gpu_busy_share"] is None  # no GPU here: said, not made up
+    ops = {row["op"] for row in prof["top_host_ops"]}
+    assert any("addmm" in op or "linear" in op or "matmul" in op for op in ops), ops  # the encoders ran in it
+    assert 0 < prof["host_self_s_per_update"] <= prof["wall_s_per_update"] * 1.05
