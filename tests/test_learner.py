@@ -135,3 +135,75 @@ def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatc
     assert modes["states_grad"] == {True} and modes["chosen_chunks"] == {True}
     assert modes["states"] == {False} and modes["chunks"] == {False}
     assert modes["target_states"] == {False} and modes["target_chunks"] == {False}
+
+
+def test_passes_without_gradients_run_without_dropout_even_without_targets(tiny_encoder, monkeypatch):
+    """w/o target bootstraps V from the online state encoder: that pass too runs in eval mode (it
+    used to carry the loss pass's dropout noise into V)."""
+    import qrag.rl.learner as learner_mod
+    from qrag.model.checkpoint import untrained_qnet
+
+    qnet, tok, layout = untrained_qnet(
+        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), torch.device("cpu"), use_target=False
+    )
+    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-3, use_target=False)
+    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu"))
+    modes: dict[str, set[bool]] = {}
+    real_encode = learner_mod.encode
+
+    def spy(model, seqs, **kw):
+        modes.setdefault(kw["kind"], set()).add(model.training)
+        return real_encode(model, seqs, **kw)
+
+    monkeypatch.setattr(learner_mod, "encode", spy)
+    learner.train_update(_episodes(tok, layout))
+    assert modes["target_states"] == {False}  # the online state encoder, for V
+    assert modes["states_grad"] == {True}
+    assert learner.qnet.state_encoder.training  # the mode comes back after each pass
+
+
+def test_graphed_passes_give_the_learners_own_vectors(tiny_encoder):
+    """learner.graphs' bucketed, padded passes (eager on the CPU, the same code a GPU captures)
+    give the vectors of the learner's own encode(), in input order, and count the same tokens."""
+    from qrag.model.encoder import EncodeStats
+    from qrag.rl.graphed_passes import GraphedPasses
+
+    learner, tok, layout = _learner(tiny_encoder)
+    eps = _episodes(tok, layout, n=5)
+    seqs = [c for e in eps for c in e.chunks] + [e.question for e in eps]
+    passes = GraphedPasses(learner.qnet, layout.pad_id, torch.device("cpu"), max_tokens=64)
+    stats = EncodeStats()
+    learner.qnet.eval()
+    graphed = passes.encode(learner.qnet.action_encoder, seqs, stats, "chunks")
+    eager = learner._encode(learner.qnet.action_encoder, seqs, False, "chunks")
+    assert graphed.shape == eager.shape
+    assert torch.allclose(graphed, eager, atol=1e-5)
+    assert stats.tokens == sum(len(s) for s in seqs) and stats.padded_tokens >= stats.tokens
+    too_long = [np.full(600, 5, dtype=np.int64)]  # past the largest length bucket: the caller encodes it
+    assert passes.encode(learner.qnet.action_encoder, too_long, stats, "chunks") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder):
+    """The graphs read the parameters in place: after updates (optimiser steps, target updates),
+    graphed and eager passes still agree, for the online and the target encoders."""
+    from qrag.model.checkpoint import untrained_qnet
+    from qrag.model.encoder import EncodeStats
+
+    dev = torch.device("cuda", 0)
+    qnet, tok, layout = untrained_qnet(
+        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), dev, use_target=True
+    )
+    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-2, tau=0.5)
+    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=dev)
+    eps = _episodes(tok, layout)
+    seqs = [c for e in eps for c in e.chunks]
+    for _ in range(3):
+        learner.train_update(eps)
+        for encoder in (qnet.action_encoder, qnet.target_state_encoder):
+            learner.qnet.eval()
+            graphed = learner.graphed.encode(encoder, seqs, EncodeStats(), "check")
+            eager = learner._encode(encoder, seqs, False, "check")
+            learner.qnet.train()
+            assert torch.allclose(graphed, eager, atol=2e-2), (graphed - eager).abs().max()
+    assert learner.graphed.captured_shapes > 0 and not learner.graphed.fallbacks

@@ -255,6 +255,16 @@ class LearnerConfig:
     soft_q: bool = opt(True, "Soft value V = α·logsumexp(Q'/α); False uses max Q' (ablation 'w/o soft-Q').")
     use_target: bool = opt(True, "EMA target encoders for V; False bootstraps from the online encoders (ablation).")
     encode_tokens: int = opt(32768, "Padded tokens per encoder batch (length-bucketed).")
+    graphs: bool = opt(
+        True,
+        "On a GPU, replay the encoder passes without gradients (acting, the target encoders' values) from CUDA "
+        "graphs at bucketed padded shapes: one launch per forward instead of one per kernel. No effect on the CPU.",
+    )
+    cudnn_attention: bool = opt(
+        True,
+        "Let PyTorch pick cuDNN's attention kernels in training passes; false keeps to its flash, memory-efficient "
+        "and math kernels.",
+    )
 
 
 @dataclass

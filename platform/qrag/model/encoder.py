@@ -77,6 +77,16 @@ def autocast_for(device: torch.device):
     return nullcontext()
 
 
+def attention_kernels(cudnn: bool):
+    """The scaled-dot-product attention kernels PyTorch may pick: all of them, or all but cuDNN's.
+    The backward pass follows the forward's choice, so wrapping the forwards is enough."""
+    if cudnn:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def quiet_transformers() -> None:
     """No per-file progress bars from transformers in our logs."""
     try:
@@ -204,6 +214,28 @@ class EncodeStats:
         self.seconds = 0.0
         self.by_kind.clear()
 
+    def count(self, lengths: np.ndarray) -> None:
+        """One encoder call over sequences of these lengths (padded tokens are counted per batch)."""
+        self.tokens += int(lengths.sum())
+        self.sequences += len(lengths)
+        self.calls += 1
+
+    @contextmanager
+    def timing(self, device: torch.device, kind: str) -> Iterator[None]:
+        """Wall time of the block under ``kind``, the device synchronised around it; nothing when
+        not ``timed`` (a sync per encoder call would slow every update)."""
+        if not self.timed:
+            yield
+            return
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
+        sync(device)
+        t0 = time.perf_counter()
+        yield
+        sync(device)
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + dt
+
 
 # A batch is also closed before it reaches max_tokens once it holds max_tokens // BUCKET_MIN_SHARE
 # padded tokens and the next sequence (longest first) is narrower than BUCKET_SPLIT_RATIO x its
@@ -277,10 +309,7 @@ def encode(
     if n == 0:
         return torch.zeros(0, dim, device=device)
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-    timing = stats is not None and stats.timed
-    if timing and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    stats = stats if stats is not None else EncodeStats()
     pieces, index_parts = [], []
     # All sequences in one flat array: a bucket's padded rows are then one gather, not a Python
     # loop over rows (host time the device would otherwise wait for between batches).
@@ -288,7 +317,7 @@ def encode(
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate([np.asarray(s).reshape(-1) for s in seqs]).astype(np.int64, copy=False)
     grad_ctx = nullcontext() if grad else torch.no_grad()
-    with grad_ctx, autocast_for(device):
+    with stats.timing(device, kind), grad_ctx, autocast_for(device):
         for idx in _bucket(lengths, max_tokens, ratio=split_ratio_for(device)):
             width = int(-(-lengths[idx].max() // 8) * 8)
             mask = np.arange(width)[None, :] < lengths[idx][:, None]
@@ -304,19 +333,9 @@ def encode(
             hidden = model(input_ids=ids_t, attention_mask=attention_mask_4d(model, mask_t)).last_hidden_state
             pieces.append(mean_pool(hidden, mask_t).float())
             index_parts.append(idx)
-            if stats is not None:
-                stats.padded_tokens += ids.size
-    out = in_input_order(pieces, np.concatenate(index_parts))
-    if stats is not None:
-        stats.tokens += int(lengths.sum())
-        stats.sequences += n
-        stats.calls += 1
-        if timing:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            stats.seconds += dt
-            stats.by_kind[kind] = stats.by_kind.get(kind, 0.0) + dt
+            stats.padded_tokens += ids.size
+        out = in_input_order(pieces, np.concatenate(index_parts))
+    stats.count(lengths)
     return out
 
 

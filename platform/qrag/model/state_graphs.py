@@ -119,6 +119,7 @@ class GraphedEncoder:
         # Copy-in, replay and copy-out are queued together on the stream, one thread at a time.
         self._replay_lock = threading.Lock()
         self.eager_calls = 0
+        self.padded_tokens = 0  # ids fed to the encoder, padding included (the learner's counters read it)
 
     @property
     def captured_shapes(self) -> list[tuple[int, int]]:
@@ -240,6 +241,7 @@ class GraphedEncoder:
             raise ValueError(f"a state of {longest} tokens is longer than the encoder's {self.length_buckets[-1]}")
         batch = bucket_of(len(seqs), self.batch_buckets) or len(seqs)
         ids, mask = self._padded(seqs, batch, length)  # on the host
+        self.padded_tokens += batch * length
         if self.graphs:
             with self._replay_lock:
                 entry = self._graph(batch, length)

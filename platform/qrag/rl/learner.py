@@ -24,14 +24,16 @@ the success rate falls to zero.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from qrag.config import EnvConfig, LearnerConfig
-from qrag.model.encoder import EncodeStats, encode, pad_rows
+from qrag.model.encoder import EncodeStats, attention_kernels, encode, pad_rows
+from qrag.rl.graphed_passes import GraphedPasses
 from qrag.rl.env import RetrievalEnv
 from qrag.model.qnet import QNetwork
 from qrag.data.tokens import TokenizedSample, TokenLayout
@@ -136,6 +138,11 @@ class SoftPQNLearner:
         # Action sampling draws Gumbel noise on the CPU: reproducible on any device.
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EncodeStats()
+        self.graphed = (
+            GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens)
+            if cfg.graphs and torch.device(device).type == "cuda"
+            else None
+        )
 
     # -- schedule ------------------------------------------------------------------------------
 
@@ -176,6 +183,15 @@ class SoftPQNLearner:
         return idx[torch.arange(len(idx)), choice].numpy(), entropy
 
     def _embed(self, model, seqs, grad: bool = False, kind: str = "encode") -> torch.Tensor:
+        """The vectors Q uses. A pass without gradients (acting, bootstrapped values) runs the
+        encoder in eval mode, without dropout, from CUDA graphs where ``learner.graphs`` allows."""
+        if not grad:
+            with eval_mode(model):
+                vectors = self.graphed.encode(model, seqs, self.stats, kind) if self.graphed else None
+                return vectors if vectors is not None else self._encode(model, seqs, False, kind)
+        return self._encode(model, seqs, True, kind)
+
+    def _encode(self, model, seqs, grad: bool, kind: str) -> torch.Tensor:
         pooled = encode(
             model,
             seqs,
@@ -200,9 +216,7 @@ class SoftPQNLearner:
         )
 
         flat_chunks = [c for s in episodes for c in s.chunks]
-        qnet.action_encoder.eval()  # acting sees the deterministic encoder
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat_chunks, kind="chunks"), env.n_chunks)
-        qnet.action_encoder.train()
         if use_target:
             target_chunk_vecs = pad_rows(
                 self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks
@@ -219,11 +233,10 @@ class SoftPQNLearner:
         value_top_k = cfg.value_top_k or cfg.top_k
 
         # Without dropout the acting forward pass equals the loss's forward pass: keep its graph
-        # instead of encoding the states twice. With dropout, act without it and re-encode.
+        # instead of encoding the states twice. With dropout, act without it (a pass without
+        # gradients runs in eval mode) and re-encode in train mode for the loss.
         reuse_acting_pass = qnet.cfg.dropout == 0
         state_seqs: list[np.ndarray] = []
-        if not reuse_acting_pass:
-            qnet.state_encoder.eval()  # act without dropout; the loss re-encodes in train mode below
         for t in range(horizon):
             rows = env.active
             if len(rows) == 0:
@@ -276,7 +289,6 @@ class SoftPQNLearner:
         if reuse_acting_pass:
             state_vecs_all = torch.cat(state_vecs)
         else:
-            qnet.state_encoder.train()  # the loss pass is regularised like the action encoder's
             state_vecs_all = self._embed(qnet.state_encoder, state_seqs, grad=True, kind="states_grad")
         q_taken = QNetwork.pair_scores(state_vecs_all, actions_vecs)  # [K, 2]
         loss_sum = ((q_taken - targets.unsqueeze(1)) ** 2).sum()
@@ -325,7 +337,8 @@ class SoftPQNLearner:
         diag = Diagnostics()
         for part in parts:
             weight = len(part) / len(episodes)
-            out = self._rollout_and_backward(part, alpha)
+            with attention_kernels(self.cfg.cudnn_attention):
+                out = self._rollout_and_backward(part, alpha)
             diag.add(out.pop("counts"))
             for key, value in out.items():
                 summed = key in ("transitions", "loss_sum")
@@ -368,6 +381,17 @@ class SoftPQNLearner:
 
     def load_scalar_state(self, state: dict) -> None:
         self.update = int(state["update"])
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block, its own mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 # -- learning-signal diagnostics ---------------------------------------------------------------
