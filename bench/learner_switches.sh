@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The learner's speed switches against each other in one call on one GPU: bench/train_speed.py per
+# row, one after another (never side by side: each row has the GPU alone), each with --profile.
+#
+#   OUT=$OUT bash bench/learner_switches.sh            # the default rows below
+#   OUT=$OUT ROWS="pqn_eager|configs/hotpot.yaml|learner.objective=pqn,learner.graphs=false" bash bench/learner_switches.sh
+#
+# ROWS: LABEL|CONFIG|key=value,key=value (space separated). A row whose file exists is skipped, so a
+# call stopped at its limit resumes. Data and encoder as for train_speed.py (QRAG_DATA_DIR,
+# QRAG_ENCODER, PYTHONPATH=platform). CPU check: OUT=/tmp/sw UPDATES=1 WARMUP=1 PROFILE=0
+# ROWS="cpu|configs/hotpot.yaml|device=cpu,learner.episodes_per_update=4,learner.micro_batch=4" bash bench/learner_switches.sh
+set -euo pipefail
+: "${OUT:?set OUT to the results folder}"
+UPDATES=${UPDATES:-6}
+WARMUP=${WARMUP:-3}
+PROFILE=${PROFILE:-2}
+QA3="configs/babilong-qa3.yaml"
+HOTPOT="configs/hotpot.yaml"
+QA3_DATA="data.samples_per_task=600"  # a shorter data start-up; the contexts are the preset's
+ROWS=${ROWS:-"hotpot_pqn_eager|$HOTPOT|learner.objective=pqn,learner.graphs=false \
+hotpot_pqn_graphs|$HOTPOT|learner.objective=pqn \
+hotpot_pqn_graphs_nocudnn|$HOTPOT|learner.objective=pqn,learner.cudnn_attention=false \
+hotpot_pqn_eager_nocudnn|$HOTPOT|learner.objective=pqn,learner.graphs=false,learner.cudnn_attention=false \
+hotpot_sft|$HOTPOT|learner.objective=sft \
+hotpot_sft_nocudnn|$HOTPOT|learner.objective=sft,learner.cudnn_attention=false \
+qa3_pqn_eager|$QA3|learner.graphs=false,$QA3_DATA \
+qa3_pqn_graphs|$QA3|$QA3_DATA \
+qa3_pqn_graphs_nocudnn|$QA3|learner.cudnn_attention=false,$QA3_DATA"}
+
+mkdir -p "$OUT"
+for row in $ROWS; do
+  IFS='|' read -r label config overrides <<<"$row"
+  out="$OUT/$label.json"
+  if [ -s "$out" ]; then echo "== $label: done before"; continue; fi
+  echo "== $label ($config ${overrides//,/ })"
+  # shellcheck disable=SC2086
+  python bench/train_speed.py --config "$config" --updates "$UPDATES" --warmup "$WARMUP" --timed 1 \
+    --profile "$PROFILE" --out "$out" ${overrides//,/ } >"$OUT/$label.log" 2>&1 || {
+    echo "== $label failed:"; tail -20 "$OUT/$label.log"; }
+  [ -s "$out" ] && python - "$out" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+p = r.get("profile") or {}
+print(f"   {r['episodes_per_s']:.0f} episodes/s, first update {r['first_update_s_from_process_start']:.1f} s, "
+      f"GPU busy {p.get('gpu_busy_share')}, kernels/update {p.get('kernels_per_update')}")
+EOF
+done
