@@ -29,14 +29,15 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 def build_tiny_encoder(directory: Path, hidden: int = 32, layers: int = 2, seed: int = 0, arch: str = "bert") -> Path:
     """A random-init BERT (or MPNet: eager attention only, like all-mpnet-base-v2) with the bundled
-    MiniLM tokenizer: fast, offline, real tokenisation."""
+    MiniLM tokenizer ($QRAG_ENCODER's where set, as on a GPU machine without the package): fast,
+    offline, real tokenisation."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel, MPNetConfig, MPNetModel
 
-    from qrag.model.encoder import bundled_minilm_dir
+    from qrag.model.encoder import resolve_encoder
 
     torch.manual_seed(seed)
-    src = bundled_minilm_dir()
+    src = resolve_encoder("minilm")
     tokenizer = AutoTokenizer.from_pretrained(str(src))
     config_cls, model_cls = {"bert": (BertConfig, BertModel), "mpnet": (MPNetConfig, MPNetModel)}[arch]
     config = config_cls(
