@@ -261,9 +261,10 @@ class LearnerConfig:
         "graphs at bucketed padded shapes: one launch per forward instead of one per kernel. No effect on the CPU.",
     )
     cudnn_attention: bool = opt(
-        True,
-        "Let PyTorch pick cuDNN's attention kernels in training passes; false keeps to its flash, memory-efficient "
-        "and math kernels.",
+        False,
+        "Let PyTorch pick cuDNN's attention kernels in training passes. False keeps to its flash, memory-efficient "
+        "and math kernels: cuDNN's cost more host time per call than a training pass's small batches take on the "
+        "GPU (docs/benchmarks.md).",
     )
 
 
