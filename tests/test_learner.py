@@ -207,3 +207,23 @@ def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder):
             learner.qnet.train()
             assert torch.allclose(graphed, eager, atol=2e-2), (graphed - eager).abs().max()
     assert learner.graphed.captured_shapes > 0 and not learner.graphed.fallbacks
+
+
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_training_passes_keep_off_cudnn_attention_unless_asked(tiny_encoder, monkeypatch, cudnn):
+    """learner.cudnn_attention=false (the default): every encoder pass of an update, the loss passes
+    included, runs with cuDNN's attention disabled; true leaves PyTorch's own choice."""
+    import qrag.rl.learner as learner_mod
+
+    learner, tok, layout = _learner(tiny_encoder, cudnn_attention=cudnn)
+    seen: set[bool] = set()
+    real_encode = learner_mod.encode
+
+    def spy(model, seqs, **kw):
+        seen.add(torch.backends.cuda.cudnn_sdp_enabled())
+        return real_encode(model, seqs, **kw)
+
+    monkeypatch.setattr(learner_mod, "encode", spy)
+    learner.train_update(_episodes(tok, layout))
+    assert seen == {cudnn}
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's setting comes back after the update
