@@ -111,27 +111,40 @@ def test_sampling_respects_availability_and_top_k(tiny_encoder):
     assert set(greedy.tolist()) == {1}
 
 
+def dropout_learner(tiny_encoder, use_target: bool) -> tuple[SoftPQNLearner, list]:
+    """A learner whose encoders have dropout, and episodes for it."""
+    from qrag.model.checkpoint import untrained_qnet
+
+    qnet, tok, layout = untrained_qnet(
+        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), torch.device("cpu"), use_target=use_target
+    )
+    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-3, use_target=use_target)
+    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu"))
+    return learner, _episodes(tok, layout)
+
+
+def record_on_encode(monkeypatch, what) -> dict[str, set]:
+    """``what(model)`` at every encode() call of the learner, per pass (its ``kind``)."""
+    import qrag.rl.learner as learner_mod
+
+    seen: dict[str, set] = {}
+    real_encode = learner_mod.encode
+
+    def spy(model, seqs, **kw):
+        seen.setdefault(kw["kind"], set()).add(what(model))
+        return real_encode(model, seqs, **kw)
+
+    monkeypatch.setattr(learner_mod, "encode", spy)
+    return seen
+
+
 def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatch):
     """With model.dropout > 0: acting and V see deterministic encoders, the loss passes (states
     and chosen chunks, with gradients) run in train mode, so dropout regularises both encoders.
     (The state encoder used to stay in eval mode for its loss pass.)"""
-    import qrag.rl.learner as learner_mod
-    from qrag.model.checkpoint import untrained_qnet
-
-    qnet, tok, layout = untrained_qnet(
-        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), torch.device("cpu"), use_target=True
-    )
-    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-3)
-    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu"))
-    modes: dict[str, set[bool]] = {}
-    real_encode = learner_mod.encode
-
-    def spy(model, seqs, **kw):
-        modes.setdefault(kw["kind"], set()).add(model.training)
-        return real_encode(model, seqs, **kw)
-
-    monkeypatch.setattr(learner_mod, "encode", spy)
-    learner.train_update(_episodes(tok, layout))
+    learner, episodes = dropout_learner(tiny_encoder, use_target=True)
+    modes = record_on_encode(monkeypatch, lambda model: model.training)
+    learner.train_update(episodes)
     assert modes["states_grad"] == {True} and modes["chosen_chunks"] == {True}
     assert modes["states"] == {False} and modes["chunks"] == {False}
     assert modes["target_states"] == {False} and modes["target_chunks"] == {False}
@@ -140,23 +153,9 @@ def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatc
 def test_passes_without_gradients_run_without_dropout_even_without_targets(tiny_encoder, monkeypatch):
     """w/o target bootstraps V from the online state encoder: that pass too runs in eval mode (it
     used to carry the loss pass's dropout noise into V)."""
-    import qrag.rl.learner as learner_mod
-    from qrag.model.checkpoint import untrained_qnet
-
-    qnet, tok, layout = untrained_qnet(
-        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), torch.device("cpu"), use_target=False
-    )
-    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-3, use_target=False)
-    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu"))
-    modes: dict[str, set[bool]] = {}
-    real_encode = learner_mod.encode
-
-    def spy(model, seqs, **kw):
-        modes.setdefault(kw["kind"], set()).add(model.training)
-        return real_encode(model, seqs, **kw)
-
-    monkeypatch.setattr(learner_mod, "encode", spy)
-    learner.train_update(_episodes(tok, layout))
+    learner, episodes = dropout_learner(tiny_encoder, use_target=False)
+    modes = record_on_encode(monkeypatch, lambda model: model.training)
+    learner.train_update(episodes)
     assert modes["target_states"] == {False}  # the online state encoder, for V
     assert modes["states_grad"] == {True}
     assert learner.qnet.state_encoder.training  # the mode comes back after each pass
@@ -213,17 +212,9 @@ def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder):
 def test_training_passes_keep_off_cudnn_attention_unless_asked(tiny_encoder, monkeypatch, cudnn):
     """learner.cudnn_attention=false (the default): every encoder pass of an update, the loss passes
     included, runs with cuDNN's attention disabled; true leaves PyTorch's own choice."""
-    import qrag.rl.learner as learner_mod
-
     learner, tok, layout = _learner(tiny_encoder, cudnn_attention=cudnn)
-    seen: set[bool] = set()
-    real_encode = learner_mod.encode
-
-    def spy(model, seqs, **kw):
-        seen.add(torch.backends.cuda.cudnn_sdp_enabled())
-        return real_encode(model, seqs, **kw)
-
-    monkeypatch.setattr(learner_mod, "encode", spy)
+    seen = record_on_encode(monkeypatch, lambda model: torch.backends.cuda.cudnn_sdp_enabled())
     learner.train_update(_episodes(tok, layout))
+    seen = set().union(*seen.values())
     assert seen == {cudnn}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's setting comes back after the update
