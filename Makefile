@@ -9,10 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.qrag-installed
 PYTEST_ARGS ?=
 # Test files run on this many pytest-xdist workers, a whole file each (module fixtures are shared
-# within a file). xdist hands out the files with the most tests first; among files of as many
-# tests, tests/conftest.py puts the longest first. TEST_WORKERS=0 runs them in this process.
+# within a file), handed out in tests/conftest.py's order: the longest files first.
+# TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(if $(filter 0,$(TEST_WORKERS)),,--no-loadscope-reorder)
 
 .PHONY: install demo test test-fast lint clean mlflow-server sweep
 

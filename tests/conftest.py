@@ -188,22 +188,31 @@ def free_ports(n: int) -> list[int]:
 
 
 # The longest files, longest first (a scheduling hint only: a stale entry costs time, never a result).
+# The longest files by measured wall time under `make test` (pytest --durations), longest first.
 LONGEST_FIRST = (
-    "test_sweep_ray.py",
     "test_distributed_ray.py",
+    "test_hotpot_seeds.py",
+    "test_sweep_ray.py",
     "test_infra_mlflow.py",
     "test_serve_app.py",
     "test_mlflow_portable.py",
+    "test_longctx_bench.py",
+    "test_serve_http_bench.py",
+    "test_bulk_index.py",
     "test_index_lanes.py",
+    "test_cli.py",
+    "test_entry_points.py",
+    "test_bench_index_ray.py",
 )
 
 
 def pytest_collection_modifyitems(config, items):
     """The longest files first, then the other files with a Ray or slow test, then the rest.
-    In one process this is the run's order. Under `make test` (pytest-xdist, --dist loadfile)
-    xdist hands out the files with the most tests first and keeps this order among files of as
-    many tests, so of the one- and few-test files the long ones start before the short ones.
-    The order is the same on every worker (xdist needs it)."""
+    In one process this is the run's order. Under `make test` (pytest-xdist, --dist loadfile,
+    --no-loadscope-reorder) xdist hands out whole files in this order, so the long ones start
+    first and the short ones fill both workers' ends (xdist's own order, most tests first, left
+    a few long one-test files to the end of one worker). The order is the same on every worker
+    (xdist needs it)."""
     heavy = {item.path for item in items if item.get_closest_marker("ray") or item.get_closest_marker("slow")}
 
     def rank(item) -> int:
