@@ -53,11 +53,14 @@ def test_lr_schedule_and_alpha_never_rises():
     assert alphas[0] == 0.05 and alphas[100] == pytest.approx(0.005)
 
 
-def _learner(tiny_encoder, **learner_kw):
+def _learner(tiny_encoder, dropout: float = 0.0, targets: bool = True, **learner_kw):
+    """A CPU learner on the tiny encoder (``targets``: whether the Q-network has target encoders)."""
     from qrag.model.checkpoint import untrained_qnet
 
     qnet, tok, layout = untrained_qnet(
-        ModelConfig(encoder=tiny_encoder, positions="relative"), torch.device("cpu"), use_target=True
+        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=dropout),
+        torch.device("cpu"),
+        use_target=targets,
     )
     cfg = LearnerConfig(**{"episodes_per_update": 4, "micro_batch": 2, "warmup_updates": 1, "lr": 1e-3, **learner_kw})
     return (
@@ -111,18 +114,6 @@ def test_sampling_respects_availability_and_top_k(tiny_encoder):
     assert set(greedy.tolist()) == {1}
 
 
-def dropout_learner(tiny_encoder, use_target: bool) -> tuple[SoftPQNLearner, list]:
-    """A learner whose encoders have dropout, and episodes for it."""
-    from qrag.model.checkpoint import untrained_qnet
-
-    qnet, tok, layout = untrained_qnet(
-        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), torch.device("cpu"), use_target=use_target
-    )
-    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-3, use_target=use_target)
-    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu"))
-    return learner, _episodes(tok, layout)
-
-
 def record_on_encode(monkeypatch, what) -> dict[str, set]:
     """``what(model)`` at every encode() call of the learner, per pass (its ``kind``)."""
     import qrag.rl.learner as learner_mod
@@ -142,9 +133,9 @@ def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatc
     """With model.dropout > 0: acting and V see deterministic encoders, the loss passes (states
     and chosen chunks, with gradients) run in train mode, so dropout regularises both encoders.
     (The state encoder used to stay in eval mode for its loss pass.)"""
-    learner, episodes = dropout_learner(tiny_encoder, use_target=True)
+    learner, tok, layout = _learner(tiny_encoder, dropout=0.1)
     modes = record_on_encode(monkeypatch, lambda model: model.training)
-    learner.train_update(episodes)
+    learner.train_update(_episodes(tok, layout))
     assert modes["states_grad"] == {True} and modes["chosen_chunks"] == {True}
     assert modes["states"] == {False} and modes["chunks"] == {False}
     assert modes["target_states"] == {False} and modes["target_chunks"] == {False}
@@ -153,9 +144,9 @@ def test_dropout_reaches_both_encoders_in_the_loss_pass(tiny_encoder, monkeypatc
 def test_passes_without_gradients_run_without_dropout_even_without_targets(tiny_encoder, monkeypatch):
     """w/o target bootstraps V from the online state encoder: that pass too runs in eval mode (it
     used to carry the loss pass's dropout noise into V)."""
-    learner, episodes = dropout_learner(tiny_encoder, use_target=False)
+    learner, tok, layout = _learner(tiny_encoder, dropout=0.1, targets=False, use_target=False)
     modes = record_on_encode(monkeypatch, lambda model: model.training)
-    learner.train_update(episodes)
+    learner.train_update(_episodes(tok, layout))
     assert modes["target_states"] == {False}  # the online state encoder, for V
     assert modes["states_grad"] == {True}
     assert learner.qnet.state_encoder.training  # the mode comes back after each pass
@@ -218,3 +209,17 @@ def test_training_passes_keep_off_cudnn_attention_unless_asked(tiny_encoder, mon
     seen = set().union(*seen.values())
     assert seen == {cudnn}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's setting comes back after the update
+
+
+def test_a_timed_update_splits_its_encoder_time_by_pass(tiny_encoder):
+    """EncodeStats.timed (bench/train_speed.py --timed): every pass and the backward get their seconds,
+    which add up to the encoder total; untimed, nothing is measured (no syncs in a normal update)."""
+    learner, tok, layout = _learner(tiny_encoder)
+    learner.stats.timed = True
+    m = learner.train_update(_episodes(tok, layout))
+    assert {"chunks", "target_chunks", "states", "target_states", "chosen_chunks", "backward"} <= set(
+        learner.stats.by_kind
+    )
+    assert m.encoder_seconds == pytest.approx(sum(learner.stats.by_kind.values())) and m.encoder_seconds > 0
+    learner.stats.timed = False
+    assert learner.train_update(_episodes(tok, layout)).encoder_seconds == 0 and not learner.stats.by_kind

@@ -308,17 +308,8 @@ class SoftPQNLearner:
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward through both encoders; timed with the encoder passes when profiling."""
-        if not self.stats.timed:
+        with self.stats.timing(self.device, "backward"):
             loss.backward()
-            return
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        loss.backward()
-        sync()
-        dt = time.perf_counter() - t0
-        self.stats.seconds += dt
-        self.stats.by_kind["backward"] = self.stats.by_kind.get("backward", 0.0) + dt
 
     # -- one update ----------------------------------------------------------------------------
 
