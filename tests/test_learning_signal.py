@@ -313,7 +313,7 @@ def test_sft_objectives_without_switches_are_the_old_learners(tiny_encoder, over
         learner.qnet.zero_grad(set_to_none=True)
         out = learner._rollout_and_backward(tok, alpha=0.0)
         grads = [p.grad.clone() for p in learner.qnet.online_parameters() if p.grad is not None]
-        results.append((out["loss_sum"], out["transitions"], grads))
+        results.append((float(out["loss_sum"]), out["transitions"], grads))
     (loss_new, n_new, g_new), (loss_old, n_old, g_old) = results
     assert (loss_new, n_new) == (pytest.approx(loss_old, rel=1e-6), n_old)
     assert len(g_new) == len(g_old) > 0

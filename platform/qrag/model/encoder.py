@@ -339,15 +339,22 @@ def encode(
     return out
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without waiting for the GPU: a copy from pageable memory first
+    waits for every kernel queued before it (a host sync), one from pinned memory is queued behind
+    them, so the host goes on preparing the next work while the GPU runs."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def in_input_order(pieces: Sequence[torch.Tensor], order: np.ndarray) -> torch.Tensor:
     """Rows computed in ``order`` (``pieces`` one after another) put back in input order."""
     out = torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0]
     inverse = np.empty(len(order), dtype=np.int64)
     inverse[order] = np.arange(len(order))
-    inverse_t = torch.from_numpy(inverse)
-    if out.device.type == "cuda":  # a pageable copy would wait for every batch queued before it: keep the host ahead
-        inverse_t = inverse_t.pin_memory().to(out.device, non_blocking=True)
-    return out.index_select(0, inverse_t)
+    return out.index_select(0, to_device(inverse, out.device))
 
 
 def pad_rows(flat: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
@@ -355,5 +362,5 @@ def pad_rows(flat: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
     rows = np.repeat(np.arange(len(counts)), counts)
     cols = np.concatenate([np.arange(c) for c in counts]) if len(counts) else np.zeros(0, np.int64)
     out = flat.new_zeros(len(counts), int(counts.max()), flat.shape[1])
-    out[torch.from_numpy(rows).to(flat.device), torch.from_numpy(cols).to(flat.device)] = flat
+    out[to_device(rows, flat.device), to_device(cols, flat.device)] = flat
     return out

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from qrag.config import EnvConfig, LearnerConfig
-from qrag.model.encoder import EncodeStats, attention_kernels, encode, pad_rows
+from qrag.model.encoder import EncodeStats, attention_kernels, encode, pad_rows, to_device
 from qrag.rl.graphed_passes import GraphedPasses
 from qrag.rl.env import RetrievalEnv
 from qrag.model.qnet import QNetwork
@@ -163,8 +163,9 @@ class SoftPQNLearner:
 
     def sample_actions_with_entropy(
         self, q: torch.Tensor, available: torch.Tensor, alpha: float
-    ) -> tuple[np.ndarray, torch.Tensor]:
-        """Actions and the entropy (nats) of the distribution each was drawn from."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Actions and the entropy (nats) of the distribution each was drawn from. The one read
+        from the GPU while acting: the policy's top-k, which the next step's states depend on."""
         masked = q.masked_fill(~available, float("-inf"))
         k = min(self.cfg.top_k, masked.shape[1])
         vals, idx = masked.topk(k, dim=1)
@@ -180,7 +181,7 @@ class SoftPQNLearner:
         else:
             choice = torch.zeros(len(vals), dtype=torch.long)
             entropy = torch.zeros(len(vals))
-        return idx[torch.arange(len(idx)), choice].numpy(), entropy
+        return idx[torch.arange(len(idx)), choice].numpy(), entropy.numpy()
 
     def _embed(self, model, seqs, grad: bool = False, kind: str = "encode") -> torch.Tensor:
         """The vectors Q uses. A pass without gradients (acting, bootstrapped values) runs the
@@ -204,7 +205,7 @@ class SoftPQNLearner:
         )
         return self.qnet.finish(pooled)
 
-    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict[str, float]:
+    def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict:
         """Roll out one micro-batch and back-propagate the *sum* of its transitions' losses
         (``train_update`` divides by the update's transition count: the mean over the batch)."""
         cfg, qnet, dev = self.cfg, self.qnet, self.device
@@ -223,13 +224,13 @@ class SoftPQNLearner:
             )
         else:
             target_chunk_vecs = chunk_vecs
-        n_chunks = torch.from_numpy(env.n_chunks).to(dev)
+        n_chunks = to_device(env.n_chunks, dev)
 
         rewards = np.zeros((m, horizon), dtype=np.float32)
         dones = np.ones((m, horizon), dtype=np.float32)
         next_values = torch.zeros(m, horizon, device=dev)
         state_vecs, chosen_seqs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
-        entropies: list[torch.Tensor] = []
+        entropies: list[np.ndarray] = []
         value_top_k = cfg.value_top_k or cfg.top_k
 
         # Without dropout the acting forward pass equals the loss's forward pass: keep its graph
@@ -241,22 +242,22 @@ class SoftPQNLearner:
             rows = env.active
             if len(rows) == 0:
                 break
-            rows_t = torch.from_numpy(rows).to(dev)
+            rows_t = to_device(rows, dev)
             seqs = env.states(rows)
             if reuse_acting_pass:
                 states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
             else:
                 states = self._embed(qnet.state_encoder, seqs, kind="states")
                 state_seqs.extend(seqs)
-            selected = torch.from_numpy(env.selected[rows]).to(dev)
-            available = torch.from_numpy(env.available(rows)).to(dev)
+            selected = to_device(env.selected[rows], dev)
+            available = to_device(env.available(rows), dev)
             with torch.no_grad():
                 pos = qnet.positions(selected, n_chunks[rows_t])
                 q = QNetwork.twin_scores(states.detach(), qnet.place(chunk_vecs[rows_t], pos)).mean(-1)
             actions, entropy = self.sample_actions_with_entropy(q, available, alpha)
             entropies.append(entropy)
             if pos is not None:
-                chosen_pos.append(pos[torch.arange(len(rows), device=dev), torch.from_numpy(actions).to(dev)])
+                chosen_pos.append(pos[torch.arange(len(rows), device=dev), to_device(actions, dev)])
             r, d = env.step(rows, actions)
             rewards[rows, t], dones[rows, t] = r, d.astype(np.float32)
             state_vecs.append(states)
@@ -266,21 +267,19 @@ class SoftPQNLearner:
 
             go_on = rows[~d]
             if len(go_on):
-                go_on_t = torch.from_numpy(go_on).to(dev)
+                go_on_t = to_device(go_on, dev)
                 with torch.no_grad():
                     next_states = self._embed(target_state_enc, env.states(go_on), kind="target_states")
-                    next_sel = torch.from_numpy(env.selected[go_on]).to(dev)
+                    next_sel = to_device(env.selected[go_on], dev)
                     next_pos = qnet.positions(next_sel, n_chunks[go_on_t])
                     qt = QNetwork.twin_scores(next_states, qnet.place(target_chunk_vecs[go_on_t], next_pos))
                     qt = qt.min(-1).values  # clipped double-Q over the twin halves
-                    avail_next = torch.from_numpy(env.available(go_on)).to(dev)
+                    avail_next = to_device(env.available(go_on), dev)
                     next_values[go_on_t, t] = soft_value(qt, avail_next, alpha, value_top_k, cfg.soft_q)
 
-        returns = lambda_returns(
-            torch.from_numpy(rewards).to(dev), torch.from_numpy(dones).to(dev), next_values, cfg.gamma, cfg.lam
-        )
-        rows_all = torch.from_numpy(np.concatenate(trans_rows)).to(dev)
-        steps_all = torch.from_numpy(np.concatenate(trans_steps)).to(dev)
+        returns = lambda_returns(to_device(rewards, dev), to_device(dones, dev), next_values, cfg.gamma, cfg.lam)
+        rows_np, steps_np = np.concatenate(trans_rows), np.concatenate(trans_steps)
+        rows_all, steps_all = to_device(rows_np, dev), to_device(steps_np, dev)
         targets = returns[rows_all, steps_all]
 
         actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
@@ -293,16 +292,17 @@ class SoftPQNLearner:
         q_taken = QNetwork.pair_scores(state_vecs_all, actions_vecs)  # [K, 2]
         loss_sum = ((q_taken - targets.unsqueeze(1)) ** 2).sum()
         self._backward(loss_sum)
+        # Figures from the GPU stay tensors: train_update reads them all in one copy after the step.
         return {
-            "loss_sum": float(loss_sum.detach()),
-            "q_taken": float(q_taken.detach().mean()),
-            "target": float(targets.mean()),
+            "loss_sum": loss_sum.detach(),
+            "q_taken": q_taken.detach().mean(),
+            "target": targets.mean(),
             "episode_return": float(env.episode_return.mean()),
             "success": float(env.succeeded.mean()),
             "episode_length": float(env.t.mean()),
             "transitions": int(len(targets)),
             **signal_diagnostics(
-                q_taken.detach().mean(1), rows_all, steps_all, env, rewards, dones, next_values, torch.cat(entropies)
+                q_taken.detach().mean(1), rows_np, steps_np, env, rewards, dones, next_values, np.concatenate(entropies)
             ),
         }
 
@@ -344,8 +344,8 @@ class SoftPQNLearner:
         self.optimizer.zero_grad(set_to_none=True)
         self.qnet.update_targets(self.cfg.tau)
         self.update += 1
-        if self.device.type == "cuda" and self.stats.timed:
-            torch.cuda.synchronize(self.device)
+        # The one wait for the GPU outside acting: every figure of the update in one copy.
+        sums, diag.totals, grad_norm = fetch_floats((sums, diag.totals, {"grad_norm": grad_norm}))
         return UpdateMetrics(
             loss=sums["loss_sum"] / max(1.0, sums["transitions"]),
             q_taken=sums["q_taken"],
@@ -356,7 +356,7 @@ class SoftPQNLearner:
             **diag.means(),
             alpha=alpha,
             lr=lr,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm["grad_norm"],
             episodes=len(episodes),
             transitions=int(sums["transitions"]),
             encoder_tokens=self.stats.tokens,
@@ -388,34 +388,50 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 # -- learning-signal diagnostics ---------------------------------------------------------------
 
 
+def fetch_floats(groups: tuple[dict, ...]) -> tuple[dict[str, float], ...]:
+    """Each dict with its tensor values (0-d, on one device) read back as floats in a single copy:
+    one wait for the GPU instead of one per figure."""
+    tensors = [(g, k) for g, group in enumerate(groups) for k, v in group.items() if isinstance(v, torch.Tensor)]
+    out = [dict(group) for group in groups]
+    if tensors:
+        values = torch.stack([groups[g][k].detach().float().reshape(()) for g, k in tensors]).tolist()
+        for (g, k), value in zip(tensors, values):
+            out[g][k] = value
+    return tuple(out)
+
+
 def signal_diagnostics(
     q_taken: torch.Tensor,
-    rows: torch.Tensor,
-    steps: torch.Tensor,
+    rows: np.ndarray,
+    steps: np.ndarray,
     env: RetrievalEnv,
     rewards: np.ndarray,
     dones: np.ndarray,
     next_values: torch.Tensor,
-    entropies: torch.Tensor,
+    entropies: np.ndarray,
 ) -> dict[str, dict[str, float]]:
     """Sums and counts of one micro-batch's diagnostics (merged over micro-batches by
-    :class:`Diagnostics`); ``q_taken`` is the mean of the twin halves per transition."""
-    rows_np, steps_np = rows.cpu().numpy(), steps.cpu().numpy()
+    :class:`Diagnostics`); ``q_taken`` is the mean of the twin halves per transition, [K] on the
+    device, ``rows`` and ``steps`` each transition's episode and step. The sums over device values
+    stay tensors (masked sums, not boolean indexing, which would wait for the GPU)."""
     to_go = np.flip(np.cumsum(np.flip(rewards, 1), 1), 1)  # undiscounted reward still to come
-    success = torch.from_numpy(env.succeeded[rows_np]).to(q_taken.device)
-    boots = dones[rows_np, steps_np] == 0
+    dev = q_taken.device
+    success_np = env.succeeded[rows]
+    boots_np = dones[rows, steps] == 0
+    success, boots = to_device(success_np, dev), to_device(boots_np, dev)
+    rows_t, steps_t = to_device(rows, dev), to_device(steps, dev)
     q = q_taken.float()
     return {
         "counts": {
-            "transitions": float(len(rows_np)),
+            "transitions": float(len(rows)),
             "entropy_sum": float(entropies.sum()),
-            "value_sum": float(next_values[rows, steps].float()[torch.from_numpy(boots).to(q.device)].sum()),
-            "value_n": float(boots.sum()),
-            "nonzero_n": float((to_go[rows_np, steps_np] > 0).sum()),
-            "q_success_sum": float(q[success].sum()),
-            "q_success_n": float(success.sum()),
-            "q_failure_sum": float(q[~success].sum()),
-            "q_failure_n": float((~success).sum()),
+            "value_sum": (next_values[rows_t, steps_t].float() * boots).sum(),
+            "value_n": float(boots_np.sum()),
+            "nonzero_n": float((to_go[rows, steps] > 0).sum()),
+            "q_success_sum": (q * success).sum(),
+            "q_success_n": float(success_np.sum()),
+            "q_failure_sum": (q * ~success).sum(),
+            "q_failure_n": float((~success_np).sum()),
         }
     }
 
@@ -424,9 +440,9 @@ class Diagnostics:
     """Transition-weighted means of the diagnostics over an update's micro-batches."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
+        self.totals: dict[str, float | torch.Tensor] = {}  # device sums until train_update reads them
 
-    def add(self, counts: dict[str, float]) -> None:
+    def add(self, counts: dict[str, float | torch.Tensor]) -> None:
         for key, value in counts.items():
             self.totals[key] = self.totals.get(key, 0.0) + value
 

@@ -40,7 +40,7 @@ import torch
 
 from qrag.config import ConfigError, LearnerConfig
 from qrag.config import choices as literal_choices
-from qrag.model.encoder import pad_rows
+from qrag.model.encoder import pad_rows, to_device
 from qrag.rl.env import RetrievalEnv
 from qrag.rl.learner import SoftPQNLearner
 from qrag.model.qnet import QNetwork
@@ -91,43 +91,42 @@ class SupervisedLearner(SoftPQNLearner):
         env = RetrievalEnv(episodes, self.env_cfg, layout)  # fact classes and valid chunks under the credit rule
         flat = [c for s in episodes for c in s.chunks]
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat, grad=True, kind="chunks"), env.n_chunks)
-        n_chunks = torch.from_numpy(env.n_chunks).to(dev)
+        n_chunks = to_device(env.n_chunks, dev)
         orders = [self.fact_order(np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)) for s in episodes]
         selected = np.zeros_like(env.selected)
-        losses, q_pos = [], []
+        losses = []
+        q_pos_sum, q_pos_n = torch.zeros((), device=dev), 0.0
         # With learner.sft_stop, each episode has one more step: the state after its last fact.
         last = 1 if self.cfg.sft_stop else 0
         for t in range(max(len(o) for o in orders) + last):
             rows = np.array([i for i, o in enumerate(orders) if len(o) + last > t], dtype=np.int64)
-            rows_t = torch.from_numpy(rows).to(dev)
+            rows_t = to_device(rows, dev)
             seqs = [
                 layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])])
                 for i in rows
             ]
             states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
-            sel = torch.from_numpy(selected[rows]).to(dev)
+            sel = to_device(selected[rows], dev)
             q = QNetwork.twin_scores(
                 states, qnet.place(chunk_vecs[rows_t], qnet.positions(sel, n_chunks[rows_t]))
             ).mean(-1)
-            available = torch.from_numpy(env.valid[rows] & ~selected[rows]).to(dev)
-            missing = torch.from_numpy(env.gold[rows] & ~selected[rows]).to(dev) & available
-            following = torch.zeros_like(available)
+            available_np = env.valid[rows] & ~selected[rows]
             going_on = [k for k, i in enumerate(rows) if len(orders[i]) > t]  # the rest are past their last fact
-            following[
-                torch.as_tensor(going_on, dtype=torch.long, device=dev),
-                torch.as_tensor([orders[rows[k]][t] for k in going_on], dtype=torch.long, device=dev),
-            ] = True
-            positive = self.positives(missing, following & available)
+            following_np = np.zeros_like(available_np)
+            following_np[going_on, [orders[rows[k]][t] for k in going_on]] = True
+            positive_np = self.positives(env.gold[rows] & available_np, following_np & available_np)
+            available, positive = to_device(available_np, dev), to_device(positive_np, dev)
             losses.append(self.step_loss(q.float() / self.cfg.sft_temperature, available, positive))
-            q_pos.append(q.detach()[positive])
+            q_pos_sum = q_pos_sum + (q.detach().float() * positive).sum()  # a masked sum: no wait for the GPU
+            q_pos_n += float(positive_np.sum())
             for k in going_on:
                 selected[rows[k], orders[rows[k]][t]] = True
         per_step = torch.cat(losses)
         loss_sum = per_step.sum()  # train_update divides by the update's count of steps
         self._backward(loss_sum)
         return {
-            "loss_sum": float(loss_sum.detach()),
-            "q_taken": float(torch.cat(q_pos).float().mean()),
+            "loss_sum": loss_sum.detach(),  # train_update reads the device's figures in one copy
+            "q_taken": q_pos_sum / max(q_pos_n, 1.0),
             "target": 1.0,
             "episode_return": 0.0,
             "success": 0.0,
@@ -143,7 +142,7 @@ class SupervisedLearner(SoftPQNLearner):
             return facts
         return facts[torch.randperm(len(facts), generator=self.generator).numpy()]
 
-    def positives(self, missing: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+    def positives(self, missing: np.ndarray, following: np.ndarray) -> np.ndarray:
         """Which chunks are right at this step (rows x chunks): every fact still missing, or the next one only."""
         return following if self.choices.positives == "next" else missing
 
