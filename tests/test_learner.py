@@ -173,38 +173,8 @@ def test_graphed_passes_give_the_learners_own_vectors(tiny_encoder):
     assert passes.encode(learner.qnet.action_encoder, too_long, stats, "chunks") is None
 
 
-def test_bf16_copies_follow_every_change_of_their_encoder(tiny_encoder):
-    """learner.graphs_bf16: a pass runs a bf16 copy of its encoder, refreshed from it before the pass
-    where a parameter changed (an optimiser step, the target update), and only those parameters.
-    Planted bug caught: the copy never refreshed (vectors of the untrained encoder after updates)."""
-    from qrag.model.encoder import EncodeStats
-    from qrag.rl.graphed_passes import GraphedPasses
-
-    learner, tok, layout = _learner(tiny_encoder, lr=5e-2)
-    eps = _episodes(tok, layout, n=4)
-    seqs = [c for e in eps for c in e.chunks]
-    passes = GraphedPasses(learner.qnet, layout.pad_id, torch.device("cpu"), max_tokens=256, bf16=True)
-    encoder = learner.qnet.action_encoder
-    learner.qnet.eval()
-    first = passes.encode(encoder, seqs, EncodeStats(), "chunks")
-    copy = passes._copies[id(encoder)]
-    assert next(copy.module.parameters()).dtype == torch.bfloat16
-    assert copy.refresh() == 0  # nothing changed since the pass
-    learner.qnet.train()
-    learner.train_update(eps)
-    learner.qnet.eval()
-    stale = [i for i, (_, theirs) in enumerate(copy.pairs) if theirs._version != copy.versions[i]]
-    assert 0 < len(stale) <= sum(p.requires_grad for p in encoder.parameters())  # the step's, not the buffers
-    after = passes.encode(encoder, seqs, EncodeStats(), "chunks")
-    assert copy.refresh() == 0  # the pass refreshed them
-    eager = learner._encode(encoder, seqs, False, "chunks")
-    assert torch.allclose(after, eager, atol=3e-2), (after - eager).abs().max()
-    assert (after - first).abs().max() > 3 * (after - eager).abs().max()  # the update shows through the copy
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("bf16_cudnn", [False, True])
-def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder, bf16_cudnn):
+def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder):
     """The graphs read the parameters in place: after updates (optimiser steps, target updates),
     graphed and eager passes still agree, for the online and the target encoders."""
     from qrag.model.checkpoint import untrained_qnet
@@ -214,15 +184,7 @@ def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder, bf16_cudnn):
     qnet, tok, layout = untrained_qnet(
         ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), dev, use_target=True
     )
-    cfg = LearnerConfig(
-        episodes_per_update=4,
-        micro_batch=2,
-        warmup_updates=1,
-        lr=1e-2,
-        tau=0.5,
-        graphs_bf16=bf16_cudnn,
-        graphs_cudnn_attention=bf16_cudnn,
-    )
+    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-2, tau=0.5)
     learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=dev)
     eps = _episodes(tok, layout)
     seqs = [c for e in eps for c in e.chunks]
@@ -233,7 +195,7 @@ def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder, bf16_cudnn):
             graphed = learner.graphed.encode(encoder, seqs, EncodeStats(), "check")
             eager = learner._encode(encoder, seqs, False, "check")
             learner.qnet.train()
-            assert torch.allclose(graphed, eager, atol=4e-2 if bf16_cudnn else 2e-2), (graphed - eager).abs().max()
+            assert torch.allclose(graphed, eager, atol=2e-2), (graphed - eager).abs().max()
     assert learner.graphed.captured_shapes > 0 and not learner.graphed.fallbacks
 
 

@@ -260,16 +260,6 @@ class LearnerConfig:
         "On a GPU, replay the encoder passes without gradients (acting, the target encoders' values) from CUDA "
         "graphs at bucketed padded shapes: one launch per forward instead of one per kernel. No effect on the CPU.",
     )
-    graphs_bf16: bool = opt(
-        False,
-        "With learner.graphs: the passes without gradients run a bf16 copy of each encoder (every op in bf16) "
-        "instead of the fp32 encoder under bf16 autocast; the copy follows its encoder's every change.",
-    )
-    graphs_cudnn_attention: bool = opt(
-        False,
-        "With learner.graphs: capture the passes without gradients with cuDNN's attention first (its host cost "
-        "is paid once, at capture).",
-    )
     cudnn_attention: bool = opt(
         False,
         "Let PyTorch pick cuDNN's attention kernels in training passes. False keeps to its flash, memory-efficient "

@@ -87,16 +87,6 @@ def attention_kernels(cudnn: bool):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def cudnn_attention_first():
-    """Scaled-dot-product attention from cuDNN's kernels where they take the inputs, whatever the
-    enclosing setting: for passes replayed from CUDA graphs, where the host cost of cuDNN's calls
-    (their reason to be off in eager training passes) is paid once, at capture."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
-
-
 def quiet_transformers() -> None:
     """No per-file progress bars from transformers in our logs."""
     try:

@@ -21,7 +21,6 @@ the same code everywhere; a shape whose capture fails falls back to eager once, 
 from __future__ import annotations
 
 import threading
-from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,11 +101,8 @@ class GraphedEncoder:
         encoder: torch.nn.Module | None = None,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         length_buckets: Sequence[int] = LENGTH_BUCKETS,
-        autocast: bool = True,
     ):
         self.qnet, self.pad_id, self.device = qnet, pad_id, torch.device(device)
-        # False: the encoder's own dtype throughout (bf16 weights: every op in bf16, no casts).
-        self.autocast = autocast
         self.encoder = qnet.state_encoder if encoder is None else encoder
         limit = getattr(self.encoder.config, "max_position_embeddings", None) or max(length_buckets)
         self.length_buckets = tuple(b for b in length_buckets if b <= limit) or (int(limit),)
@@ -138,7 +134,7 @@ class GraphedEncoder:
         return cls(qnet, pad_id, device, encoder=qnet.action_encoder, **kwargs)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        with autocast_for(self.device) if self.autocast else nullcontext():
+        with autocast_for(self.device):
             hidden = self.encoder(input_ids=ids, attention_mask=attention_mask_4d(self.encoder, mask)).last_hidden_state
             pooled = mean_pool(hidden, mask).float()
         return self.qnet.finish(pooled)

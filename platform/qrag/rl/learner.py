@@ -139,14 +139,7 @@ class SoftPQNLearner:
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EncodeStats()
         self.graphed = (
-            GraphedPasses(
-                qnet,
-                layout.pad_id,
-                device,
-                cfg.encode_tokens,
-                bf16=cfg.graphs_bf16,
-                cudnn_attention=cfg.graphs_cudnn_attention,
-            )
+            GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens)
             if cfg.graphs and torch.device(device).type == "cuda"
             else None
         )
