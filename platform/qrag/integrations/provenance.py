@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import platform as _platform
 import subprocess
 from pathlib import Path
@@ -100,6 +101,9 @@ def machine_info() -> dict[str, Any]:
         "dirty": git_state()["dirty"],
         "diff_sha256": git_state()["diff_sha256"],
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # Whether this process may cache compiled imports: where it may not (PYTHONDONTWRITEBYTECODE),
+        # every start compiles torch's and transformers' modules again, and start-up figures read slow.
+        "bytecode_cache": "off" if sys.dont_write_bytecode else (sys.pycache_prefix or "beside the sources"),
     }
     try:
         import transformers
