@@ -33,7 +33,7 @@ qa3_pqn_graphs_nocudnn|$QA3|learner.cudnn_attention=false,$QA3_DATA"}
 if [ "${BYTECODE:-cached}" = cached ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/qrag-pycache}
-  python -c "import qrag.rl.train, qrag.model.encoder as e, transformers.models.bert.modeling_bert" || true
+  python -c "import qrag.rl.train, transformers.models.bert.modeling_bert" || true
 fi
 mkdir -p "$OUT"
 for row in $ROWS; do

@@ -187,8 +187,8 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-# The longest files, longest first (a scheduling hint only: a stale entry costs time, never a result).
-# The longest files by measured wall time under `make test` (pytest --durations), longest first.
+# The longest files by measured wall time under `make test` (pytest --durations), longest first: a
+# scheduling hint only (a stale entry costs time, never a result).
 LONGEST_FIRST = (
     "test_distributed_ray.py",
     "test_hotpot_seeds.py",

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from qrag.config import EnvConfig, LearnerConfig, ModelConfig
-from qrag.rl.learner import SoftPQNLearner, alpha_at, lambda_returns, lr_factor, soft_value
+from qrag.rl.learner import alpha_at, lambda_returns, lr_factor, soft_value
 
 
 def test_lambda_returns_hand_computed():
@@ -53,21 +53,18 @@ def test_lr_schedule_and_alpha_never_rises():
     assert alphas[0] == 0.05 and alphas[100] == pytest.approx(0.005)
 
 
-def _learner(tiny_encoder, dropout: float = 0.0, targets: bool = True, **learner_kw):
-    """A CPU learner on the tiny encoder (``targets``: whether the Q-network has target encoders)."""
+def _learner(tiny_encoder, dropout: float = 0.0, targets: bool = True, device: str = "cpu", **learner_kw):
+    """A learner on the tiny encoder, of the class ``learner.objective`` names (soft PQN unless
+    set); ``targets``: whether the Q-network has target encoders."""
     from qrag.model.checkpoint import untrained_qnet
+    from qrag.rl.train import learner_class
 
+    dev = torch.device(device)
     qnet, tok, layout = untrained_qnet(
-        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=dropout),
-        torch.device("cpu"),
-        use_target=targets,
+        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=dropout), dev, use_target=targets
     )
     cfg = LearnerConfig(**{"episodes_per_update": 4, "micro_batch": 2, "warmup_updates": 1, "lr": 1e-3, **learner_kw})
-    return (
-        SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=torch.device("cpu")),
-        tok,
-        layout,
-    )
+    return learner_class(cfg)(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=dev), tok, layout
 
 
 def _episodes(tok, layout, n=4):
@@ -177,15 +174,10 @@ def test_graphed_passes_give_the_learners_own_vectors(tiny_encoder):
 def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder):
     """The graphs read the parameters in place: after updates (optimiser steps, target updates),
     graphed and eager passes still agree, for the online and the target encoders."""
-    from qrag.model.checkpoint import untrained_qnet
     from qrag.model.encoder import EncodeStats
 
-    dev = torch.device("cuda", 0)
-    qnet, tok, layout = untrained_qnet(
-        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), dev, use_target=True
-    )
-    cfg = LearnerConfig(episodes_per_update=4, micro_batch=2, warmup_updates=1, lr=1e-2, tau=0.5)
-    learner = SoftPQNLearner(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=dev)
+    learner, tok, layout = _learner(tiny_encoder, dropout=0.1, device="cuda:0", lr=1e-2, tau=0.5)
+    qnet = learner.qnet
     eps = _episodes(tok, layout)
     seqs = [c for e in eps for c in e.chunks]
     for _ in range(3):

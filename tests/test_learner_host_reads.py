@@ -15,9 +15,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from qrag.config import EnvConfig, LearnerConfig, ModelConfig
 from qrag.rl import learner as learner_module
-from test_learner import _episodes
+from test_learner import _episodes, _learner
 
 READS = {"__float__", "__int__", "__bool__", "item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "unique"}
 
@@ -61,25 +60,11 @@ class HostReads(TorchFunctionMode):
         return wrapped
 
 
-def _learner(tiny_encoder, objective: str, device: torch.device, **learner_kw):
-    from qrag.model.checkpoint import untrained_qnet
-    from qrag.rl.train import learner_class
-
-    qnet, tok, layout = untrained_qnet(
-        ModelConfig(encoder=tiny_encoder, positions="relative", dropout=0.1), device, use_target=True
-    )
-    cfg = LearnerConfig(
-        **{"episodes_per_update": 4, "micro_batch": 2, "warmup_updates": 1, "objective": objective, **learner_kw}
-    )
-    cls = learner_class(cfg)
-    return cls(qnet, layout, EnvConfig(max_steps=3), cfg, total_updates=10, device=device), tok, layout
-
-
 @pytest.mark.parametrize("objective", ["pqn", "sft", "sft_trajectory"])
 def test_an_update_reads_the_device_only_to_act_and_once_at_its_end(tiny_encoder, monkeypatch, objective):
     """Planted bugs caught: a metric read with ``float()`` in the rollout; a boolean-mask index in
     the diagnostics; ``train_update`` reading the gradient norm on its own."""
-    learner, tok, layout = _learner(tiny_encoder, objective, torch.device("cpu"), sft_stop=objective == "sft")
+    learner, tok, layout = _learner(tiny_encoder, dropout=0.1, objective=objective, sft_stop=objective == "sft")
     mode = HostReads()
     fetches: list[int] = []
     real_fetch = learner_module.fetch_floats
@@ -107,7 +92,7 @@ def test_an_update_reads_the_device_only_to_act_and_once_at_its_end(tiny_encoder
 def test_an_update_syncs_the_gpu_only_to_act_and_once_at_its_end_on_a_gpu(tiny_encoder, objective):
     """CUDA's own count: each acting step reads its top-k values and indices (two syncs), the end of
     the update one; every copy to the device is queued without waiting."""
-    learner, tok, layout = _learner(tiny_encoder, objective, torch.device("cuda", 0))
+    learner, tok, layout = _learner(tiny_encoder, dropout=0.1, device="cuda:0", objective=objective)
     episodes = _episodes(tok, layout)
     learner.train_update(episodes)  # the first update captures graphs and warms caches
     torch.cuda.synchronize()

@@ -302,7 +302,14 @@ class SoftPQNLearner:
             "episode_length": float(env.t.mean()),
             "transitions": int(len(targets)),
             **signal_diagnostics(
-                q_taken.detach().mean(1), rows_np, steps_np, env, rewards, dones, next_values, np.concatenate(entropies)
+                q_taken.detach().mean(1),
+                next_values[rows_all, steps_all],
+                rows_np,
+                steps_np,
+                env,
+                rewards,
+                dones,
+                np.concatenate(entropies),
             ),
         }
 
@@ -402,30 +409,30 @@ def fetch_floats(groups: tuple[dict, ...]) -> tuple[dict[str, float], ...]:
 
 def signal_diagnostics(
     q_taken: torch.Tensor,
+    value_next: torch.Tensor,
     rows: np.ndarray,
     steps: np.ndarray,
     env: RetrievalEnv,
     rewards: np.ndarray,
     dones: np.ndarray,
-    next_values: torch.Tensor,
     entropies: np.ndarray,
 ) -> dict[str, dict[str, float]]:
     """Sums and counts of one micro-batch's diagnostics (merged over micro-batches by
     :class:`Diagnostics`); ``q_taken`` is the mean of the twin halves per transition, [K] on the
-    device, ``rows`` and ``steps`` each transition's episode and step. The sums over device values
-    stay tensors (masked sums, not boolean indexing, which would wait for the GPU)."""
+    device, ``value_next`` its V(s_{t+1}) (0 where it does not bootstrap), ``rows`` and ``steps``
+    each transition's episode and step. The sums over device values stay tensors (masked sums, not
+    boolean indexing, which would wait for the GPU)."""
     to_go = np.flip(np.cumsum(np.flip(rewards, 1), 1), 1)  # undiscounted reward still to come
     dev = q_taken.device
     success_np = env.succeeded[rows]
     boots_np = dones[rows, steps] == 0
     success, boots = to_device(success_np, dev), to_device(boots_np, dev)
-    rows_t, steps_t = to_device(rows, dev), to_device(steps, dev)
     q = q_taken.float()
     return {
         "counts": {
             "transitions": float(len(rows)),
             "entropy_sum": float(entropies.sum()),
-            "value_sum": (next_values[rows_t, steps_t].float() * boots).sum(),
+            "value_sum": (value_next.float() * boots).sum(),
             "value_n": float(boots_np.sum()),
             "nonzero_n": float((to_go[rows, steps] > 0).sum()),
             "q_success_sum": (q * success).sum(),
