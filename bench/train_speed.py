@@ -119,6 +119,8 @@ def main() -> int:
         "first_update_s_from_process_start": first_update_s,
         "train_return_last": rows[-1][2].episode_return,
         "profile": profiled,
+        "packed": learner.packed,
+        "unpacked_reason": learner.unpacked_reason,
         "graphed_shapes": learner.graphed.captured_shapes if learner.graphed else 0,
         "graph_fallbacks": learner.graphed.fallbacks if learner.graphed else {},
         "measured_updates": len(steady),

@@ -254,11 +254,19 @@ class LearnerConfig:
     micro_batch: int = opt(12, "Episodes per forward/backward; gradients are accumulated over the update.")
     soft_q: bool = opt(True, "Soft value V = α·logsumexp(Q'/α); False uses max Q' (ablation 'w/o soft-Q').")
     use_target: bool = opt(True, "EMA target encoders for V; False bootstraps from the online encoders (ablation).")
-    encode_tokens: int = opt(32768, "Padded tokens per encoder batch (length-bucketed).")
+    encode_tokens: int = opt(
+        32768, "Tokens per encoder batch: padded (length-bucketed), or real tokens with learner.packed."
+    )
     graphs: bool = opt(
         True,
         "On a GPU, replay the encoder passes without gradients (acting, the target encoders' values) from CUDA "
         "graphs at bucketed padded shapes: one launch per forward instead of one per kernel. No effect on the CPU.",
+    )
+    packed: bool | None = opt(
+        None,
+        "Run the learner's encoder passes padding-free: the sequences end to end, attention per sequence through "
+        "variable-length flash attention (qrag.model.packed). BERT-family encoders only; others keep the padded "
+        "passes. null = on a GPU. Passes replayed from CUDA graphs (learner.graphs) stay padded.",
     )
     cudnn_attention: bool = opt(
         False,

@@ -33,6 +33,7 @@ import torch
 
 from qrag.config import EnvConfig, LearnerConfig
 from qrag.model.encoder import EncodeStats, attention_kernels, encode, pad_rows, to_device
+from qrag.model.packed import encode_packed, packing_unsupported
 from qrag.rl.graphed_passes import GraphedPasses
 from qrag.rl.env import RetrievalEnv
 from qrag.model.qnet import QNetwork
@@ -143,6 +144,10 @@ class SoftPQNLearner:
             if cfg.graphs and torch.device(device).type == "cuda"
             else None
         )
+        wanted = cfg.packed if cfg.packed is not None else torch.device(device).type == "cuda"
+        # Why the passes are padded although packing was asked for (None: packed, or not asked).
+        self.unpacked_reason = packing_unsupported(qnet.state_encoder) if wanted else None
+        self.packed = wanted and self.unpacked_reason is None
 
     # -- schedule ------------------------------------------------------------------------------
 
@@ -193,16 +198,11 @@ class SoftPQNLearner:
         return self._encode(model, seqs, True, kind)
 
     def _encode(self, model, seqs, grad: bool, kind: str) -> torch.Tensor:
-        pooled = encode(
-            model,
-            seqs,
-            pad_id=self.layout.pad_id,
-            device=self.device,
-            max_tokens=self.cfg.encode_tokens,
-            grad=grad,
-            stats=self.stats,
-            kind=kind,
-        )
+        common = {"device": self.device, "max_tokens": self.cfg.encode_tokens, "grad": grad, "stats": self.stats}
+        if self.packed:
+            pooled = encode_packed(model, seqs, kind=kind, **common)
+        else:
+            pooled = encode(model, seqs, pad_id=self.layout.pad_id, kind=kind, **common)
         return self.qnet.finish(pooled)
 
     def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict:
