@@ -176,7 +176,8 @@ def test_graphed_passes_follow_the_optimiser_on_a_gpu(tiny_encoder):
     graphed and eager passes still agree, for the online and the target encoders."""
     from qrag.model.encoder import EncodeStats
 
-    learner, tok, layout = _learner(tiny_encoder, dropout=0.1, device="cuda:0", lr=1e-2, tau=0.5)
+    learner, tok, layout = _learner(tiny_encoder, dropout=0.1, device="cuda:0", lr=1e-2, tau=0.5, packed=False)
+    assert _learner(tiny_encoder, device="cuda:0")[0].graphed is None  # packed passes (the default) need none
     qnet = learner.qnet
     eps = _episodes(tok, layout)
     seqs = [c for e in eps for c in e.chunks]

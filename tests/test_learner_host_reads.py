@@ -74,7 +74,7 @@ def test_an_update_reads_the_device_only_to_act_and_once_at_its_end(tiny_encoder
         return real_fetch(groups)
 
     monkeypatch.setattr(learner_module, "fetch_floats", mode.allow(counted_fetch))
-    learner.sample_actions_with_entropy = mode.allow(learner.sample_actions_with_entropy)
+    learner.sample_top_k = mode.allow(learner.sample_top_k)
     learner.optimizer.step = mode.allow(learner.optimizer.step)  # AdamW reads its step counts, kept on the host
     if objective != "pqn":  # the supervised order is drawn from the host's generator: a host tensor
         learner.fact_order = mode.allow(learner.fact_order)

@@ -150,3 +150,39 @@ def test_a_learner_on_an_encoder_that_cannot_pack_keeps_the_padded_passes(tiny_m
     assert learner.packed is False and "mpnet" in learner.unpacked_reason
     default, _, _ = _learner(tiny_mpnet)  # null = on a GPU only: nothing to explain on the CPU
     assert default.packed is False and default.unpacked_reason is None
+
+
+def test_bf16_copies_follow_every_update_and_act_like_the_fp32_encoders(tiny_encoder):
+    """learner.bf16_copies: the passes without gradients run from bf16 copies, refreshed from the
+    weights the last update left (a stale copy would act with old weights)."""
+    from test_learner import _episodes, _learner
+
+    learner, tok, layout = _learner(tiny_encoder, packed=True, bf16_copies=True)
+    episodes = _episodes(tok, layout)
+    for _ in range(2):
+        learner.train_update(episodes)
+    assert learner.bf16 is not None and len(learner.bf16._copies) >= 3  # online chunks + states, targets
+    learner.bf16.refresh()
+    encoders = (learner.qnet.state_encoder, learner.qnet.action_encoder, *learner.qnet.target_encoders())
+    for module in encoders:
+        twin = learner.bf16.of(module)
+        assert all(t.dtype == torch.bfloat16 for t in twin.parameters())
+        for t, s in zip(twin.parameters(), module.parameters()):
+            torch.testing.assert_close(t, s.detach().to(torch.bfloat16), atol=0, rtol=0)
+    seqs = [c for e in episodes for c in e.chunks]
+    low = learner._embed(learner.qnet.action_encoder, seqs, kind="chunks")
+    learner.bf16 = None
+    full = learner._embed(learner.qnet.action_encoder, seqs, kind="chunks")
+    assert ((low - full).norm() / full.norm()) < 3e-2
+
+
+def test_bf16_copies_are_refreshed_at_the_start_of_each_update(tiny_encoder):
+    from test_learner import _episodes, _learner
+
+    learner, tok, layout = _learner(tiny_encoder, packed=True, bf16_copies=True)
+    episodes = _episodes(tok, layout)
+    learner.train_update(episodes)  # makes the copies from the initial weights
+    twin = learner.bf16.of(learner.qnet.action_encoder)
+    before = [t.clone() for t in twin.parameters()]
+    learner.train_update(episodes)  # refreshes them from the first update's weights first
+    assert any(not torch.equal(a, b) for a, b in zip(before, twin.parameters()))

@@ -260,13 +260,20 @@ class LearnerConfig:
     graphs: bool = opt(
         True,
         "On a GPU, replay the encoder passes without gradients (acting, the target encoders' values) from CUDA "
-        "graphs at bucketed padded shapes: one launch per forward instead of one per kernel. No effect on the CPU.",
+        "graphs at bucketed padded shapes: one launch per forward instead of one per kernel. No effect on the CPU, "
+        "nor where the passes run packed (learner.packed).",
     )
     packed: bool | None = opt(
         None,
         "Run the learner's encoder passes padding-free: the sequences end to end, attention per sequence through "
         "variable-length flash attention (qrag.model.packed). BERT-family encoders only; others keep the padded "
-        "passes. null = on a GPU. Passes replayed from CUDA graphs (learner.graphs) stay padded.",
+        "passes (and learner.graphs). null = on a GPU.",
+    )
+    bf16_copies: bool = opt(
+        False,
+        "With packed passes (learner.packed), run the passes without gradients (acting, the target values) from "
+        "bf16 copies of the encoders, refreshed every update, instead of the fp32 encoders under autocast: no "
+        "per-layer weight casts, bf16 layer norms and residual adds.",
     )
     cudnn_attention: bool = opt(
         False,

@@ -349,6 +349,33 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class HostCopy:
+    """Device tensors on their way to the host: queued behind the work before them, not waited
+    for until :meth:`wait`, so the host can queue more work for the GPU meanwhile."""
+
+    tensors: tuple[torch.Tensor, ...]
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, *tensors: torch.Tensor) -> HostCopy:
+        if not tensors or tensors[0].device.type != "cuda":
+            return cls(tensors, None)  # already on the host
+        copies = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            copies.append(host)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(tuple(copies), ready)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tensors
+
+
 def in_input_order(pieces: Sequence[torch.Tensor], order: np.ndarray) -> torch.Tensor:
     """Rows computed in ``order`` (``pieces`` one after another) put back in input order."""
     out = torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0]

@@ -95,10 +95,12 @@ def encode_packed(
     grad: bool = False,
     stats: EncodeStats | None = None,
     kind: str = "encode",
+    autocast: bool = True,
 ) -> torch.Tensor:
     """Mean-pooled embeddings of token sequences, in input order: [len(seqs), d] float32, as
     :func:`qrag.model.encoder.encode` computes them, without padding. Sequences are packed in
-    input order into batches of at most ``max_tokens`` tokens (a longer sequence alone)."""
+    input order into batches of at most ``max_tokens`` tokens (a longer sequence alone).
+    ``autocast=False`` runs the model in its own dtype (a bf16 copy in bf16 throughout)."""
     n = len(seqs)
     if n == 0:
         return torch.zeros(0, model.config.hidden_size, device=device)
@@ -109,7 +111,7 @@ def encode_packed(
     stats = stats if stats is not None else EncodeStats()
     pieces = []
     grad_ctx = nullcontext() if grad else torch.no_grad()
-    with stats.timing(device, kind), grad_ctx, autocast_for(device):
+    with stats.timing(device, kind), grad_ctx, autocast_for(device) if autocast else nullcontext():
         for start, end in pack_bounds(lengths, max_tokens):
             packing = Packing.of(flat[offsets[start] : offsets[end]], lengths[start:end], device)
             pieces.append(packed_mean_pool(packed_hidden(model, packing), packing))

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from qrag.config import EnvConfig, LearnerConfig
-from qrag.model.encoder import EncodeStats, attention_kernels, encode, pad_rows, to_device
+from qrag.model.encoder import EncodeStats, HostCopy, attention_kernels, encode, pad_rows, to_device
 from qrag.model.packed import encode_packed, packing_unsupported
+from qrag.rl.bf16_copies import Bf16Copies
 from qrag.rl.graphed_passes import GraphedPasses
 from qrag.rl.env import RetrievalEnv
 from qrag.model.qnet import QNetwork
@@ -139,15 +140,17 @@ class SoftPQNLearner:
         # Action sampling draws Gumbel noise on the CPU: reproducible on any device.
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EncodeStats()
-        self.graphed = (
-            GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens)
-            if cfg.graphs and torch.device(device).type == "cuda"
-            else None
-        )
         wanted = cfg.packed if cfg.packed is not None else torch.device(device).type == "cuda"
         # Why the passes are padded although packing was asked for (None: packed, or not asked).
         self.unpacked_reason = packing_unsupported(qnet.state_encoder) if wanted else None
         self.packed = wanted and self.unpacked_reason is None
+        # Padded passes without gradients replay from CUDA graphs; packed ones need no padding.
+        self.graphed = (
+            GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens)
+            if cfg.graphs and torch.device(device).type == "cuda" and not self.packed
+            else None
+        )
+        self.bf16 = Bf16Copies() if cfg.bf16_copies and self.packed else None
 
     # -- schedule ------------------------------------------------------------------------------
 
@@ -169,12 +172,21 @@ class SoftPQNLearner:
     def sample_actions_with_entropy(
         self, q: torch.Tensor, available: torch.Tensor, alpha: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Actions and the entropy (nats) of the distribution each was drawn from. The one read
-        from the GPU while acting: the policy's top-k, which the next step's states depend on."""
+        """Actions and the entropy (nats) of the distribution each was drawn from."""
+        return self.sample_top_k(self.policy_top_k(q, available), alpha)
+
+    def policy_top_k(self, q: torch.Tensor, available: torch.Tensor) -> HostCopy:
+        """The top-k available chunks' Q and indices, on their way to the host (the one read while
+        acting: the next states depend on it). Not waited for: work queued before
+        :meth:`sample_top_k` runs on the GPU while the host samples."""
         masked = q.masked_fill(~available, float("-inf"))
         k = min(self.cfg.top_k, masked.shape[1])
         vals, idx = masked.topk(k, dim=1)
-        vals, idx = vals.float().cpu(), idx.cpu()
+        return HostCopy.start(vals.float(), idx)
+
+    def sample_top_k(self, pending: HostCopy, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+        """Boltzmann policy over the top-k (greedy when α = 0): actions and their entropies."""
+        vals, idx = pending.wait()
         if alpha > 0:
             logits = (vals - vals[:, :1]) / alpha
             logp = torch.log_softmax(logits, dim=1)
@@ -190,7 +202,14 @@ class SoftPQNLearner:
 
     def _embed(self, model, seqs, grad: bool = False, kind: str = "encode") -> torch.Tensor:
         """The vectors Q uses. A pass without gradients (acting, bootstrapped values) runs the
-        encoder in eval mode, without dropout, from CUDA graphs where ``learner.graphs`` allows."""
+        encoder in eval mode, without dropout: from its bf16 copy with ``learner.bf16_copies``, from
+        CUDA graphs where ``learner.graphs`` applies."""
+        if not grad and self.bf16 is not None:
+            pooled = encode_packed(
+                self.bf16.of(model), seqs, kind=kind, autocast=False, device=self.device,
+                max_tokens=self.cfg.encode_tokens, stats=self.stats,
+            )  # fmt: skip
+            return self.qnet.finish(pooled)
         if not grad:
             with eval_mode(model):
                 vectors = self.graphed.encode(model, seqs, self.stats, kind) if self.graphed else None
@@ -218,18 +237,14 @@ class SoftPQNLearner:
 
         flat_chunks = [c for s in episodes for c in s.chunks]
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat_chunks, kind="chunks"), env.n_chunks)
-        if use_target:
-            target_chunk_vecs = pad_rows(
-                self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks
-            )
-        else:
-            target_chunk_vecs = chunk_vecs
+        target_chunk_vecs = None if use_target else chunk_vecs  # queued while the first actions are read
         n_chunks = to_device(env.n_chunks, dev)
 
         rewards = np.zeros((m, horizon), dtype=np.float32)
         dones = np.ones((m, horizon), dtype=np.float32)
         next_values = torch.zeros(m, horizon, device=dev)
-        state_vecs, chosen_seqs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
+        state_vecs, chosen_vecs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
+        chosen_seqs: list[np.ndarray] = []  # the last step's chosen chunks, not encoded yet
         entropies: list[np.ndarray] = []
         value_top_k = cfg.value_top_k or cfg.top_k
 
@@ -237,31 +252,38 @@ class SoftPQNLearner:
         # instead of encoding the states twice. With dropout, act without it (a pass without
         # gradients runs in eval mode) and re-encode in train mode for the loss.
         reuse_acting_pass = qnet.cfg.dropout == 0
-        state_seqs: list[np.ndarray] = []
         for t in range(horizon):
             rows = env.active
             if len(rows) == 0:
                 break
             rows_t = to_device(rows, dev)
             seqs = env.states(rows)
-            if reuse_acting_pass:
-                states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
-            else:
-                states = self._embed(qnet.state_encoder, seqs, kind="states")
-                state_seqs.extend(seqs)
+            states = self._embed(qnet.state_encoder, seqs, grad=reuse_acting_pass, kind="states")
             selected = to_device(env.selected[rows], dev)
             available = to_device(env.available(rows), dev)
             with torch.no_grad():
                 pos = qnet.positions(selected, n_chunks[rows_t])
                 q = QNetwork.twin_scores(states.detach(), qnet.place(chunk_vecs[rows_t], pos)).mean(-1)
-            actions, entropy = self.sample_actions_with_entropy(q, available, alpha)
+            pending = self.policy_top_k(q, available)
+            # While the top-k travels to the host, queue the GPU work that does not need this step's
+            # actions (the first step's target chunks, the loss's passes over what is already
+            # known), so that the GPU keeps working while the host samples and steps.
+            if target_chunk_vecs is None:
+                target_chunk_vecs = pad_rows(
+                    self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks
+                )
+            if not reuse_acting_pass:
+                states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states_grad")
+            if chosen_seqs:
+                chosen_vecs.append(self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks"))
+            actions, entropy = self.sample_top_k(pending, alpha)
             entropies.append(entropy)
             if pos is not None:
                 chosen_pos.append(pos[torch.arange(len(rows), device=dev), to_device(actions, dev)])
             r, d = env.step(rows, actions)
             rewards[rows, t], dones[rows, t] = r, d.astype(np.float32)
             state_vecs.append(states)
-            chosen_seqs.extend(episodes[i].chunks[a] for i, a in zip(rows, actions))
+            chosen_seqs = [episodes[i].chunks[a] for i, a in zip(rows, actions)]
             trans_rows.append(rows)
             trans_steps.append(np.full(len(rows), t))
 
@@ -282,13 +304,11 @@ class SoftPQNLearner:
         rows_all, steps_all = to_device(rows_np, dev), to_device(steps_np, dev)
         targets = returns[rows_all, steps_all]
 
-        actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
+        chosen_vecs.append(self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks"))
+        actions_vecs = torch.cat(chosen_vecs)
         if chosen_pos:
             actions_vecs = qnet.place(actions_vecs, torch.cat(chosen_pos))
-        if reuse_acting_pass:
-            state_vecs_all = torch.cat(state_vecs)
-        else:
-            state_vecs_all = self._embed(qnet.state_encoder, state_seqs, grad=True, kind="states_grad")
+        state_vecs_all = torch.cat(state_vecs)
         q_taken = QNetwork.pair_scores(state_vecs_all, actions_vecs)  # [K, 2]
         loss_sum = ((q_taken - targets.unsqueeze(1)) ** 2).sum()
         self._backward(loss_sum)
@@ -325,6 +345,8 @@ class SoftPQNLearner:
             raise ValueError("train_update() needs at least one episode")
         t0 = time.perf_counter()
         self.stats.reset()
+        if self.bf16 is not None:
+            self.bf16.refresh()  # the weights after the last update's step and target move
         alpha, lr = self.alpha, self.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
