@@ -269,11 +269,11 @@ class LearnerConfig:
         "variable-length flash attention (qrag.model.packed). BERT-family encoders only; others keep the padded "
         "passes (and learner.graphs). null = on a GPU.",
     )
-    bf16_copies: bool = opt(
-        False,
+    bf16_copies: bool | None = opt(
+        None,
         "With packed passes (learner.packed), run the passes without gradients (acting, the target values) from "
         "bf16 copies of the encoders, refreshed every update, instead of the fp32 encoders under autocast: no "
-        "per-layer weight casts, bf16 layer norms and residual adds.",
+        "per-layer weight casts, bf16 layer norms and residual adds. null = on a GPU.",
     )
     cudnn_attention: bool = opt(
         False,

@@ -150,7 +150,9 @@ class SoftPQNLearner:
             if cfg.graphs and torch.device(device).type == "cuda" and not self.packed
             else None
         )
-        self.bf16 = Bf16Copies() if cfg.bf16_copies and self.packed else None
+        on_gpu = torch.device(device).type == "cuda"
+        copies = cfg.bf16_copies if cfg.bf16_copies is not None else on_gpu
+        self.bf16 = Bf16Copies() if copies and self.packed else None
 
     # -- schedule ------------------------------------------------------------------------------
 
