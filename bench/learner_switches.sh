@@ -17,15 +17,16 @@ PROFILE=${PROFILE:-2}
 QA3="configs/babilong-qa3.yaml"
 HOTPOT="configs/hotpot.yaml"
 QA3_DATA="data.samples_per_task=600"  # a shorter data start-up; the contexts are the preset's
-ROWS=${ROWS:-"hotpot_pqn_eager|$HOTPOT|learner.objective=pqn,learner.graphs=false \
-hotpot_pqn_graphs|$HOTPOT|learner.objective=pqn \
-hotpot_pqn_graphs_nocudnn|$HOTPOT|learner.objective=pqn,learner.cudnn_attention=false \
-hotpot_pqn_eager_nocudnn|$HOTPOT|learner.objective=pqn,learner.graphs=false,learner.cudnn_attention=false \
+ROWS=${ROWS:-"hotpot_pqn_padded|$HOTPOT|learner.objective=pqn,learner.packed=false \
+hotpot_pqn_packed_fp32|$HOTPOT|learner.objective=pqn,learner.bf16_copies=false \
+hotpot_pqn|$HOTPOT|learner.objective=pqn \
+hotpot_pqn_128k|$HOTPOT|learner.objective=pqn,learner.encode_tokens=131072 \
+hotpot_sft_padded|$HOTPOT|learner.objective=sft,learner.packed=false \
+hotpot_sft_32k|$HOTPOT|learner.objective=sft,learner.encode_tokens=32768 \
 hotpot_sft|$HOTPOT|learner.objective=sft \
-hotpot_sft_nocudnn|$HOTPOT|learner.objective=sft,learner.cudnn_attention=false \
-qa3_pqn_eager|$QA3|learner.graphs=false,$QA3_DATA \
-qa3_pqn_graphs|$QA3|$QA3_DATA \
-qa3_pqn_graphs_nocudnn|$QA3|learner.cudnn_attention=false,$QA3_DATA"}
+qa3_pqn_padded|$QA3|learner.packed=false,$QA3_DATA \
+qa3_pqn_packed_fp32|$QA3|learner.bf16_copies=false,$QA3_DATA \
+qa3_pqn|$QA3|$QA3_DATA"}
 
 # A machine where pip installed torch and transformers has their compiled bytecode; an image run with
 # PYTHONDONTWRITEBYTECODE compiles them again in every process, which the first-update figure would count.
