@@ -308,14 +308,9 @@ def encode(
     dim = model.config.hidden_size
     if n == 0:
         return torch.zeros(0, dim, device=device)
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+    lengths, offsets, flat = flat_sequences(seqs)
     stats = stats if stats is not None else EncodeStats()
     pieces, index_parts = [], []
-    # All sequences in one flat array: a bucket's padded rows are then one gather, not a Python
-    # loop over rows (host time the device would otherwise wait for between batches).
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate([np.asarray(s).reshape(-1) for s in seqs]).astype(np.int64, copy=False)
     grad_ctx = nullcontext() if grad else torch.no_grad()
     with stats.timing(device, kind), grad_ctx, autocast_for(device):
         for idx in _bucket(lengths, max_tokens, ratio=split_ratio_for(device)):
@@ -337,6 +332,17 @@ def encode(
         out = in_input_order(pieces, np.concatenate(index_parts))
     stats.count(lengths)
     return out
+
+
+def flat_sequences(seqs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token sequences as (lengths, offsets, flat): every id in one int64 array, sequence i at
+    ``flat[offsets[i]:offsets[i + 1]]``. A batch's rows are then one gather (padded) or one slice
+    (packed), not a Python loop over rows (host time the device would otherwise wait for)."""
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate([np.asarray(s).reshape(-1) for s in seqs]).astype(np.int64, copy=False)
+    return lengths, offsets, flat
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

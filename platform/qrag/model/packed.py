@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from qrag.model.encoder import EncodeStats, autocast_for, to_device
+from qrag.model.encoder import EncodeStats, autocast_for, flat_sequences, to_device
 
 
 @dataclass
@@ -46,15 +47,19 @@ class Packing:
         lengths = np.asarray(lengths, dtype=np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        starts = np.repeat(offsets[:-1], lengths)
-        positions = np.arange(int(offsets[-1]), dtype=np.int64) - starts
         segments = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+        positions = np.arange(int(offsets[-1]), dtype=np.int64) - offsets[:-1][segments]
+        # Two copies to the device per batch (the learner's host is its bound), the rest derived there.
+        ids, positions_t, segments_t = to_device(
+            np.stack([np.asarray(flat_ids, np.int64), positions, segments]), device
+        )
+        offsets_t = to_device(offsets, device)
         return cls(
-            ids=to_device(np.asarray(flat_ids, dtype=np.int64), device),
-            positions=to_device(positions, device),
-            segments=to_device(segments, device),
-            cu_seqlens=to_device(offsets.astype(np.int32), device),
-            lengths=to_device(lengths.astype(np.float32), device),
+            ids=ids,
+            positions=positions_t,
+            segments=segments_t,
+            cu_seqlens=offsets_t.to(torch.int32),
+            lengths=offsets_t.diff().to(torch.float32),
             max_len=int(lengths.max()) if len(lengths) else 0,
             count=len(lengths),
         )
@@ -75,14 +80,13 @@ def packing_unsupported(model: nn.Module) -> str | None:
     embeddings, encoder = getattr(model, "embeddings", None), getattr(model, "encoder", None)
     if embeddings is None or encoder is None or not hasattr(encoder, "layer"):
         return "no embeddings/encoder.layer modules"
-    needed = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output", "output")
-    for layer in encoder.layer:
-        for path in needed + ("intermediate",):
-            obj = layer
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-            if obj is None:
-                return f"a layer without {path}"
+    needed = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output")
+    for path in (*needed, "intermediate", "output"):
+        try:
+            for layer in encoder.layer:
+                attrgetter(path)(layer)
+        except AttributeError:
+            return f"a layer without {path}"
     return None
 
 
@@ -101,13 +105,9 @@ def encode_packed(
     :func:`qrag.model.encoder.encode` computes them, without padding. Sequences are packed in
     input order into batches of at most ``max_tokens`` tokens (a longer sequence alone).
     ``autocast=False`` runs the model in its own dtype (a bf16 copy in bf16 throughout)."""
-    n = len(seqs)
-    if n == 0:
+    if len(seqs) == 0:
         return torch.zeros(0, model.config.hidden_size, device=device)
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-    flat = np.concatenate([np.asarray(s).reshape(-1) for s in seqs]).astype(np.int64, copy=False)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    lengths, offsets, flat = flat_sequences(seqs)
     stats = stats if stats is not None else EncodeStats()
     pieces = []
     grad_ctx = nullcontext() if grad else torch.no_grad()
@@ -122,15 +122,14 @@ def encode_packed(
 
 def pack_bounds(lengths: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
     """Consecutive [start, end) runs of sequences holding at most ``max_tokens`` tokens each (a
-    longer sequence alone)."""
-    bounds, start, total = [], 0, 0
-    for i, length in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
-        if i > start and total + length > max_tokens:
-            bounds.append((start, i))
-            start, total = i, 0
-        total += length
-    if len(lengths):
-        bounds.append((start, len(lengths)))
+    longer sequence alone). One search per batch, not a Python step per sequence."""
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    bounds, start = [], 0
+    while start < len(ends):
+        before = ends[start - 1] if start else 0
+        end = max(start + 1, int(np.searchsorted(ends, before + max_tokens, side="right")))
+        bounds.append((start, end))
+        start = end
     return bounds
 
 

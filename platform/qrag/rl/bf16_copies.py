@@ -30,15 +30,13 @@ class Bf16Copies:
             twin = copy.deepcopy(module).to(self.dtype).eval().requires_grad_(False)
             for p in twin.parameters():
                 p.grad = None  # a gradient the module held when copied is not the copy's
-            sources = [*module.parameters(), *module.buffers()]
-            targets = [*twin.parameters(), *twin.buffers()]
-            self._copies[key] = (twin, sources, targets)
+            pairs = zip([*module.parameters(), *module.buffers()], [*twin.parameters(), *twin.buffers()])
+            floating = [(s, t) for s, t in pairs if s.is_floating_point()]  # integer buffers never change
+            self._copies[key] = (twin, [s for s, _ in floating], [t for _, t in floating])
         return self._copies[key][0]
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Every copy's weights from its module's current ones (one fused copy per module)."""
         for _, sources, targets in self._copies.values():
-            floating = [(t, s) for t, s in zip(targets, sources) if s.is_floating_point()]
-            if floating:
-                torch._foreach_copy_([t for t, _ in floating], [s for _, s in floating])
+            torch._foreach_copy_(targets, sources)

@@ -140,17 +140,14 @@ class SoftPQNLearner:
         # Action sampling draws Gumbel noise on the CPU: reproducible on any device.
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EncodeStats()
-        wanted = cfg.packed if cfg.packed is not None else torch.device(device).type == "cuda"
+        on_gpu = torch.device(device).type == "cuda"
+        wanted = cfg.packed if cfg.packed is not None else on_gpu
         # Why the passes are padded although packing was asked for (None: packed, or not asked).
         self.unpacked_reason = packing_unsupported(qnet.state_encoder) if wanted else None
         self.packed = wanted and self.unpacked_reason is None
         # Padded passes without gradients replay from CUDA graphs; packed ones need no padding.
-        self.graphed = (
-            GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens)
-            if cfg.graphs and torch.device(device).type == "cuda" and not self.packed
-            else None
-        )
-        on_gpu = torch.device(device).type == "cuda"
+        graphs = cfg.graphs and on_gpu and not self.packed
+        self.graphed = GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens) if graphs else None
         copies = cfg.bf16_copies if cfg.bf16_copies is not None else on_gpu
         self.bf16 = Bf16Copies() if copies and self.packed else None
 
@@ -207,21 +204,18 @@ class SoftPQNLearner:
         encoder in eval mode, without dropout: from its bf16 copy with ``learner.bf16_copies``, from
         CUDA graphs where ``learner.graphs`` applies."""
         if not grad and self.bf16 is not None:
-            pooled = encode_packed(
-                self.bf16.of(model), seqs, kind=kind, autocast=False, device=self.device,
-                max_tokens=self.cfg.encode_tokens, stats=self.stats,
-            )  # fmt: skip
-            return self.qnet.finish(pooled)
+            return self._encode(self.bf16.of(model), seqs, False, kind, autocast=False)
         if not grad:
             with eval_mode(model):
                 vectors = self.graphed.encode(model, seqs, self.stats, kind) if self.graphed else None
                 return vectors if vectors is not None else self._encode(model, seqs, False, kind)
         return self._encode(model, seqs, True, kind)
 
-    def _encode(self, model, seqs, grad: bool, kind: str) -> torch.Tensor:
+    def _encode(self, model, seqs, grad: bool, kind: str, autocast: bool = True) -> torch.Tensor:
+        """``autocast=False``: ``model`` runs in its own dtype (a packed pass of a bf16 copy)."""
         common = {"device": self.device, "max_tokens": self.cfg.encode_tokens, "grad": grad, "stats": self.stats}
         if self.packed:
-            pooled = encode_packed(model, seqs, kind=kind, **common)
+            pooled = encode_packed(model, seqs, kind=kind, autocast=autocast, **common)
         else:
             pooled = encode(model, seqs, pad_id=self.layout.pad_id, kind=kind, **common)
         return self.qnet.finish(pooled)
