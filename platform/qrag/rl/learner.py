@@ -134,14 +134,20 @@ class SoftPQNLearner:
         self.cfg = cfg
         self.total_updates = total_updates
         self.device = device
+        on_gpu = torch.device(device).type == "cuda"
+        # fused: one multi-tensor kernel per step on a GPU instead of a launch per operation and tensor group
         self.optimizer = torch.optim.AdamW(
-            qnet.online_parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+            qnet.online_parameters(),
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            fused=on_gpu or None,
         )
         self.update = 0
         # Action sampling draws Gumbel noise on the CPU: reproducible on any device.
         self.generator = torch.Generator().manual_seed(seed)
         self.stats = EncodeStats()
-        on_gpu = torch.device(device).type == "cuda"
         wanted = cfg.packed if cfg.packed is not None else on_gpu
         # Why the passes are padded although packing was asked for (None: packed, or not asked).
         self.unpacked_reason = packing_unsupported(qnet.state_encoder) if wanted else None
@@ -370,9 +376,9 @@ class SoftPQNLearner:
                 sums[key] = sums.get(key, 0.0) + (value if summed else value * weight)
         params = self.qnet.online_parameters()
         # The loss is the mean over every transition of the update, however micro-batches split it.
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(max(1.0, sums["transitions"]))
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, max(1.0, sums["transitions"]))  # one launch, not one per tensor
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
