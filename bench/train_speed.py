@@ -99,7 +99,6 @@ def main() -> int:
 
         learner.stats.timed = False  # the per-call syncs would distort the profile
         profiled = profile_updates(lambda: learner.train_update(source.next_batch()), args.profile, run.device)
-    graphs = learner.graphed or getattr(learner, "packed_graphs", None)  # the SFT learner has none
     result = {
         "benchmark": "train_speed",
         "config": args.config,
@@ -122,9 +121,8 @@ def main() -> int:
         "profile": profiled,
         "packed": learner.packed,
         "unpacked_reason": learner.unpacked_reason,
-        "graphed_shapes": graphs.captured_shapes if graphs else 0,
-        "graph_fallbacks": graphs.fallbacks if graphs else {},
-        "graph_replays": getattr(graphs, "replays", None),
+        "graphed_shapes": learner.graphed.captured_shapes if learner.graphed else 0,
+        "graph_fallbacks": learner.graphed.fallbacks if learner.graphed else {},
         "measured_updates": len(steady),
         **machine_info(),
     }

@@ -260,8 +260,8 @@ class LearnerConfig:
     graphs: bool = opt(
         True,
         "On a GPU, replay the encoder passes without gradients (acting, the target encoders' values) from CUDA "
-        "graphs at bucketed shapes (padded, or packed with learner.packed): one launch per forward instead of one "
-        "per kernel. No effect on the CPU.",
+        "graphs at bucketed padded shapes: one launch per forward instead of one per kernel. No effect on the CPU, "
+        "nor where the passes run packed (learner.packed).",
     )
     packed: bool | None = opt(
         None,

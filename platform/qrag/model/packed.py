@@ -16,7 +16,7 @@ refused by :func:`packing_unsupported` and take the padded path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from operator import attrgetter
@@ -100,14 +100,11 @@ def encode_packed(
     stats: EncodeStats | None = None,
     kind: str = "encode",
     autocast: bool = True,
-    replay: Callable[[nn.Module, np.ndarray, np.ndarray], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Mean-pooled embeddings of token sequences, in input order: [len(seqs), d] float32, as
     :func:`qrag.model.encoder.encode` computes them, without padding. Sequences are packed in
     input order into batches of at most ``max_tokens`` tokens (a longer sequence alone).
-    ``autocast=False`` runs the model in its own dtype (a bf16 copy in bf16 throughout).
-    ``replay(model, flat ids, lengths)``, where given, serves a batch from a CUDA graph (None: that
-    batch runs eagerly); :class:`qrag.model.packed_graphs.PackedGraphs` for passes without gradients."""
+    ``autocast=False`` runs the model in its own dtype (a bf16 copy in bf16 throughout)."""
     if len(seqs) == 0:
         return torch.zeros(0, model.config.hidden_size, device=device)
     lengths, offsets, flat = flat_sequences(seqs)
@@ -116,13 +113,9 @@ def encode_packed(
     grad_ctx = nullcontext() if grad else torch.no_grad()
     with stats.timing(device, kind), grad_ctx, autocast_for(device) if autocast else nullcontext():
         for start, end in pack_bounds(lengths, max_tokens):
-            ids, batch_lengths = flat[offsets[start] : offsets[end]], lengths[start:end]
-            pooled = replay(model, ids, batch_lengths) if replay is not None else None
-            if pooled is None:
-                packing = Packing.of(ids, batch_lengths, device)
-                pooled = packed_mean_pool(packed_hidden(model, packing), packing)
-                stats.padded_tokens += int(batch_lengths.sum())
-            pieces.append(pooled)
+            packing = Packing.of(flat[offsets[start] : offsets[end]], lengths[start:end], device)
+            pieces.append(packed_mean_pool(packed_hidden(model, packing), packing))
+    stats.padded_tokens += int(lengths.sum())
     stats.count(lengths)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 

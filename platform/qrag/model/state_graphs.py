@@ -57,35 +57,16 @@ def capture_lock(device: torch.device | str) -> threading.Lock:
         return _CAPTURE_LOCKS.setdefault((dev.type, index), threading.Lock())
 
 
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU for every capture's warm-up and capture: memory the caching
-    allocator holds for a stream serves only that stream, so a new stream per capture would strand
-    each warm-up's blocks (the caller holds :func:`capture_lock`)."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
-
-
 def capture_graph(
-    run: Callable[[], Any], device: torch.device, pool: Any, error_mode: str = "global", free_caches: bool = True
+    run: Callable[[], Any], device: torch.device, pool: Any, error_mode: str = "global"
 ) -> tuple[Any, Any, Any]:
     """Warm ``run`` up twice on a side stream of ``device`` (capture requires it; compiled code
     compiles there), then capture it on that stream with ``device`` current: (graph, its outputs,
     the memory pool, made when ``pool`` is None). Not on torch.cuda.graph's default capture
     stream: that one is one per process, made on the device current at its first use, and every
-    capture on cuda:1 failed on it. The caller holds :func:`capture_lock`.
-
-    ``free_caches=False`` skips what torch.cuda.graph does first: a device sync and emptying the
-    device and pinned-memory caches. For captures in the middle of training (a new shape in some
-    update) those would make every later allocation of that update and the next ones fresh."""
+    capture on cuda:1 failed on it. The caller holds :func:`capture_lock`."""
     with torch.cuda.device(device):
-        side = _capture_stream(device)
+        side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -93,16 +74,8 @@ def capture_graph(
         torch.cuda.current_stream(device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         graph = torch.cuda.CUDAGraph()
-        if free_caches:
-            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode=error_mode):
-                outputs = run()
-        else:
-            with torch.cuda.stream(side):
-                graph.capture_begin(pool, capture_error_mode=error_mode)
-                try:
-                    outputs = run()
-                finally:
-                    graph.capture_end()
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode=error_mode):
+            outputs = run()
     return graph, outputs, pool
 
 

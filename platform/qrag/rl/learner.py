@@ -34,7 +34,6 @@ import torch
 from qrag.config import EnvConfig, LearnerConfig
 from qrag.model.encoder import EncodeStats, HostCopy, attention_kernels, encode, pad_rows, to_device
 from qrag.model.packed import encode_packed, packing_unsupported
-from qrag.model.packed_graphs import PackedGraphs
 from qrag.rl.bf16_copies import Bf16Copies
 from qrag.rl.graphed_passes import GraphedPasses
 from qrag.rl.env import RetrievalEnv
@@ -152,12 +151,9 @@ class SoftPQNLearner:
         # Why the passes are padded although packing was asked for (None: packed, or not asked).
         self.unpacked_reason = packing_unsupported(qnet.state_encoder) if wanted else None
         self.packed = wanted and self.unpacked_reason is None
-        # Passes without gradients replay from CUDA graphs: padded ones at padded shapes, packed ones
-        # at bucketed packed shapes.
-        graphs = cfg.graphs and on_gpu
-        padded_graphs, packed_graphs = graphs and not self.packed, graphs and self.packed
-        self.graphed = GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens) if padded_graphs else None
-        self.packed_graphs = PackedGraphs(device, cfg.encode_tokens, layout.pad_id) if packed_graphs else None
+        # Padded passes without gradients replay from CUDA graphs; packed ones need no padding.
+        graphs = cfg.graphs and on_gpu and not self.packed
+        self.graphed = GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens) if graphs else None
         copies = cfg.bf16_copies if cfg.bf16_copies is not None else on_gpu
         self.bf16 = Bf16Copies() if copies and self.packed else None
 
@@ -225,12 +221,7 @@ class SoftPQNLearner:
         """``autocast=False``: ``model`` runs in its own dtype (a packed pass of a bf16 copy)."""
         common = {"device": self.device, "max_tokens": self.cfg.encode_tokens, "grad": grad, "stats": self.stats}
         if self.packed:
-            graphs = self.packed_graphs if not grad else None
-            before = graphs.padded_tokens if graphs else 0
-            replay = graphs.pool if graphs else None
-            pooled = encode_packed(model, seqs, kind=kind, autocast=autocast, replay=replay, **common)
-            if graphs:
-                self.stats.padded_tokens += graphs.padded_tokens - before
+            pooled = encode_packed(model, seqs, kind=kind, autocast=autocast, **common)
         else:
             pooled = encode(model, seqs, pad_id=self.layout.pad_id, kind=kind, **common)
         return self.qnet.finish(pooled)
