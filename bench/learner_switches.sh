@@ -6,7 +6,9 @@
 #   OUT=$OUT ROWS="pqn_eager|configs/hotpot.yaml|learner.objective=pqn,learner.graphs=false" bash bench/learner_switches.sh
 #
 # ROWS: LABEL|CONFIG|key=value,key=value (space separated). A row whose file exists is skipped, so a
-# call stopped at its limit resumes. Data and encoder as for train_speed.py (QRAG_DATA_DIR,
+# call stopped at its limit resumes. REPEATS=N runs the rows N times, interleaved (LABEL_r1 ... LABEL_rN:
+# the host's speed moves between runs on a lent machine), and $OUT/summary.json gives each row's median
+# (bench/speed_medians.py). Data and encoder as for train_speed.py (QRAG_DATA_DIR,
 # QRAG_ENCODER, PYTHONPATH=platform). CPU check: OUT=/tmp/sw UPDATES=1 WARMUP=1 PROFILE=0
 # ROWS="cpu|configs/hotpot.yaml|device=cpu,learner.episodes_per_update=4,learner.micro_batch=4" bash bench/learner_switches.sh
 set -euo pipefail
@@ -36,8 +38,15 @@ if [ "${BYTECODE:-cached}" = cached ]; then
   export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/qrag-pycache}
   python -c "import qrag.rl.train, transformers.models.bert.modeling_bert" || true
 fi
+REPEATS=${REPEATS:-1}
 mkdir -p "$OUT"
-for row in $ROWS; do
+runs=""
+for ((r = 1; r <= REPEATS; r++)); do
+  for row in $ROWS; do
+    if [ "$REPEATS" -gt 1 ]; then runs+=" ${row%%|*}_r$r|${row#*|}"; else runs+=" $row"; fi
+  done
+done
+for row in $runs; do
   IFS='|' read -r label config overrides <<<"$row"
   out="$OUT/$label.json"
   if [ -s "$out" ]; then echo "== $label: done before"; continue; fi
@@ -54,3 +63,4 @@ print(f"   {r['episodes_per_s']:.0f} episodes/s, first update {r['first_update_s
       f"GPU busy {p.get('gpu_busy_share')}, kernels/update {p.get('kernels_per_update')}")
 EOF
 done
+python bench/speed_medians.py "$OUT" --out "$OUT/summary.json" || true
