@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 
 from bench_common import machine_info, write_result  # noqa: E402
+from step_profile import merged_ranges, profiled  # noqa: E402
 
 Interval = tuple[float, float]
 Phase = tuple[str, float, float]
@@ -31,15 +31,7 @@ Phase = tuple[str, float, float]
 
 def busy_intervals(spans: list[Interval], start: float, end: float) -> list[Interval]:
     """The GPU's spans that begin inside [start, end], merged where they touch or overlap."""
-    merged: list[list[float]] = []
-    for s, e in sorted(spans):
-        if s < start or s > end:
-            continue
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
+    return merged_ranges([(s, e) for s, e in spans if start <= s <= end])
 
 
 def idle_gaps(busy: list[Interval], start: float, end: float) -> list[Interval]:
@@ -114,9 +106,6 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     from qrag.config import load_config
     from qrag.rl.train import TrainingRun
 
@@ -127,18 +116,13 @@ def main() -> int:
     annotate(learner)
     for _ in range(args.warmup):
         learner.train_update(source.next_batch())
-    cuda = run.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        for _ in range(args.updates):
-            with phase("update"):
-                learner.train_update(source.next_batch())
-        if cuda:
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.updates
+
+    def one_update() -> None:
+        with phase("update"):
+            learner.train_update(source.next_batch())
+
+    prof, wall_s = profiled(one_update, args.updates, run.device)
+    wall = wall_s / args.updates
     events = prof.events()
     spans = [(e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA"]
     phases = [

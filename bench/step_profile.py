@@ -20,15 +20,38 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
-def _union_us(ranges: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) ranges (GPU streams may overlap)."""
-    total, end = 0.0, float("-inf")
+def merged_ranges(ranges: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[start, end) ranges merged where they touch or overlap (GPU streams may overlap), in order."""
+    merged: list[list[float]] = []
     for lo, hi in sorted(ranges):
-        if hi <= end:
-            continue
-        total += hi - max(lo, end)
-        end = hi
-    return total
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def _union_us(ranges: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) ranges."""
+    return sum(hi - lo for lo, hi in merged_ranges(ranges))
+
+
+def profiled(run_update: Callable[[], None], updates: int, device: torch.device) -> tuple[Any, float]:
+    """``run_update`` ``updates`` times under the profiler (CPU, and CUDA on a GPU), the device
+    synchronised before and after: the profile and the wall seconds it took."""
+    if updates < 1:
+        raise ValueError("profiling needs at least one update")
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(updates):
+            run_update()
+        sync()
+        wall_s = time.perf_counter() - t0
+    return prof, wall_s
 
 
 def _top(rows: list[tuple[str, float, int]], n: int, updates: int) -> list[dict[str, Any]]:
@@ -47,18 +70,8 @@ def profile_updates(
     run_update: Callable[[], None], updates: int, device: torch.device, top: int = 15
 ) -> dict[str, Any]:
     """Run ``run_update`` ``updates`` times under the profiler; the reduced breakdown (see module doc)."""
-    if updates < 1:
-        raise ValueError("profile_updates needs at least one update")
     on_gpu = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
-    sync()
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        for _ in range(updates):
-            run_update()
-        sync()
-        wall_s = time.perf_counter() - t0
+    prof, wall_s = profiled(run_update, updates, device)
     events = prof.events()
     gpu = [e for e in events if e.device_type == DeviceType.CUDA]
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in gpu])

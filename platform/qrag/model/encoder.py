@@ -341,12 +341,9 @@ def flat_sequences(seqs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, 
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
     offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    try:  # 1-D arrays, the usual input: one call instead of a reshape per sequence
-        flat = np.concatenate(seqs) if len(seqs) else np.zeros(0, np.int64)
-    except ValueError:  # sequences of other shapes
-        flat = None
-    if flat is None or flat.ndim != 1 or len(flat) != offsets[-1]:
-        flat = np.concatenate([np.asarray(s).reshape(-1) for s in seqs])
+    flat = np.concatenate(seqs) if len(seqs) else np.zeros(0, np.int64)
+    if flat.ndim != 1:
+        raise ValueError(f"token sequences must be 1-D id lists, not of {flat.ndim} dimensions")
     return lengths, offsets, flat.astype(np.int64, copy=False)
 
 

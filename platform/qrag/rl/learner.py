@@ -141,7 +141,7 @@ class SoftPQNLearner:
             betas=tuple(cfg.betas),
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
-            fused=on_gpu or None,
+            fused=True if on_gpu else None,  # None: torch picks its own (foreach) implementation
         )
         self.update = 0
         # Action sampling draws Gumbel noise on the CPU: reproducible on any device.
