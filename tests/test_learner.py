@@ -216,3 +216,62 @@ def test_a_timed_update_splits_its_encoder_time_by_pass(tiny_encoder):
     assert m.encoder_seconds == pytest.approx(sum(learner.stats.by_kind.values())) and m.encoder_seconds > 0
     learner.stats.timed = False
     assert learner.train_update(_episodes(tok, layout)).encoder_seconds == 0 and not learner.stats.by_kind
+
+
+def _passes_by_kind(learner, monkeypatch) -> dict[str, int]:
+    """How many encoder passes of each kind the learner makes (its ``_embed`` calls)."""
+    counts: dict[str, int] = {}
+    real_embed = learner._embed
+
+    def spy(model, seqs, grad=False, kind="encode"):
+        counts[kind] = counts.get(kind, 0) + 1
+        return real_embed(model, seqs, grad=grad, kind=kind)
+
+    monkeypatch.setattr(learner, "_embed", spy)
+    return counts
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_shared_loss_passes_take_the_per_step_learners_step(tiny_encoder, monkeypatch, packed):
+    """With dropout, the loss re-encodes the states (steps 0 and 1 in one pass) and every step's
+    chosen chunks (one pass at the end). With dropout's noise off, loss and gradients are those of
+    the dropout-free learner, which keeps each step's own acting pass for the loss: each transition
+    meets its own state and its own chunk."""
+    import dataclasses
+
+    learner, tok, layout = _learner(tiny_encoder, dropout=0.1, alpha=0.5, packed=packed)
+    for module in learner.qnet.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the deterministic network, on the dropout learner's code path
+    eps = _episodes(tok, layout)
+    counts = _passes_by_kind(learner, monkeypatch)
+    acted_q: list[torch.Tensor] = []  # Q(s_t, a_t) as acting saw it, in transition order
+    real_sample = learner.sample_top_k
+
+    def sample_and_record(pending, alpha):
+        vals, idx = pending.wait()
+        actions, entropy = real_sample(pending, alpha)
+        taken = torch.as_tensor(actions).unsqueeze(1) == idx
+        acted_q.append(vals[taken])
+        return actions, entropy
+
+    monkeypatch.setattr(learner, "sample_top_k", sample_and_record)
+    results = []
+    for dropout in (0.1, 0.0):
+        learner.qnet.cfg = dataclasses.replace(learner.qnet.cfg, dropout=dropout)
+        counts.clear()
+        acted_q.clear()
+        learner.generator.manual_seed(3)
+        learner.qnet.zero_grad(set_to_none=True)
+        out = learner._rollout_and_backward(eps, alpha=0.5)
+        grads = [p.grad.clone() for p in learner.qnet.online_parameters() if p.grad is not None]
+        results.append((float(out["loss_sum"]), out["transitions"], grads, dict(counts)))
+        # The loss's Q of each transition (its state and chunk re-encoded) is the Q it acted on.
+        assert float(out["q_taken"]) == pytest.approx(float(torch.cat(acted_q).mean()), rel=1e-5)
+    (loss, n, grads, counts), (loss_ref, n_ref, grads_ref, counts_ref) = results
+    assert n == n_ref > 2 * len(eps)  # some episodes took a third step: a states pass of its own
+    assert counts["chosen_chunks"] == 1 and counts["states_grad"] == 2
+    assert counts_ref["chosen_chunks"] == 1 and "states_grad" not in counts_ref
+    assert loss == pytest.approx(loss_ref, rel=1e-5)
+    assert len(grads) == len(grads_ref) > 0
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, grads_ref))

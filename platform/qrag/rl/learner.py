@@ -11,6 +11,11 @@ One update = a batch of episodes, rolled out in micro-batches. Per micro-batch:
 3. λ-returns backwards over every transition, the last one included;
 4. re-encode only the chosen chunks with gradients and regress both twin halves of Q onto G^λ.
 
+The loss's passes with gradients are few and large: each one is a fixed number of kernel launches
+forward and backward, whatever its size, and the host's launches bound an update's speed. The chosen
+chunks of every step go through the action encoder in one pass at the end; with dropout (acting then
+runs without it) the states of steps 0 and 1 share one pass, queued while the host samples step 1.
+
 Then clip, step AdamW, and move the targets towards the online encoders by τ.
 
 Each update also reports diagnostics of the learning signal (:class:`UpdateMetrics`): the
@@ -245,8 +250,9 @@ class SoftPQNLearner:
         rewards = np.zeros((m, horizon), dtype=np.float32)
         dones = np.ones((m, horizon), dtype=np.float32)
         next_values = torch.zeros(m, horizon, device=dev)
-        state_vecs, chosen_vecs, chosen_pos, trans_rows, trans_steps = [], [], [], [], []
-        chosen_seqs: list[np.ndarray] = []  # the last step's chosen chunks, not encoded yet
+        state_vecs, chosen_pos, trans_rows, trans_steps = [], [], [], []
+        chosen_seqs: list[np.ndarray] = []  # every step's chosen chunks, for the one loss pass at the end
+        loss_states: list[np.ndarray] = []  # states whose loss pass (with dropout) is not queued yet
         entropies: list[np.ndarray] = []
         value_top_k = cfg.value_top_k or cfg.top_k
 
@@ -274,18 +280,20 @@ class SoftPQNLearner:
                 target_chunk_vecs = pad_rows(
                     self._embed(target_action_enc, flat_chunks, kind="target_chunks"), env.n_chunks
                 )
-            if not reuse_acting_pass:
-                states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states_grad")
-            if chosen_seqs:
-                chosen_vecs.append(self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks"))
+            if reuse_acting_pass:
+                state_vecs.append(states)
+            else:
+                loss_states.extend(seqs)
+                if t > 0:  # step 0's window already holds the target chunks' pass
+                    state_vecs.append(self._embed(qnet.state_encoder, loss_states, grad=True, kind="states_grad"))
+                    loss_states = []
             actions, entropy = self.sample_top_k(pending, alpha)
             entropies.append(entropy)
             if pos is not None:
                 chosen_pos.append(pos[torch.arange(len(rows), device=dev), to_device(actions, dev)])
             r, d = env.step(rows, actions)
             rewards[rows, t], dones[rows, t] = r, d.astype(np.float32)
-            state_vecs.append(states)
-            chosen_seqs = [episodes[i].chunks[a] for i, a in zip(rows, actions)]
+            chosen_seqs.extend(episodes[i].chunks[a] for i, a in zip(rows, actions))
             trans_rows.append(rows)
             trans_steps.append(np.full(len(rows), t))
 
@@ -306,8 +314,9 @@ class SoftPQNLearner:
         rows_all, steps_all = to_device(rows_np, dev), to_device(steps_np, dev)
         targets = returns[rows_all, steps_all]
 
-        chosen_vecs.append(self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks"))
-        actions_vecs = torch.cat(chosen_vecs)
+        if loss_states:  # every episode ended at step 0
+            state_vecs.append(self._embed(qnet.state_encoder, loss_states, grad=True, kind="states_grad"))
+        actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
         if chosen_pos:
             actions_vecs = qnet.place(actions_vecs, torch.cat(chosen_pos))
         state_vecs_all = torch.cat(state_vecs)

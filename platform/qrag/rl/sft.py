@@ -93,24 +93,34 @@ class SupervisedLearner(SoftPQNLearner):
         chunk_vecs = pad_rows(self._embed(qnet.action_encoder, flat, grad=True, kind="chunks"), env.n_chunks)
         n_chunks = to_device(env.n_chunks, dev)
         orders = [self.fact_order(np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)) for s in episodes]
+        # Teacher forcing fixes every step's state in advance: all of them go through the state
+        # encoder in one pass (a pass's kernel launches, not its size, bound the host).
         selected = np.zeros_like(env.selected)
-        losses = []
-        q_pos_sum, q_pos_n = torch.zeros((), device=dev), 0.0
+        steps, seqs = [], []  # per step: its rows and what they had selected; the states in step order
         # With learner.sft_stop, each episode has one more step: the state after its last fact.
         last = 1 if self.cfg.sft_stop else 0
         for t in range(max(len(o) for o in orders) + last):
             rows = np.array([i for i, o in enumerate(orders) if len(o) + last > t], dtype=np.int64)
-            rows_t = to_device(rows, dev)
-            seqs = [
+            steps.append((rows, selected[rows]))  # a copy: fancy indexing
+            seqs += [
                 layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])])
                 for i in rows
             ]
-            states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
-            sel = to_device(selected[rows], dev)
+            for i in rows:
+                if len(orders[i]) > t:
+                    selected[i, orders[i][t]] = True
+        all_states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
+        losses = []
+        q_pos_sum, q_pos_n = torch.zeros((), device=dev), 0.0
+        start = 0
+        for t, (rows, selected_before) in enumerate(steps):
+            rows_t = to_device(rows, dev)
+            states, start = all_states[start : start + len(rows)], start + len(rows)
+            sel = to_device(selected_before, dev)
             q = QNetwork.twin_scores(
                 states, qnet.place(chunk_vecs[rows_t], qnet.positions(sel, n_chunks[rows_t]))
             ).mean(-1)
-            available_np = env.valid[rows] & ~selected[rows]
+            available_np = env.valid[rows] & ~selected_before
             going_on = [k for k, i in enumerate(rows) if len(orders[i]) > t]  # the rest are past their last fact
             following_np = np.zeros_like(available_np)
             following_np[going_on, [orders[rows[k]][t] for k in going_on]] = True
@@ -119,8 +129,6 @@ class SupervisedLearner(SoftPQNLearner):
             losses.append(self.step_loss(q.float() / self.cfg.sft_temperature, available, positive))
             q_pos_sum = q_pos_sum + (q.detach().float() * positive).sum()  # a masked sum: no wait for the GPU
             q_pos_n += float(positive_np.sum())
-            for k in going_on:
-                selected[rows[k], orders[rows[k]][t]] = True
         per_step = torch.cat(losses)
         loss_sum = per_step.sum()  # train_update divides by the update's count of steps
         self._backward(loss_sum)
