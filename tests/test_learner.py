@@ -270,8 +270,37 @@ def test_shared_loss_passes_take_the_per_step_learners_step(tiny_encoder, monkey
         assert float(out["q_taken"]) == pytest.approx(float(torch.cat(acted_q).mean()), rel=1e-5)
     (loss, n, grads, counts), (loss_ref, n_ref, grads_ref, counts_ref) = results
     assert n == n_ref > 2 * len(eps)  # some episodes took a third step: a states pass of its own
-    assert counts["chosen_chunks"] == 1 and counts["states_grad"] == 2
+    # Packed: steps 0 and 1 in one pass, step 2 in its own; padded: a pass per step (_embed_steps).
+    assert counts["chosen_chunks"] == 1 and counts["states_grad"] == (2 if packed else 3)
     assert counts_ref["chosen_chunks"] == 1 and "states_grad" not in counts_ref
     assert loss == pytest.approx(loss_ref, rel=1e-5)
     assert len(grads) == len(grads_ref) > 0
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, grads_ref))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_several_steps_share_a_pass_only_where_nothing_is_padded(tiny_encoder, monkeypatch, packed):
+    """_embed_steps: packed, one pass over every step's sequences; padded, one pass per step, so that
+    the short states of step 0 are not padded to step 1's longer ones (a GPU's padded batches are
+    not cut by length). The vectors are each sequence's own, in step order, either way."""
+    import qrag.model.encoder as encoder_mod
+
+    monkeypatch.setattr(encoder_mod, "split_ratio_for", lambda device: 0.0)  # a GPU's rule
+    learner, tok, layout = _learner(tiny_encoder, packed=packed)
+    eps = _episodes(tok, layout)
+    short = [e.question for e in eps]
+    long = [layout.state(e.question, list(e.chunks[:3])) for e in eps]
+    counts = _passes_by_kind(learner, monkeypatch)
+    learner.qnet.eval()
+    learner.stats.reset()
+    vectors = learner._embed_steps(learner.qnet.state_encoder, [short, long], kind="loss")
+    assert counts["loss"] == (1 if packed else 2)
+    real = sum(len(s) for s in short + long)
+    if packed:
+        assert learner.stats.padded_tokens == real
+    else:  # each step padded to its own longest only (widths rounded up to 8)
+        width = lambda seqs: -(-max(len(s) for s in seqs) // 8) * 8  # noqa: E731
+        assert learner.stats.padded_tokens == len(short) * width(short) + len(long) * width(long)
+    with torch.no_grad():
+        alone = torch.cat([learner._encode(learner.qnet.state_encoder, [s], False, "check") for s in short + long])
+    assert torch.allclose(vectors, alone, atol=1e-5)

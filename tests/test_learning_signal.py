@@ -487,33 +487,39 @@ def test_sft_stop_makes_the_learned_stop_work(tmp_path):
     assert stop["fact_f1"] > result.summary["oracle_fact_f1"] - 0.05, (stop, result.summary["oracle_fact_f1"])
 
 
-@pytest.mark.parametrize("sft_stop", [False, True])
-def test_supervised_states_share_one_pass_and_keep_their_steps(tiny_encoder, monkeypatch, sft_stop):
+@pytest.mark.parametrize("sft_stop,packed", [(False, True), (True, True), (False, False)])
+def test_supervised_states_share_one_pass_and_keep_their_steps(tiny_encoder, monkeypatch, sft_stop, packed):
     """Teacher forcing knows every step's state in advance, so all of them go through the state
-    encoder in one pass; each step's Q still starts from its own states: the question with the
-    facts taken before that step, for the episodes still at it."""
+    encoder at once (one packed pass; padded, a pass per step); each step's Q still starts from its
+    own states: the question with the facts taken before that step, for the episodes still at it."""
     import qrag.rl.sft as sft_mod
     from qrag.data.tokens import tokenize_samples
     from qrag.model.encoder import load_tokenizer
 
-    learner = _sft_learner(tiny_encoder, sft_stop=sft_stop)
+    learner = _sft_learner(tiny_encoder, sft_stop=sft_stop, packed=packed)
     tok = tokenize_samples(
-        toy_samples(5, seed=7, facts=3), load_tokenizer(tiny_encoder), learner.layout, chunk_tokens=16, question_tokens=24
+        toy_samples(5, seed=7, facts=3),
+        load_tokenizer(tiny_encoder),
+        learner.layout,
+        chunk_tokens=16,
+        question_tokens=24,
     )
     tok[1].support = tok[1].support[:1]  # episodes of different lengths: the later steps hold fewer rows
     learner.qnet.eval()  # no dropout: the states' vectors depend on their tokens only
     passes, seen = [], []
     real_embed, real_scores = learner._embed, sft_mod.QNetwork.twin_scores
-    monkeypatch.setattr(learner, "_embed", lambda m, s, grad=False, kind="": passes.append(kind) or real_embed(m, s, grad, kind))
+    monkeypatch.setattr(
+        learner, "_embed", lambda m, s, grad=False, kind="": passes.append(kind) or real_embed(m, s, grad, kind)
+    )
     monkeypatch.setattr(sft_mod.QNetwork, "twin_scores", lambda s, c: seen.append(s.detach()) or real_scores(s, c))
     learner.generator.manual_seed(11)
     learner._rollout_and_backward(tok, alpha=0.0)
-    assert passes.count("states") == 1
 
     learner.generator.manual_seed(11)
     orders = [learner.fact_order(np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)) for s in tok]
     steps = max(len(o) for o in orders) + int(sft_stop)
     assert len(seen) == steps
+    assert passes.count("states") == (1 if packed else steps)
     for t, states in enumerate(seen):
         rows = [i for i, o in enumerate(orders) if len(o) + int(sft_stop) > t]
         seqs = [learner.layout.state(tok[i].question, [tok[i].chunks[j] for j in sorted(orders[i][:t])]) for i in rows]

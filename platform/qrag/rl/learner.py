@@ -14,7 +14,8 @@ One update = a batch of episodes, rolled out in micro-batches. Per micro-batch:
 The loss's passes with gradients are few and large: each one is a fixed number of kernel launches
 forward and backward, whatever its size, and the host's launches bound an update's speed. The chosen
 chunks of every step go through the action encoder in one pass at the end; with dropout (acting then
-runs without it) the states of steps 0 and 1 share one pass, queued while the host samples step 1.
+runs without it) the states of steps 0 and 1 share one packed pass, queued while the host samples
+step 1 (:meth:`SoftPQNLearner._embed_steps`).
 
 Then clip, step AdamW, and move the targets towards the online encoders by τ.
 
@@ -222,6 +223,15 @@ class SoftPQNLearner:
                 return vectors if vectors is not None else self._encode(model, seqs, False, kind)
         return self._encode(model, seqs, True, kind)
 
+    def _embed_steps(self, model, steps: Sequence[Sequence[np.ndarray]], kind: str) -> torch.Tensor:
+        """The loss's vectors (with gradients) of several steps' sequences, in step order. Packed, one
+        pass: its launches are its cost, not its size. Padded, one pass per step: a step's states are
+        of like length, and one padded pass over all would pad the early, shorter states to the
+        longest (a GPU's padded batches are not cut by length, ``split_ratio_for``)."""
+        if self.packed:
+            return self._embed(model, [s for step in steps for s in step], grad=True, kind=kind)
+        return torch.cat([self._embed(model, step, grad=True, kind=kind) for step in steps if len(step)])
+
     def _encode(self, model, seqs, grad: bool, kind: str, autocast: bool = True) -> torch.Tensor:
         """``autocast=False``: ``model`` runs in its own dtype (a packed pass of a bf16 copy)."""
         common = {"device": self.device, "max_tokens": self.cfg.encode_tokens, "grad": grad, "stats": self.stats}
@@ -251,8 +261,8 @@ class SoftPQNLearner:
         dones = np.ones((m, horizon), dtype=np.float32)
         next_values = torch.zeros(m, horizon, device=dev)
         state_vecs, chosen_pos, trans_rows, trans_steps = [], [], [], []
-        chosen_seqs: list[np.ndarray] = []  # every step's chosen chunks, for the one loss pass at the end
-        loss_states: list[np.ndarray] = []  # states whose loss pass (with dropout) is not queued yet
+        chosen_seqs: list[list[np.ndarray]] = []  # each step's chosen chunks, for the loss pass at the end
+        loss_states: list[list[np.ndarray]] = []  # each step's states whose loss pass (with dropout) is not queued yet
         entropies: list[np.ndarray] = []
         value_top_k = cfg.value_top_k or cfg.top_k
 
@@ -283,9 +293,9 @@ class SoftPQNLearner:
             if reuse_acting_pass:
                 state_vecs.append(states)
             else:
-                loss_states.extend(seqs)
+                loss_states.append(seqs)
                 if t > 0:  # step 0's window already holds the target chunks' pass
-                    state_vecs.append(self._embed(qnet.state_encoder, loss_states, grad=True, kind="states_grad"))
+                    state_vecs.append(self._embed_steps(qnet.state_encoder, loss_states, kind="states_grad"))
                     loss_states = []
             actions, entropy = self.sample_top_k(pending, alpha)
             entropies.append(entropy)
@@ -293,7 +303,7 @@ class SoftPQNLearner:
                 chosen_pos.append(pos[torch.arange(len(rows), device=dev), to_device(actions, dev)])
             r, d = env.step(rows, actions)
             rewards[rows, t], dones[rows, t] = r, d.astype(np.float32)
-            chosen_seqs.extend(episodes[i].chunks[a] for i, a in zip(rows, actions))
+            chosen_seqs.append([episodes[i].chunks[a] for i, a in zip(rows, actions)])
             trans_rows.append(rows)
             trans_steps.append(np.full(len(rows), t))
 
@@ -315,8 +325,11 @@ class SoftPQNLearner:
         targets = returns[rows_all, steps_all]
 
         if loss_states:  # every episode ended at step 0
-            state_vecs.append(self._embed(qnet.state_encoder, loss_states, grad=True, kind="states_grad"))
-        actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
+            state_vecs.append(self._embed_steps(qnet.state_encoder, loss_states, kind="states_grad"))
+        # The chunks chosen at different steps are alike in length: one pass, padded or not.
+        actions_vecs = self._embed(
+            qnet.action_encoder, [c for step in chosen_seqs for c in step], grad=True, kind="chosen_chunks"
+        )
         if chosen_pos:
             actions_vecs = qnet.place(actions_vecs, torch.cat(chosen_pos))
         state_vecs_all = torch.cat(state_vecs)

@@ -94,22 +94,24 @@ class SupervisedLearner(SoftPQNLearner):
         n_chunks = to_device(env.n_chunks, dev)
         orders = [self.fact_order(np.asarray(sorted({int(i) for i in s.support}), dtype=np.int64)) for s in episodes]
         # Teacher forcing fixes every step's state in advance: all of them go through the state
-        # encoder in one pass (a pass's kernel launches, not its size, bound the host).
+        # encoder at once (one packed pass: its kernel launches, not its size, bound the host).
         selected = np.zeros_like(env.selected)
-        steps, seqs = [], []  # per step: its rows and what they had selected; the states in step order
+        steps, seqs = [], []  # per step: its rows and what they had selected, and its states
         # With learner.sft_stop, each episode has one more step: the state after its last fact.
         last = 1 if self.cfg.sft_stop else 0
         for t in range(max(len(o) for o in orders) + last):
             rows = np.array([i for i, o in enumerate(orders) if len(o) + last > t], dtype=np.int64)
             steps.append((rows, selected[rows]))  # a copy: fancy indexing
-            seqs += [
-                layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])])
-                for i in rows
-            ]
+            seqs.append(
+                [
+                    layout.state(episodes[i].question, [episodes[i].chunks[j] for j in np.flatnonzero(selected[i])])
+                    for i in rows
+                ]
+            )
             for i in rows:
                 if len(orders[i]) > t:
                     selected[i, orders[i][t]] = True
-        all_states = self._embed(qnet.state_encoder, seqs, grad=True, kind="states")
+        all_states = self._embed_steps(qnet.state_encoder, seqs, kind="states")
         losses = []
         q_pos_sum, q_pos_n = torch.zeros((), device=dev), 0.0
         start = 0
