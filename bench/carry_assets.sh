@@ -3,10 +3,11 @@
 # calls read (a warm machine keeps /tmp between calls, not the carried folders). Set PY, CARRY and ASSETS first.
 
 split_large_encoder() {  # after packing: an encoder over 45 MiB (MPNet) becomes $CARRY/encoder_parts/a, b, ...
+  # Parts of 40 MiB leave a call room for the source tree beside one (the tree grows with bench/results).
   if [ "$(du -sm "$CARRY/encoder" | cut -f1)" -gt 45 ]; then
     # one `stage` call each; require_assets joins them (hash-checked) before any run
     rm -rf "$CARRY/encoder_parts"
-    $PY bench/carry_parts.py split --source "$CARRY/encoder" --out "$CARRY/encoder_parts" --part-mib 44
+    $PY bench/carry_parts.py split --source "$CARRY/encoder" --out "$CARRY/encoder_parts" --part-mib 40
     rm -rf "$CARRY/encoder"
   fi
 }

@@ -6,11 +6,11 @@
 #
 # Here, once (commit first: the results record the commit and whether the tree differed from it):
 #   bash bench/hotpot_seeds.sh pack          # .carry/hotpot: fp16 MiniLM, the QA data, provenance.env (~50 MB)
-#   PACK_ENCODER=mpnet bash bench/hotpot_seeds.sh pack   # all-mpnet-base-v2 instead, in parts (encoder_parts/a..e)
+#   PACK_ENCODER=mpnet bash bench/hotpot_seeds.sh pack   # all-mpnet-base-v2 instead, in parts (encoder_parts/a..f)
 # On a GPU machine: a call carries at most 64 MiB with the source tree, less than .carry/hotpot, so it goes
 # in parts over calls on one warm machine, each merged into $ASSETS ($WORK/assets; bench/carry_assets.sh):
 #   call 1, carry .carry/hotpot/data and .carry/hotpot/provenance.env:   bash bench/hotpot_seeds.sh stage
-#   (MPNet: one more `stage` call per part, carrying .carry/hotpot/encoder_parts/a, then b, ... e)
+#   (MPNet: one more `stage` call per part, carrying .carry/hotpot/encoder_parts/a, then b, ... f)
 #   call 2, carry .carry/hotpot/encoder (MiniLM; MPNet: nothing):        OUT=$OUT bash bench/hotpot_seeds.sh run
 # The paper's Table 3 rows, each with SEEDS seeds, in one headline per dataset with the differences between rows
 # (w/o positions is left out: the preset has none), more than one call's work; `timeout` below the call's 600 s:

@@ -7,7 +7,7 @@
 #
 # Here, once (commit first: the results record the commit and whether the tree differed from it):
 #   bash bench/longctx_seeds.sh pack        # .carry/longctx: fp16 MiniLM, bAbI, novels, essays, provenance.env
-#   PACK_ENCODER=mpnet bash bench/longctx_seeds.sh pack   # all-mpnet-base-v2 instead, in parts (encoder_parts/a..e)
+#   PACK_ENCODER=mpnet bash bench/longctx_seeds.sh pack   # all-mpnet-base-v2 instead, in parts (encoder_parts/a..f)
 # On a GPU machine: a call carries at most 64 MiB with the source tree, less than .carry/longctx, so
 # its parts go in two calls on one warm machine. Each call merges what it carried into $ASSETS
 # ($WORK/assets: a warm machine keeps /tmp between calls, not necessarily the carried folders):
