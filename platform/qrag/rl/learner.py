@@ -230,7 +230,7 @@ class SoftPQNLearner:
         longest (a GPU's padded batches are not cut by length, ``split_ratio_for``)."""
         if self.packed:
             return self._embed(model, [s for step in steps for s in step], grad=True, kind=kind)
-        return torch.cat([self._embed(model, step, grad=True, kind=kind) for step in steps if len(step)])
+        return torch.cat([self._embed(model, step, grad=True, kind=kind) for step in steps])
 
     def _encode(self, model, seqs, grad: bool, kind: str, autocast: bool = True) -> torch.Tensor:
         """``autocast=False``: ``model`` runs in its own dtype (a packed pass of a bf16 copy)."""
@@ -261,7 +261,7 @@ class SoftPQNLearner:
         dones = np.ones((m, horizon), dtype=np.float32)
         next_values = torch.zeros(m, horizon, device=dev)
         state_vecs, chosen_pos, trans_rows, trans_steps = [], [], [], []
-        chosen_seqs: list[list[np.ndarray]] = []  # each step's chosen chunks, for the loss pass at the end
+        chosen_seqs: list[np.ndarray] = []  # every step's chosen chunks, for the one loss pass at the end
         loss_states: list[list[np.ndarray]] = []  # each step's states whose loss pass (with dropout) is not queued yet
         entropies: list[np.ndarray] = []
         value_top_k = cfg.value_top_k or cfg.top_k
@@ -303,7 +303,7 @@ class SoftPQNLearner:
                 chosen_pos.append(pos[torch.arange(len(rows), device=dev), to_device(actions, dev)])
             r, d = env.step(rows, actions)
             rewards[rows, t], dones[rows, t] = r, d.astype(np.float32)
-            chosen_seqs.append([episodes[i].chunks[a] for i, a in zip(rows, actions)])
+            chosen_seqs.extend(episodes[i].chunks[a] for i, a in zip(rows, actions))
             trans_rows.append(rows)
             trans_steps.append(np.full(len(rows), t))
 
@@ -327,9 +327,7 @@ class SoftPQNLearner:
         if loss_states:  # every episode ended at step 0
             state_vecs.append(self._embed_steps(qnet.state_encoder, loss_states, kind="states_grad"))
         # The chunks chosen at different steps are alike in length: one pass, padded or not.
-        actions_vecs = self._embed(
-            qnet.action_encoder, [c for step in chosen_seqs for c in step], grad=True, kind="chosen_chunks"
-        )
+        actions_vecs = self._embed(qnet.action_encoder, chosen_seqs, grad=True, kind="chosen_chunks")
         if chosen_pos:
             actions_vecs = qnet.place(actions_vecs, torch.cat(chosen_pos))
         state_vecs_all = torch.cat(state_vecs)

@@ -114,10 +114,9 @@ class SupervisedLearner(SoftPQNLearner):
         all_states = self._embed_steps(qnet.state_encoder, seqs, kind="states")
         losses = []
         q_pos_sum, q_pos_n = torch.zeros((), device=dev), 0.0
-        start = 0
-        for t, (rows, selected_before) in enumerate(steps):
+        step_states = all_states.split([len(rows) for rows, _ in steps])
+        for t, ((rows, selected_before), states) in enumerate(zip(steps, step_states)):
             rows_t = to_device(rows, dev)
-            states, start = all_states[start : start + len(rows)], start + len(rows)
             sel = to_device(selected_before, dev)
             q = QNetwork.twin_scores(
                 states, qnet.place(chunk_vecs[rows_t], qnet.positions(sel, n_chunks[rows_t]))
