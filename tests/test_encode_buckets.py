@@ -196,5 +196,8 @@ def test_the_training_bench_measures_the_cut_both_ways(tiny_encoder, tmp_path):
     assert prof["updates"] == 1 and prof["wall_s_per_update"] > 0
     assert prof["gpu_busy_share"] is None  # no GPU here: said, not made up
     ops = {row["op"] for row in prof["top_host_ops"]}
-    assert any("addmm" in op or "linear" in op or "matmul" in op for op in ops), ops  # the encoders ran in it
+    # The encoders ran in it: one of their operators is among the top 15 by host time (which ones rank
+    # there moves with the machine's load; with the loss's passes shared, the matmuls can drop out).
+    encoder_ops = ("addmm", "linear", "matmul", "softmax", "layer_norm", "gelu")
+    assert any(name in op for op in ops for name in encoder_ops), ops
     assert 0 < prof["host_self_s_per_update"] <= prof["wall_s_per_update"] * 1.05
