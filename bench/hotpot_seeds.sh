@@ -30,6 +30,9 @@ CARRY=${CARRY:-.carry/hotpot}
 # configs/hotpot.yaml (the README's HotpotQA row) trains on HotpotQA alone, so MuSiQue is out of
 # distribution; CONFIG=configs/hotpot-mixed.yaml trains on 150 MuSiQue train questions too (not OOD).
 CONFIG=${CONFIG:-configs/hotpot.yaml}
+# What val and dev are read from (default CONFIG): configs/hotpot.yaml scores a hotpot-mixed run on the
+# HotpotQA questions alone, the same val part (ids hashed alike) that HotpotQA-only runs held out.
+EVAL_CONFIG=${EVAL_CONFIG:-$CONFIG}
 SEEDS=${SEEDS:-0 1 2}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/platform PYTHONUNBUFFERED=1
@@ -68,11 +71,11 @@ settings="model.encoder=${ENCODER:-$ASSETS/encoder} device=$DEVICE out_dir=$WORK
 limit=${LIMIT:+--limit $LIMIT}
 evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset's T), MuSiQue dev out of distribution (T = 4)
   # val (the part of train each run held out) per question: what a preset's objective is chosen on.
-  $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --split val $limit --no-progress \
+  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --split val $limit --no-progress \
     --out "$WORK/val_$2.json" "${@:3}"
-  $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
+  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
     --out "$WORK/hotpot_$2.json" "${@:3}"
-  $PY -m qrag eval --config "$CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
+  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
     --no-progress --out "$WORK/musique_$2.json" "${@:3}"
   touch "$WORK/done/$2"  # all three written whole: a later call skips them
 }
@@ -86,13 +89,21 @@ print(OBJECTIVE_NAMES[load_config(sys.argv[1]).learner.objective].replace(" ", "
 . "$(dirname "$0")/variants.sh"
 if [ "$VARIANTS" = "$TABLE3_VARIANTS" ]; then VARIANTS=$(for v in $VARIANTS; do [ "${v%%:*}" = w/o_positions ] || echo "$v"; done); fi
 max_running=${PER_GPU:-12}
+# SEARCHES: more ways to search each trained checkpoint, rows of their own beside the preset's search, in the
+# format of VARIANTS (LABEL:key=value,...; e.g. beam_4_logprob:search.beam_width=4,search.beam_score=logprob).
+SEARCHES=${SEARCHES:-}
+searched() {  # tag seed: every evaluation of that run is done
+  local search
+  [ -f "$WORK/done/$1s$2" ] || return 1
+  for search in $SEARCHES; do [ -f "$WORK/done/$1$(label_slug "$(variant_label "$search")")-s$2" ] || return 1; done
+}
 for variant in $VARIANTS; do
   label=$(variant_label "$variant")
   vargs=$(variant_overrides "$variant")
   # The preset keeps the names it always had (seed0, hotpot_s0.json); a variant's are prefixed by its label.
   if [ "$label" = Q-RAG ]; then tag=""; else tag="$(label_slug "$label")-"; fi
   for S in $SEEDS; do
-    [ -f "$WORK/done/${tag}s$S" ] && continue
+    searched "$tag" "$S" && continue
     make_room
     (
       run=$WORK/runs/${tag}seed$S
@@ -102,7 +113,13 @@ for variant in $VARIANTS; do
         $PY -m qrag train --config "$CONFIG" name="${tag}seed$S" seed="$S" data.seed="$S" $settings $vargs \
           --no-progress ${latest:+--resume "$latest"}
       fi
-      evaluate "$run/best" "${tag}s$S" --label "$label"
+      [ -f "$WORK/done/${tag}s$S" ] || evaluate "$run/best" "${tag}s$S" --label "$label"
+      for search in $SEARCHES; do
+        slabel=$(variant_label "$search")
+        name="${tag}$(label_slug "$slabel")-s$S"
+        # shellcheck disable=SC2046  # the search's overrides are words
+        [ -f "$WORK/done/$name" ] || evaluate "$run/best" "$name" --label "$label $slabel" $(variant_overrides "$search")
+      done
     ) >> "$WORK/${tag}seed$S.log" 2>&1 &
   done
 done

@@ -16,7 +16,7 @@ from qrag.config import ConfigError, TrainConfig, choices, from_dict, load_confi
     "override,key,allowed",
     [
         ("model.positions=relativ", "model.positions", "none, absolute, relative"),
-        ("search.beam_score=mn", "search.beam_score", "min, last"),
+        ("search.beam_score=mn", "search.beam_score", "min, last, logprob"),
         ("learner.objective=ppo", "learner.objective", "pqn, sft, sft_trajectory"),
         ("data.dataset=hotpot", "data.dataset", "hotpotqa, musique, 2wiki, jsonl, babilong, niah, mixed"),
         ("env.reward=final", "env.reward", "terminal, per_fact"),

@@ -89,6 +89,67 @@ def test_min_rule_follows_greedy_when_later_steps_are_capped(setup, monkeypatch)
         retriever.retrieve(samples[:1], SearchConfig(max_steps=2, beam_width=2, beam_score="mean"))
 
 
+def scripted_by_path(retriever, monkeypatch, table):
+    """Q of every chunk given the chunks already chosen: ``table[frozenset(chosen)]``."""
+
+    def score(states, chunk_vecs, selected, n_chunks, block=None, positions=None):
+        rows = [table[frozenset(np.flatnonzero(row.numpy()).tolist())] for row in selected]
+        return torch.tensor(rows, dtype=torch.float32)
+
+    monkeypatch.setattr(retriever, "score", score)
+
+
+LOW = -50.0  # a chunk no path should take
+
+
+def test_logprob_rule_ranks_paths_by_the_policys_probability(setup, monkeypatch):
+    """After chunk 0 the next pick is a coin toss among four; after chunk 1 it is near certain, at a
+    lower level of Q. min follows the higher first-step Q and its higher (but flat) later Qs to
+    {0, 1}; logprob takes the path the policy is surest of, {1, 2}. Planted bugs caught: each step
+    normalised over the chosen chunk alone (every log-probability 0: ties go to greedy), the
+    normaliser left out (logprob becomes the sum of Qs: {0, 1} again)."""
+    retriever, samples = setup  # samples[0] has 5 chunks
+    scripted_by_path(
+        retriever,
+        monkeypatch,
+        {
+            frozenset(): [1.0, 0.9, LOW, LOW, LOW],
+            frozenset({0}): [LOW, 0.0, 0.0, 0.0, 0.0],
+            frozenset({1}): [LOW, LOW, -5.0, -12.0, -12.0],
+        },
+    )
+    by_rule = {
+        rule: retriever.retrieve(
+            samples[:1], SearchConfig(max_steps=2, beam_width=2, beam_score=rule, beam_temperature=1.0)
+        )[0].selected
+        for rule in ("min", "logprob")
+    }
+    assert by_rule == {"min": [0, 1], "logprob": [1, 2]}
+    with pytest.raises(ValueError, match="beam_temperature"):
+        retriever.retrieve(
+            samples[:1], SearchConfig(max_steps=2, beam_width=2, beam_score="logprob", beam_temperature=0)
+        )
+
+
+def test_logprob_rule_charges_a_stopped_path_its_stop(setup, monkeypatch):
+    """With a threshold the stop is one more option (Q = the threshold). {0} stops at step 2, where
+    its stop has probability 1/(1 + 4/e) ≈ 0.40; {1, 0} goes on at probability ≈ 0.52: the longer path
+    is more probable. Planted bug caught: a stopped path keeps its parent's score (then {0} wins)."""
+    retriever, samples = setup
+    scripted_by_path(
+        retriever,
+        monkeypatch,
+        {
+            frozenset(): [1.0, 0.9, LOW, LOW, LOW],
+            frozenset({0}): [LOW, -1.0, -1.0, -1.0, -1.0],
+            frozenset({1}): [0.1, LOW, LOW, LOW, LOW],
+        },
+    )
+    cfg = SearchConfig(max_steps=2, beam_width=2, beam_score="logprob", beam_temperature=1.0, stop_threshold=0.0)
+    [r] = retriever.retrieve(samples[:1], cfg)
+    assert r.selected == [1, 0] and not r.stopped_early
+
+
 @pytest.mark.parametrize("beam_width", [1, 3])
 def test_stop_threshold(setup, monkeypatch, beam_width):
     """Scripted Qs that fall step by step (0.9, 0.5, 0.2): every threshold case runs, whatever the

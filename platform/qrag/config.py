@@ -41,7 +41,7 @@ class Pattern:
 Device = Annotated[str, Pattern(r"auto|cpu|cuda(:\d+)?", "auto | cpu | cuda | cuda:N")]
 Dataset = Literal["hotpotqa", "musique", "2wiki", "jsonl", "babilong", "niah", "mixed"]  # = qrag.data.LOADERS
 PositionsMode = Literal["none", "absolute", "relative"]  # = qrag.model.positions.MODES
-BeamScore = Literal["min", "last"]  # = qrag.retrieval.multistep.BEAM_SCORES
+BeamScore = Literal["min", "last", "logprob"]  # = qrag.retrieval.multistep.BEAM_SCORES
 
 
 def choices(annotation: Any) -> tuple[str, ...]:
@@ -293,7 +293,14 @@ class SearchConfig:
         "min",
         "How beam search ranks a path: min = the lowest Q along it (an exact Q satisfies Q_t >= γ·Q_{t+1}, "
         "so this is the last step's Q, capped where a later estimate exceeds what an earlier one allows); "
-        "last = the Q of its last step only (measured below greedy; see qrag.retrieval.multistep).",
+        "last = the Q of its last step only (measured below greedy; see qrag.retrieval.multistep); "
+        "logprob = the sum of its steps' log-softmax(Q/beam_temperature), the policy's log-probability "
+        "of the path (what a supervised learner's softmax makes comparable across states).",
+    )
+    beam_temperature: float = opt(
+        0.05,
+        "beam_score=logprob: the policy's temperature τ; match the learner's (learner.sft_temperature for the "
+        "supervised objectives, learner.alpha for soft PQN).",
     )
     stop_threshold: float | None = opt(None, "Stop when the best available Q falls below this value.")
     chunk_batch: int = opt(4096, "Chunks embedded per encoder call (caps peak memory on long contexts).")

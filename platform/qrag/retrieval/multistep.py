@@ -23,6 +23,14 @@ Q(s_t, a_t) = γ·V(s_{t+1}) ≥ γ·Q(s_{t+1}, a_{t+1}) (the soft value is at l
   the earlier, better-trained estimate caps it.
 * ``last``: the Q of the last step alone. It trusts exactly those off-policy over-estimates and
   measured far below greedy (docs/benchmarks.md, "Quality: HotpotQA and MuSiQue").
+* ``logprob``: the path's log-probability under the policy π(a|s) = softmax(Q(s, ·)/τ)
+  (``search.beam_temperature``), summed over its steps. This is what a supervised learner trains:
+  its softmax leaves the level of Q free from state to state, so comparing Qs of different states
+  (``min``, ``last``) compares numbers that were never made comparable, while each step's
+  log-softmax is. Each step is normalised over its state's best ``LOGPROB_TOP_K`` available chunks
+  (what a backend returns; at the learners' temperatures the rest holds no mass) and, with a
+  ``stop_threshold``, the stop as one more option of Q = the threshold: a path that stops adds the
+  stop's log-probability, so a stopped path and a longer one are compared on the same footing.
 
 Ties go to the path whose last step has the higher Q (then to the better parent), so beam search
 follows greedy's choice unless another path scores strictly higher. For T = 2 the greedy path is
@@ -65,23 +73,68 @@ class Retrieval:
         return [s.chunk for s in self.steps]
 
 
-# How a path's score follows from its parent's score and the Q of its new last step.
+LOGPROB_TOP_K = 32  # candidates per state that normalise a ``logprob`` step
+
+
+class QBound:
+    """``min`` and ``last``: a path scores by the Qs along it (``combine(parent, q)``); the empty
+    path scores +inf, and a path that ends keeps its score."""
+
+    start = float("inf")
+
+    def __init__(self, combine: Callable[[float, float], float]):
+        self.combine = combine
+
+    def extend(self, parent: float, q: float, row_q: np.ndarray, stop: float | None) -> float:
+        return self.combine(parent, q)
+
+    def end(self, parent: float, row_q: np.ndarray, stop: float | None) -> float:
+        return parent
+
+
+class LogProb:
+    """``logprob``: the sum of the steps' log π(a|s) = Q/τ − logsumexp over the state's candidates
+    (``row_q``, its finite top-k Qs, and the stop's Q where there is a threshold)."""
+
+    start = 0.0
+
+    def __init__(self, temperature: float):
+        if not temperature > 0:
+            raise ValueError(f"search.beam_temperature must be > 0, got {temperature}")
+        self.tau = temperature
+
+    def _log_norm(self, row_q: np.ndarray, stop: float | None) -> float:
+        logits = row_q / self.tau if stop is None else np.append(row_q, stop) / self.tau
+        top = float(logits.max())
+        return top + float(np.log(np.exp(logits - top).sum()))
+
+    def extend(self, parent: float, q: float, row_q: np.ndarray, stop: float | None) -> float:
+        return parent + q / self.tau - self._log_norm(row_q, stop)
+
+    def end(self, parent: float, row_q: np.ndarray, stop: float | None) -> float:
+        if stop is None or not len(row_q):  # out of chunks: nothing else was possible
+            return parent
+        return parent + stop / self.tau - self._log_norm(row_q, stop)
+
+
+# How a path's score follows from its parent's and its new last step (or its end).
 BEAM_SCORES = {
-    "min": lambda parent, q: min(parent, q),
-    "last": lambda parent, q: q,
+    "min": lambda cfg: QBound(min),
+    "last": lambda cfg: QBound(lambda parent, q: q),
+    "logprob": lambda cfg: LogProb(cfg.beam_temperature),
 }
 
 
-def beam_rule(name: str) -> Callable[[float, float], float]:
-    if name not in BEAM_SCORES:
-        raise ValueError(f"search.beam_score must be one of {', '.join(BEAM_SCORES)}, got {name!r}")
-    return BEAM_SCORES[name]
+def beam_rule(cfg: SearchConfig) -> QBound | LogProb:
+    if cfg.beam_score not in BEAM_SCORES:
+        raise ValueError(f"search.beam_score must be one of {', '.join(BEAM_SCORES)}, got {cfg.beam_score!r}")
+    return BEAM_SCORES[cfg.beam_score](cfg)
 
 
 @dataclass
 class _Beam:
     steps: list[Step] = field(default_factory=list)
-    score: float = float("inf")
+    score: float = float("inf")  # the rule's start for the empty path (SearchRun sets it)
     finished: bool = False
 
     @property
@@ -110,10 +163,11 @@ class SearchRun:
         chunks: Sequence[np.ndarray] | None = None,
     ):
         self.question, self.layout, self.cfg, self.n_total, self.chunks = question, layout, cfg, n_total, chunks
-        self.rule = beam_rule(cfg.beam_score)
+        self.rule = beam_rule(cfg)
         self.width = max(1, cfg.beam_width)
-        self.k = min(n_total, max(self.width, cfg.alternatives + 1))
-        self.beams: list[_Beam] = [_Beam()]
+        normalising = LOGPROB_TOP_K if isinstance(self.rule, LogProb) and self.width > 1 else 0
+        self.k = min(n_total, max(self.width, cfg.alternatives + 1, normalising))
+        self.beams: list[_Beam] = [_Beam(score=self.rule.start)]
         self.records: dict[int, ChunkRecord] = {}
         self.steps_done = 0
 
@@ -138,9 +192,10 @@ class SearchRun:
         for row, b in enumerate(live):
             q, ids = merged.q[row], merged.ids[row]
             finite = np.isfinite(q)
+            row_q = q[finite]
             # No chunk left, or even the best one is below the threshold: the path ends here.
             if not finite.any() or (stop is not None and q[0] < stop):
-                candidates.append(_Beam(b.steps, b.score, True))
+                candidates.append(_Beam(b.steps, self.rule.end(b.score, row_q, stop), True))
                 continue
             for j in range(min(self.width, int(finite.sum()))):
                 qj = float(q[j])
@@ -149,7 +204,7 @@ class SearchRun:
                 alts = [(int(ids[a]), float(q[a])) for a in range(len(ids)) if a != j and finite[a]]
                 pos = None if merged.pos is None else float(merged.pos[row][j])
                 step = Step(int(ids[j]), qj, pos, alts[: cfg.alternatives])
-                candidates.append(_Beam([*b.steps, step], self.rule(b.score, qj)))
+                candidates.append(_Beam([*b.steps, step], self.rule.extend(b.score, qj, row_q, stop)))
         kept: list[_Beam] = []
         seen: set[frozenset[int]] = set()
         for cand in sorted(candidates, key=_rank):  # stable: equal keys keep the parents' order
