@@ -180,7 +180,7 @@ def test_dead_runner_and_crashed_learner_do_not_stop_the_run(cluster, tiny_encod
 def test_resubmitting_a_failed_run_resumes_it(cluster, tiny_encoder, hotpot_file, tmp_path):
     out = tmp_path / "runs"
     # keep_best with an evaluation every update: the best checkpoint chosen before the crash
-    # must survive it (the resumed run restores best_f1 and may never choose another).
+    # must survive it (the resumed run restores its selection key and may never choose another).
     args = _args(
         tiny_encoder,
         hotpot_file,

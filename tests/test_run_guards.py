@@ -70,3 +70,27 @@ def test_the_reported_checkpoint_is_the_one_whose_weights_are_evaluated(run_cfg,
         live = getattr(run.qnet, name).state_dict()
         assert all(torch.equal(v, getattr(best, name).state_dict()[k]) for k, v in live.items()), name
         assert not all(torch.equal(v, getattr(final, name).state_dict()[k]) for k, v in live.items()), name
+
+
+def test_keep_best_breaks_a_fact_f1_tie_by_fact_em_and_resumes_with_it(run_cfg, monkeypatch, tmp_path):
+    """Updates 1 and 2 tie on val Fact F1; update 2 has the higher Fact EM and is kept; update 3 ties
+    update 2 on both and leaves it. The key comes back with a resumable checkpoint. Planted bugs
+    caught: selection on Fact F1 alone (update 1 kept), a tie on both taking the later checkpoint,
+    the key not saved (a resumed run would choose again from nothing)."""
+    run_cfg.checkpoint_every = 1
+    run = TrainingRun(run_cfg)
+    scores = iter([(0.5, 0.4), (0.5, 0.5), (0.5, 0.5)])
+    real = TrainingRun.evaluate
+
+    def fake(self, limit=None, search=None, split="dev", credit=None):
+        result = real(self, limit, search, split, credit)
+        if split == "val":
+            result.summary["fact_f1"], result.summary["fact_em"] = next(scores)
+        return result
+
+    monkeypatch.setattr(TrainingRun, "evaluate", fake)
+    chosen: list[int] = []
+    run.run(report=lambda step, metrics: chosen.append(step) if "eval/best_fact_f1" in metrics else None)
+    assert chosen == [1, 2] and run.best == (0.5, 0.5)
+    resumed = TrainingRun(run_cfg, resume=run.checkpoint_dir(2))
+    assert resumed.best == (0.5, 0.5)

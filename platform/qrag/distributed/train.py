@@ -193,7 +193,7 @@ class _Reporter:
         name = path.relative_to(self.run.run_dir).as_posix()
         if name == "best":
             # keep_best: an inference-only checkpoint, not one to resume from. Stored as soon as it
-            # is chosen, so that a restarted learner (whose best_f1 comes back with its
+            # is chosen, so that a restarted learner (whose selection key comes back with its
             # checkpoint) still has it.
             copy_files(str(path), f"{self.run_dir}/best")
             return

@@ -242,7 +242,10 @@ def checkpoint_selection(checkpoint: str, run_cfg) -> str:
             if run_cfg.data.val_fraction
             else "the dev split (data.val_fraction=0: optimistic)"
         )
-        return f"checkpoint: keep_best's, the best periodic Fact F1 on {split}; dev: never used for choosing"
+        return (
+            f"checkpoint: keep_best's, the best periodic Fact F1 on {split} (ties: Fact EM); "
+            "dev: never used for choosing"
+        )
     if name == "final":
         return "checkpoint: the run's last (no choice among checkpoints)"
     return f"checkpoint: {name}, given (what chose it is not recorded in it)"
