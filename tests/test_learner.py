@@ -304,3 +304,26 @@ def test_several_steps_share_a_pass_only_where_nothing_is_padded(tiny_encoder, m
     with torch.no_grad():
         alone = torch.cat([learner._encode(learner.qnet.state_encoder, [s], False, "check") for s in short + long])
     assert torch.allclose(vectors, alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_padded_passes_take_their_own_token_budget(tiny_encoder, monkeypatch, packed):
+    """learner.padded_tokens bounds the padded passes' batches and learner.encode_tokens the packed
+    ones': a preset's wide packed budget (configs/hotpot.yaml) must not widen the padded batches of
+    an encoder that cannot pack, which a GPU does not cut by length. Planted bug caught: the padded
+    passes given encode_tokens (their batches as wide as the packed budget)."""
+    import qrag.rl.learner as learner_mod
+
+    budgets: list[tuple[str, int]] = []
+    for name in ("encode", "encode_packed"):  # the learner's own imports of the two passes
+        real = getattr(learner_mod, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            budgets.append((_name, kw["max_tokens"]))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(learner_mod, name, spy)
+    learner, tok, layout = _learner(tiny_encoder, packed=packed, encode_tokens=131072, padded_tokens=64)
+    learner.train_update(_episodes(tok, layout))
+    wanted = ("encode_packed", 131072) if packed else ("encode", 64)
+    assert budgets and set(budgets) == {wanted}

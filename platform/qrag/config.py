@@ -255,7 +255,15 @@ class LearnerConfig:
     soft_q: bool = opt(True, "Soft value V = α·logsumexp(Q'/α); False uses max Q' (ablation 'w/o soft-Q').")
     use_target: bool = opt(True, "EMA target encoders for V; False bootstraps from the online encoders (ablation).")
     encode_tokens: int = opt(
-        32768, "Tokens per encoder batch: padded (length-bucketed), or real tokens with learner.packed."
+        32768,
+        "Real tokens per batch of the learner's packed passes (learner.packed), and padded tokens per batch of "
+        "evaluation's encoder calls.",
+    )
+    padded_tokens: int = opt(
+        32768,
+        "Padded tokens per batch of the learner's padded passes (length-bucketed): encoders that cannot pack "
+        "(e.g. MPNet), and the CPU. Kept apart from encode_tokens: a GPU's padded batch is not cut by length, so "
+        "a packed budget as wide as a preset's pads each batch to its longest sequence.",
     )
     graphs: bool = opt(
         True,
@@ -444,7 +452,8 @@ class TrainConfig:
     checkpoint_every: int = opt(0, "Write a resumable checkpoint every N updates (0 = only at the end).")
     keep_best: bool = opt(
         False,
-        "Keep the checkpoint with the best periodic eval Fact F1 (on data.val_fraction of train; required > 0) "
+        "Keep the checkpoint with the best periodic eval Fact F1, ties broken by Fact EM (on data.val_fraction of "
+        "train; required > 0) "
         "in <run>/best and report it at the end.",
     )
     log_every: int = opt(10, "Log training metrics every N updates.")

@@ -159,7 +159,7 @@ class SoftPQNLearner:
         self.packed = wanted and self.unpacked_reason is None
         # Padded passes without gradients replay from CUDA graphs; packed ones need no padding.
         graphs = cfg.graphs and on_gpu and not self.packed
-        self.graphed = GraphedPasses(qnet, layout.pad_id, device, cfg.encode_tokens) if graphs else None
+        self.graphed = GraphedPasses(qnet, layout.pad_id, device, cfg.padded_tokens) if graphs else None
         copies = cfg.bf16_copies if cfg.bf16_copies is not None else on_gpu
         self.bf16 = Bf16Copies() if copies and self.packed else None
 
@@ -234,11 +234,11 @@ class SoftPQNLearner:
 
     def _encode(self, model, seqs, grad: bool, kind: str, autocast: bool = True) -> torch.Tensor:
         """``autocast=False``: ``model`` runs in its own dtype (a packed pass of a bf16 copy)."""
-        common = {"device": self.device, "max_tokens": self.cfg.encode_tokens, "grad": grad, "stats": self.stats}
+        common = {"device": self.device, "grad": grad, "stats": self.stats, "kind": kind}
         if self.packed:
-            pooled = encode_packed(model, seqs, kind=kind, autocast=autocast, **common)
+            pooled = encode_packed(model, seqs, max_tokens=self.cfg.encode_tokens, autocast=autocast, **common)
         else:
-            pooled = encode(model, seqs, pad_id=self.layout.pad_id, kind=kind, **common)
+            pooled = encode(model, seqs, pad_id=self.layout.pad_id, max_tokens=self.cfg.padded_tokens, **common)
         return self.qnet.finish(pooled)
 
     def _rollout_and_backward(self, episodes: Sequence[TokenizedSample], alpha: float) -> dict:
