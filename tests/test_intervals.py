@@ -65,3 +65,24 @@ def test_a_difference_is_called_only_when_its_interval_excludes_zero():
 def test_an_empty_seed_is_an_error():
     with pytest.raises(ValueError):
         bootstrap_interval([[1.0, 0.0], []])
+
+
+def test_a_paired_difference_sees_a_few_questions_move_one_way():
+    """Rows b = rows a with 6 of 300 questions per seed fixed and none broken (a search change on the
+    same checkpoints): paired, +2 points is called; each side on its own, the spread of the questions
+    both get right or wrong alike hides it. Planted bug caught: ``paired`` ignored (unpaired either way)."""
+    rng = np.random.default_rng(7)
+    a = [(rng.random(300) < 0.75).astype(float) for _ in range(3)]
+    b = []
+    for seed in a:
+        fixed = seed.copy()
+        fixed[np.flatnonzero(seed == 0)[:6]] = 1.0
+        b.append(fixed)
+    paired = difference_interval(b, a, paired=True)
+    alone = difference_interval(b, a)
+    assert paired.mean == pytest.approx(alone.mean) == pytest.approx(0.02)
+    assert paired.low > 0 and not alone.excludes(0.0)
+    same = difference_interval(a, a, paired=True)
+    assert (same.low, same.high) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="paired"):
+        difference_interval(a, a[:2], paired=True)

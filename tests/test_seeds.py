@@ -219,6 +219,8 @@ def test_several_methods_seeds_combine_each_and_are_compared(tmp_path):
     calls = {(d["a"], d["b"]): d["called"] for d in out["differences"]}
     assert calls[("Q-RAG", "w/o target")] == "Q-RAG > w/o target"
     assert calls[("Q-RAG", "w/o soft-Q")] == "no difference shown"
+    # Same questions, as many seeds: compared question by question, seed i against seed i.
+    assert all(d["paired"] for d in out["differences"])
     from qrag.evaluation.report import build_report
 
     path = tmp_path / "table3.json"
@@ -226,6 +228,9 @@ def test_several_methods_seeds_combine_each_and_are_compared(tmp_path):
     text = build_report([path], tmp_path / "rep").text()
     assert "w/o target" in text and "Q-RAG > w/o target" in text
 
+    # One seed against three cannot be paired seed for seed: each side is resampled on its own.
+    untrained = combine_files([*files, write_summary(tmp_path, "u", "untrained", 0.5, 40)], replicates=50)
+    assert {(d["a"], d["b"]): d["paired"] for d in untrained["differences"]}[("Q-RAG", "untrained")] is False
     files.append(write_summary(tmp_path, "other", "SFT", 0.9, 30, ids=[f"x{i}" for i in range(80)]))
     with pytest.raises(DataError, match="other questions"):
         combine_files(files, replicates=50)

@@ -10,7 +10,12 @@ bootstrap). With one seed only the questions are resampled, and the interval say
 seed-to-seed variation: result files record the number of seeds beside every interval.
 
 A difference between two figures is called a difference only when the bootstrap of the
-difference (each side resampled on its own) puts 0 outside its interval.
+difference puts 0 outside its interval. Rows scored on the same questions with as many seeds are
+**paired**: the two-stage bootstrap runs over the per-question differences, seed i of one row
+against seed i of the other (the same checkpoint where the rows are two searches of it), so a
+change that moves a few questions one way is not drowned by the spread of the questions both rows
+get right or wrong alike. Otherwise each side is resampled on its own (wider wherever the two rows
+agree on most questions).
 """
 
 from __future__ import annotations
@@ -89,11 +94,22 @@ def bootstrap_interval(
 
 
 def difference_interval(
-    a_by_seed: ScoresBySeed, b_by_seed: ScoresBySeed, level: float = LEVEL, replicates: int = REPLICATES, seed: int = 0
+    a_by_seed: ScoresBySeed,
+    b_by_seed: ScoresBySeed,
+    level: float = LEVEL,
+    replicates: int = REPLICATES,
+    seed: int = 0,
+    paired: bool = False,
 ) -> Interval:
-    """Figure a minus figure b, each side bootstrapped on its own (no pairing assumed: the
-    interval is at least as wide as a paired one would be). ``seeds``/``questions`` are a's."""
+    """Figure a minus figure b. ``paired``: seed i of a and seed i of b scored the same questions in
+    the same order, and the bootstrap resamples their per-question differences (module docstring);
+    else each side is bootstrapped on its own. ``seeds``/``questions`` are a's."""
     a, b = _arrays(a_by_seed), _arrays(b_by_seed)
     rng = np.random.default_rng(seed)
+    if paired:
+        if [len(x) for x in a] != [len(y) for y in b]:
+            raise ValueError("a paired difference needs as many seeds on each side, each with as many questions")
+        d = [x - y for x, y in zip(a, b)]
+        return _interval(_pooled_mean(d), replicate_means(d, replicates, rng), level, a)
     draws = replicate_means(a, replicates, rng) - replicate_means(b, replicates, rng)
     return _interval(_pooled_mean(a) - _pooled_mean(b), draws, level, a)

@@ -44,7 +44,8 @@ DIFFERENCE_METRIC = "fact_em"
 PER_SEED = ("threshold", "threshold_val_fact_f1", "oracle_val_fact_f1", "threshold_val_questions")
 METHOD = (
     "two-stage percentile bootstrap: training seeds with replacement, then each drawn seed's questions "
-    "with replacement; the figure is the mean over all questions of all seeds"
+    "with replacement; the figure is the mean over all questions of all seeds; a difference marked paired "
+    "resamples the per-question differences of two rows asked the same questions, seed i against seed i"
 )
 
 
@@ -96,25 +97,37 @@ def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates
 
 
 def _differences(
-    rows: list[dict[str, Any]], by_key: dict[tuple, list[list[float]]], replicates: int
+    rows: list[dict[str, Any]],
+    by_key: dict[tuple, list[list[float]]],
+    ids_by_key: dict[tuple, list[list[str]]],
+    replicates: int,
 ) -> list[dict[str, Any]]:
     out = []
     cells = sorted({(r["task"], r["length"]) for r in rows})
     models = list(dict.fromkeys(r["model"] for r in rows))
     for task, length in cells:
         present = {m: by_key[(m, task, length)] for m in models if (m, task, length) in by_key}
-        out += pairwise_differences(present, replicates, task=task, length=length)
+        ids = {m: ids_by_key[(m, task, length)] for m in present}
+        out += pairwise_differences(present, replicates, ids, task=task, length=length)
     return out
 
 
-def pairwise_differences(scores: dict[str, list[list[float]]], replicates: int, **where: Any) -> list[dict[str, Any]]:
+def pairwise_differences(
+    scores: dict[str, list[list[float]]],
+    replicates: int,
+    ids: dict[str, list[list[str]]] | None = None,
+    **where: Any,
+) -> list[dict[str, Any]]:
     """Every pair of models (in order) on Fact EM: a - b, its interval and what it allows one to say;
-    ``where`` (a length sweep's task and length) leads each entry."""
+    ``where`` (a length sweep's task and length) leads each entry. ``ids``: each model's question ids
+    per seed; two models whose seeds were asked the same questions, seed for seed, are compared
+    paired (:func:`qrag.evaluation.intervals.difference_interval`)."""
     names = list(scores)
     out = []
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
-            iv = difference_interval(scores[a], scores[b], replicates=replicates)
+            paired = ids is not None and a in ids and b in ids and ids[a] == ids[b]
+            iv = difference_interval(scores[a], scores[b], replicates=replicates, paired=paired)
             out.append(
                 {
                     **where,
@@ -123,6 +136,7 @@ def pairwise_differences(scores: dict[str, list[list[float]]], replicates: int, 
                     "b": b,
                     "difference": iv.mean,
                     "ci": [iv.low, iv.high],
+                    "paired": paired,
                     "called": called(iv, a, b),
                 }
             )
@@ -152,6 +166,7 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
     grouped.update(_task_means(grouped))
     rows = [_combine_rows(key, group, replicates) for key, group in grouped.items()]
     by_key = {key: [r["per_question"][DIFFERENCE_METRIC] for _, r in group] for key, group in grouped.items()}
+    ids_by_key = {key: [r["per_question"]["id"] for _, r in group] for key, group in grouped.items()}
     base = dict(tables[-1][1])
     for k in ("rows", "training", "machine", "selection"):
         base.pop(k, None)
@@ -166,7 +181,7 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
         "combined_from": sources,
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "rows": rows,
-        "differences": _differences(rows, by_key, replicates),
+        "differences": _differences(rows, by_key, ids_by_key, replicates),
     }
 
 
@@ -273,6 +288,7 @@ def combine_summaries(
                 "with each other must be asked the same questions"
             )
     scores = {name: [c[DIFFERENCE_METRIC] for c in cols] for name, cols in columns.items()}
+    ids = {name: [c["id"] for c in cols] for name, cols in columns.items()}
     dataset, split = next(iter(kinds))
     return {
         "kind": "methods",
@@ -282,7 +298,7 @@ def combine_summaries(
         **_joint_provenance([_source(file, s) for file, s, _ in summaries]),
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "methods": [{**m, "label": name} for name, m in methods.items()],
-        "differences": pairwise_differences(scores, replicates),
+        "differences": pairwise_differences(scores, replicates, ids),
     }
 
 
