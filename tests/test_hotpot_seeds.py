@@ -43,6 +43,8 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
         "OUT": str(out),
         "SEEDS": "0",
         "VARIANTS": "Q-RAG:learner.objective=pqn SFT:",  # the preset trains SFT
+        # Each checkpoint searched a second way: rows of their own, not trained again.
+        "SEARCHES": "beam_2_logprob:search.beam_width=2,search.beam_score=logprob",
         "EVERY": "2",
         "LIMIT": "8",
         "OMP_NUM_THREADS": "1",
@@ -75,11 +77,15 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
         assert first and second and second[0] > 2 and second[-1] == 8, (first, second)  # went on, not from 0
     assert {"hotpot_headline.json", "musique_headline.json", "val_headline.json"} <= {p.name for p in out.iterdir()}
     val = json.loads((out / "val_headline.json").read_text())
-    assert {m["label"] for m in val["methods"]} == {"Q-RAG", "SFT"} and val["differences"]
+    labels = {"Q-RAG", "SFT", "Q-RAG beam 2 logprob", "SFT beam 2 logprob"}
+    assert {m["label"] for m in val["methods"]} == labels and val["differences"]
+    searched = {m["label"]: m["search"] for m in val["methods"]}
+    assert searched["SFT beam 2 logprob"]["beam_score"] == "logprob" and searched["SFT"]["beam_width"] == 1
+    assert all(d["paired"] for d in val["differences"])  # one seed each, the same questions
 
     # A third call finds every evaluation done: nothing trained or evaluated again, the tables written again.
     finished = {p.name: p.stat().st_mtime_ns for p in (work / "done").iterdir()}
-    assert set(finished) == {"s0", "sft-s0", "untrained"}
+    assert set(finished) == {"s0", "sft-s0", "beam-2-logprob-s0", "sft-beam-2-logprob-s0", "untrained"}
     (out / "hotpot_headline.json").unlink()
     done = subprocess.run(SCRIPT, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

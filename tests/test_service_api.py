@@ -13,6 +13,7 @@ from qrag.config import SearchConfig
 from qrag.retrieval.embedder import load_embedding_model, resolve_source
 from qrag.serving.http_api import build_api
 from qrag.index.local import LocalIndex
+from qrag.serving.retrieval import RetrieveParams
 from qrag.serving.service import local_service
 from qrag.serving.service_config import ServeConfig
 
@@ -113,6 +114,17 @@ def test_corpus_lifecycle_and_retrieval_match_the_library(client, model, tmp_pat
     assert [s["q"] for s in body["steps"]] == pytest.approx([s.q for s in ref.steps], abs=1e-5)
     assert all(s["text"] == records[s["chunk_id"]].text and s["doc_id"].startswith("doc-") for s in body["steps"])
     assert set(body["timings"]) >= {"tokenize_ms", "encode_ms", "score_ms", "merge_ms", "total_ms"}
+    # The beam's rule and temperature reach the search (the library's answer under the same ones).
+    logprob = {"beam_score": "logprob", "beam_temperature": 0.5}
+    r = client("POST", "/v1/retrieve", json={"corpus": "books", "question": question, "beam_width": 3, **logprob})
+    assert r.status_code == 200, r.text
+    assert r.json()["search"]["beam_score"] == "logprob" and r.json()["search"]["beam_temperature"] == 0.5
+    ref, _, _ = LocalIndex(client.service.store, model).retrieve(
+        "books", question, SearchConfig(beam_width=3, **logprob)
+    )
+    assert [s["chunk_id"] for s in r.json()["steps"]] == ref.selected
+    searched = client.service.requests.check(RetrieveParams(question, corpus="books", beam_width=3, **logprob))
+    assert (searched.beam_score, searched.beam_temperature) == ("logprob", 0.5)
 
     r = client("POST", "/v1/corpora/books/documents", json={"documents": docs_json(8)[7:], "wait": False})
     assert r.status_code == 202
@@ -143,6 +155,10 @@ BAD = [
     ({"corpus": "books", "question": "q", "max_steps": 99}, 422, "max_steps"),
     ({"corpus": "books", "question": "q", "max_steps": "2"}, 422, "max_steps"),
     ({"corpus": "books", "question": "q", "beam_width": 2.5}, 422, "beam_width"),
+    ({"corpus": "books", "question": "q", "beam_score": "mean"}, 422, "beam_score"),
+    ({"corpus": "books", "question": "q", "beam_temperature": 0}, 422, "beam_temperature"),
+    ({"corpus": "books", "question": "q", "beam_temperature": "hot"}, 422, "beam_temperature"),
+    ({"corpus": "books", "question": "q", "stop_threshold": "low"}, 422, "stop_threshold"),
     ({"corpus": "books", "question": 7}, 422, "question"),
     ({"corpus": "books"}, 422, "question"),
     ({"corpus": "books", "question": "q", "colour": 1}, 422, "colour"),

@@ -146,7 +146,7 @@ class _Routes:
 
     def retrieve(self, question: str, corpus: str | None = None, context: str | None = None, **options: Any):
         """POST /v1/retrieve over ``corpus`` or an inline ``context``; ``options``: max_steps,
-        beam_width, stop_threshold, alternatives, chunk_tokens, return_chunks."""
+        beam_width, beam_score, beam_temperature, stop_threshold, alternatives, chunk_tokens, return_chunks."""
         body = {
             "question": question,
             **({"corpus": corpus} if corpus is not None else {}),

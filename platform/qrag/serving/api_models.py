@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from qrag.config import BeamScore
+
 # -- requests -------------------------------------------------------------------------------------
 
 
@@ -50,6 +52,14 @@ class RetrieveRequest(_Strict):
     context: StrictStr | None = Field(None, description="... or one long inline document (not stored).")
     max_steps: StrictInt = Field(2, description="Retrieval steps T.")
     beam_width: StrictInt = Field(1, description="1 = greedy; >1 = beam search over Q.")
+    beam_score: BeamScore = Field(
+        "min",
+        description="How beam search ranks a path: min (its lowest Q; soft PQN), last (its last Q), logprob (the "
+        "policy's log-probability, softmax(Q/beam_temperature) per step; supervised checkpoints).",
+    )
+    beam_temperature: StrictFloat | StrictInt = Field(
+        0.05, description="beam_score=logprob: the policy's temperature (the learner's; > 0)."
+    )
     stop_threshold: StrictFloat | StrictInt | None = Field(None, description="Stop when the best Q falls below it.")
     alternatives: StrictInt = Field(3, description="Runner-up chunks reported per step.")
     chunk_tokens: StrictInt | None = Field(None, description="Inline context only: token budget per chunk.")
@@ -163,6 +173,8 @@ class Step(_Answer):
 class SearchSettings(_Answer):
     max_steps: int
     beam_width: int
+    beam_score: str
+    beam_temperature: float
     stop_threshold: float | None
     alternatives: int
 

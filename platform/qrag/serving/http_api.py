@@ -73,9 +73,17 @@ BEARER = "bearer"  # the OpenAPI security scheme of the API keys
 _error = error_response
 
 
+# What pydantic puts in an error's location for the member of a union a value failed, e.g.
+# ("beam_temperature", "float") for a field typed StrictFloat | StrictInt: not a field of the request.
+_UNION_MEMBERS = {"float", "int", "str", "bool", "none"}
+
+
 def _field(loc: tuple[Any, ...]) -> str | None:
-    """("body", "documents", 3, "text") -> "documents[3].text"."""
+    """("body", "documents", 3, "text") -> "documents[3].text"; ("body", "stop_threshold", "float") ->
+    "stop_threshold"."""
     parts = [p for p in loc if p not in ("body", "query", "path")]
+    while len(parts) > 1 and parts[-1] in _UNION_MEMBERS:
+        parts.pop()
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))

@@ -34,6 +34,8 @@ class RetrieveParams:
     context: str | None = None
     max_steps: int = 2
     beam_width: int = 1
+    beam_score: str = "min"
+    beam_temperature: float = 0.05
     stop_threshold: float | None = None
     alternatives: int = 3
     chunk_tokens: int | None = None  # inline context only
@@ -67,6 +69,10 @@ class RetrievalRequests:
         if not 0 <= p.alternatives <= c.max_alternatives:
             raise ServiceError(
                 422, "alternatives", f"alternatives must be between 0 and {c.max_alternatives}, got {p.alternatives}"
+            )
+        if not (np.isfinite(p.beam_temperature) and p.beam_temperature > 0):
+            raise ServiceError(
+                422, "beam_temperature", f"beam_temperature must be a finite number above 0, got {p.beam_temperature}"
             )
         if p.stop_threshold is not None:
             try:
@@ -104,7 +110,12 @@ class RetrievalRequests:
             field = "chunk_tokens" if p.chunk_tokens is not None else "return_chunks"
             raise ServiceError(422, field, "only for an inline 'context' (a corpus keeps its own chunking)")
         return SearchConfig(
-            max_steps=p.max_steps, beam_width=p.beam_width, stop_threshold=p.stop_threshold, alternatives=p.alternatives
+            max_steps=p.max_steps,
+            beam_width=p.beam_width,
+            beam_score=p.beam_score,
+            beam_temperature=float(p.beam_temperature),
+            stop_threshold=p.stop_threshold,
+            alternatives=p.alternatives,
         )
 
     async def retrieve(self, p: RetrieveParams) -> dict[str, Any]:
@@ -186,6 +197,8 @@ class RetrievalRequests:
             "search": {
                 "max_steps": p.max_steps,
                 "beam_width": p.beam_width,
+                "beam_score": p.beam_score,
+                "beam_temperature": float(p.beam_temperature),
                 "stop_threshold": p.stop_threshold,
                 "alternatives": p.alternatives,
             },
