@@ -158,6 +158,7 @@ BAD = [
     ({"corpus": "books", "question": "q", "beam_score": "mean"}, 422, "beam_score"),
     ({"corpus": "books", "question": "q", "beam_temperature": 0}, 422, "beam_temperature"),
     ({"corpus": "books", "question": "q", "beam_temperature": "hot"}, 422, "beam_temperature"),
+    ({"corpus": "books", "question": "q", "beam_temperature": 5e-324}, 422, "beam_temperature"),
     ({"corpus": "books", "question": "q", "stop_threshold": "low"}, 422, "stop_threshold"),
     ({"corpus": "books", "question": 7}, 422, "question"),
     ({"corpus": "books"}, 422, "question"),

@@ -27,6 +27,9 @@ from qrag.serving.corpora import CorpusAdmin
 from qrag.serving.errors import ServiceError, data_error
 
 
+BEAM_TEMPERATURES = (1e-4, 1e4)  # what a request's beam_temperature may be
+
+
 @dataclass
 class RetrieveParams:
     question: str
@@ -70,9 +73,10 @@ class RetrievalRequests:
             raise ServiceError(
                 422, "alternatives", f"alternatives must be between 0 and {c.max_alternatives}, got {p.alternatives}"
             )
-        if not (np.isfinite(p.beam_temperature) and p.beam_temperature > 0):
+        lo, hi = BEAM_TEMPERATURES
+        if not lo <= p.beam_temperature <= hi:  # Q / τ must stay a finite float for every Q in [-1, 1]
             raise ServiceError(
-                422, "beam_temperature", f"beam_temperature must be a finite number above 0, got {p.beam_temperature}"
+                422, "beam_temperature", f"beam_temperature must be between {lo:g} and {hi:g}, got {p.beam_temperature}"
             )
         if p.stop_threshold is not None:
             try:
