@@ -425,6 +425,14 @@ def test_local_train_registers_a_model_that_serves_by_alias(
         and len({s["chunk"] for s in steps}) == 2
         and all(s["text"] == chunks[s["chunk"]] for s in steps)
     )
+    params = {p.name: p.default for p in model.metadata.get_params_schema().params}
+    assert params == {"max_steps": 2, "beam_width": 1, "beam_score": "min"}
+    beam = model.predict(
+        [{"question": "Which river?", "chunks": chunks}], params={"beam_width": 2, "beam_score": "logprob"}
+    )
+    assert len(beam[0]["steps"]) == 2
+    with pytest.raises(ValueError, match="beam_score"):  # a rule the search does not know
+        model.predict([{"question": "Which river?", "chunks": chunks}], params={"beam_width": 2, "beam_score": "mean"})
     # What `qrag serve --checkpoint models:/qrag-local@champion` (and the RayService) loads.
     source = resolve_source(uri, cache_dir=tmp_path / "models", tracking_uri=url)
     served = load_embedding_model(source, "cpu")

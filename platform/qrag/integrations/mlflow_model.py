@@ -5,7 +5,8 @@ encoders, tokenizer, config: what ``qrag eval`` and ``qrag serve`` load), so the
 model serves two ways:
 
 * ``mlflow.pyfunc.load_model("models:/<name>@<alias>").predict([{"question": ..., "chunks": [...]}])``
-  runs ``qrag.retrieval.search.Retriever`` over each row's chunks (params ``max_steps``, ``beam_width``);
+  runs ``qrag.retrieval.search.Retriever`` over each row's chunks (params ``max_steps``, ``beam_width``,
+  ``beam_score``);
 * ``qrag serve --checkpoint models:/<name>@<alias>`` downloads it and finds the checkpoint inside
   (``qrag.retrieval.embedder.resolve_source``).
 
@@ -57,12 +58,18 @@ def pip_requirements() -> list[str]:
     return [f"{name}=={version(name).split('+')[0]}" for name in RUNTIME_PACKAGES]
 
 
-def signature(max_steps: int, beam_width: int) -> ModelSignature:
+def signature(max_steps: int, beam_width: int, beam_score: str) -> ModelSignature:
     step = Object([Property("chunk", "long"), Property("text", "string"), Property("q", "double")])
     return ModelSignature(
         inputs=Schema([ColSpec("string", "question"), ColSpec(Array("string"), "chunks")]),
         outputs=Schema([ColSpec(Array(step), "steps"), ColSpec("boolean", "stopped_early")]),
-        params=ParamSchema([ParamSpec("max_steps", "long", max_steps), ParamSpec("beam_width", "long", beam_width)]),
+        params=ParamSchema(
+            [
+                ParamSpec("max_steps", "long", max_steps),
+                ParamSpec("beam_width", "long", beam_width),
+                ParamSpec("beam_score", "string", beam_score),  # min | last | logprob (qrag.retrieval.multistep)
+            ]
+        ),
     )
 
 
@@ -100,6 +107,7 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
             self.cfg.search,
             max_steps=int(params.get("max_steps", self.cfg.search.max_steps)),
             beam_width=int(params.get("beam_width", self.cfg.search.beam_width)),
+            beam_score=str(params.get("beam_score", self.cfg.search.beam_score)),
         )
         rows = _rows(model_input)
         samples = [Sample(str(i), str(r["question"]), [str(c) for c in r["chunks"]], []) for i, r in enumerate(rows)]
@@ -141,7 +149,7 @@ def save_model(checkpoint: str | Path, path: str | Path) -> Path:
                 python_model=str(ENTRY),
                 artifacts={ARTIFACT: tmp},
                 code_paths=[str(Path(code) / PACKAGE.name)],
-                signature=signature(cfg.search.max_steps, cfg.search.beam_width),
+                signature=signature(cfg.search.max_steps, cfg.search.beam_width, cfg.search.beam_score),
                 # Explicit: inferring them would import and time the model in a subprocess.
                 pip_requirements=pip_requirements(),
             )
