@@ -21,7 +21,8 @@
 # the GPU at once (default 12), the rest start as they end.
 # It brings back hotpot_headline.json, musique_headline.json, val_headline.json (HotpotQA val, the part of train each
 # run held out: where rows are compared to choose a preset's objective), the untrained summaries and one .tgz with
-# every seed's summary, per-question records and log (a call returns at most 8 files).
+# every seed's summary, per-question records and log (a call returns at most 8 files); with MUSIQUE_STOP (below)
+# also musique_stop_<rule>_headline.json, MuSiQue dev under a stop chosen on MuSiQue's train subset.
 # CPU check with a tiny encoder (minutes): DEVICE=cpu ENCODER=DIR EXTRA="updates=2 eval_every=1
 #   learner.episodes_per_update=8 learner.micro_batch=8" LIMIT=20 OUT=/tmp/hs bash bench/hotpot_seeds.sh run
 set -euo pipefail
@@ -79,6 +80,20 @@ evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset'
     --no-progress --out "$WORK/musique_$2.json" "${@:3}"
   touch "$WORK/done/$2"  # all three written whole: a later call skips them
 }
+# MUSIQUE_STOP (rules of `qrag learned-stop`: budget, threshold): MuSiQue's stop for each run's greedy search,
+# chosen on the MuSiQue train subset (150 questions a HotpotQA-only run never saw: its out-of-distribution val)
+# and applied to its MuSiQue dev records. A run trained on MuSiQue (hotpot-mixed) is refused by qrag eval.
+MUSIQUE_STOP=${MUSIQUE_STOP:-}
+musique_stop() {  # checkpoint, name, --label L
+  local rule
+  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --dataset musique --split train --steps 4 \
+    $limit --no-progress --out "$WORK/musique-val_$2.json" "${@:3}"
+  for rule in $MUSIQUE_STOP; do
+    $PY -m qrag learned-stop "$WORK/musique-val_$2.json" "$WORK/musique_$2.json" --rule "$rule" \
+      --out "$WORK/musique-stop-${rule}_$2.json"
+  done
+  touch "$WORK/done/stop-$2"
+}
 . "$(dirname "$0")/seeds_jobs.sh"
 trap 'stop_and_pack bench/hotpot_seeds.sh "$OUT/hotpot_seeds_partial.tgz" "./*.json ./*.records.jsonl ./*.log runs/*/training.json"' TERM INT
 # VARIANTS (bench/variants.sh): rows beside the preset. With several, each headline is a methods file: every
@@ -95,6 +110,7 @@ SEARCHES=${SEARCHES:-}
 searched() {  # tag seed: every evaluation of that run is done
   local search
   [ -f "$WORK/done/$1s$2" ] || return 1
+  [ -z "$MUSIQUE_STOP" ] || [ -f "$WORK/done/stop-$1s$2" ] || return 1
   for search in $SEARCHES; do [ -f "$WORK/done/$1$(label_slug "$(variant_label "$search")")-s$2" ] || return 1; done
 }
 for variant in $VARIANTS; do
@@ -114,6 +130,7 @@ for variant in $VARIANTS; do
           --no-progress ${latest:+--resume "$latest"}
       fi
       [ -f "$WORK/done/${tag}s$S" ] || evaluate "$run/best" "${tag}s$S" --label "$label"
+      [ -z "$MUSIQUE_STOP" ] || [ -f "$WORK/done/stop-${tag}s$S" ] || musique_stop "$run/best" "${tag}s$S" --label "$label"
       for search in $SEARCHES; do
         slabel=$(variant_label "$search")
         name="${tag}$(label_slug "$slabel")-s$S"
@@ -131,5 +148,8 @@ tail -n 3 "$WORK"/*.log
 $PY -m qrag combine-seeds "$WORK"/hotpot_*s[0-9]*.json --out "$OUT/hotpot_headline.json"
 $PY -m qrag combine-seeds "$WORK"/musique_*s[0-9]*.json --out "$OUT/musique_headline.json"
 $PY -m qrag combine-seeds "$WORK"/val_*s[0-9]*.json --out "$OUT/val_headline.json"
+for rule in $MUSIQUE_STOP; do
+  $PY -m qrag combine-seeds "$WORK"/musique-stop-"${rule}"_*s[0-9]*.json --out "$OUT/musique_stop_${rule}_headline.json"
+done
 cp "$WORK/hotpot_untrained.json" "$WORK/musique_untrained.json" "$OUT/"
 (cd "$WORK" && tar czf "$OUT/hotpot_seeds_files.tgz" ./*.json ./*.records.jsonl ./*.log)

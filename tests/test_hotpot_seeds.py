@@ -45,6 +45,7 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
         "VARIANTS": "Q-RAG:learner.objective=pqn SFT:",  # the preset trains SFT
         # Each checkpoint searched a second way: rows of their own, not trained again.
         "SEARCHES": "beam_2_logprob:search.beam_width=2,search.beam_score=logprob",
+        "MUSIQUE_STOP": "budget",  # MuSiQue's stop chosen on its train subset, per run
         "EVERY": "2",
         "LIMIT": "8",
         "OMP_NUM_THREADS": "1",
@@ -82,10 +83,22 @@ def test_a_stopped_call_packs_what_exists_and_the_next_resumes(shared_data, tiny
     searched = {m["label"]: m["search"] for m in val["methods"]}
     assert searched["SFT beam 2 logprob"]["beam_score"] == "logprob" and searched["SFT"]["beam_width"] == 1
     assert all(d["paired"] for d in val["differences"])  # one seed each, the same questions
+    stopped = json.loads((out / "musique_stop_budget_headline.json").read_text())
+    assert {m["label"] for m in stopped["methods"]} == {"Q-RAG", "SFT"}
+    assert all("threshold_fact_f1_ci" in m and m["budget_by_seed"] for m in stopped["methods"])
+    assert all("musique train" in m["selected_on"] for m in stopped["methods"])
 
     # A third call finds every evaluation done: nothing trained or evaluated again, the tables written again.
     finished = {p.name: p.stat().st_mtime_ns for p in (work / "done").iterdir()}
-    assert set(finished) == {"s0", "sft-s0", "beam-2-logprob-s0", "sft-beam-2-logprob-s0", "untrained"}
+    assert set(finished) == {
+        "s0",
+        "sft-s0",
+        "beam-2-logprob-s0",
+        "sft-beam-2-logprob-s0",
+        "stop-s0",
+        "stop-sft-s0",
+        "untrained",
+    }
     (out / "hotpot_headline.json").unlink()
     done = subprocess.run(SCRIPT, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -184,6 +184,60 @@ def choose_threshold(traces: Sequence[Trace], max_candidates: int = 256) -> floa
     return max(candidates, key=lambda th: (analyse_threshold(traces, th)["fact_f1"], -th))
 
 
+def analyse_budget(traces: Sequence[Trace], budget: int, keep_records: bool = False) -> dict[str, Any]:
+    """Every trace cut after its first ``budget`` picks (a greedy search of that many steps);
+    ``keep_records`` as :func:`analyse_threshold`."""
+    ems = [fact_em(tr.gold, tr.picks[:budget]) for tr in traces]
+    f1s = [fact_f1(tr.gold, tr.picks[:budget]) for tr in traces]
+    return {
+        "budget": budget,
+        "episode_len": mean([min(budget, len(tr.picks)) for tr in traces]),
+        "fact_em": mean(ems),
+        "fact_f1": mean(f1s),
+        **({"fact_em_each": ems, "fact_f1_each": f1s} if keep_records else {}),
+    }
+
+
+def choose_budget(traces: Sequence[Trace]) -> int:
+    """The number of steps with the best mean Fact F1 on ``traces`` — validation data, never the
+    data it is reported on (ties: the larger budget, as :func:`choose_threshold`'s longest searches)."""
+    longest = max((len(tr.picks) for tr in traces), default=0)
+    if longest == 0:
+        raise ValueError("no picks to choose a budget from")
+    return max(range(1, longest + 1), key=lambda k: (analyse_budget(traces, k)["fact_f1"], k))
+
+
+# How a stop is learned on validation records: a Q threshold (the paper's), or a number of steps.
+STOP_RULES = ("threshold", "budget")
+
+
+def stop_chosen_on(
+    val_records: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]], rule: str
+) -> dict[str, Any]:
+    """``records`` stopped by ``rule`` chosen on ``val_records`` (full-length greedy records of the
+    same checkpoint): the choice, its score on val, and each record's Fact EM and F1 under it."""
+    val, traces = traces_from_records(val_records), traces_from_records(records)
+    if rule == "threshold":
+        threshold = choose_threshold(val)
+        chosen, on_val = {"threshold": threshold}, analyse_threshold(val, threshold)
+        row = analyse_threshold(traces, threshold, keep_records=True)
+    elif rule == "budget":
+        budget = choose_budget(val)
+        chosen, on_val = {"budget": budget}, analyse_budget(val, budget)
+        row = analyse_budget(traces, budget, keep_records=True)
+    else:
+        raise ValueError(f"stop rule must be one of {', '.join(STOP_RULES)}, got {rule!r}")
+    return {
+        "stop_rule": rule,
+        **chosen,
+        "val_fact_f1": on_val["fact_f1"],
+        "val_questions": len(val),
+        "episode_len": row["episode_len"],
+        "fact_em_each": row["fact_em_each"],
+        "fact_f1_each": row["fact_f1_each"],
+    }
+
+
 def learned_stop(val_records: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Fact EM/F1 of ``records`` stopped by the Q threshold chosen on ``val_records``."""
     threshold = choose_threshold(traces_from_records(val_records))

@@ -39,9 +39,17 @@ METRICS = (
     "ans_f1",
 )
 DIFFERENCE_METRIC = "fact_em"
-# A seed's own values that no mean over seeds and questions stands for: its learned stop's threshold and
-# that stop's score on the val questions it was chosen on (beside the oracle stop's there).
-PER_SEED = ("threshold", "threshold_val_fact_f1", "oracle_val_fact_f1", "threshold_val_questions")
+# A seed's own values that no mean over seeds and questions stands for: its learned stop's threshold (or
+# budget: qrag learned-stop) and that stop's score on the val questions it was chosen on (beside the oracle
+# stop's there).
+PER_SEED = (
+    "threshold",
+    "budget",
+    "threshold_episode_len",
+    "threshold_val_fact_f1",
+    "oracle_val_fact_f1",
+    "threshold_val_questions",
+)
 METHOD = (
     "two-stage percentile bootstrap: training seeds with replacement, then each drawn seed's questions "
     "with replacement; the figure is the mean over all questions of all seeds; a difference marked paired "
@@ -313,7 +321,10 @@ def _combine_method(
     for file, c in cols[1:]:
         if c["id"] != cols[0][1]["id"]:
             raise DataError(f"{file}: other questions than {cols[0][0]}: seeds must be scored on the same questions")
-    out = {k: v for k, v in summaries[-1][1].items() if k not in METRICS}
+    out = {k: v for k, v in summaries[-1][1].items() if k not in METRICS and k not in PER_SEED}
+    for k in PER_SEED:  # each seed's own stop (qrag learned-stop): one value per seed, never the last one's
+        if all(k in s for _, s, _ in summaries):
+            out[f"{k}_by_seed"] = [s[k] for _, s, _ in summaries]
     out.update(_joint_provenance([_source(file, s) for file, s, _ in summaries]))
     out.update(
         num_seeds=len(summaries),
