@@ -174,8 +174,13 @@ def retrieve(client, **body):
 
 @pytest.mark.parametrize(
     "search",
-    [dict(max_steps=3), dict(max_steps=3, beam_width=3), dict(max_steps=4, stop_threshold=0.0)],
-    ids=["greedy", "beam", "threshold"],
+    [
+        dict(max_steps=3),
+        dict(max_steps=3, beam_width=3),
+        dict(max_steps=3, beam_width=3, beam_score="logprob", beam_temperature=0.1),
+        dict(max_steps=4, stop_threshold=0.0),
+    ],
+    ids=["greedy", "beam", "beam-logprob", "threshold"],
 )
 def test_served_answers_equal_offline_search(app, offline, search):
     client = app["client"]

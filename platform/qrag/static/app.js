@@ -72,6 +72,7 @@ function request() {
     question: $("question").value,
     max_steps: parseInt($("max-steps").value, 10),
     beam_width: parseInt($("beam").value, 10),
+    beam_score: $("beam-score").value,
     alternatives: 3,
   };
   const t = $("threshold").value.trim();
