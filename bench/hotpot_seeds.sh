@@ -71,13 +71,20 @@ mkdir -p "$WORK/done" "$OUT"
 settings="model.encoder=${ENCODER:-$ASSETS/encoder} device=$DEVICE out_dir=$WORK/runs checkpoint_every=${EVERY:-50} ${EXTRA:-}"
 limit=${LIMIT:+--limit $LIMIT}
 evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset's T), MuSiQue dev out of distribution (T = 4)
+  # Side by side: a process's start-up (imports, the GPU, the checkpoint) is most of an evaluation's time.
+  local pids=() pid status=0
   # val (the part of train each run held out) per question: what a preset's objective is chosen on.
   $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --split val $limit --no-progress \
-    --out "$WORK/val_$2.json" "${@:3}"
+    --out "$WORK/val_$2.json" "${@:3}" &
+  pids+=($!)
   $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
-    --out "$WORK/hotpot_$2.json" "${@:3}"
+    --out "$WORK/hotpot_$2.json" "${@:3}" &
+  pids+=($!)
   $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
-    --no-progress --out "$WORK/musique_$2.json" "${@:3}"
+    --no-progress --out "$WORK/musique_$2.json" "${@:3}" &
+  pids+=($!)
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  [ "$status" = 0 ] || return 1
   touch "$WORK/done/$2"  # all three written whole: a later call skips them
 }
 # MUSIQUE_STOP (rules of `qrag learned-stop`: budget, threshold): MuSiQue's stop for each run's greedy search,
