@@ -70,18 +70,18 @@ export HF_HUB_OFFLINE=1 QRAG_DATA_DIR=${QRAG_DATA_DIR:-$ASSETS/data}
 mkdir -p "$WORK/done" "$OUT"
 settings="model.encoder=${ENCODER:-$ASSETS/encoder} device=$DEVICE out_dir=$WORK/runs checkpoint_every=${EVERY:-50} ${EXTRA:-}"
 limit=${LIMIT:+--limit $LIMIT}
+qeval() {  # checkpoint, out, more qrag eval arguments
+  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings $limit --no-progress --out "$2" "${@:3}"
+}
 evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset's T), MuSiQue dev out of distribution (T = 4)
   # Side by side: a process's start-up (imports, the GPU, the checkpoint) is most of an evaluation's time.
   local pids=() pid status=0
   # val (the part of train each run held out) per question: what a preset's objective is chosen on.
-  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --split val $limit --no-progress \
-    --out "$WORK/val_$2.json" "${@:3}" &
+  qeval "$1" "$WORK/val_$2.json" --split val "${@:3}" &
   pids+=($!)
-  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --split dev $limit --no-progress \
-    --out "$WORK/hotpot_$2.json" "${@:3}" &
+  qeval "$1" "$WORK/hotpot_$2.json" --split dev "${@:3}" &
   pids+=($!)
-  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --dataset musique --split dev --steps 4 $limit \
-    --no-progress --out "$WORK/musique_$2.json" "${@:3}" &
+  qeval "$1" "$WORK/musique_$2.json" --dataset musique --split dev --steps 4 "${@:3}" &
   pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   [ "$status" = 0 ] || return 1
@@ -93,8 +93,7 @@ evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset'
 MUSIQUE_STOP=${MUSIQUE_STOP:-}
 musique_stop() {  # checkpoint, name, --label L
   local rule
-  $PY -m qrag eval --config "$EVAL_CONFIG" --checkpoint "$1" $settings --dataset musique --split train --steps 4 \
-    $limit --no-progress --out "$WORK/musique-val_$2.json" "${@:3}"
+  qeval "$1" "$WORK/musique-val_$2.json" --dataset musique --split train --steps 4 "${@:3}"
   for rule in $MUSIQUE_STOP; do
     $PY -m qrag learned-stop "$WORK/musique-val_$2.json" "$WORK/musique_$2.json" --rule "$rule" \
       --out "$WORK/musique-stop-${rule}_$2.json"

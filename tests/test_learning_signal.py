@@ -444,7 +444,7 @@ def test_sft_stop_makes_the_learned_stop_work(tmp_path):
     from conftest import build_tiny_encoder
     from qrag.config import LearnerConfig
     from qrag.data.tokens import tokenize_samples
-    from qrag.evaluation.early_stopping import learned_stop
+    from qrag.evaluation.early_stopping import stop_chosen_on
     from qrag.evaluation.evaluate import evaluate
     from qrag.model.checkpoint import untrained_qnet
     from qrag.retrieval.search import Retriever
@@ -483,7 +483,7 @@ def test_sft_stop_makes_the_learned_stop_work(tmp_path):
     assert len(clean) >= 0.8 * len(result.records)
     levels = [min(r["q_values"][: len(r["gold"])]) > 0 > r["q_values"][len(r["gold"])] for r in clean]
     assert np.mean(levels) >= 0.9, [r["q_values"] for r in clean]
-    stop = learned_stop(on_val, result.records)
+    stop = stop_chosen_on(on_val, result.records, "threshold")
     assert stop["fact_f1"] > result.summary["oracle_fact_f1"] - 0.05, (stop, result.summary["oracle_fact_f1"])
 
 

@@ -144,14 +144,16 @@ def roc_auc(traces: Sequence[Trace]) -> float | None:
     return wins / (len(pos) * len(neg))
 
 
+def _cut(traces: Sequence[Trace], stops: Sequence[int]) -> tuple[list[float], list[float]]:
+    """Fact EM and F1 of each trace's picks up to its stop."""
+    ems = [fact_em(tr.gold, tr.picks[:stop]) for tr, stop in zip(traces, stops)]
+    return ems, [fact_f1(tr.gold, tr.picks[:stop]) for tr, stop in zip(traces, stops)]
+
+
 def oracle(traces: Sequence[Trace]) -> dict[str, Any]:
     """The policy that stops exactly at t_earliest (and runs to T when the gold set never completes)."""
-    lengths, ems, f1s = [], [], []
-    for tr in traces:
-        stop = tr.t_earliest if tr.t_earliest is not None else len(tr.picks)
-        lengths.append(stop)
-        ems.append(fact_em(tr.gold, tr.picks[:stop]))
-        f1s.append(fact_f1(tr.gold, tr.picks[:stop]))
+    lengths = [tr.t_earliest if tr.t_earliest is not None else len(tr.picks) for tr in traces]
+    ems, f1s = _cut(traces, lengths)
     return {"tpr": 1.0, "fpr": 0.0, "episode_len": mean(lengths), "fact_em": mean(ems), "fact_f1": mean(f1s)}
 
 
@@ -187,11 +189,11 @@ def choose_threshold(traces: Sequence[Trace], max_candidates: int = 256) -> floa
 def analyse_budget(traces: Sequence[Trace], budget: int, keep_records: bool = False) -> dict[str, Any]:
     """Every trace cut after its first ``budget`` picks (a greedy search of that many steps);
     ``keep_records`` as :func:`analyse_threshold`."""
-    ems = [fact_em(tr.gold, tr.picks[:budget]) for tr in traces]
-    f1s = [fact_f1(tr.gold, tr.picks[:budget]) for tr in traces]
+    lengths = [min(budget, len(tr.picks)) for tr in traces]
+    ems, f1s = _cut(traces, lengths)
     return {
         "budget": budget,
-        "episode_len": mean([min(budget, len(tr.picks)) for tr in traces]),
+        "episode_len": mean(lengths),
         "fact_em": mean(ems),
         "fact_f1": mean(f1s),
         **({"fact_em_each": ems, "fact_f1_each": f1s} if keep_records else {}),
@@ -215,7 +217,7 @@ def stop_chosen_on(
     val_records: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]], rule: str
 ) -> dict[str, Any]:
     """``records`` stopped by ``rule`` chosen on ``val_records`` (full-length greedy records of the
-    same checkpoint): the choice, its score on val, and each record's Fact EM and F1 under it."""
+    same checkpoint): the choice, its score on val, and the Fact EM and F1 under it, mean and per record."""
     val, traces = traces_from_records(val_records), traces_from_records(records)
     if rule == "threshold":
         threshold = choose_threshold(val)
@@ -233,18 +235,8 @@ def stop_chosen_on(
         "val_fact_f1": on_val["fact_f1"],
         "val_questions": len(val),
         "episode_len": row["episode_len"],
-        "fact_em_each": row["fact_em_each"],
-        "fact_f1_each": row["fact_f1_each"],
-    }
-
-
-def learned_stop(val_records: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Fact EM/F1 of ``records`` stopped by the Q threshold chosen on ``val_records``."""
-    threshold = choose_threshold(traces_from_records(val_records))
-    row = analyse_threshold(traces_from_records(records), threshold)
-    return {
-        "threshold": threshold,
         "fact_em": row["fact_em"],
         "fact_f1": row["fact_f1"],
-        "episode_len": row["episode_len"],
+        "fact_em_each": row["fact_em_each"],
+        "fact_f1_each": row["fact_f1_each"],
     }

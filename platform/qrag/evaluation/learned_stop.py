@@ -22,7 +22,6 @@ from typing import Any
 
 from qrag.data.sample import DataError
 from qrag.evaluation.early_stopping import stop_chosen_on
-from qrag.metrics import mean
 
 
 def _load(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -77,8 +76,8 @@ def apply_learned_stop(val_file: str | Path, eval_file: str | Path, rule: str, o
     value = ", ".join(f"{k} {v:g}" for k, v in chosen.items())
     summary = {
         **summary,
-        "threshold_fact_em": mean(stop["fact_em_each"]),
-        "threshold_fact_f1": mean(stop["fact_f1_each"]),
+        "threshold_fact_em": stop["fact_em"],
+        "threshold_fact_f1": stop["fact_f1"],
         "threshold_episode_len": stop["episode_len"],
         "stop_rule": rule,
         **chosen,

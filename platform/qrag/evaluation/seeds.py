@@ -134,7 +134,7 @@ def pairwise_differences(
     out = []
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
-            paired = ids is not None and a in ids and b in ids and ids[a] == ids[b]
+            paired = ids is not None and ids[a] == ids[b]
             iv = difference_interval(scores[a], scores[b], replicates=replicates, paired=paired)
             out.append(
                 {

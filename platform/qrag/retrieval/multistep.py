@@ -78,23 +78,28 @@ LOGPROB_TOP_K = 32  # candidates per state that normalise a ``logprob`` step
 
 class QBound:
     """``min`` and ``last``: a path scores by the Qs along it (``combine(parent, q)``); the empty
-    path scores +inf, and a path that ends keeps its score."""
+    path scores +inf, and a path that ends keeps its score. A state's other candidates do not
+    count: ``prepare`` has nothing to compute."""
 
     start = float("inf")
 
     def __init__(self, combine: Callable[[float, float], float]):
         self.combine = combine
 
-    def extend(self, parent: float, q: float, row_q: np.ndarray, stop: float | None) -> float:
+    def prepare(self, q: np.ndarray, finite: np.ndarray, stop: float | None) -> None:
+        return None
+
+    def extend(self, parent: float, q: float, prepared: None) -> float:
         return self.combine(parent, q)
 
-    def end(self, parent: float, row_q: np.ndarray, stop: float | None) -> float:
+    def end(self, parent: float, prepared: None, stop: float | None) -> float:
         return parent
 
 
 class LogProb:
     """``logprob``: the sum of the steps' log π(a|s) = Q/τ − logsumexp over the state's candidates
-    (``row_q``, its finite top-k Qs, and the stop's Q where there is a threshold)."""
+    (its finite top-k Qs, and the stop's Q where there is a threshold): ``prepare`` takes that
+    normaliser once per state, None where the state has no candidate."""
 
     start = 0.0
 
@@ -103,18 +108,21 @@ class LogProb:
             raise ValueError(f"search.beam_temperature must be > 0, got {temperature}")
         self.tau = temperature
 
-    def _log_norm(self, row_q: np.ndarray, stop: float | None) -> float:
-        logits = row_q / self.tau if stop is None else np.append(row_q, stop) / self.tau
+    def prepare(self, q: np.ndarray, finite: np.ndarray, stop: float | None) -> float | None:
+        if not finite.any():
+            return None
+        row_q = q[finite]
+        logits = (row_q if stop is None else np.append(row_q, stop)) / self.tau
         top = float(logits.max())
         return top + float(np.log(np.exp(logits - top).sum()))
 
-    def extend(self, parent: float, q: float, row_q: np.ndarray, stop: float | None) -> float:
-        return parent + q / self.tau - self._log_norm(row_q, stop)
+    def extend(self, parent: float, q: float, log_norm: float) -> float:
+        return parent + q / self.tau - log_norm
 
-    def end(self, parent: float, row_q: np.ndarray, stop: float | None) -> float:
-        if stop is None or not len(row_q):  # out of chunks: nothing else was possible
+    def end(self, parent: float, log_norm: float | None, stop: float | None) -> float:
+        if stop is None or log_norm is None:  # out of chunks: nothing else was possible
             return parent
-        return parent + stop / self.tau - self._log_norm(row_q, stop)
+        return parent + stop / self.tau - log_norm
 
 
 # How a path's score follows from its parent's and its new last step (or its end).
@@ -192,10 +200,10 @@ class SearchRun:
         for row, b in enumerate(live):
             q, ids = merged.q[row], merged.ids[row]
             finite = np.isfinite(q)
-            row_q = q[finite]
+            prepared = self.rule.prepare(q, finite, stop)
             # No chunk left, or even the best one is below the threshold: the path ends here.
             if not finite.any() or (stop is not None and q[0] < stop):
-                candidates.append(_Beam(b.steps, self.rule.end(b.score, row_q, stop), True))
+                candidates.append(_Beam(b.steps, self.rule.end(b.score, prepared, stop), True))
                 continue
             for j in range(min(self.width, int(finite.sum()))):
                 qj = float(q[j])
@@ -204,7 +212,7 @@ class SearchRun:
                 alts = [(int(ids[a]), float(q[a])) for a in range(len(ids)) if a != j and finite[a]]
                 pos = None if merged.pos is None else float(merged.pos[row][j])
                 step = Step(int(ids[j]), qj, pos, alts[: cfg.alternatives])
-                candidates.append(_Beam([*b.steps, step], self.rule.extend(b.score, qj, row_q, stop)))
+                candidates.append(_Beam([*b.steps, step], self.rule.extend(b.score, qj, prepared)))
         kept: list[_Beam] = []
         seen: set[frozenset[int]] = set()
         for cand in sorted(candidates, key=_rank):  # stable: equal keys keep the parents' order

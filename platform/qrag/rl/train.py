@@ -375,8 +375,9 @@ class TrainingRun:
                 last_eval = {"eval/fact_em": ev["fact_em"], "eval/fact_f1": ev["fact_f1"]}
                 metrics.update(last_eval)
                 self.history[-1].update(last_eval)  # kept in checkpoints: which update keep_best chose stays traceable
-                if cfg.keep_best and selection_key(ev) > self.best:
-                    self.best = selection_key(ev)
+                key = selection_key(ev)
+                if cfg.keep_best and key > self.best:
+                    self.best = key
                     best = self.save(self.run_dir / "best", resumable=False)
                     metrics["eval/best_fact_f1"] = self.best[0]
                     if on_checkpoint is not None:
