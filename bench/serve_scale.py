@@ -630,8 +630,40 @@ def chunk_graph_info(model) -> dict | None:
         "replays": graphed.replays,
         "eager_calls": graphed.eager_calls,
         "shapes": [f"{b}x{n}" for b, n in graphed.captured_shapes],
-        "fallbacks": {f"{b}x{n}": why for (b, n), why in graphed.fallbacks.items()},
+        "fallbacks": shape_keyed(graphed.fallbacks),
     }
+
+
+def serving_path_report(graphs, variants: dict[str, dict], answers: dict[str, list]) -> dict:
+    """What the serving path used (graphs, fused and batched scoring, their fallbacks) and whether
+    each other path picked the same chunks, as JSON can hold it."""
+    from qrag.index.score_graphs import graph_stats
+    from qrag.index.shards import _FUSED
+
+    def agree(a: str, b: str) -> float | None:
+        if a not in answers or b not in answers:
+            return None
+        same = [x == y for x, y in zip(answers[a], answers[b])]
+        return round(float(np.mean(same)), 4) if same else None
+
+    return {
+        "state_graphs": graphs is not None,
+        "graph_replays": getattr(graphs, "replays", 0),
+        "graph_fallbacks": shape_keyed(getattr(graphs, "fallbacks", {})),
+        "fused_scoring": _FUSED.get("fn") is not None,
+        "fused_error": _FUSED.get("error"),
+        "batched_scoring": True,
+        "same_chunks_as_baseline": agree("baseline", "optimized"),
+        "same_chunks_as_per_shard": agree("per_shard", "optimized"),
+        "same_chunks_as_one_pass": agree("one_pass", "optimized"),
+        "score_graphs": graph_stats(),
+        "score_ms_per_query": {v: variants[v]["latency_concurrency_1"]["mean_stage_ms"]["score"] for v in variants},
+    }
+
+
+def shape_keyed(fallbacks: dict[tuple[int, int], str]) -> dict[str, str]:
+    """A graphed encoder's fallbacks, keyed by (batch, length), as JSON can hold them: "BxL"."""
+    return {f"{b}x{n}": why for (b, n), why in fallbacks.items()}
 
 
 @torch.no_grad()
@@ -942,31 +974,10 @@ def main() -> None:
         index.options.graphs = variant == "optimized"
         variants[variant], answers[variant] = measure_queries(index, questions, cfg, args, dev)
 
-    def agree(a: str, b: str) -> float | None:
-        if a not in answers or b not in answers:
-            return None
-        same = [x == y for x, y in zip(answers[a], answers[b])]
-        return round(float(np.mean(same)), 4) if same else None
-
     lat_row = variants["optimized"]["latency_concurrency_1"]
     curve = variants["optimized"]["throughput_curve"]
     ok = [c for c in curve if c["p99_ms"] < args.p99_ms]
-    from qrag.index.score_graphs import graph_stats
-    from qrag.index.shards import _FUSED
-
-    serving_path = {
-        "state_graphs": graphs is not None,
-        "graph_replays": getattr(graphs, "replays", 0),
-        "graph_fallbacks": getattr(graphs, "fallbacks", {}),
-        "fused_scoring": _FUSED.get("fn") is not None,
-        "fused_error": _FUSED.get("error"),
-        "batched_scoring": True,
-        "same_chunks_as_baseline": agree("baseline", "optimized"),
-        "same_chunks_as_per_shard": agree("per_shard", "optimized"),
-        "same_chunks_as_one_pass": agree("one_pass", "optimized"),
-        "score_graphs": graph_stats(),
-        "score_ms_per_query": {v: variants[v]["latency_concurrency_1"]["mean_stage_ms"]["score"] for v in variants},
-    }
+    serving_path = serving_path_report(graphs, variants, answers)
 
     result = {
         **head,
