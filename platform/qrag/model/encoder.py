@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qrag.model.mpnet_positions import build_position_bias_on_device
 from qrag.model.offline_mpnet import MPNET_ALIASES, OfflineEncoderError, mpnet_dir
 
 BUNDLED_ALIASES = {"minilm", "default", "all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
@@ -119,6 +120,7 @@ def load_encoder(path: str, dropout: float = 0.0) -> nn.Module:
     except (OSError, ValueError) as exc:
         raise ModelPathError(f"cannot load an encoder from {path!r}: {exc}") from None
     set_dropout(model, dropout)
+    build_position_bias_on_device(model)  # MPNet: CUDA graphs can capture its forward
     return model
 
 
