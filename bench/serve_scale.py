@@ -54,6 +54,7 @@ from qrag.index.lanes import CHARS_PER_TOKEN, LANE_COMMIT_CHUNKS, LANE_WORKER_NI
 from qrag.index.local import LocalIndex  # noqa: E402
 from qrag.index.pipeline import Group, GroupBuilder, index_groups  # noqa: E402
 from qrag.index.shards import ShardOptions  # noqa: E402
+from qrag.model.state_graphs import shape_keyed  # noqa: E402
 from qrag.index.store import CorpusStore  # noqa: E402
 
 
@@ -659,11 +660,6 @@ def serving_path_report(graphs, variants: dict[str, dict], answers: dict[str, li
         "score_graphs": graph_stats(),
         "score_ms_per_query": {v: variants[v]["latency_concurrency_1"]["mean_stage_ms"]["score"] for v in variants},
     }
-
-
-def shape_keyed(fallbacks: dict[tuple[int, int], str]) -> dict[str, str]:
-    """A graphed encoder's fallbacks, keyed by (batch, length), as JSON can hold them: "BxL"."""
-    return {f"{b}x{n}": why for (b, n), why in fallbacks.items()}
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """An MPNet loaded by the library builds its relative-position bias on the hidden states' device
-(transformers before 5.2x built it on the CPU, and CUDA-graph capture refused the copy, so MPNet
+(transformers 5.17 built it on the CPU, and CUDA-graph capture refused the copy, so MPNet
 served every state eagerly), with the library's values."""
 
 from __future__ import annotations

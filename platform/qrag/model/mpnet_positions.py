@@ -1,9 +1,9 @@
 """MPNet's relative-position bias, built on the device of the hidden states.
 
-transformers' MPNet before 5.2x builds the bias's position buckets with ``torch.arange`` on the
-CPU and copies them to the GPU on every forward. CUDA-graph capture refuses that copy, so every
-state-encoder shape of an MPNet fell back to eager calls (``GraphedEncoder.fallbacks``). Newer
-transformers build them on the device; this gives every version that behaviour, with the same
+transformers' MPNet (5.17, for one) builds the bias's position buckets with ``torch.arange`` on
+the CPU and copies them to the GPU on every forward. CUDA-graph capture refuses that copy, so every
+state-encoder shape of an MPNet fell back to eager calls (``GraphedEncoder.fallbacks``). Later
+versions (5.24) build them on the device; this gives every version that behaviour, with the same
 values.
 """
 
@@ -31,8 +31,10 @@ def device_position_bias(self, x: torch.Tensor, position_ids: torch.Tensor | Non
 def build_position_bias_on_device(model: nn.Module) -> bool:
     """Give an MPNet model's encoder the device-side bias (an instance method: other models of the
     class are untouched, and a deepcopy, as for the target networks, keeps it). True where it did."""
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
     encoder = getattr(model, "encoder", None)
-    if type(encoder).__name__ != "MPNetEncoder" or not hasattr(encoder, "relative_attention_bias"):
+    if not isinstance(encoder, MPNetEncoder):
         return False
     encoder.compute_position_bias = types.MethodType(device_position_bias, encoder)
     return True

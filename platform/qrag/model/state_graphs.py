@@ -29,6 +29,12 @@ import torch
 
 from qrag.model.encoder import attention_mask_4d, autocast_for, in_input_order, mean_pool
 
+
+def shape_keyed(fallbacks: dict[tuple[int, int], str]) -> dict[str, str]:
+    """:attr:`GraphedEncoder.fallbacks`, keyed (batch, length), as JSON can hold them: "BxL"."""
+    return {f"{b}x{n}": why for (b, n), why in fallbacks.items()}
+
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)
 # Chunks: finer lengths (a 64-token chunk is 66 ids, bucket 72), and few large row counts, as

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from qrag.model.encoder import EncodeStats
-from qrag.model.state_graphs import GraphedEncoder
+from qrag.model.state_graphs import GraphedEncoder, shape_keyed
 
 # Finer than the serving buckets: a training pass meets every length up to the state limit, and a
 # coarse length bucket pads a whole batch of rows.
@@ -55,7 +55,8 @@ class GraphedPasses:
     @property
     def fallbacks(self) -> dict[str, str]:
         """Shapes whose capture failed (they run eagerly), with why."""
-        return {f"{i}:{shape}": why for i, g in enumerate(self._graphed.values()) for shape, why in g.fallbacks.items()}
+        graphed = enumerate(self._graphed.values())
+        return {f"{i}:{shape}": why for i, g in graphed for shape, why in shape_keyed(g.fallbacks).items()}
 
     def encode(
         self, encoder: nn.Module, seqs: Sequence[np.ndarray], stats: EncodeStats, kind: str
