@@ -437,6 +437,40 @@ def test_sft_stop_teaches_the_state_after_the_last_fact(tiny_encoder):
         learner_class(LearnerConfig(sft_stop=True))
 
 
+def test_sft_stop_weight_scales_only_the_state_after_the_last_fact(tiny_encoder, monkeypatch):
+    """learner.sft_stop_weight multiplies the loss of the rows past their last fact and nothing else (0: that
+    state untaught, 1: as every other step); it needs learner.sft_stop."""
+    from qrag.config import ConfigError, LearnerConfig
+    from qrag.data.tokens import tokenize_samples
+    from qrag.model.encoder import load_tokenizer
+    from qrag.rl.train import learner_class
+
+    def loss_sum(weight: float, unit_rows: bool) -> float:
+        torch.manual_seed(0)
+        learner = _sft_learner(tiny_encoder, sft_stop=True, sft_stop_weight=weight)
+        if unit_rows:  # every row's loss 1 (still on the graph): the sum counts the rows, each by its weight
+            monkeypatch.setattr(learner, "step_loss", lambda logits, available, positive: logits.sum(1) * 0 + 1)
+        learner.qnet.eval()  # no dropout: the same loss for the same weights
+        tok = tokenize_samples(
+            toy_samples(4, seed=5), load_tokenizer(tiny_encoder), learner.layout, chunk_tokens=16, question_tokens=24
+        )
+        tok[1].support = tok[1].support[:1]  # one episode ends early: its stop row shares a step with going-on rows
+        learner.generator.manual_seed(3)
+        return float(learner._rollout_and_backward(tok, alpha=0.0)["loss_sum"]), tok
+
+    for weight in (0.0, 0.5, 2.0):
+        total, tok = loss_sum(weight, unit_rows=True)
+        facts = sum(len({int(i) for i in s.support}) for s in tok)
+        assert total == pytest.approx(facts + weight * len(tok)), weight
+    untaught, full, half = (loss_sum(w, unit_rows=False)[0] for w in (0.0, 1.0, 0.5))
+    assert 0 < untaught < full  # the stop rows carry a loss of their own
+    assert half == pytest.approx((untaught + full) / 2, rel=1e-5)
+    with pytest.raises(ConfigError, match=r"learner\.sft_stop_weight: only read with learner\.sft_stop=true"):
+        learner_class(LearnerConfig(objective="sft", sft_stop_weight=0.5))
+    with pytest.raises(ConfigError, match=r"learner\.sft_stop_weight: expected a finite weight >= 0"):
+        learner_class(LearnerConfig(objective="sft", sft_stop=True, sft_stop_weight=-1.0))
+
+
 def test_sft_stop_makes_the_learned_stop_work(tmp_path):
     """Trained with the stop option, Q stays above its level 0 while a fact is missing and falls below it
     once the last one is taken, so a threshold chosen on validation questions stops where the facts end

@@ -245,6 +245,11 @@ class LearnerConfig:
         "threshold on Q can stop the search (softmax: a stop option with logit 0 joins every step's softmax and is "
         "the one right answer there; bce: that state's chunks are all negatives). False: that state is never taught.",
     )
+    sft_stop_weight: float = opt(
+        1.0,
+        "With sft_stop: the weight of the state after the last support fact in the supervised loss, against 1 for "
+        "every state where a fact is still missing (lower: the stop pulls less on the encoders' retrieval).",
+    )
     value_top_k: int | None = opt(
         None,
         "The soft value V = α·logsumexp(Q'/α) is taken over the top-k available chunks (null = top_k). "

@@ -21,7 +21,7 @@ Beam Retriever's trajectory supervision adapted to these encoders.
 Neither teaches the state after the last fact, and a softmax leaves the level of Q free, so a threshold
 on Q (the learned stop) has nothing to stand on; ``learner.sft_stop`` adds that state as one more step,
 with a stop option of logit 0 that is right there and wrong everywhere else (under ``bce``: that state's
-chunks all negatives).
+chunks all negatives); ``learner.sft_stop_weight`` weighs that state's loss against the others'.
 
 :class:`WarmStartedPQNLearner` chains ours and PQN (``learner.sft_warmup_updates``): supervised updates
 first, then soft PQN from the encoders they left, its target encoders reset to them.
@@ -127,7 +127,12 @@ class SupervisedLearner(SoftPQNLearner):
             following_np[going_on, [orders[rows[k]][t] for k in going_on]] = True
             positive_np = self.positives(env.gold[rows] & available_np, following_np & available_np)
             available, positive = to_device(available_np, dev), to_device(positive_np, dev)
-            losses.append(self.step_loss(q.float() / self.cfg.sft_temperature, available, positive))
+            loss = self.step_loss(q.float() / self.cfg.sft_temperature, available, positive)
+            if len(going_on) < len(rows) and self.cfg.sft_stop_weight != 1.0:  # rows past their last fact
+                weight = np.full(len(rows), self.cfg.sft_stop_weight, dtype=np.float32)
+                weight[going_on] = 1.0
+                loss = loss * to_device(weight, dev)
+            losses.append(loss)
             q_pos_sum = q_pos_sum + (q.detach().float() * positive).sum()  # a masked sum: no wait for the GPU
             q_pos_n += float(positive_np.sum())
         per_step = torch.cat(losses)

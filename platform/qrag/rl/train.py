@@ -8,6 +8,7 @@ reports metrics to a callback. ``qrag train`` and the Ray Train worker both call
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import replace
@@ -144,6 +145,10 @@ def learner_class(cfg: LearnerConfig) -> type[SoftPQNLearner]:
             "learner.sft_warmup_updates: a count >= 0 of supervised updates before soft PQN (objective=pqn only)"
         )
     sft_choices(cfg, OURS)  # a bad learner.sft_* value fails here, naming its key
+    if not (math.isfinite(cfg.sft_stop_weight) and cfg.sft_stop_weight >= 0):
+        raise ConfigError(f"learner.sft_stop_weight: expected a finite weight >= 0, got {cfg.sft_stop_weight!r}")
+    if cfg.sft_stop_weight != 1.0 and not cfg.sft_stop:
+        raise ConfigError("learner.sft_stop_weight: only read with learner.sft_stop=true")
     if cfg.objective == "pqn" and not cfg.sft_warmup_updates:
         for name in SUPERVISED_ONLY:
             if getattr(cfg, name) not in (None, False):  # no supervised update would read it
