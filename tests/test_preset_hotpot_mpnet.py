@@ -9,10 +9,12 @@ from conftest import ROOT
 
 from qrag.config import flatten, load_config, to_dict
 
-# What bench/hotpot_seeds.sh trained and the validation part chose (bench/results/hotpot_encoders_h200/mpnet_mixed/).
+# What bench/hotpot_seeds.sh trained and HotpotQA val chose
+# (bench/results/hotpot_encoders_h200/mpnet_mixed_80_updates/).
 MEASURED = [
     "learner.objective=sft",
-    "updates=40",
+    "updates=80",
+    "eval_every=10",
     "learner.micro_batch=64",
     "checkpoint_every=20",
     "model.encoder=mpnet",
