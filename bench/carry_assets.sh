@@ -2,12 +2,19 @@
 # together with the source tree) split over calls on one warm machine and merged into $ASSETS, which later
 # calls read (a warm machine keeps /tmp between calls, not the carried folders). Set PY, CARRY and ASSETS first.
 
-split_large_encoder() {  # after packing: an encoder over 45 MiB (MPNet) becomes $CARRY/encoder_parts/a, b, ...
-  # Parts of 40 MiB leave a call room for the source tree beside one (the tree grows with bench/results).
-  if [ "$(du -sm "$CARRY/encoder" | cut -f1)" -gt 45 ]; then
-    # one `stage` call each; require_assets joins them (hash-checked) before any run
+split_large_encoder() {  # after packing: an encoder that cannot travel whole beside the tree becomes $CARRY/encoder_parts/a, b, ...
+  # A call carries 64 MiB with the source tree, which grows with bench/results: 2 MiB stay spare for manifests.
+  # CARRY_TREE_MIB stands in for the tree's size (tests).
+  local tree room part
+  tree=${CARRY_TREE_MIB:-$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print int(s / 1048576) + 1}')}
+  room=$(( 62 - tree ))
+  [ "$room" -gt 0 ] || { echo "carry_assets.sh: the source tree ($tree MiB) leaves no room in a 64 MiB call" >&2; exit 2; }
+  if [ "$(du -sm --apparent-size "$CARRY/encoder" | cut -f1)" -gt "$room" ]; then
+    # one `stage` call each; require_assets joins them (hash-checked) before any run. Parts of at most 40 MiB
+    # leave room beside one for a little more (the data, provenance.env).
+    part=$(( room < 40 ? room : 40 ))
     rm -rf "$CARRY/encoder_parts"
-    $PY bench/carry_parts.py split --source "$CARRY/encoder" --out "$CARRY/encoder_parts" --part-mib 40
+    $PY bench/carry_parts.py split --source "$CARRY/encoder" --out "$CARRY/encoder_parts" --part-mib "$part"
     rm -rf "$CARRY/encoder"
   fi
 }

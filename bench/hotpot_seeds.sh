@@ -12,6 +12,9 @@
 #   call 1, carry .carry/hotpot/data and .carry/hotpot/provenance.env:   bash bench/hotpot_seeds.sh stage
 #   (MPNet: one more `stage` call per part, carrying .carry/hotpot/encoder_parts/a, then b, ... f)
 #   call 2, carry .carry/hotpot/encoder (MiniLM; MPNet: nothing):        OUT=$OUT bash bench/hotpot_seeds.sh run
+# An encoder that does not fit beside the tree in one call (bench/carry_assets.sh measures it; MiniLM's as well
+# as MPNet's, as the tree grows) is packed as encoder_parts/a, b, ...: one `stage` call per part, then `run`
+# carrying nothing.
 # The paper's Table 3 rows, each with SEEDS seeds, in one headline per dataset with the differences between rows
 # (w/o positions is left out: the preset has none), more than one call's work; `timeout` below the call's 600 s:
 #   OUT=$OUT VARIANTS=table3 timeout 560 bash bench/hotpot_seeds.sh run

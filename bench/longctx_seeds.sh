@@ -14,6 +14,8 @@
 #   call 1, carry .carry/longctx/babi, .carry/longctx/essays, .carry/longctx/novels and
 #           .carry/longctx/provenance.env:   bash bench/longctx_seeds.sh stage
 #   call 2, carry .carry/longctx/encoder:    OUT=$OUT timeout 560 bash bench/longctx_seeds.sh run
+# An encoder that does not fit beside the tree in one call (bench/carry_assets.sh measures it) is packed as
+# .carry/longctx/encoder_parts/a, b, ...: one `stage` call per part but the last, which the run call carries.
 # `timeout` below the call's 600 s: on its SIGTERM the script stops the runs, packs what exists (results,
 # logs, each run's training.json and the selection scores kept so far) into $OUT/longctx_seeds_partial.tgz,
 # which comes back, and exits 124. A later call on the same warm machine (carrying nothing more) resumes:
