@@ -3,10 +3,11 @@
 # calls read (a warm machine keeps /tmp between calls, not the carried folders). Set PY, CARRY and ASSETS first.
 
 split_large_encoder() {  # after packing: an encoder that cannot travel whole beside the tree becomes $CARRY/encoder_parts/a, b, ...
-  # A call carries 64 MiB with the source tree, which grows with bench/results: 2 MiB stay spare for manifests.
-  # CARRY_TREE_MIB stands in for the tree's size (tests).
+  # A call carries 64 MiB with the source tree (tracked files and the untracked ones git does not ignore), which
+  # grows with bench/results: 2 MiB stay spare for manifests. CARRY_TREE_MIB stands in for the tree's size (tests).
   local tree room part
-  tree=${CARRY_TREE_MIB:-$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print int(s / 1048576) + 1}')}
+  tree=${CARRY_TREE_MIB:-$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s |
+    awk '{s += $1} END {print int(s / 1048576) + 1}')}
   room=$(( 62 - tree ))
   [ "$room" -gt 0 ] || { echo "carry_assets.sh: the source tree ($tree MiB) leaves no room in a 64 MiB call" >&2; exit 2; }
   if [ "$(du -sm --apparent-size "$CARRY/encoder" | cut -f1)" -gt "$room" ]; then
