@@ -1005,6 +1005,54 @@ def check_pins(image: str) -> list[str]:
     return problems
 
 
+CONSTRAINT_FILES = ("constraints/qrag.txt", "constraints/mlflow-server.txt")
+
+
+def constraint_pins(path: Path) -> dict[str, str]:
+    """name -> version of a pip constraints file's `name==version` lines (comments skipped)."""
+    pins = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        if not sep or not version.strip():
+            raise ValueError(f"{rel(path)}:{n}: {line!r} is not name==version")
+        pins[requirement_name(name.strip())] = version.strip()
+    return pins
+
+
+def check_constraints() -> list[str]:
+    """The tested versions (constraints/, what `make install` and CI install) agree with each other
+    and with what the project declares: torch is left to TORCH_SPEC, the MLflow server runs the
+    client's version, the MLflow image (infra/mlflow/Dockerfile) the same, pyproject's ranges admit them."""
+    from packaging.requirements import Requirement
+
+    problems = []
+    qrag, server = (constraint_pins(ROOT / f) for f in CONSTRAINT_FILES)
+    if "torch" in qrag:
+        problems.append(f"{CONSTRAINT_FILES[0]}: pins torch {qrag['torch']} (TORCH_SPEC chooses the build)")
+    client, served = qrag.get("mlflow-skinny"), server.get("mlflow")
+    if client is None or served != client:
+        problems.append(
+            f"constraints: the MLflow server's mlflow {served} must equal the client's mlflow-skinny {client}"
+        )
+    image = re.search(r"^ARG MLFLOW_VERSION=(\S+)", (INFRA / "mlflow" / "Dockerfile").read_text(), re.M)
+    if image is None or image.group(1) != client:
+        problems.append(
+            f"infra/mlflow/Dockerfile: MLFLOW_VERSION {image and image.group(1)} != {CONSTRAINT_FILES[0]}'s "
+            f"mlflow-skinny {client}"
+        )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    for text in declared:
+        req = Requirement(text)
+        name = requirement_name(text)
+        if name in qrag and name != "qrag" and not req.specifier.contains(qrag[name], prereleases=True):
+            problems.append(f"{CONSTRAINT_FILES[0]}: {name}=={qrag[name]} is outside pyproject.toml's {req}")
+    return problems
+
+
 def ray_image_version(ref: str) -> str | None:
     match = re.match(r"rayproject/ray(?:-ml)?:(\d+\.\d+\.\d+)", ref)
     return match.group(1) if match else None
@@ -1226,6 +1274,7 @@ CHECKS = (
     check_rayservice,
     check_dockerfiles,
     check_images_and_versions,
+    check_constraints,
     check_cluster_launcher,
     check_autoscale_limits,
     check_runtime_env,

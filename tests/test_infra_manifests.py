@@ -5,7 +5,9 @@ placement arithmetic of qrag.distributed.placement. No cluster, no Docker: secon
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -412,6 +414,62 @@ def test_one_torch_pin_ray_pinned_and_faiss_extras_apart(tmp_path, monkeypatch):
         pyproject.read_text().replace('faiss = ["faiss-cpu>=1.8"]', 'faiss = ["faiss-cpu>=1.8", "faiss-gpu-cu12>=1.8"]')
     )
     assert "FAISS wheels overwrite each other" in "\n".join(validate.check_pins(image))
+
+
+def test_tested_versions_agree_with_the_project_and_the_mlflow_image(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    for name in (*validate.CONSTRAINT_FILES, "pyproject.toml", "infra/mlflow/Dockerfile"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, root / name)
+    monkeypatch.setattr(validate, "ROOT", root)
+    monkeypatch.setattr(validate, "INFRA", root / "infra")
+    assert validate.check_constraints() == []
+    client = validate.constraint_pins(root / "constraints/qrag.txt")["mlflow-skinny"]
+    assert re.search(rf"^ARG MLFLOW_VERSION={re.escape(client)}$", (ROOT / "infra/mlflow/Dockerfile").read_text(), re.M)
+
+    def planted(name: str, old: str, new: str) -> str:
+        path = root / name
+        text = path.read_text()
+        assert old in text, (name, old)
+        path.write_text(text.replace(old, new))
+        problems = "\n".join(validate.check_constraints())
+        path.write_text(text)
+        return problems
+
+    server = f"mlflow=={client}\n"
+    assert "must equal the client's mlflow-skinny" in planted(
+        "constraints/mlflow-server.txt", server, "mlflow==0.0.1\n"
+    )
+    assert "MLFLOW_VERSION 0.0.1" in planted(
+        "infra/mlflow/Dockerfile", f"MLFLOW_VERSION={client}", "MLFLOW_VERSION=0.0.1"
+    )
+    ray = next(line for line in (root / "constraints/qrag.txt").read_text().splitlines() if line.startswith("ray=="))
+    assert "ray==2.61.0 is outside" in planted("constraints/qrag.txt", ray + "\n", "ray==2.61.0\n")
+    assert "pins torch" in planted("constraints/qrag.txt", ray + "\n", ray + "\ntorch==2.13.0\n")
+    with pytest.raises(ValueError, match=r"qrag.txt:\d+: 'ray>=2' is not name==version"):
+        (root / "constraints/qrag.txt").write_text("ray>=2\n")
+        validate.check_constraints()
+
+
+def test_make_installs_the_tested_versions_unless_told_not_to(tmp_path):
+    def dry_run(*overrides: str) -> list[str]:
+        venv = tmp_path / "venv"  # absent: make plans the whole install
+        out = subprocess.run(
+            ["make", "-n", f"VENV={venv}", *overrides, "install", "mlflow-server"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return [line for line in out.splitlines() if "pip install" in line]
+
+    pinned = dry_run()
+    project = next(line for line in pinned if "-e '.[dev]'" in line)
+    assert "-c constraints/qrag.txt" in project
+    server = [line for line in pinned if "mlflow-server/bin/pip" in line]
+    assert len(server) == 2 and all("-c constraints/mlflow-server.txt" in line for line in server)
+    assert not any("-c " in line for line in pinned if "torch==" in line)  # TORCH_SPEC picks the build
+    assert not any("-c " in line for line in dry_run("CONSTRAINTS=")), "CONSTRAINTS= must install the newest releases"
 
 
 def test_dockerignore_rules_follow_docker():
