@@ -596,7 +596,8 @@ def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, d
                 "checkpoint": str(c),
                 "val_fact_em": round(sum(r["fact_em"] for r in rows) / len(rows), 4),
                 "val_fact_f1": round(sum(r["fact_f1"] for r in rows) / len(rows), 4),
-                "rows": [{k: r[k] for k in ROW_KEYS} for r in rows],
+                # per_question: the chosen one's val table (val_table) pairs variants seed for seed
+                "rows": [{**{k: r[k] for k in ROW_KEYS}, "per_question": r["per_question"]} for r in rows],
             }
         )
         keep_score(record, key, scored[-1])
@@ -606,15 +607,35 @@ def select_checkpoint(task: str, run_dir: Path, cfg, args: argparse.Namespace, d
     chosen = max(reversed(scored), key=lambda x: (x["val_fact_em"], x["val_fact_f1"]))
     return {
         "checkpoint": chosen["checkpoint"],
+        "val_rows": chosen["rows"],
         "lengths": args.select_lengths,
         "questions": args.select_questions,
         "split": "val (held-out train stories, never trained on; in validation books)"
         if task != "niah"
         else "val (held-out train samples, never trained on: their own needles, RULER's haystack texts)",
-        "candidates": scored,
+        "candidates": [{**c, "rows": [without_questions(r) for r in c["rows"]]} for c in scored],
         "chosen_among": [Path(c["checkpoint"]).name for c in scored],
         "reused": reused,
     }
+
+
+def without_questions(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "per_question"}
+
+
+def val_table(selection: dict, label: str, cfg, device) -> dict:
+    """The chosen checkpoint's val scores as a length-sweep table (``split: val``, per-question
+    scores): ``qrag combine-seeds`` over several variants' seeds gives their val differences, paired
+    seed for seed (each run's val draw follows its data seed, which is its training seed)."""
+    from qrag.evaluation.lengths import run_sweep_table
+
+    rows = [{**r, "model": label, "checkpoint": selection["checkpoint"]} for r in selection["val_rows"]]
+    note = (
+        f"these are the val scores the checkpoint was chosen on ({selection['questions']} questions per length, "
+        f"{selection['split']}), the best of {len(selection['candidates'])} candidates: compare variants chosen "
+        "the same way, never report them as a result"
+    )
+    return run_sweep_table(rows, cfg, device, split="val", selected_on=note)
 
 
 def weights_stamp(checkpoint: Path) -> dict:
@@ -655,7 +676,12 @@ def kept_score(record: Path, key: dict) -> dict | None:
         kept = json.loads(record.read_text())
     except (OSError, ValueError):
         return None
-    return kept.get("entry") if isinstance(kept, dict) and kept.get("key") == key else None
+    if not isinstance(kept, dict) or kept.get("key") != key:
+        return None
+    entry = kept.get("entry")
+    # An entry an older version kept without per-question scores is scored again: val_table needs them.
+    rows = entry.get("rows") if isinstance(entry, dict) else None
+    return entry if isinstance(rows, list) and all("per_question" in r for r in rows) else None
 
 
 def keep_score(record: Path, key: dict, entry: dict) -> None:
@@ -832,6 +858,7 @@ def run_task(task: str, args: argparse.Namespace, paths: dict, device, out_dir: 
         if args.select_lengths:
             t0 = time.perf_counter()
             selection = select_checkpoint(task, Path(cfg.out_dir) / cfg.name, cfg, args, device, log)
+            val_rows = selection.pop("val_rows")
             training.update(
                 checkpoint=selection["checkpoint"],
                 selection={**selection, "seconds": round(time.perf_counter() - t0, 1)},
@@ -843,6 +870,11 @@ def run_task(task: str, args: argparse.Namespace, paths: dict, device, out_dir: 
         checkpoint = training["checkpoint"]
         stem = run_stem(task, args).replace("-", "_", 1)
         name = f"longctx_{stem}.json" if args.seed is None else f"longctx_{stem}_seed{args.seed}.json"
+        if args.select_lengths:
+            write_table(
+                val_table({**training["selection"], "val_rows": val_rows}, args.label, cfg, device),
+                out_dir / f"val_{name}",
+            )
     t0 = time.perf_counter()
     table = evaluate(task, checkpoint, cfg, args, device, log)
     table.update(

@@ -31,7 +31,8 @@
 # .carry/longctx/reader/a and reader/b (b with the gguf and accelerate wheels): one call each, `stage`, before
 # the call that carries the encoder and runs with READER=local.
 # It brings back longctx_<task>_headline.json per task and longctx_seeds_files.tgz (every seed's and
-# the untrained encoder's result with per-question scores, and the logs; a call returns 8 files).
+# the untrained encoder's result with per-question scores, each seed's val table of its chosen checkpoint,
+# o/val/longctx_<task>_val_headline.json: the variants compared on val, and the logs; a call returns 8 files).
 # CPU check with a tiny encoder (DIR holds encoder/, babi/, novels/; it is read in place):
 #   CARRY=DIR ASSETS=DIR DEVICE=cpu UPDATES=2 LENGTHS=1k SELECT=1k QUESTIONS=4
 #   EXTRA="learner.episodes_per_update=4 ..." OUT=/tmp/ls bash bench/longctx_seeds.sh run
@@ -100,7 +101,7 @@ fi
 
 . "$(dirname "$0")/seeds_jobs.sh"
 # Results, logs, training.json and the selection scores kept so far.
-trap 'stop_and_pack bench/longctx_seeds.sh "$OUT/longctx_seeds_partial.tgz" "o/*/longctx_*.json ./*.log runs/*/training.json runs/*/selection/*.json"' TERM INT
+trap 'stop_and_pack bench/longctx_seeds.sh "$OUT/longctx_seeds_partial.tgz" "o/*/longctx_*.json o/*/val_longctx_*.json ./*.log runs/*/training.json runs/*/selection/*.json"' TERM INT
 
 # Each task's preset settings as docs/long-contexts.md spells them (the bench turns periodic
 # evaluation and checkpoints off unless asked); every periodic checkpoint is a candidate on val.
@@ -189,6 +190,16 @@ for task in $TASKS; do
   done
   $PY -m qrag combine-seeds "${files[@]}" "$WORK/o/$task-u/longctx_${task}_untrained.json" \
     --out "$OUT/longctx_${task}_headline.json"
+  # The variants on val, each seed's chosen checkpoint, paired seed for seed (choose between variants here,
+  # never on dev). In the bundle, not beside the headline: a call brings back few files.
+  val_files=()
+  for f in "${files[@]}"; do val_files+=("$(dirname "$f")/val_$(basename "$f")"); done
+  if ls "${val_files[@]}" >/dev/null 2>&1; then
+    mkdir -p "$WORK/o/val"
+    $PY -m qrag combine-seeds "${val_files[@]}" --out "$WORK/o/val/longctx_${task}_val_headline.json"
+  else
+    echo "bench/longctx_seeds.sh: $task: a seed has no val table (evaluated by an older version): no val differences"
+  fi
 done
-(cd "$WORK" && tar czf "$OUT/longctx_seeds_files.tgz" o/*/longctx_*.json ./*.log)
+(cd "$WORK" && shopt -s nullglob && tar czf "$OUT/longctx_seeds_files.tgz" o/*/longctx_*.json o/*/val_longctx_*.json ./*.log)
 ls -l "$OUT"

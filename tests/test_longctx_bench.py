@@ -98,6 +98,16 @@ def test_sliced_run_resumes_and_chooses_its_checkpoint_on_val(longctx, data, tin
     assert training["keep_best_update"] == max(training["val_by_update"], key=lambda e: e["fact_f1"])["update"]
     assert [r["model"] for r in table["rows"]] == ["Q-RAG"]
     assert table["rows"][0]["checkpoint"] == training["checkpoint"]
+    # The chosen checkpoint's val scores, per question, for paired val comparisons of variants; the
+    # dev table's record of the candidates stays compact.
+    val = json.loads((out / "val_longctx_qa1.json").read_text())
+    assert val["split"] == "val" and "dev_draw" not in val and "never report them" in val["selected_on"]
+    assert [(r["model"], r["checkpoint"], r["length"]) for r in val["rows"]] == [
+        ("Q-RAG", training["checkpoint"], 1024)
+    ]
+    assert val["rows"][0]["fact_em"] == chosen["rows"][0]["fact_em"]
+    assert len(val["rows"][0]["per_question"]["id"]) == 2 and val["data"]["seed"] == table["data"]["seed"]
+    assert not any("per_question" in r for c in selection["candidates"] for r in c["rows"])
     # The log is also under --out as it goes (a call killed at its limit still tells how far it got).
     logged = (out / "longctx.log").read_text()
     assert "resumed from" in logged and "select: final" in logged
@@ -126,7 +136,11 @@ def test_selection_keeps_each_candidates_score_and_resumes(longctx, tmp_path, mo
     def sweep(label, checkpoint, cfg, tasks, lens, samples, **kw):
         swept.append(label)
         row = {k: 0 for k in longctx.ROW_KEYS}
-        return [{**row, "length": n, "fact_em": scores[label], "fact_f1": scores[label]} for n in lens]
+        asked = {"id": ["q0", "q1"], "fact_em": [scores[label]] * 2}
+        return [
+            {**row, "length": n, "fact_em": scores[label], "fact_f1": scores[label], "per_question": asked}
+            for n in lens
+        ]
 
     monkeypatch.setattr(lengths, "sweep_model", sweep)
     logged: list[str] = []
@@ -156,6 +170,13 @@ def test_selection_keeps_each_candidates_score_and_resumes(longctx, tmp_path, mo
     assert select(questions=3)["reused"] == [] and swept == ["update_0000002", "best", "final"]
     (run / "selection" / "best.json").write_text('{"key": ')  # cut short by a kill while written
     assert select(questions=3)["reused"] == ["update_0000002", "final"] and swept == ["best"]
+    # kept by an older version, without per-question scores: scored again (the val table needs them)
+    kept = json.loads((run / "selection" / "final.json").read_text())
+    for r in kept["entry"]["rows"]:
+        del r["per_question"]
+    (run / "selection" / "final.json").write_text(json.dumps(kept))
+    chosen = select(questions=3)
+    assert swept == ["final"] and chosen["val_rows"][0]["per_question"]["id"] == ["q0", "q1"]
 
 
 SEEDS_SCRIPT = ["bash", str(ROOT / "bench" / "longctx_seeds.sh")]
@@ -251,6 +272,11 @@ def test_the_seeds_script_trains_chooses_and_combines_each_seed(data, tiny_encod
     with tarfile.open(out / "longctx_seeds_files.tgz") as tgz:
         names = tgz.getnames()
     assert {"o/qa1-s1/longctx_qa1_seed1.json", "o/qa1-u/longctx_qa1_untrained.json"} <= set(names)
+    # Each seed's val table, and the variants compared on val (the two runs share data.seed: paired).
+    assert {"o/qa1-s1/val_longctx_qa1_seed1.json", "o/val/longctx_qa1_val_headline.json"} <= set(names)
+    on_val = json.loads((work / "o" / "val" / "longctx_qa1_val_headline.json").read_text())
+    assert on_val["split"] == "val" and {r["model"] for r in on_val["rows"]} == {"Q-RAG", "w/o target"}
+    assert [(d["a"], d["b"], d["paired"]) for d in on_val["differences"]] == [("Q-RAG", "w/o target", True)]
 
     # A later call (the first ran out of time after some seeds finished) redoes none of them.
     finished = work / "o" / "qa1-s1" / "longctx_qa1_seed1.json"

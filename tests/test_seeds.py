@@ -81,6 +81,40 @@ def test_seeds_asked_other_questions_are_refused(tmp_path):
         combine_tables([("a.json", a), ("b.json", b)])
 
 
+def val_table(seed: int, models: dict[str, float], data_seed: int, n: int = 60) -> dict:
+    """A validation table as bench/longctx.py writes one: its questions follow the run's data seed."""
+    out = table(seed, models, n=n)
+    out.update(split="val", data={"seed": data_seed})
+    for r in out["rows"]:
+        r["per_question"]["id"] = [f"d{data_seed}-q{i}" for i in range(n)]
+    return out
+
+
+def test_val_tables_of_several_data_seeds_combine_and_pair_seed_for_seed():
+    tables = [
+        (f"{m}_s{s}", val_table(10 * k + s, {m: p}, data_seed=s))
+        for k, (m, p) in enumerate((("w1", 0.95), ("w0.3", 0.5)))
+        for s in range(3)
+    ]
+    out = combine_tables(tables, replicates=300)
+    w1 = next(r for r in out["rows"] if r["model"] == "w1" and r["length"] == 1024)
+    assert w1["num_seeds"] == 3 and w1["num_samples"] == 60
+    diff = next(d for d in out["differences"] if d["length"] == 1024)
+    assert (diff["a"], diff["b"], diff["paired"], diff["called"]) == ("w1", "w0.3", True, "w1 > w0.3")
+    # seeds out of step (seed 0 of one against seed 1 of the other): compared unpaired
+    swapped = tables[:3] + [tables[4], tables[3], tables[5]]
+    assert not next(d for d in combine_tables(swapped, replicates=100)["differences"])["paired"]
+    # two files of one data seed must hold the same questions
+    twin = val_table(7, {"w1": 0.9}, data_seed=0)
+    twin["rows"][0]["per_question"]["id"] = [f"other{i}" for i in range(60)]
+    with pytest.raises(DataError, match="same data seed 0"):
+        combine_tables(tables[:3] + [("w1_twin", twin)])
+    # a dev table among them: the frozen-draw rule again
+    dev = [(f, {**t, "split": "dev"}) if f == "w1_s2" else (f, t) for f, t in tables]
+    with pytest.raises(DataError, match="same \\(frozen\\) dev draw"):
+        combine_tables(dev)
+
+
 def test_several_tasks_get_a_mean_row_with_its_interval(tmp_path):
     tasks = ("niah_single_1", "niah_multivalue")
     out = combine_tables([(f"s{s}", table(s, {"Q-RAG": 0.8}, tasks, n=40)) for s in range(3)], replicates=200)

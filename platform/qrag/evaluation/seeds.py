@@ -9,7 +9,11 @@ figures do not depend on a training seed, usually appears in one.
 Every metric of a combined row is the mean over all questions of all seeds, with
 ``<metric>_ci`` = [low, high] (:mod:`qrag.evaluation.intervals`), ``<metric>_by_seed`` and
 ``num_seeds``. The seeds of one row must have been asked the same questions (the frozen dev draw):
-a row whose seeds disagree is an error, not an average over different questions.
+a row whose seeds disagree is an error, not an average over different questions. Validation tables
+(``split: val``, e.g. the val scores of the checkpoints ``bench/longctx.py`` chose) are the exception:
+their draw follows each run's ``data.seed``, so seeds of different data seeds may hold different
+questions (the bootstrap draws seeds, then each seed's own questions); equal data seeds must still
+agree, and two models are compared paired where their seeds were asked the same questions, seed for seed.
 A length sweep's combined table also lists ``differences``: for each task and length, every pair
 of models on Fact EM, called a difference only when its interval excludes 0; eval summaries of
 several methods (``qrag eval --label``) combine into a ``methods`` file with the same.
@@ -72,8 +76,11 @@ def interval_fields(metric: str, by_seed: list[list[float]], replicates: int = R
     return {metric: iv.mean, f"{metric}_ci": [iv.low, iv.high], f"{metric}_by_seed": [sum(s) / len(s) for s in by_seed]}
 
 
-def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates: int) -> dict[str, Any]:
-    """One row from one (model, task, length) of each seed's file."""
+def _combine_rows(
+    key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates: int, draws: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One row from one (model, task, length) of each seed's file. ``draws`` (validation tables only):
+    each file's data seed, which its questions follow; without it every seed must hold the same questions."""
     missing = [f for f, r in rows if not isinstance(r.get("per_question"), dict)]
     if missing:
         raise DataError(
@@ -82,10 +89,20 @@ def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates
         )
     ids = [r["per_question"]["id"] for _, r in rows]
     for (file, _), other in zip(rows[1:], ids[1:]):
-        if other != ids[0]:
+        if draws is None and other != ids[0]:
             raise DataError(
                 f"{file}: row {key} was asked other questions than {rows[0][0]}: seeds must be scored on "
                 "the same (frozen) dev draw"
+            )
+    first_of_draw: dict[Any, tuple[str, list[str]]] = {}
+    for (file, _), asked in zip(rows, ids):
+        if draws is None:
+            break
+        first, first_asked = first_of_draw.setdefault(draws[file], (file, asked))
+        if asked != first_asked:
+            raise DataError(
+                f"{file}: row {key} was asked other questions than {first}, drawn with the same data seed "
+                f"{draws[file]}: a validation draw follows data.seed, so the two must agree"
             )
     first = rows[0][1]
     # Per-seed values (a checkpoint, its own stop threshold) are not a combined row's: lists below.
@@ -97,7 +114,11 @@ def _combine_rows(key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates
     for k in ("context_tokens", "chunks", "distinct_background_tokens", "seconds_per_question"):
         if all(isinstance(r.get(k), (int, float)) for _, r in rows):
             out[k] = sum(r[k] for _, r in rows) / len(rows)
-    out.update(num_seeds=len(rows), num_samples=len(ids[0]), checkpoints=[r.get("checkpoint") for _, r in rows])
+    out.update(
+        num_seeds=len(rows),
+        num_samples=round(sum(map(len, ids)) / len(ids)),  # per seed
+        checkpoints=[r.get("checkpoint") for _, r in rows],
+    )
     for metric in METRICS:
         if all(metric in r["per_question"] for _, r in rows):
             out.update(interval_fields(metric, [r["per_question"][metric] for _, r in rows], replicates))
@@ -172,7 +193,10 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
             seen.add(key)
             grouped.setdefault(key, []).append((file, r))
     grouped.update(_task_means(grouped))
-    rows = [_combine_rows(key, group, replicates) for key, group in grouped.items()]
+    draws = None
+    if all(t.get("split") == "val" for _, t in tables):
+        draws = {file: (t.get("data") or {}).get("seed") for file, t in tables}
+    rows = [_combine_rows(key, group, replicates, draws) for key, group in grouped.items()]
     by_key = {key: [r["per_question"][DIFFERENCE_METRIC] for _, r in group] for key, group in grouped.items()}
     ids_by_key = {key: [r["per_question"]["id"] for _, r in group] for key, group in grouped.items()}
     base = dict(tables[-1][1])
