@@ -23,7 +23,8 @@ from test_data_hf import hf_layout, words  # noqa: E402
 def no_shared(tmp_path, monkeypatch):
     """No $QRAG_DATA_DIR and no shared/data beside the working directory or the package."""
     monkeypatch.delenv("QRAG_DATA_DIR", raising=False)
-    monkeypatch.setattr(paths, "_HERE", tmp_path / "site-packages" / "qrag" / "data" / "paths.py")
+    # A package outside tmp_path's folders: their parents are searched too, and a machine may hold /tmp/shared/data.
+    monkeypatch.setattr(paths, "_HERE", Path("/qrag-not-installed/site-packages/qrag/data/paths.py"))
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
