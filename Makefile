@@ -57,10 +57,12 @@ MLFLOW_SERVER := $(MLFLOW_SERVER_VENV)/bin/mlflow
 
 mlflow-server: $(MLFLOW_SERVER) $(MLFLOW_SERVER_VENV)/bin/virtualenv
 
-$(MLFLOW_SERVER): | $(STAMP)
+# Rebuilt when its constraints change (a `make lock` that moved MLflow), as the project's venv is.
+$(MLFLOW_SERVER): $(SERVER_CONSTRAINTS) | $(STAMP)
 	$(PYTHON) -m venv $(MLFLOW_SERVER_VENV)
 	$(MLFLOW_SERVER_VENV)/bin/pip install -q --disable-pip-version-check $(call PIP_C,$(SERVER_CONSTRAINTS)) \
 		"psycopg[binary]" psycopg2-binary "mlflow==$$($(PY) -c 'from importlib.metadata import version; print(version("mlflow-skinny"))')"
+	touch $@
 
 # `mlflow models serve --env-manager virtualenv` restores a logged model's environment with it
 # (tests/test_mlflow_portable.py serves a registered qrag model from an environment without qrag).
@@ -74,7 +76,7 @@ lock: install mlflow-server
 	{ echo '$(LOCK_HEADER)'; $(PY) -m pip freeze --disable-pip-version-check --exclude-editable | grep -v '^torch=='; } \
 		> constraints/qrag.txt
 	{ echo '$(LOCK_HEADER)'; $(MLFLOW_SERVER_VENV)/bin/pip freeze --disable-pip-version-check; } > constraints/mlflow-server.txt
-	touch $(STAMP)
+	touch $(STAMP) $(MLFLOW_SERVER)
 
 test-fast: install
 	$(PYTEST) -m "not ray and not slow" $(PYTEST_ARGS)

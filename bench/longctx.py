@@ -623,13 +623,13 @@ def without_questions(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "per_question"}
 
 
-def val_table(selection: dict, label: str, cfg, device) -> dict:
+def val_table(selection: dict, val_rows: list[dict], label: str, cfg, device) -> dict:
     """The chosen checkpoint's val scores as a length-sweep table (``split: val``, per-question
     scores): ``qrag combine-seeds`` over several variants' seeds gives their val differences, paired
     seed for seed (each run's val draw follows its data seed, which is its training seed)."""
     from qrag.evaluation.lengths import run_sweep_table
 
-    rows = [{**r, "model": label, "checkpoint": selection["checkpoint"]} for r in selection["val_rows"]]
+    rows = [{**r, "model": label, "checkpoint": selection["checkpoint"]} for r in val_rows]
     note = (
         f"these are the val scores the checkpoint was chosen on ({selection['questions']} questions per length, "
         f"{selection['split']}), the best of {len(selection['candidates'])} candidates: compare variants chosen "
@@ -872,7 +872,7 @@ def run_task(task: str, args: argparse.Namespace, paths: dict, device, out_dir: 
         name = f"longctx_{stem}.json" if args.seed is None else f"longctx_{stem}_seed{args.seed}.json"
         if args.select_lengths:
             write_table(
-                val_table({**training["selection"], "val_rows": val_rows}, args.label, cfg, device),
+                val_table(training["selection"], val_rows, args.label, cfg, device),
                 out_dir / f"val_{name}",
             )
     t0 = time.perf_counter()

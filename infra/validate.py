@@ -1037,11 +1037,11 @@ def check_constraints() -> list[str]:
         problems.append(
             f"constraints: the MLflow server's mlflow {served} must equal the client's mlflow-skinny {client}"
         )
-    image = re.search(r"^ARG MLFLOW_VERSION=(\S+)", (INFRA / "mlflow" / "Dockerfile").read_text(), re.M)
-    if image is None or image.group(1) != client:
+    args = (i.args.partition("=") for i in dockerfile_instructions(INFRA / "mlflow" / "Dockerfile") if i.op == "ARG")
+    image = next((value for name, _, value in args if name == "MLFLOW_VERSION"), None)
+    if image != client:
         problems.append(
-            f"infra/mlflow/Dockerfile: MLFLOW_VERSION {image and image.group(1)} != {CONSTRAINT_FILES[0]}'s "
-            f"mlflow-skinny {client}"
+            f"infra/mlflow/Dockerfile: MLFLOW_VERSION {image} != {CONSTRAINT_FILES[0]}'s mlflow-skinny {client}"
         )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]

@@ -80,7 +80,8 @@ def _combine_rows(
     key: tuple, rows: list[tuple[str, dict[str, Any]]], replicates: int, draws: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """One row from one (model, task, length) of each seed's file. ``draws`` (validation tables only):
-    each file's data seed, which its questions follow; without it every seed must hold the same questions."""
+    each file's data seed, which its questions follow; without it every seed holds the frozen dev draw.
+    Files of one draw must have been asked the same questions."""
     missing = [f for f, r in rows if not isinstance(r.get("per_question"), dict)]
     if missing:
         raise DataError(
@@ -88,22 +89,21 @@ def _combine_rows(
             "with this version, which records them"
         )
     ids = [r["per_question"]["id"] for _, r in rows]
-    for (file, _), other in zip(rows[1:], ids[1:]):
-        if draws is None and other != ids[0]:
-            raise DataError(
-                f"{file}: row {key} was asked other questions than {rows[0][0]}: seeds must be scored on "
-                "the same (frozen) dev draw"
-            )
     first_of_draw: dict[Any, tuple[str, list[str]]] = {}
     for (file, _), asked in zip(rows, ids):
+        draw = None if draws is None else draws[file]
+        first, first_asked = first_of_draw.setdefault(draw, (file, asked))
+        if asked == first_asked:
+            continue
         if draws is None:
-            break
-        first, first_asked = first_of_draw.setdefault(draws[file], (file, asked))
-        if asked != first_asked:
             raise DataError(
-                f"{file}: row {key} was asked other questions than {first}, drawn with the same data seed "
-                f"{draws[file]}: a validation draw follows data.seed, so the two must agree"
+                f"{file}: row {key} was asked other questions than {first}: seeds must be scored on "
+                "the same (frozen) dev draw"
             )
+        raise DataError(
+            f"{file}: row {key} was asked other questions than {first}, drawn with the same data seed "
+            f"{draw}: a validation draw follows data.seed, so the two must agree"
+        )
     first = rows[0][1]
     # Per-seed values (a checkpoint, its own stop threshold) are not a combined row's: lists below.
     not_copied = {*METRICS, *PER_SEED, "per_question", "checkpoint"}
