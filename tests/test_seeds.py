@@ -5,6 +5,7 @@ seeds must have been asked the same questions; differences are called only by th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -307,3 +308,29 @@ def test_each_seeds_own_stop_is_kept_per_seed_not_taken_from_the_first(tmp_path)
     assert r["oracle_val_fact_f1_by_seed"] == pytest.approx([0.9, 0.89, 0.88])
     assert r["threshold_by_seed"] == pytest.approx([0.0, 0.1, 0.2])
     assert "oracle_val_fact_f1" not in r and "threshold_val_fact_f1" not in r  # no one seed speaks for all
+
+
+def test_learned_stops_are_compared_on_their_stopped_fact_f1(tmp_path):
+    """qrag learned-stop files of two rows that pick alike over all T steps but stop differently: the
+    methods file compares them on the stopped Fact F1 too, not on the unstopped Fact EM alone; a
+    report shows each metric's differences under its own title."""
+    files = []
+    for label, stopped in (("SFT stop", 0.9), ("SFT", 0.4)):
+        for s in range(3):
+            path = write_summary(tmp_path, f"{label}{s}".replace(" ", "_"), label, 0.6, s)
+            records = Path(path).with_suffix(".records.jsonl")
+            rng = np.random.default_rng(100 + s)
+            rows = [json.loads(line) for line in records.read_text().splitlines()]
+            for r, f1 in zip(rows, rng.binomial(1, stopped, size=len(rows))):
+                r.update(threshold_fact_em=float(f1), threshold_fact_f1=float(f1))
+            records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            files.append(path)
+    out = combine_files(files, replicates=300)
+    calls = {d["metric"]: d["called"] for d in out["differences"]}
+    assert calls == {"fact_em": "no difference shown", "threshold_fact_f1": "SFT stop > SFT"}
+    from qrag.evaluation.report import build_report
+
+    path = tmp_path / "stops.json"
+    path.write_text(json.dumps(out))
+    text = build_report([path], tmp_path / "rep").text()
+    assert "Differences in Fact EM" in text and "Differences in Fact F1, learned" in text

@@ -49,18 +49,20 @@ def cmd_combine_seeds(args: argparse.Namespace) -> int:
         png = plot_table(combined, Path(out).with_suffix(".png"))
         print(format_table(combined))
         for d in combined.get("differences", []):
-            print(
-                f"{d['task']} {d['length']}: {d['a']} - {d['b']} = {100 * d['difference']:+.1f} "
-                f"[{100 * d['ci'][0]:+.1f}, {100 * d['ci'][1]:+.1f}]: {d['called']}"
-            )
+            print(f"{d['task']} {d['length']}: {_difference_line(d)}")
         print(json.dumps({"combined": str(out), "plot": str(png) if png else None, "rows": len(combined["rows"])}))
     else:
-        shown = ("fact_em", "fact_em_ci", "fact_f1", "fact_f1_ci", "num_seeds", "num_samples")
+        shown = ("fact_em", "fact_em_ci", "fact_f1", "fact_f1_ci", "threshold_fact_f1", "threshold_fact_f1_ci")
+        shown += ("num_seeds", "num_samples")
         for method in combined.get("methods", [combined]):
             print(json.dumps({"method": method.get("label"), **{k: v for k, v in method.items() if k in shown}}))
         for d in combined.get("differences", []):
-            print(
-                f"{d['a']} - {d['b']} = {100 * d['difference']:+.1f} "
-                f"[{100 * d['ci'][0]:+.1f}, {100 * d['ci'][1]:+.1f}]: {d['called']}"
-            )
+            print(_difference_line(d))
     return 0
+
+
+def _difference_line(d: dict) -> str:
+    return (
+        f"{d.get('metric', 'fact_em')}: {d['a']} - {d['b']} = {100 * d['difference']:+.1f} "
+        f"[{100 * d['ci'][0]:+.1f}, {100 * d['ci'][1]:+.1f}]: {d['called']}"
+    )

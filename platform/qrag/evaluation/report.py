@@ -319,29 +319,23 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, Series, Inte
 
 
 def differences_table(differences: Sequence[dict[str, Any]], name: str) -> list[str]:
-    """Each compared pair: the difference, its 95% interval and what it allows one to say."""
-    if not differences:
-        return []
-    # A length sweep's pairs are per task and length; eval summaries' (one split) are not.
-    where = "task" in differences[0]
-    header = (["Task", "Length"] if where else []) + ["A", "B", "A − B", "95% interval", "called"]
-    body = [
-        ([d["task"], length_label(d["length"])] if where else [])
-        + [
-            d["a"],
-            d["b"],
-            f"{d['difference']:+.3f}",
-            f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
-            d["called"],
+    """Each compared pair: the difference, its 95% interval and what it allows one to say; one table per
+    metric compared (Fact EM, and a learned stop's Fact F1 where the rows carry one)."""
+    out: list[str] = []
+    for metric in dict.fromkeys(d.get("metric", "fact_em") for d in differences):
+        of_metric = [d for d in differences if d.get("metric", "fact_em") == metric]
+        # A length sweep's pairs are per task and length; eval summaries' (one split) are not.
+        where = "task" in of_metric[0]
+        header = (["Task", "Length"] if where else []) + ["A", "B", "A − B", "95% interval", "called"]
+        body = [
+            ([d["task"], length_label(d["length"])] if where else [])
+            + [d["a"], d["b"], f"{d['difference']:+.3f}", f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", d["called"]]
+            for d in of_metric
         ]
-        for d in differences
-    ]
-    metric = METRIC_TITLES.get(differences[0].get("metric", "fact_em"), "Fact EM")
-    return (
-        [f"## Differences in {metric} ({name}): a difference only where the interval excludes 0", ""]
-        + md_table(header, body)
-        + [""]
-    )
+        title = METRIC_TITLES.get(metric, metric)
+        out += [f"## Differences in {title} ({name}): a difference only where the interval excludes 0", ""]
+        out += md_table(header, body) + [""]
+    return out
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

@@ -42,7 +42,10 @@ METRICS = (
     "ans_em",
     "ans_f1",
 )
-DIFFERENCE_METRIC = "fact_em"
+# What two rows are compared on: Fact EM, and a learned stop's Fact F1 wherever both rows carry one per question
+# (qrag learned-stop, a length sweep's learned-stop column): the figure a stop is judged by, which Fact EM over
+# all T picks does not see.
+DIFFERENCE_METRICS = ("fact_em", "threshold_fact_f1")
 # A seed's own values that no mean over seeds and questions stands for: its learned stop's threshold (or
 # budget: qrag learned-stop) and that stop's score on the val questions it was chosen on (beside the oracle
 # stop's there).
@@ -127,17 +130,23 @@ def _combine_rows(
 
 def _differences(
     rows: list[dict[str, Any]],
-    by_key: dict[tuple, list[list[float]]],
-    ids_by_key: dict[tuple, list[list[str]]],
+    grouped: dict[tuple, list[tuple[str, dict[str, Any]]]],
     replicates: int,
 ) -> list[dict[str, Any]]:
     out = []
     cells = sorted({(r["task"], r["length"]) for r in rows})
     models = list(dict.fromkeys(r["model"] for r in rows))
     for task, length in cells:
-        present = {m: by_key[(m, task, length)] for m in models if (m, task, length) in by_key}
-        ids = {m: ids_by_key[(m, task, length)] for m in present}
-        out += pairwise_differences(present, replicates, ids, task=task, length=length)
+        present = {
+            m: [r["per_question"] for _, r in grouped[(m, task, length)]]
+            for m in models
+            if (m, task, length) in grouped
+        }
+        ids = {m: [pq["id"] for pq in seeds] for m, seeds in present.items()}
+        for metric in DIFFERENCE_METRICS:
+            if all(metric in pq for seeds in present.values() for pq in seeds):
+                scores = {m: [pq[metric] for pq in seeds] for m, seeds in present.items()}
+                out += pairwise_differences(scores, replicates, ids, metric, task=task, length=length)
     return out
 
 
@@ -145,9 +154,10 @@ def pairwise_differences(
     scores: dict[str, list[list[float]]],
     replicates: int,
     ids: dict[str, list[list[str]]] | None = None,
+    metric: str = "fact_em",
     **where: Any,
 ) -> list[dict[str, Any]]:
-    """Every pair of models (in order) on Fact EM: a - b, its interval and what it allows one to say;
+    """Every pair of models (in order) on ``metric``: a - b, its interval and what it allows one to say;
     ``where`` (a length sweep's task and length) leads each entry. ``ids``: each model's question ids
     per seed; two models whose seeds were asked the same questions, seed for seed, are compared
     paired (:func:`qrag.evaluation.intervals.difference_interval`)."""
@@ -160,7 +170,7 @@ def pairwise_differences(
             out.append(
                 {
                     **where,
-                    "metric": DIFFERENCE_METRIC,
+                    "metric": metric,
                     "a": a,
                     "b": b,
                     "difference": iv.mean,
@@ -197,8 +207,6 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
     if all(t.get("split") == "val" for _, t in tables):
         draws = {file: (t.get("data") or {}).get("seed") for file, t in tables}
     rows = [_combine_rows(key, group, replicates, draws) for key, group in grouped.items()]
-    by_key = {key: [r["per_question"][DIFFERENCE_METRIC] for _, r in group] for key, group in grouped.items()}
-    ids_by_key = {key: [r["per_question"]["id"] for _, r in group] for key, group in grouped.items()}
     base = dict(tables[-1][1])
     for k in ("rows", "training", "machine", "selection"):
         base.pop(k, None)
@@ -213,7 +221,7 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
         "combined_from": sources,
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "rows": rows,
-        "differences": _differences(rows, by_key, ids_by_key, replicates),
+        "differences": _differences(rows, grouped, replicates),
     }
 
 
@@ -296,7 +304,8 @@ def combine_summaries(
 ) -> dict[str, Any]:
     """One eval summary from several seeds' (file, summary, records) of one method and dataset; or,
     when the files hold several methods (``qrag eval --label``: Table 3's rows), a ``methods`` file:
-    each method combined so, and the difference between every pair on Fact EM with its interval."""
+    each method combined so, and the difference between every pair on Fact EM (and on a learned stop's Fact F1,
+    where every seed has one) with its interval."""
     if not summaries:
         raise DataError("combine-seeds: no result files")
     kinds = {(s.get("dataset"), s.get("split")) for _, s, _ in summaries}
@@ -319,8 +328,12 @@ def combine_summaries(
                 f"combine-seeds: {name} was scored on other questions than {first}; methods compared "
                 "with each other must be asked the same questions"
             )
-    scores = {name: [c[DIFFERENCE_METRIC] for c in cols] for name, cols in columns.items()}
     ids = {name: [c["id"] for c in cols] for name, cols in columns.items()}
+    differences = []
+    for metric in DIFFERENCE_METRICS:
+        if all(metric in c for cols in columns.values() for c in cols):
+            scores = {name: [c[metric] for c in cols] for name, cols in columns.items()}
+            differences += pairwise_differences(scores, replicates, ids, metric)
     dataset, split = next(iter(kinds))
     return {
         "kind": "methods",
@@ -330,7 +343,7 @@ def combine_summaries(
         **_joint_provenance([_source(file, s) for file, s, _ in summaries]),
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "methods": [{**m, "label": name} for name, m in methods.items()],
-        "differences": pairwise_differences(scores, replicates, ids),
+        "differences": differences,
     }
 
 
