@@ -90,7 +90,7 @@ evaluate() {  # checkpoint, name[, --label L]: HotpotQA val and dev (the preset'
   [ "$status" = 0 ] || return 1
   touch "$WORK/done/$2"  # all three written whole: a later call skips them
 }
-# MUSIQUE_STOP (rules of `qrag learned-stop`: budget, threshold): MuSiQue's stop for each run's greedy search,
+# MUSIQUE_STOP (rules of `qrag learned-stop`: budget, threshold, best): MuSiQue's stop for each run's greedy search,
 # chosen on the MuSiQue train subset (150 questions a HotpotQA-only run never saw: its out-of-distribution val)
 # and applied to its MuSiQue dev records. A run trained on MuSiQue (hotpot-mixed) is refused by qrag eval.
 MUSIQUE_STOP=${MUSIQUE_STOP:-}

@@ -110,3 +110,32 @@ def test_the_command_runs(pair, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["budget"] == 2 and out.is_file()
+
+
+def write_mixed_eval(path: Path, split: str, questions: list[tuple[list[int], list[float]]]) -> str:
+    """A full-length greedy eval whose questions (gold, Q values) differ, each picking 0, 1, 2, 3 in order."""
+    write_eval(path, split, [0], [0.0] * 4, n=0)
+    rows = [
+        {"id": f"{split}{i}", "gold": gold, "retrieved": [0, 1, 2, 3], "q_values": q, "fact_em": 1.0}
+        for i, (gold, q) in enumerate(questions)
+    ]
+    path.with_suffix(".records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_the_best_rule_takes_whichever_stop_scores_higher_on_val(tmp_path):
+    """Planted bugs caught: ``best`` always the threshold; ``best`` chosen by the reported file's score."""
+    two, three = ([0, 1], [0.9, 0.8, 0.1, 0.05]), ([0, 1, 2], [0.9, 0.8, 0.7, 0.05])
+    dev = write_mixed_eval(tmp_path / "dev.json", "dev", [two, three])
+    # Q falls right after the last fact: the threshold stops every question where it should, no count can.
+    val = write_mixed_eval(tmp_path / "val.json", "train", [two, three] * 3)
+    summary = apply_learned_stop(val, dev, "best", tmp_path / "by_q.json")
+    assert summary["stop_rule"] == "threshold" and summary["threshold_val_fact_f1"] == 1.0
+    assert "of the best budget and the best threshold" in summary["selected_on"]
+    # Q says nothing (the same at every step) and every question has two hops: a count of 2 is right, a
+    # threshold can only keep all four picks or none. On dev the threshold's four picks would score higher.
+    flat = ([0, 1], [0.5, 0.5, 0.5, 0.5])
+    val = write_mixed_eval(tmp_path / "val_flat.json", "train", [flat] * 4)
+    dev = write_mixed_eval(tmp_path / "dev_long.json", "dev", [([0, 1, 2, 3], [0.5] * 4)] * 2)
+    summary = apply_learned_stop(val, dev, "best", tmp_path / "by_count.json")
+    assert summary["stop_rule"] == "budget" and summary["budget"] == 2 and "threshold" not in summary

@@ -20,7 +20,8 @@ def _args(p: argparse.ArgumentParser) -> None:
         choices=STOP_RULES,
         default="threshold",
         help="threshold: stop at the first pick whose Q falls below the threshold with the best val Fact F1 (the "
-        "paper's); budget: the number of steps with the best val Fact F1",
+        "paper's); budget: the number of steps with the best val Fact F1; best: whichever of the two scores higher on "
+        "val (ties: budget)",
     )
     p.add_argument("--out", required=True, metavar="FILE.json", help="RESULT's summary and records with the stop's")
 

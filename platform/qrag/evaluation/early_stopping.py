@@ -209,15 +209,22 @@ def choose_budget(traces: Sequence[Trace]) -> int:
     return max(range(1, longest + 1), key=lambda k: (analyse_budget(traces, k)["fact_f1"], k))
 
 
-# How a stop is learned on validation records: a Q threshold (the paper's), or a number of steps.
-STOP_RULES = ("threshold", "budget")
+# How a stop is learned on validation records: a Q threshold (the paper's), a number of steps, or whichever of the
+# two scores higher there (a checkpoint whose Q does not place the stop, e.g. out of distribution, gets the count).
+STOP_RULES = ("threshold", "budget", "best")
 
 
 def stop_chosen_on(
     val_records: Iterable[dict[str, Any]], records: Iterable[dict[str, Any]], rule: str
 ) -> dict[str, Any]:
     """``records`` stopped by ``rule`` chosen on ``val_records`` (full-length greedy records of the
-    same checkpoint): the choice, its score on val, and the Fact EM and F1 under it, mean and per record."""
+    same checkpoint): the choice, its score on val, and the Fact EM and F1 under it, mean and per record.
+    ``best``: the budget and the threshold each chosen so, then the one with the higher val Fact F1 (ties:
+    the budget, which needs no calibrated Q)."""
+    if rule == "best":
+        val_records, records = list(val_records), list(records)
+        by_rule = [stop_chosen_on(val_records, records, r) for r in ("budget", "threshold")]
+        return max(by_rule, key=lambda stop: stop["val_fact_f1"])  # the first of equals: the budget
     val, traces = traces_from_records(val_records), traces_from_records(records)
     if rule == "threshold":
         threshold = choose_threshold(val)

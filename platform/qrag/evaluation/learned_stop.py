@@ -79,11 +79,12 @@ def apply_learned_stop(val_file: str | Path, eval_file: str | Path, rule: str, o
         "threshold_fact_em": stop["fact_em"],
         "threshold_fact_f1": stop["fact_f1"],
         "threshold_episode_len": stop["episode_len"],
-        "stop_rule": rule,
+        "stop_rule": stop["stop_rule"],
         **chosen,
         "threshold_val_fact_f1": stop["val_fact_f1"],
         "threshold_val_questions": stop["val_questions"],
-        "selected_on": f"{summary.get('selected_on', '')}; stop: the {rule} ({value}) with the best Fact F1 on {where}",
+        "selected_on": f"{summary.get('selected_on', '')}; stop: the {stop['stop_rule']} ({value}) with the best "
+        f"Fact F1 on {where}" + (", of the best budget and the best threshold there" if rule == "best" else ""),
     }
     records = [
         {**r, "threshold_fact_em": em, "threshold_fact_f1": f1}
