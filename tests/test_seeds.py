@@ -328,6 +328,11 @@ def test_learned_stops_are_compared_on_their_stopped_fact_f1(tmp_path):
     out = combine_files(files, replicates=300)
     calls = {d["metric"]: d["called"] for d in out["differences"]}
     assert calls == {"fact_em": "no difference shown", "threshold_fact_f1": "SFT stop > SFT"}
+    # A row without a stop (the untrained encoder) is compared on Fact EM and leaves the stopped pairs alone.
+    out = combine_files([*files, write_summary(tmp_path, "u", "untrained", 0.2, 50)], replicates=100)
+    pairs = {(d["metric"], d["a"], d["b"]) for d in out["differences"]}
+    assert {p for p in pairs if p[0] == "threshold_fact_f1"} == {("threshold_fact_f1", "SFT stop", "SFT")}
+    assert ("fact_em", "SFT", "untrained") in pairs
     from qrag.evaluation.report import build_report
 
     path = tmp_path / "stops.json"

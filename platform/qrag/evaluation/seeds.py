@@ -142,11 +142,21 @@ def _differences(
             for m in models
             if (m, task, length) in grouped
         }
-        ids = {m: [pq["id"] for pq in seeds] for m, seeds in present.items()}
-        for metric in DIFFERENCE_METRICS:
-            if all(metric in pq for seeds in present.values() for pq in seeds):
-                scores = {m: [pq[metric] for pq in seeds] for m, seeds in present.items()}
-                out += pairwise_differences(scores, replicates, ids, metric, task=task, length=length)
+        out += metric_differences(present, replicates, task=task, length=length)
+    return out
+
+
+def metric_differences(
+    columns: dict[str, list[dict[str, list]]], replicates: int, **where: Any
+) -> list[dict[str, Any]]:
+    """:func:`pairwise_differences` on each of ``DIFFERENCE_METRICS``, between the models whose seeds all carry
+    it per question. ``columns``: each model's per-question columns (``id`` and metrics), one per seed."""
+    ids = {m: [c["id"] for c in seeds] for m, seeds in columns.items()}
+    out = []
+    for metric in DIFFERENCE_METRICS:
+        scores = {m: [c[metric] for c in seeds] for m, seeds in columns.items() if all(metric in c for c in seeds)}
+        if len(scores) > 1:
+            out += pairwise_differences(scores, replicates, {m: ids[m] for m in scores}, metric, **where)
     return out
 
 
@@ -328,12 +338,6 @@ def combine_summaries(
                 f"combine-seeds: {name} was scored on other questions than {first}; methods compared "
                 "with each other must be asked the same questions"
             )
-    ids = {name: [c["id"] for c in cols] for name, cols in columns.items()}
-    differences = []
-    for metric in DIFFERENCE_METRICS:
-        if all(metric in c for cols in columns.values() for c in cols):
-            scores = {name: [c[metric] for c in cols] for name, cols in columns.items()}
-            differences += pairwise_differences(scores, replicates, ids, metric)
     dataset, split = next(iter(kinds))
     return {
         "kind": "methods",
@@ -343,7 +347,7 @@ def combine_summaries(
         **_joint_provenance([_source(file, s) for file, s, _ in summaries]),
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "methods": [{**m, "label": name} for name, m in methods.items()],
-        "differences": differences,
+        "differences": metric_differences(columns, replicates),
     }
 
 
