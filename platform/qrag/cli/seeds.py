@@ -52,8 +52,10 @@ def cmd_combine_seeds(args: argparse.Namespace) -> int:
             print(f"{d['task']} {d['length']}: {_difference_line(d)}")
         print(json.dumps({"combined": str(out), "plot": str(png) if png else None, "rows": len(combined["rows"])}))
     else:
-        shown = ("fact_em", "fact_em_ci", "fact_f1", "fact_f1_ci", "threshold_fact_f1", "threshold_fact_f1_ci")
-        shown += ("num_seeds", "num_samples")
+        shown = (
+            *("fact_em", "fact_em_ci", "fact_f1", "fact_f1_ci", "threshold_fact_f1", "threshold_fact_f1_ci"),
+            *("num_seeds", "num_samples"),
+        )
         for method in combined.get("methods", [combined]):
             print(json.dumps({"method": method.get("label"), **{k: v for k, v in method.items() if k in shown}}))
         for d in combined.get("differences", []):

@@ -221,11 +221,14 @@ def stop_chosen_on(
     same checkpoint): the choice, its score on val, and the Fact EM and F1 under it, mean and per record.
     ``best``: the budget and the threshold each chosen so, then the one with the higher val Fact F1 (ties:
     the budget, which needs no calibrated Q)."""
-    if rule == "best":
-        val_records, records = list(val_records), list(records)
-        by_rule = [stop_chosen_on(val_records, records, r) for r in ("budget", "threshold")]
-        return max(by_rule, key=lambda stop: stop["val_fact_f1"])  # the first of equals: the budget
     val, traces = traces_from_records(val_records), traces_from_records(records)
+    if rule == "best":
+        by_rule = [_stop_on_traces(val, traces, r) for r in ("budget", "threshold")]
+        return max(by_rule, key=lambda stop: stop["val_fact_f1"])  # the first of equals: the budget
+    return _stop_on_traces(val, traces, rule)
+
+
+def _stop_on_traces(val: Sequence[Trace], traces: Sequence[Trace], rule: str) -> dict[str, Any]:
     if rule == "threshold":
         threshold = choose_threshold(val)
         chosen, on_val = {"threshold": threshold}, analyse_threshold(val, threshold)

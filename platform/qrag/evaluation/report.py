@@ -321,9 +321,11 @@ def length_tables(data: dict[str, Any], name: str) -> tuple[Report, Series, Inte
 def differences_table(differences: Sequence[dict[str, Any]], name: str) -> list[str]:
     """Each compared pair: the difference, its 95% interval and what it allows one to say; one table per
     metric compared (Fact EM, and a learned stop's Fact F1 where the rows carry one)."""
+    by_metric: dict[str, list[dict[str, Any]]] = {}
+    for d in differences:
+        by_metric.setdefault(d.get("metric", "fact_em"), []).append(d)
     out: list[str] = []
-    for metric in dict.fromkeys(d.get("metric", "fact_em") for d in differences):
-        of_metric = [d for d in differences if d.get("metric", "fact_em") == metric]
+    for metric, of_metric in by_metric.items():
         # A length sweep's pairs are per task and length; eval summaries' (one split) are not.
         where = "task" in of_metric[0]
         header = (["Task", "Length"] if where else []) + ["A", "B", "A − B", "95% interval", "called"]

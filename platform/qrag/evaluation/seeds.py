@@ -128,15 +128,11 @@ def _combine_rows(
     return out
 
 
-def _differences(
-    rows: list[dict[str, Any]],
-    grouped: dict[tuple, list[tuple[str, dict[str, Any]]]],
-    replicates: int,
-) -> list[dict[str, Any]]:
+def _differences(grouped: dict[tuple, list[tuple[str, dict[str, Any]]]], replicates: int) -> list[dict[str, Any]]:
+    """Every pair of models within each task and length (``grouped``: each (model, task, length)'s seeds)."""
     out = []
-    cells = sorted({(r["task"], r["length"]) for r in rows})
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for task, length in cells:
+    models = list(dict.fromkeys(model for model, _, _ in grouped))
+    for task, length in sorted({(task, length) for _, task, length in grouped}):
         present = {
             m: [r["per_question"] for _, r in grouped[(m, task, length)]]
             for m in models
@@ -231,7 +227,7 @@ def combine_tables(tables: Sequence[tuple[str, dict[str, Any]]], replicates: int
         "combined_from": sources,
         "interval": {"level": LEVEL, "method": METHOD, "replicates": replicates},
         "rows": rows,
-        "differences": _differences(rows, grouped, replicates),
+        "differences": _differences(grouped, replicates),
     }
 
 
@@ -315,7 +311,7 @@ def combine_summaries(
     """One eval summary from several seeds' (file, summary, records) of one method and dataset; or,
     when the files hold several methods (``qrag eval --label``: Table 3's rows), a ``methods`` file:
     each method combined so, and the difference between every pair on Fact EM (and on a learned stop's Fact F1,
-    where every seed has one) with its interval."""
+    where both rows' seeds carry one) with its interval."""
     if not summaries:
         raise DataError("combine-seeds: no result files")
     kinds = {(s.get("dataset"), s.get("split")) for _, s, _ in summaries}
