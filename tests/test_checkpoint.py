@@ -79,8 +79,12 @@ def test_a_run_cut_into_slices_equals_an_uninterrupted_run(tiny_cfg, tmp_path):
     assert probe.sampler.state() == first.sampler.state()
 
     resumed = TrainingRun(cfg, resume=out["checkpoint"])
+    # The first slice's time travels in its checkpoint: the finished run reports both slices, not its last alone.
+    before = resumed.seconds_before
+    assert 0 < before <= out["total_seconds"]
     done = resumed.run(report=lambda *_: None, stop_at=10**6)  # past the schedule: the run just completes
     assert "stopped" not in done and done["updates"] == tiny_cfg.updates
+    assert before + done["seconds"] <= done["total_seconds"] <= before + done["seconds"] + 0.1
     a, b = params(straight.qnet), params(resumed.qnet)
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k

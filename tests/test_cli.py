@@ -155,6 +155,7 @@ def test_train_in_slices_with_stop_at_and_resume(tiny_encoder, hotpot_file, tmp_
     assert second.returncode == 0, second.stderr
     done = json.loads(second.stdout.strip().splitlines()[-1])
     assert done["updates"] == 3 and (tmp_path / "sliced" / "final").is_dir()
+    assert done["total_seconds"] > done["seconds"]  # both slices' time, not the last one's alone
 
     import mlflow
 

@@ -113,6 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "updates": cfg.updates,
             "resume": f"--resume {out['checkpoint']}",
             "seconds": round(out["seconds"], 1),
+            "total_seconds": round(out["total_seconds"], 1),
         }
         if tracker.run_id:
             stopped.update(mlflow_run_id=tracker.run_id, tracking_uri=tracker.uri)
@@ -126,6 +127,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         "num_samples": out["eval"]["num_samples"],
         "updates": out["updates"],
         "seconds": round(out["seconds"], 1),
+        "total_seconds": round(out["total_seconds"], 1),
     }
     if tracker.run_id:
         summary.update(mlflow_run_id=tracker.run_id, tracking_uri=tracker.uri)

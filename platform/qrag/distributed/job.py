@@ -181,6 +181,7 @@ def launch(job: Job) -> dict[str, Any]:
         "eval_questions": ev.get("num_samples"),
         "runner_wait_share": out.get("runner_wait_share"),
         "seconds": out.get("seconds"),
+        "total_seconds": out.get("total_seconds"),
     }
     if result.mlflow:
         summary.update(mlflow_run_id=result.mlflow.run_id, tracking_uri=result.mlflow.tracking_uri)

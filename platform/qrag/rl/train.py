@@ -211,9 +211,13 @@ class TrainingRun:
         self.sampler = EpochSampler(max(1, len(self.train_tok)), cfg.seed)
         self.history: list[dict[str, float]] = []
         self.resumed_sampler: dict[str, Any] | None = None
+        self.seconds_before = 0.0
+        self.slice_started: float | None = None  # set while run() trains
         if resume is not None:
             extra = load_training_state(resume, self.learner)
             self.resumed_sampler = extra.get("sampler")
+            # The slices before the checkpoint: a resumed run reports its whole training time, not its last slice's.
+            self.seconds_before = float(extra.get("seconds", 0.0))
             if self.resumed_sampler and self.train_tok:
                 self.sampler.load_state(self.resumed_sampler)
             self.history = extra.get("history", [])
@@ -301,8 +305,24 @@ class TrainingRun:
         validation split exists, so the final dev figure stays unbiased."""
         return "val" if self.val_tok else "dev"
 
+    def total_seconds(self) -> float:
+        """Seconds of run() over every slice so far: this one's and those its checkpoint recorded (a slice
+        killed after its last checkpoint loses the time since that checkpoint)."""
+        this_slice = 0.0 if self.slice_started is None else time.perf_counter() - self.slice_started
+        return self.seconds_before + this_slice
+
+    def _end_slice(self) -> float:
+        """The run's seconds so far, with this slice folded in (a later run() on this object goes on from there)."""
+        self.seconds_before, self.slice_started = self.total_seconds(), None
+        return self.seconds_before
+
     def save(self, directory: Path, resumable: bool = True) -> Path:
-        extra = {"sampler": self.sampler.state(), "history": self.history[-10000:], "best_key": list(self.best)}
+        extra = {
+            "sampler": self.sampler.state(),
+            "history": self.history[-10000:],
+            "best_key": list(self.best),
+            "seconds": self.total_seconds(),
+        }
         # What it trained on, so that evaluation can refuse it (none known when Ray runners hold the data).
         trained = [validation_key(s) for s in self.train_samples] if self.train_samples else None
         return save_checkpoint(
@@ -335,7 +355,7 @@ class TrainingRun:
 
             bar = tqdm(total=cfg.updates, initial=self.learner.update, desc="train", unit="upd", dynamic_ncols=True)
         last_eval: dict[str, float] = {}
-        started = time.perf_counter()
+        started = self.slice_started = time.perf_counter()
         while self.learner.update < end:
             t0 = time.perf_counter()
             batch = source.next_batch()
@@ -404,6 +424,7 @@ class TrainingRun:
                 "checkpoint": str(path),
                 "updates": self.learner.update,
                 "seconds": time.perf_counter() - started,
+                "total_seconds": self._end_slice(),
                 "run_dir": str(self.run_dir),
             }
         final = self.save(self.run_dir / "final")
@@ -427,6 +448,7 @@ class TrainingRun:
             "eval": result.summary,
             "updates": self.learner.update,
             "seconds": time.perf_counter() - started,
+            "total_seconds": self._end_slice(),
             "run_dir": str(self.run_dir),
         }
 
